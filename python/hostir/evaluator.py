@@ -1,0 +1,317 @@
+"""HostIrEvaluator: the reference interpreter of host programs.
+
+It walks a `HostIrContainer` and runs each op with torch, on the CPU with
+null streams or on CUDA with real ones. Handlers are found in a table keyed by
+op class (`@impl`), and touch values only through `get` and `bind`, which
+resolve aliases — the one place that does. An op whose output buffer is
+already bound (a caller's preallocated output, an allocation, a slice) writes
+into it with torch's `out=` variants; otherwise its result is bound fresh.
+A failing op is reported with its dump line and the loop indices around it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from hostir import ir, printer
+from hostir.container import AliasError, HostIrContainer
+from hostir.streams import NullStreams
+
+_HANDLERS: dict[type, Callable[[HostIrEvaluator, Any], None]] = {}
+
+
+def impl(op_class: type):
+    """Register the evaluator's handler of `op_class`."""
+
+    def wrap(fn):
+        _HANDLERS[op_class] = fn
+        return fn
+
+    return wrap
+
+
+class HostIrRuntimeError(RuntimeError):
+    """An op failed while the program ran; the message quotes the op."""
+
+
+class UnboundValueError(LookupError):
+    pass
+
+
+_REQUIRED = object()
+
+
+class HostIrEvaluator:
+    """Runs one host program, any number of times.
+
+    `streams` is a `CudaStreams` for a CUDA device or `NullStreams` (the
+    default) for the CPU; `device` is where `Allocate` puts new buffers.
+    """
+
+    def __init__(self, container: HostIrContainer, streams=None, device="cpu"):
+        for tv in container.inputs:
+            if container.aliases.is_alias(tv):
+                raise AliasError(f"Inputs cannot be aliased: T{tv.name} is an alias")
+        missing = {type(e).__name__ for e in container.walk() if type(e) not in _HANDLERS}
+        if missing:
+            raise NotImplementedError(f"the evaluator has no handler for {', '.join(sorted(missing))}")
+        self.container = container
+        self.streams = streams or NullStreams()
+        self.device = torch.device(device)
+        self._alias = container.aliases.resolved()
+        self._number_of_streams = container.named_scalars().get("numberOfStreams")
+        self._body_locals = self._find_body_locals(container)
+        # For each slice bound by a HirAliasSelect, where the selected axis
+        # was in its source: matmul and linear put it back as a size-1 dim.
+        self._slice_dim = {
+            e.out: e.input.runtime_position(e.axis)
+            for e in container.walk()
+            if isinstance(e, ir.HirAliasSelect)
+        }
+        self._values: dict = {}
+        self._loops: list[list] = []
+        self._used_streams: list = []
+        self.ops_executed = 0
+
+    # -- the one entry point
+    def run(self, bindings: Mapping[Any, Any], number_of_streams: int = 4) -> list:
+        """Bind `bindings` (inputs, and outputs to write into), run the
+        program, and return one value per container output. The caller's
+        current stream is current again at the end and has waited for every
+        stream the program used."""
+        if number_of_streams < 1:
+            raise ValueError(f"number_of_streams must be at least 1, got {number_of_streams}")
+        self._values = {}
+        self._loops = []
+        self._used_streams = []
+        if self._number_of_streams is not None:
+            self._values[self._number_of_streams] = number_of_streams
+        for val, value in bindings.items():
+            if isinstance(val, ir.TensorView):
+                self._bind_extents(val, value)
+            self.bind(val, value)
+        caller = self.streams.current()
+        try:
+            self._run_scope(self.container.exprs)
+            return [self.get(tv) for tv in self.container.outputs]
+        finally:
+            for stream in self._used_streams:
+                self.streams.wait(caller, stream)
+            self.streams.set_current(caller)
+            self._values = {}
+
+    # -- the two accessors
+    def get(self, val, default=_REQUIRED):
+        """The value bound to `val` (through the alias map); a constant or
+        derived scalar is computed."""
+        value = self._values.get(self._alias.get(val, val))
+        if value is not None:
+            return value
+        if isinstance(val, ir.ScalarExpr):
+            return ir.ScalarExpr.OPS[val.op](self.get(val.lhs), self.get(val.rhs))
+        if isinstance(val, ir.Scalar) and val.value is not None:
+            return val.value
+        if default is not _REQUIRED:
+            return default
+        raise UnboundValueError(f"value {printer.format_val(val)} is not bound")
+
+    def bind(self, val, value) -> None:
+        """Bind `val` (through the alias map); binding None unbinds it."""
+        self._values[self._alias.get(val, val)] = value
+
+    # -- helpers for handlers
+    def stream(self, s: ir.Stream):
+        if s.index is not None:
+            return self.streams.get(int(self.get(s.index)))
+        captured = self.get(s, None)
+        return captured if captured is not None else self.streams.get(s)
+
+    def full_rank(self, tv: ir.TensorView, value: torch.Tensor) -> torch.Tensor:
+        """`value` with the axis a select removed put back as size 1."""
+        dim = self._slice_dim.get(tv)
+        return value if dim is None else value.unsqueeze(dim)
+
+    def _bind_extents(self, tv: ir.TensorView, value) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{printer.format_tv(tv)} must be bound to a torch.Tensor, got {type(value).__name__}")
+        axes = tv.runtime_domain()
+        if value.dim() != len(axes):
+            raise ValueError(f"{printer.format_tv(tv)} has {len(axes)} dims but its tensor has shape {list(value.shape)}")
+        for i, (d, size) in enumerate(zip(axes, value.shape)):
+            known = self.get(d.extent, None)
+            if known is None:
+                self.bind(d.extent, size)
+            elif known != size:
+                raise ValueError(
+                    f"axis {i} of {printer.format_tv(tv)} is {size} but its extent "
+                    f"{printer.format_scalar(d.extent)} is {known}"
+                )
+
+    def _run_scope(self, exprs) -> None:
+        for e in exprs:
+            try:
+                _HANDLERS[type(e)](self, e)
+            except HostIrRuntimeError:
+                raise
+            except Exception as err:
+                where = "".join(f"\n  in loop {printer.format_scalar(i)} = {v}" for i, v in self._loops)
+                raise HostIrRuntimeError(
+                    f"{type(err).__name__}: {err}\nWhile executing:\n{printer.format_expr_head(e)}{where}"
+                ) from err
+            self.ops_executed += 1
+
+    def _find_body_locals(self, container: HostIrContainer) -> dict[int, list]:
+        """For each loop, the buffers first defined in its body (unbound at
+        every iteration so that each writes fresh ones); program inputs and
+        outputs excepted, since the caller may bind those."""
+        resolve = container.aliases.resolve
+        keep = {resolve(t) for t in container.inputs + container.outputs}
+        found: dict[int, list] = {}
+        for e in container.walk():
+            if isinstance(e, ir.ForLoop):
+                local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
+                found[id(e)] = [t for t in local - keep]
+        return found
+
+
+# ---------------------------------------------------------------- host ops
+
+
+@impl(ir.ForLoop)
+def _for(ev: HostIrEvaluator, e: ir.ForLoop) -> None:
+    start, stop = int(ev.get(e.start)), int(ev.get(e.stop))
+    local = ev._body_locals[id(e)]
+    frame = [e.index, start]
+    ev._loops.append(frame)
+    try:
+        for i in range(start, stop):
+            for tv in local:
+                ev.bind(tv, None)
+            frame[1] = i
+            ev.bind(e.index, i)
+            ev._run_scope(e.body)
+    finally:
+        ev._loops.pop()
+
+
+@impl(ir.GetCurrentStream)
+def _get_current_stream(ev: HostIrEvaluator, e: ir.GetCurrentStream) -> None:
+    ev.bind(e.stream, ev.streams.current())
+
+
+@impl(ir.SetCurrentStream)
+def _set_current_stream(ev: HostIrEvaluator, e: ir.SetCurrentStream) -> None:
+    stream = ev.stream(e.stream)
+    ev.streams.set_current(stream)
+    if stream is not None and stream not in ev._used_streams:
+        ev._used_streams.append(stream)
+
+
+@impl(ir.Synchronize)
+def _synchronize(ev: HostIrEvaluator, e: ir.Synchronize) -> None:
+    ev.streams.wait(ev.streams.current(), ev.stream(e.stream))
+
+
+@impl(ir.HirAliasSelect)
+def _select(ev: HostIrEvaluator, e: ir.HirAliasSelect) -> None:
+    src = ev.get(e.input)
+    index = 0 if e.axis.is_broadcast else int(ev.get(e.index))
+    ev.bind(e.out, src.select(e.input.runtime_position(e.axis), index))
+
+
+@impl(ir.Allocate)
+def _allocate(ev: HostIrEvaluator, e: ir.Allocate) -> None:
+    if ev.get(e.buffer, None) is not None:
+        return
+    shape = [int(ev.get(d.extent)) for d in e.buffer.runtime_domain()]
+    make = torch.zeros if e.zero_init else torch.empty
+    ev.bind(e.buffer, make(shape, dtype=e.buffer.dtype, device=ev.device))
+
+
+@impl(ir.Deallocate)
+def _deallocate(ev: HostIrEvaluator, e: ir.Deallocate) -> None:
+    ev.get(e.buffer)
+    ev.bind(e.buffer, None)
+
+
+# ---------------------------------------------------------------- compute ops
+
+
+@impl(ir.Set)
+def _set(ev: HostIrEvaluator, e: ir.Set) -> None:
+    src = ev.get(e.input)
+    out = ev.get(e.out, None)
+    if out is None:
+        ev.bind(e.out, src.clone(memory_format=torch.contiguous_format))
+    else:
+        out.copy_(src)
+
+
+_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+
+
+@impl(ir.BinaryOp)
+def _binary(ev: HostIrEvaluator, e: ir.BinaryOp) -> None:
+    fn = _BINARY[e.kind]
+    lhs, rhs = ev.get(e.lhs), ev.get(e.rhs)
+    if not isinstance(lhs, torch.Tensor):
+        # torch takes a number only on the right; a 0-d tensor of the
+        # number's default dtype promotes the same way.
+        lhs = torch.tensor(lhs)
+    out = ev.get(e.out, None)
+    if out is None:
+        ev.bind(e.out, fn(lhs, rhs))
+    else:
+        fn(lhs, rhs, out=out)
+
+
+@impl(ir.ReductionOp)
+def _reduction(ev: HostIrEvaluator, e: ir.ReductionOp) -> None:
+    src = ev.get(e.input)
+    dims = e.reduced_dims()
+    out = ev.get(e.out, None)
+    extra = {"out": out} if out is not None else {}
+    if e.kind == "sum":
+        result = torch.sum(src, dims, dtype=e.out.dtype, **extra)
+    elif e.kind == "max":
+        result = torch.amax(src, dims, **extra)
+    else:
+        result = torch.amin(src, dims, **extra)
+    if out is None:
+        ev.bind(e.out, result)
+
+
+def _full_rank_out(ev: HostIrEvaluator, e) -> tuple[torch.Tensor | None, Callable]:
+    """The bound output at full rank (or None) and how to bind a fresh one."""
+    out = ev.get(e.out, None)
+    dim = ev._slice_dim.get(e.out)
+
+    def bind_fresh(result: torch.Tensor) -> None:
+        ev.bind(e.out, result if dim is None else result.squeeze(dim))
+
+    return (None if out is None else ev.full_rank(e.out, out)), bind_fresh
+
+
+@impl(ir.MatmulOp)
+def _matmul(ev: HostIrEvaluator, e: ir.MatmulOp) -> None:
+    a = ev.full_rank(e.a, ev.get(e.a))
+    b = ev.full_rank(e.b, ev.get(e.b))
+    out, bind_fresh = _full_rank_out(ev, e)
+    if out is None:
+        bind_fresh(torch.matmul(a, b))
+    else:
+        torch.matmul(a, b, out=out)
+
+
+@impl(ir.LinearOp)
+def _linear(ev: HostIrEvaluator, e: ir.LinearOp) -> None:
+    x = ev.full_rank(e.input, ev.get(e.input))
+    w = ev.full_rank(e.weight, ev.get(e.weight))
+    bias = None if e.bias is None else ev.full_rank(e.bias, ev.get(e.bias))
+    out, bind_fresh = _full_rank_out(ev, e)
+    if out is None:
+        bind_fresh(torch.nn.functional.linear(x, w, bias))
+    else:
+        torch.ops.aten.linear.out(x, w, bias, out=out)

@@ -1,0 +1,150 @@
+"""FusionDefinition: the Python API users write programs with.
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1], dtype=torch.float32)
+        y = fd.ops.set(x)
+        fd.add_output(y)
+    y.axis(0).parallelize(ParallelType.stream)
+    out, = fd.execute([torch.randn(8, 16)])
+
+Tensors and ops are defined inside the `with` block; scheduling
+(`parallelize`) may follow it. `execute` lowers the program on first use and
+whenever the definition or the inputs' signature changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from hostir import ir, printer
+from hostir.executor import ExecutorParams, FusionExecutor
+
+
+class Ops:
+    """`fd.ops`: the ops a fusion can hold."""
+
+    def __init__(self, fd: FusionDefinition):
+        self._fd = fd
+
+    def _check(self, *operands):
+        self._fd._require_defining("an op")
+        for v in operands:
+            if isinstance(v, ir.TensorView) and v.owner is not self._fd.fusion:
+                raise ValueError(f"T{v.name} belongs to another FusionDefinition")
+
+    def set(self, x: ir.TensorView) -> ir.TensorView:
+        """A copy of `x`."""
+        self._check(x)
+        return ir.set_(x)
+
+    def add(self, lhs, rhs) -> ir.TensorView:
+        self._check(lhs, rhs)
+        return ir.binary("add", lhs, rhs)
+
+    def sub(self, lhs, rhs) -> ir.TensorView:
+        self._check(lhs, rhs)
+        return ir.binary("sub", lhs, rhs)
+
+    def mul(self, lhs, rhs) -> ir.TensorView:
+        self._check(lhs, rhs)
+        return ir.binary("mul", lhs, rhs)
+
+    def div(self, lhs, rhs) -> ir.TensorView:
+        """True division, as torch.div."""
+        self._check(lhs, rhs)
+        return ir.binary("div", lhs, rhs)
+
+    def sum(self, x: ir.TensorView, dims) -> ir.TensorView:
+        """Sum over `dims`; integer inputs sum to int64, as in torch."""
+        self._check(x)
+        return ir.reduction("sum", x, dims)
+
+    def max(self, x: ir.TensorView, dims) -> ir.TensorView:
+        self._check(x)
+        return ir.reduction("max", x, dims)
+
+    def min(self, x: ir.TensorView, dims) -> ir.TensorView:
+        self._check(x)
+        return ir.reduction("min", x, dims)
+
+    def matmul(self, a: ir.TensorView, b: ir.TensorView) -> ir.TensorView:
+        """torch.matmul of [..., M, K] and [K, N] or [..., K, N]."""
+        self._check(a, b)
+        return ir.matmul(a, b)
+
+    def linear(self, x: ir.TensorView, weight: ir.TensorView, bias: ir.TensorView | None = None) -> ir.TensorView:
+        """x @ weight.T (+ bias), weight [N, K], bias [N]."""
+        self._check(x, weight, bias)
+        return ir.linear(x, weight, bias)
+
+
+class FusionDefinition:
+    def __init__(self):
+        self.fusion = ir.Fusion()
+        self.ops = Ops(self)
+        self.executor = FusionExecutor(self.fusion)
+        self._state = "new"
+
+    def __enter__(self) -> FusionDefinition:
+        if self._state != "new":
+            raise RuntimeError("a FusionDefinition is defined once; create a new one")
+        self._state = "defining"
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._state = "defined"
+        if exc_type is None and not self.fusion.outputs:
+            raise ValueError("the fusion has no outputs; call fd.add_output inside the with block")
+
+    def _require_defining(self, what: str) -> None:
+        if self._state != "defining":
+            raise RuntimeError(f"{what} must be defined inside `with FusionDefinition() as fd:`")
+
+    def define_tensor(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> ir.TensorView:
+        """An input of the fusion. In `shape`, -1 is a symbolic extent (any
+        size), 1 a broadcast axis, and any other size a fixed extent."""
+        self._require_defining("define_tensor")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if isinstance(shape, (int, torch.Tensor)) or not isinstance(shape, Sequence):
+            raise TypeError(f"shape must be a list of ints, got {shape!r}")
+        return self.fusion.new_tensor(list(shape), dtype)
+
+    def add_output(self, tv: ir.TensorView) -> None:
+        self._require_defining("add_output")
+        self.fusion.add_output(tv)
+
+    def execute(
+        self,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor] | None = None,
+        *,
+        params: ExecutorParams | None = None,
+        **kwargs,
+    ) -> list[torch.Tensor]:
+        """Run the fusion on `inputs` and return its outputs. With
+        `outputs`, write into those tensors (all or none) and return them.
+        Keyword arguments are fields of ExecutorParams (number_of_streams,
+        evaluator, device). Runs without autograd: outputs never require
+        grad."""
+        if self._state != "defined":
+            raise RuntimeError("execute the fusion after its `with FusionDefinition() as fd:` block")
+        if params is not None and kwargs:
+            raise TypeError("pass either params or keyword arguments, not both")
+        if params is None:
+            fields = {f.name for f in dataclasses.fields(ExecutorParams)}
+            unknown = sorted(set(kwargs) - fields)
+            if unknown:
+                raise TypeError(f"unknown execution parameters {unknown}; expected some of {sorted(fields)}")
+            params = ExecutorParams(**kwargs)
+        return self.executor.execute(inputs, outputs, params)
+
+    def host_ir(self) -> str:
+        """The lowered host program, in the dump format."""
+        return self.executor.host_ir()
+
+    def __repr__(self) -> str:
+        return printer.print_fusion(self.fusion)

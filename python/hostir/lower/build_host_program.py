@@ -1,0 +1,46 @@
+"""Turn a fusion into a host program: every fusion op becomes a top-level op.
+
+Precondition: a `Fusion` whose ops each have one output.
+Postcondition: a verified `HostIrContainer` holding copies of the fusion's
+TensorViews (same names, memory type global) and one top-level op per
+fusion op, in definition order. The user's fusion is not changed.
+
+    %Fusion { (T0_g_float[iS0{i0}]) -> (T1_l_float[iS1{i0}]) :
+      T1_l_float[iS1{i0}] = Set( T0_g_float[iS0{i0}], cache_op=Streaming )
+    becomes the same ops in a %HostIrContainer, with T1_g_float.
+"""
+
+from __future__ import annotations
+
+from hostir import ir
+from hostir.container import HostIrContainer
+
+
+def build_host_program(fusion: ir.Fusion) -> HostIrContainer:
+    container = HostIrContainer(counters=fusion._counters)
+    ids: dict[ir.IterDomain, ir.IterDomain] = {}
+    tvs: dict[ir.TensorView, ir.TensorView] = {}
+
+    def copy_id(d: ir.IterDomain) -> ir.IterDomain:
+        if d not in ids:
+            ids[d] = ir.IterDomain(container, d.extent, d.iter_type, d.parallel_type, name=d.name)
+        return ids[d]
+
+    def copy(v):
+        if not isinstance(v, ir.TensorView):
+            return v
+        if v not in tvs:
+            domain = [copy_id(d) for d in v.domain]
+            tvs[v] = ir.TensorView(container, domain, v.dtype, ir.MemoryType.global_, name=v.name)
+        return tvs[v]
+
+    for tv in fusion.inputs:
+        container.add_input(copy(tv))
+    for e in fusion.exprs:
+        if len(e.outputs()) != 1:
+            raise ValueError(f"each op must have one output:\n{e!r}")
+        fields = {f: copy(getattr(e, f)) for f in e.INPUTS + e.OUTPUTS}
+        container.push_back(e.replace(**fields))
+    for tv in fusion.outputs:
+        container.add_output(copy(tv))
+    return container

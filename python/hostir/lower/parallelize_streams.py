@@ -1,0 +1,161 @@
+"""Wrap every op whose output has a `stream` axis in a for-loop over that axis.
+
+Precondition: top-level ops with at most one output each; no container input
+has a stream axis; an op's output has at most one stream axis, which is an
+iteration or broadcast axis of its domain.
+
+Postcondition: each run of consecutive stream-parallel ops whose stream axes
+map (through the ops' operands, broadcasts included) is one `ForLoop`
+walking the stream axis with index `StreamIdx`. Before the loop, each body
+output is allocated at full size; in the body, each operand and output with
+an axis mapped to the loop's is replaced by a `HirAliasSelect` slice (one
+slice per (tensor, axis, index) for the whole pass), and the body runs on
+`Stream(StreamIdx % numberOfStreams)` after waiting for the caller's stream,
+which waits for it in turn at the end of each iteration. Any op in between
+ends the loop.
+
+    T1 = Set(T0)                 T1 = ALLOCATE(...)
+    (T1 axis 0 is stream)   →    FOR StreamIdx in iStreamIdx2{i0}:
+                                   ...; T3 = HirAliasSelect(T1, ...); T3 = Set(T2); ...
+"""
+
+from __future__ import annotations
+
+from hostir import ir, printer
+from hostir.container import HostIrContainer
+
+
+class StreamParallelError(ValueError):
+    pass
+
+
+def parallelize_streams(container: HostIrContainer) -> HostIrContainer:
+    for tv in container.inputs:
+        if tv.stream_axes():
+            raise StreamParallelError(
+                f"input {printer.format_tv(tv)} has a stream axis; inputs are already materialized, "
+                f"so mark the stream axis on the outputs of the ops that read it"
+            )
+    graph = ir.IdGraph(container.exprs, broadcast=True)
+
+    grouped: list = []
+    loops: set[int] = set()
+    for e in container.exprs:
+        axis = _stream_axis(e)
+        if axis is None:
+            grouped.append(e)
+            continue
+        last = grouped[-1] if grouped else None
+        if id(last) in loops and graph.mapped(last.iter_domain, axis):
+            last.body.append(e)
+            continue
+        loop = ir.ForLoop(
+            index=ir.Scalar(label="StreamIdx"),
+            start=ir.Scalar.constant(0),
+            stop=axis.extent,
+            body=[e],
+            iter_domain=axis,
+        )
+        loops.add(id(loop))
+        grouped.append(loop)
+
+    result = container.derive()
+    slicer = _Slicer(result, graph)
+    for item in grouped:
+        if id(item) not in loops:
+            result.push_back(item)
+            continue
+        for e in item.body:
+            (out,) = e.outputs()
+            if slicer.mapped_axis(out, item) is not None:
+                result.push_back(ir.Allocate(out, ir.MemoryType.global_))
+        result.push_back(_with_streams(result, item, slicer.slice_body(item)))
+    return result
+
+
+def _stream_axis(e: ir.Expr) -> ir.IterDomain | None:
+    outs = e.outputs()
+    if not outs:
+        return None
+    if len(outs) > 1:
+        raise StreamParallelError(f"each op should have at most one output:\n{printer.format_expr_head(e)}")
+    (out,) = outs
+    if not isinstance(out, ir.TensorView):
+        return None
+    axes = out.stream_axes()
+    if not axes:
+        return None
+    if len(axes) > 1:
+        ids = ", ".join(printer.format_id(d) for d in axes)
+        raise StreamParallelError(
+            f"{printer.format_tv(out)} has {len(axes)} stream axes ({ids}); "
+            f"at most one axis of a tensor can be stream-parallel"
+        )
+    (axis,) = axes
+    if not isinstance(e, ir.FUSION_OPS):
+        raise StreamParallelError(
+            f"stream parallelization is not supported for this op:\n{printer.format_expr_head(e)}"
+        )
+    if axis.is_reduction:
+        raise StreamParallelError(
+            f"stream axis {printer.format_id(axis)} of {printer.format_tv(out)} is a reduction axis; "
+            f"a stream axis should be an iteration or broadcast axis"
+        )
+    return axis
+
+
+class _Slicer:
+    """Replaces operands by slices; one slice per (tensor, axis, index)."""
+
+    def __init__(self, container: HostIrContainer, graph: ir.IdGraph):
+        self._container = container
+        self._graph = graph
+        self._cache: dict[tuple, ir.TensorView] = {}
+
+    def mapped_axis(self, tv: ir.TensorView, loop: ir.ForLoop) -> ir.IterDomain | None:
+        axes = [
+            d for d in tv.domain if not d.is_reduction and self._graph.mapped(d, loop.iter_domain)
+        ]
+        if len(axes) > 1:
+            ids = ", ".join(printer.format_id(d) for d in axes)
+            raise StreamParallelError(
+                f"{printer.format_tv(tv)} has {len(axes)} axes ({ids}) that map to the stream axis "
+                f"{printer.format_id(loop.iter_domain)}; expected at most one"
+            )
+        return axes[0] if axes else None
+
+    def slice_body(self, loop: ir.ForLoop) -> list[ir.Expr]:
+        body: list[ir.Expr] = []
+        for e in loop.body:
+            changes = {}
+            for field in e.INPUTS + e.OUTPUTS:
+                tv = getattr(e, field)
+                if not isinstance(tv, ir.TensorView):
+                    continue
+                axis = self.mapped_axis(tv, loop)
+                if axis is None:
+                    continue
+                key = (tv, axis, loop.index)
+                piece = self._cache.get(key)
+                if piece is None:
+                    domain = [d.clone(self._container) for d in tv.domain if d is not axis]
+                    piece = ir.TensorView(self._container, domain, tv.dtype, ir.MemoryType.local)
+                    self._cache[key] = piece
+                    body.append(ir.HirAliasSelect(piece, tv, axis, loop.index))
+                changes[field] = piece
+            body.append(e.replace(**changes))
+        return body
+
+
+def _with_streams(container: HostIrContainer, loop: ir.ForLoop, body: list[ir.Expr]) -> ir.ForLoop:
+    caller = ir.Stream(container)
+    worker = ir.Stream(container, index=loop.index % container.named_scalar("numberOfStreams"))
+    wrapped = [
+        ir.GetCurrentStream(caller),
+        ir.SetCurrentStream(worker),
+        ir.Synchronize(caller),
+        *body,
+        ir.SetCurrentStream(caller),
+        ir.Synchronize(worker),
+    ]
+    return loop.replace(body=wrapped)

@@ -1,0 +1,209 @@
+"""The text format of fusions and host programs.
+
+It follows nvFuser's host-IR dump line for line, so a golden dump reads like
+the reference pull request: `T1_g_float[iStreamIdx2{i0}, iS3{i2}]` for a
+tensor, one op per line (two for ops with a result), loop bodies indented by
+two spaces, and an `Aliases:{...}` block when the alias map is not empty.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hostir import ir
+
+INDENT = "  "
+
+
+def format_scalar(s: ir.Scalar) -> str:
+    if isinstance(s, ir.ScalarExpr):
+        return f"( {format_scalar(s.lhs)} {s.op} {format_scalar(s.rhs)} )"
+    if s.label is not None:
+        return s.label
+    v = s.value
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "-inf" if v < 0 else "inf"
+        return repr(v)
+    return str(v)
+
+
+def format_id(d: ir.IterDomain) -> str:
+    return f"{d.iter_type.value}{d.parallel_type.value}{d.name}{{{format_scalar(d.extent)}}}"
+
+
+def format_tv(tv: ir.TensorView) -> str:
+    axes = ", ".join(format_id(d) for d in tv.domain)
+    return f"T{tv.name}_{tv.memory_type.value}_{ir.dtype_name(tv.dtype)}[{axes}]"
+
+
+def format_stream(s: ir.Stream) -> str:
+    if s.index is not None:
+        return f"Stream {format_scalar(s.index)}"
+    return f"Stream {s.name}"
+
+
+def format_val(v) -> str:
+    if isinstance(v, ir.TensorView):
+        return format_tv(v)
+    if isinstance(v, ir.Scalar):
+        return format_scalar(v)
+    if isinstance(v, ir.Stream):
+        return format_stream(v)
+    if isinstance(v, ir.IterDomain):
+        return format_id(v)
+    raise TypeError(f"cannot print {type(v).__name__}")
+
+
+def _assign(pad: str, out: ir.TensorView, rhs: str) -> list[str]:
+    return [f"{pad}{format_tv(out)}", f"{pad}   = {rhs}"]
+
+
+def _lines(e: ir.Expr, pad: str) -> list[str]:
+    """The dump lines of one expr (a loop prints its body too)."""
+    fmt = _FORMATS.get(type(e))
+    if fmt is None:
+        raise TypeError(f"no text format for {type(e).__name__}")
+    return fmt(e, pad)
+
+
+def _set(e: ir.Set, pad):
+    return _assign(pad, e.out, f"Set( {format_tv(e.input)}, cache_op=Streaming )")
+
+
+def _binary(e: ir.BinaryOp, pad):
+    return [
+        f"{pad}{format_tv(e.out)}",
+        f"{pad}   = {format_val(e.lhs)}",
+        f"{pad}   {ir.BinaryOp.KINDS[e.kind]} {format_val(e.rhs)};",
+    ]
+
+
+_INIT = {"sum": "0", "max": "-inf", "min": "inf"}
+
+
+def _reduction(e: ir.ReductionOp, pad):
+    init = f"{ir.dtype_name(e.out.dtype)}({_INIT[e.kind]})"
+    op = ir.ReductionOp.KINDS[e.kind]
+    return _assign(
+        pad,
+        e.out,
+        f"reduction( {format_tv(e.input)}, op = {op}, initial value = {init}, allreduce = false )",
+    )
+
+
+def _matmul(e: ir.MatmulOp, pad):
+    return _assign(pad, e.out, f"matmul( {format_tv(e.a)}, {format_tv(e.b)} )")
+
+
+def _linear(e: ir.LinearOp, pad):
+    args = [e.input, e.weight] + ([e.bias] if e.bias is not None else [])
+    return _assign(pad, e.out, f"linear( {', '.join(format_tv(a) for a in args)} )")
+
+
+def _get_stream(e: ir.GetCurrentStream, pad):
+    return [f"{pad}GetCurrentStream into {format_stream(e.stream)}"]
+
+
+def _set_stream(e: ir.SetCurrentStream, pad):
+    return [f"{pad}SetCurrentStream to {format_stream(e.stream)}"]
+
+
+def _synchronize(e: ir.Synchronize, pad):
+    return [f"{pad}Synchronize {format_stream(e.stream)}"]
+
+
+def _for(e: ir.ForLoop, pad):
+    index = format_scalar(e.index)
+    if e.iter_domain is not None:
+        head = f"{pad}FOR {index} in {format_id(e.iter_domain)}:"
+    else:
+        head = f"{pad}FOR {index} from {format_scalar(e.start)} to {format_scalar(e.stop)}:"
+    lines = [head]
+    for inner in e.body:
+        lines += _lines(inner, pad + INDENT)
+    return lines
+
+
+def _select(e: ir.HirAliasSelect, pad):
+    rhs = (
+        f"HirAliasSelect( {format_tv(e.input)}, axis = {format_id(e.axis)}, "
+        f"index = {format_scalar(e.index)} )"
+    )
+    return _assign(pad, e.out, rhs)
+
+
+def _allocate(e: ir.Allocate, pad):
+    tv = format_tv(e.buffer)
+    zero = "true" if e.zero_init else "false"
+    return [
+        f"{pad}{tv} = ALLOCATE(buffer={tv}, mem_type={e.memory_type.word}, "
+        f"size={format_scalar(e.size())}, zero_init={zero}, resets_to_zero=false)"
+    ]
+
+
+def _deallocate(e: ir.Deallocate, pad):
+    return [f"{pad}Deallocate {{", f"{pad}{INDENT}{format_tv(e.buffer)}", f"{pad}}}"]
+
+
+_FORMATS = {
+    ir.Set: _set,
+    ir.BinaryOp: _binary,
+    ir.ReductionOp: _reduction,
+    ir.MatmulOp: _matmul,
+    ir.LinearOp: _linear,
+    ir.GetCurrentStream: _get_stream,
+    ir.SetCurrentStream: _set_stream,
+    ir.Synchronize: _synchronize,
+    ir.ForLoop: _for,
+    ir.HirAliasSelect: _select,
+    ir.Allocate: _allocate,
+    ir.Deallocate: _deallocate,
+}
+
+
+def register_format(op_class):
+    """Decorator: the text format of an op class defined outside this module."""
+
+    def wrap(fn):
+        _FORMATS[op_class] = fn
+        return fn
+
+    return wrap
+
+
+def format_expr(e: ir.Expr, indent: int = 0) -> str:
+    return "\n".join(_lines(e, INDENT * indent))
+
+
+def format_expr_head(e: ir.Expr) -> str:
+    """One expr without a loop's body: what an error message quotes."""
+    if isinstance(e, ir.ForLoop):
+        return _lines(e, "")[0]
+    return "\n".join(line.strip() for line in _lines(e, ""))
+
+
+def _program(title: str, inputs, outputs, exprs) -> list[str]:
+    ins = ", ".join(format_tv(t) for t in inputs)
+    outs = ", ".join(format_tv(t) for t in outputs)
+    lines = [f"%{title} {{ ({ins}) -> ({outs}) :"]
+    for e in exprs:
+        lines += _lines(e, INDENT)
+    lines.append(f"}} // %{title}")
+    return lines
+
+
+def print_fusion(fusion: ir.Fusion) -> str:
+    return "\n".join(_program("Fusion", fusion.inputs, fusion.outputs, fusion.exprs)) + "\n"
+
+
+def print_container(container) -> str:
+    lines = _program("HostIrContainer", container.inputs, container.outputs, container.exprs)
+    aliases = container.aliases.items()
+    if aliases:
+        lines.append("Aliases:{")
+        lines += [f"{INDENT}{format_tv(a)} -> {format_tv(o)}" for a, o in aliases]
+        lines.append("}")
+    return "\n".join(lines) + "\n"
