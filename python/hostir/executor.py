@@ -117,7 +117,7 @@ class FusionExecutor:
         if streams is None:
             streams = self._streams[device] = streams_for(device)
         evaluator = HostIrEvaluator(container, streams=streams, device=device)
-        return _Program(container, evaluator, _equal_input_axes(container))
+        return _Program(container, evaluator, _equal_input_axes(self.fusion))
 
 
 def _as_list(values, what: str) -> list:
@@ -167,14 +167,14 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None) -> torch.device:
     return expected
 
 
-def _equal_input_axes(container: HostIrContainer) -> list[list[tuple[int, int]]]:
+def _equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
     """Groups of (input index, axis) whose sizes ops require to be equal."""
     where = {}
-    for i, tv in enumerate(container.inputs):
+    for i, tv in enumerate(fusion.inputs):
         for axis, d in enumerate(tv.runtime_domain()):
             where[d] = (i, axis)
     groups = []
-    for members in ir.IdGraph(container.exprs, broadcast=False).groups():
+    for members in ir.IdGraph(fusion.exprs, broadcast=False).groups():
         found = sorted(where[d] for d in members if d in where)
         if len(found) > 1:
             groups.append(found)

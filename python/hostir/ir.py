@@ -527,6 +527,7 @@ class IdGraph:
     With `broadcast=True` a broadcast axis joins the axis it broadcasts to
     (used to find which operand axes a stream axis walks); without, only
     axes whose extents must be equal are joined (used to check shapes).
+    Built over ops as defined, before any pass replaces operands by slices.
     """
 
     def __init__(self, exprs: Sequence[Expr], broadcast: bool):

@@ -1,0 +1,71 @@
+"""Shared fixtures: the device a test runs on, golden dumps, dump renumbering."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+
+import pytest
+import torch
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+
+_DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(params=_DEVICES)
+def device(request) -> str:
+    """Runs the test on the CPU and, where there is one, on a CUDA device."""
+    torch.manual_seed(0)
+    return request.param
+
+
+@pytest.fixture
+def cuda_device() -> str:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return "cuda"
+
+
+def check_golden(name: str, text: str) -> None:
+    """Compare `text` with tests/python/golden/<name>.hir; HOSTIR_ACCEPT=1
+    writes the file instead."""
+    path = GOLDEN / f"{name}.hir"
+    if os.environ.get("HOSTIR_ACCEPT") == "1":
+        path.write_text(text)
+        return
+    assert path.exists(), f"no golden dump {path}; run with HOSTIR_ACCEPT=1 to create it"
+    assert text == path.read_text(), f"dump differs from {path}:\n{text}"
+
+
+_PATTERNS = [
+    ("T", re.compile(r"\bT(\d+)(?=_)")),
+    ("id", re.compile(r"(?<=[irb])(?:S|StreamIdx|deviceIdx\.x)(\d+)(?=\{)")),
+    ("i", re.compile(r"\bi(\d+)\b")),
+    ("stream", re.compile(r"(?<=Stream )(\d+)")),
+]
+
+
+def renumber(text: str) -> str:
+    """Number values of each kind 0, 1, 2... in order of first appearance, so
+    two dumps that differ only in numbering compare equal."""
+    for kind, pattern in _PATTERNS:
+        seen: dict[str, int] = {}
+
+        def sub(m: re.Match) -> str:
+            n = seen.setdefault(m.group(1), len(seen))
+            return m.group(0)[: m.start(1) - m.start(0)] + str(n) + m.group(0)[m.end(1) - m.start(0) :]
+
+        text = pattern.sub(sub, text)
+    return text
