@@ -95,7 +95,7 @@ class HostIrEvaluator:
         caller = self.streams.current()
         try:
             self._run_scope(self.container.exprs)
-            return [self.get(tv) for tv in self.container.outputs]
+            return [self._output(tv) for tv in self.container.outputs]
         finally:
             for stream in self._used_streams:
                 self.streams.wait(caller, stream)
@@ -120,6 +120,12 @@ class HostIrEvaluator:
     def bind(self, val, value) -> None:
         """Bind `val` (through the alias map); binding None unbinds it."""
         self._values[self._alias.get(val, val)] = value
+
+    def _output(self, tv: ir.TensorView):
+        value = self.get(tv, None)
+        if value is None:
+            raise HostIrRuntimeError(f"output {printer.format_tv(tv)} is not bound at the end of the program")
+        return value
 
     # -- helpers for handlers
     def stream(self, s: ir.Stream):

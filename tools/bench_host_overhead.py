@@ -1,0 +1,354 @@
+"""Host overhead of the Python host-IR evaluator, per host op.
+
+Measures the host (CPU wall-clock) time the reference evaluator spends per
+host-IR op on programs made of many tiny ops, where the device work is
+negligible and the interpreter's own cost dominates:
+
+* ``hostir stream loop``: an input ``x`` of shape ``[S, W]`` and a chain of
+  ``L`` elementwise ops (alternating ``add(y, 1.0)`` / ``mul(y, 1.0001)``),
+  every intermediate and the output with axis 0 parallelized on
+  ``ParallelType.stream``, so all ops merge into one stream loop of ``S``
+  iterations (stream switches, synchronizations, slice selects and the ops).
+* ``hostir flat``: the same chain with no stream axis: ``L`` top-level ops,
+  the per-op cost without stream switches.
+* ``eager chunked`` / ``eager flat``: the same per-chunk (or whole-tensor)
+  torch calls written by hand, with ``out=`` writes into preallocated buffers
+  and, on CUDA, the same ``torch.cuda`` stream switching: the reference cost
+  of issuing the ops from plain Python.
+
+Each run is timed with ``time.perf_counter`` around ``fd.execute(...)`` (or
+the eager loop) after warm-up runs; the median over ``--iters`` runs is
+reported. On CUDA, ``torch.cuda.synchronize()`` is called before each timed
+run but not inside it, so the number is host time (kernel launches are
+asynchronous). Host ops per run are read as the change of the program's
+``HostIrEvaluator.ops_executed`` across one run; compute ops per run (the
+torch calls that do arithmetic) are ``S * L`` for the chunked variants and
+``L`` for the flat ones.
+
+Run from the repository root:
+
+    PYTHONPATH=python python3 tools/bench_host_overhead.py
+    PYTHONPATH=python python3 tools/bench_host_overhead.py --device cpu --iters 50
+
+It prints a markdown table and writes
+``benchmarks/results/host_overhead_<device-type>.md`` and ``.json``
+(``--out-dir`` to write elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+import hostir
+from hostir import FusionDefinition, ParallelType
+
+ADD_SCALAR = 1.0
+MUL_SCALAR = 1.0001
+DEFAULT_OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks", "results")
+
+
+@dataclasses.dataclass
+class Params:
+    device: str
+    chunks: int  # S: extent of the stream axis
+    width: int  # W: extent of the inner axis
+    length: int  # L: elementwise ops in the chain
+    number_of_streams: int
+    iters: int
+    warmup: int
+
+
+@dataclasses.dataclass
+class Result:
+    variant: str
+    ops_per_run: int  # host ops (hostir) or torch calls (eager) per run
+    compute_ops_per_run: int
+    median_us: float  # median host time of one run
+
+    @property
+    def us_per_op(self) -> float:
+        return self.median_us / self.ops_per_run
+
+    @property
+    def us_per_compute_op(self) -> float:
+        return self.median_us / self.compute_ops_per_run
+
+    def as_dict(self) -> dict:
+        return {
+            **dataclasses.asdict(self),
+            "us_per_op": self.us_per_op,
+            "us_per_compute_op": self.us_per_compute_op,
+        }
+
+
+# ---------------------------------------------------------------- programs
+
+
+def _chain_op(i: int) -> str:
+    return "add" if i % 2 == 0 else "mul"
+
+
+def build_chain(length: int, stream_parallel: bool) -> FusionDefinition:
+    """A fusion `x -> op_0 -> ... -> op_{L-1} -> out` of elementwise ops on a
+    2-D input; with `stream_parallel`, axis 0 of every produced tensor is
+    parallelized on streams, so all ops share one stream loop."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1], dtype=torch.float32)
+        y, produced = x, []
+        for i in range(length):
+            y = fd.ops.add(y, ADD_SCALAR) if _chain_op(i) == "add" else fd.ops.mul(y, MUL_SCALAR)
+            produced.append(y)
+        fd.add_output(y)
+    if stream_parallel:
+        for tv in produced:
+            tv.axis(0).parallelize(ParallelType.stream)
+    return fd
+
+
+def eager_flat(x: torch.Tensor, length: int) -> torch.Tensor:
+    """The chain on the whole tensor, one `out=` torch call per op."""
+    bufs = [torch.empty_like(x) for _ in range(length)]
+    y = x
+    for i, buf in enumerate(bufs):
+        if _chain_op(i) == "add":
+            torch.add(y, ADD_SCALAR, out=buf)
+        else:
+            torch.mul(y, MUL_SCALAR, out=buf)
+        y = buf
+    return y
+
+
+def eager_chunked(x: torch.Tensor, length: int, streams: list | None) -> torch.Tensor:
+    """The stream loop by hand: for each chunk of axis 0, switch to a worker
+    stream that waits for the caller, run the chain on the chunk's slices
+    with `out=` writes, switch back and make the caller wait. `streams` is
+    None on the CPU."""
+    bufs = [torch.empty_like(x) for _ in range(length)]
+    caller = torch.cuda.current_stream(x.device) if streams else None
+    for s in range(x.shape[0]):
+        if streams:
+            worker = streams[s % len(streams)]
+            torch.cuda.set_stream(worker)
+            worker.wait_stream(caller)
+        y = x[s]
+        for i, buf in enumerate(bufs):
+            out = buf[s]
+            if _chain_op(i) == "add":
+                torch.add(y, ADD_SCALAR, out=out)
+            else:
+                torch.mul(y, MUL_SCALAR, out=out)
+            y = out
+        if streams:
+            torch.cuda.set_stream(caller)
+            caller.wait_stream(worker)
+    return bufs[-1]
+
+
+# ---------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_runs(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> float:
+    """Median host time of `fn()` in µs, over `iters` runs after `warmup`.
+    The device is synchronized before each run, never inside the timed part."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    gc.collect()
+    samples = []
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    _sync(device)
+    return statistics.median(samples) * 1e6
+
+
+def bench_hostir(
+    variant: str, fd: FusionDefinition, x: torch.Tensor, compute_ops: int, p: Params, expected: torch.Tensor
+) -> Result:
+    def run():
+        return fd.execute([x], number_of_streams=p.number_of_streams)
+
+    (out,) = run()
+    programs = list(fd.executor._programs.values())
+    if len(programs) != 1:
+        raise RuntimeError(f"{variant}: expected one lowered program, found {len(programs)}")
+    evaluator = programs[0].evaluator
+    _sync(x.device)
+    torch.testing.assert_close(out, expected)
+
+    before = evaluator.ops_executed
+    run()
+    ops = evaluator.ops_executed - before
+
+    before = evaluator.ops_executed
+    median = time_runs(run, x.device, p.iters, p.warmup)
+    total = evaluator.ops_executed - before
+    if total != ops * (p.iters + p.warmup):
+        raise RuntimeError(f"{variant}: host ops per run vary ({total} over {p.iters + p.warmup} runs, {ops} in one)")
+    if fd.executor.num_programs != 1:
+        raise RuntimeError(f"{variant}: the program was lowered again while timing")
+    return Result(variant, ops, compute_ops, median)
+
+
+def bench_eager(variant: str, fn: Callable[[], torch.Tensor], compute_ops: int, p: Params, device) -> Result:
+    with torch.no_grad():
+        median = time_runs(fn, device, p.iters, p.warmup)
+    return Result(variant, compute_ops, compute_ops, median)
+
+
+def run_benchmark(p: Params) -> list[Result]:
+    device = torch.device(p.device)
+    x = torch.randn(p.chunks, p.width, dtype=torch.float32, device=device)
+    expected = eager_flat(x, p.length)
+    streams = None
+    if device.type == "cuda":
+        streams = [torch.cuda.Stream(device) for _ in range(p.number_of_streams)]
+    torch.testing.assert_close(eager_chunked(x, p.length, streams), expected)
+
+    chunked_ops, flat_ops = p.chunks * p.length, p.length
+    return [
+        bench_hostir("hostir stream loop", build_chain(p.length, True), x, chunked_ops, p, expected),
+        bench_hostir("hostir flat", build_chain(p.length, False), x, flat_ops, p, expected),
+        bench_eager("eager chunked", lambda: eager_chunked(x, p.length, streams), chunked_ops, p, device),
+        bench_eager("eager flat", lambda: eager_flat(x, p.length), flat_ops, p, device),
+    ]
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or "cpu"
+
+
+def environment(p: Params) -> dict:
+    return {
+        "device": device_name(torch.device(p.device)),
+        "device_type": torch.device(p.device).type,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "hostir": hostir.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "params": dataclasses.asdict(p),
+    }
+
+
+def markdown_table(results: list[Result]) -> str:
+    lines = [
+        "| variant | ops/run | compute ops/run | median µs/run | µs/op | µs/compute op |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.variant} | {r.ops_per_run} | {r.compute_ops_per_run} | {r.median_us:.1f} "
+            f"| {r.us_per_op:.2f} | {r.us_per_compute_op:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown_report(results: list[Result], env: dict) -> str:
+    p = env["params"]
+    return "\n".join(
+        [
+            f"# Host overhead per host-IR op ({env['device_type']})",
+            "",
+            markdown_table(results),
+            "",
+            "ops/run: host ops executed by the evaluator (`ops_executed`) for the hostir rows, torch calls for "
+            "the eager rows. µs/op = median host time of one run / ops per run. Host time only: the device "
+            "is synchronized before each timed run, not inside it.",
+            "",
+            f"- device: {env['device']}",
+            f"- torch: {env['torch']}",
+            f"- python: {env['python']}",
+            f"- hostir: {env['hostir']}",
+            f"- date (UTC): {env['date']}",
+            f"- params: input [{p['chunks']}, {p['width']}] float32, chain of {p['length']} ops (add/mul), "
+            f"number_of_streams={p['number_of_streams']}, iters={p['iters']}, warmup={p['warmup']}",
+            "",
+            "Run: `PYTHONPATH=python python3 tools/bench_host_overhead.py`",
+            "",
+        ]
+    )
+
+
+def write_results(results: list[Result], env: dict, out_dir: str) -> tuple[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"host_overhead_{env['device_type']}")
+    with open(stem + ".md", "w") as f:
+        f.write(markdown_report(results, env))
+    with open(stem + ".json", "w") as f:
+        json.dump({**env, "results": [r.as_dict() for r in results]}, f, indent=2)
+        f.write("\n")
+    return stem + ".md", stem + ".json"
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def parse_args(argv=None) -> tuple[Params, str]:
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=default_device, help=f"device to run on (default: {default_device})")
+    ap.add_argument("--chunks", type=int, default=8, help="S, extent of the stream axis (default: 8)")
+    ap.add_argument("--width", type=int, default=8, help="W, extent of the inner axis (default: 8)")
+    ap.add_argument("--length", type=int, default=16, help="L, elementwise ops in the chain (default: 16)")
+    ap.add_argument("--streams", type=int, default=4, help="number_of_streams of the stream loop (default: 4)")
+    ap.add_argument("--iters", type=int, default=200, help="timed runs per variant (default: 200)")
+    ap.add_argument("--warmup", type=int, default=20, help="untimed runs before timing (default: 20)")
+    ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where to write the .md and .json (default: benchmarks/results)")
+    args = ap.parse_args(argv)
+    for name in ("chunks", "width", "length", "streams", "iters"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
+    if args.warmup < 0:
+        ap.error("--warmup must be at least 0")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda, but CUDA is unavailable")
+    params = Params(
+        device=str(device),
+        chunks=args.chunks,
+        width=args.width,
+        length=args.length,
+        number_of_streams=args.streams,
+        iters=args.iters,
+        warmup=args.warmup,
+    )
+    return params, os.path.normpath(args.out_dir)
+
+
+def main(argv=None) -> int:
+    params, out_dir = parse_args(argv)
+    results = run_benchmark(params)
+    env = environment(params)
+    print(f"device: {env['device']}  torch {env['torch']}  python {env['python']}  hostir {env['hostir']}")
+    print(markdown_table(results))
+    md, js = write_results(results, env, out_dir)
+    print(f"wrote {md} and {js}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
