@@ -58,7 +58,7 @@ class HostIrEvaluator:
         if missing:
             raise NotImplementedError(f"the evaluator has no handler for {', '.join(sorted(missing))}")
         self.container = container
-        self.streams = streams or NullStreams()
+        self.streams = streams if streams is not None else NullStreams()
         self.device = torch.device(device)
         self._alias = container.aliases.resolved()
         self._number_of_streams = container.named_scalars().get("numberOfStreams")

@@ -263,9 +263,11 @@ def test_inconsistent_bindings_are_rejected():
 # ---------------------------------------------------------------- CUDA
 
 
-def _stream_program(chunks_axis_extent=-1):
+def _stream_program():
+    """d = (a @ b) * 3 with a [chunks, m, K]: one GEMM per chunk, each on
+    stream chunk % number_of_streams."""
     with FusionDefinition() as fd:
-        a, b = fd.define_tensor([-1, -1]), fd.define_tensor([-1, -1])
+        a, b = fd.define_tensor([-1, -1, -1]), fd.define_tensor([-1, -1])
         c = fd.ops.matmul(a, b)
         d = fd.ops.mul(c, 3.0)
         fd.add_output(d)
@@ -274,20 +276,26 @@ def _stream_program(chunks_axis_extent=-1):
     return fd
 
 
+def _integers(*shape):
+    """Integer-valued floats: products and sums are exact in float32, so any
+    difference from the reference is an ordering bug, not rounding."""
+    return torch.randint(-3, 4, shape, device="cuda").float()
+
+
 @pytest.mark.cuda
 def test_cuda_caller_stream_is_current_again(cuda_device):
     fd = _stream_program()
-    a, b = torch.randn(8, 64, device="cuda"), torch.randn(64, 32, device="cuda")
+    a, b = _integers(8, 16, 64), _integers(64, 32)
     before = torch.cuda.current_stream()
     (out,) = fd.execute([a, b], number_of_streams=3)
     assert torch.cuda.current_stream() == before
-    torch.testing.assert_close(out, (a @ b) * 3)
+    assert torch.equal(out, (a @ b) * 3)
 
 
 @pytest.mark.cuda
 def test_cuda_uses_one_stream_per_index_value(cuda_device):
     fd = _stream_program()
-    a, b = torch.randn(8, 64, device="cuda"), torch.randn(64, 32, device="cuda")
+    a, b = _integers(8, 16, 64), _integers(64, 32)
     fd.execute([a, b], number_of_streams=3)
     (program,) = fd.executor._programs.values()
     streams = program.evaluator.streams
@@ -302,17 +310,18 @@ def test_cuda_result_is_ready_on_the_callers_stream(cuda_device):
     """Run inside `with torch.cuda.stream(s)` and read the result on `s`
     with no extra synchronization: the program joined its streams into s."""
     fd = _stream_program()
-    a = torch.randn(2048, 2048, device="cuda")
-    b = torch.randn(2048, 2048, device="cuda")
+    a, b = _integers(8, 1024, 2048), _integers(2048, 2048)
     expected = (a @ b) * 3
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
+    copies = []
     with torch.cuda.stream(side):
         for _ in range(3):
             (out,) = fd.execute([a, b], number_of_streams=4)
-            copy = out.clone()  # enqueued on `side`, after the program's join
+            copies.append(out.clone())  # enqueued on `side`, after the join
     torch.cuda.synchronize()
-    torch.testing.assert_close(copy, expected)
+    for copy in copies:
+        assert torch.equal(copy, expected)
 
 
 @pytest.mark.cuda
@@ -320,9 +329,14 @@ def test_cuda_worker_streams_wait_for_the_callers_work(cuda_device):
     """Inputs produced on the caller's stream right before execute are seen
     by the worker streams (they synchronize with the caller first)."""
     fd = _stream_program()
+    b = _integers(1024, 1024)
     for _ in range(3):
-        a = torch.randn(1024, 1024, device="cuda")
-        b = torch.randn(1024, 1024, device="cuda")
-        a.mul_(1.5)  # pending work on the caller's stream
+        a = _integers(8, 512, 1024)
+        torch.cuda.synchronize()
+        # Keep the caller's stream busy (~50 ms) so that its write to `a` is
+        # still pending when the workers start: a worker that does not wait
+        # for the caller reads the old `a`.
+        torch.cuda._sleep(100_000_000)
+        a.mul_(2.0)
         (out,) = fd.execute([a, b], number_of_streams=4)
-        torch.testing.assert_close(out, (a @ b) * 3)
+        assert torch.equal(out, (a @ b) * 3)
