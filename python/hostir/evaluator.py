@@ -178,7 +178,7 @@ class HostIrEvaluator:
         for e in container.walk():
             if isinstance(e, ir.ForLoop):
                 local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
-                found[id(e)] = [t for t in local - keep]
+                found[id(e)] = list(local - keep)
         return found
 
 

@@ -135,6 +135,13 @@ def signature(fusion: ir.Fusion) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+def _check_tensor(what: str, tv: ir.TensorView, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != tv.dtype:
+        raise TypeError(f"{what}: expected dtype {tv.dtype}, got {t.dtype}")
+
+
 def check_inputs(fusion: ir.Fusion, inputs: list, device=None) -> torch.device:
     """Raise unless `inputs` match the fusion's inputs in count, type, dtype,
     rank, fixed sizes and device; return the device to run on."""
@@ -145,10 +152,7 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None) -> torch.device:
         )
     for i, (tv, t) in enumerate(zip(fusion.inputs, inputs)):
         what = f"input {i} (T{tv.name})"
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != tv.dtype:
-            raise TypeError(f"{what}: expected dtype {tv.dtype}, got {t.dtype}")
+        _check_tensor(what, tv, t)
         if t.dim() != tv.ndim:
             raise ValueError(
                 f"{what}: expected {tv.ndim} dims, got {t.dim()} (shape {list(t.shape)}); "
@@ -214,10 +218,7 @@ def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device:
         )
     for i, (tv, t) in enumerate(zip(fusion.outputs, outputs)):
         what = f"preallocated output {i} (T{tv.name})"
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != tv.dtype:
-            raise TypeError(f"{what}: expected dtype {tv.dtype}, got {t.dtype}")
+        _check_tensor(what, tv, t)
         if t.device != device:
             raise ValueError(f"{what} is on {t.device} but the fusion runs on {device}")
         shape = []
