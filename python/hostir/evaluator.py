@@ -224,7 +224,7 @@ def _synchronize(ev: HostIrEvaluator, e: ir.Synchronize) -> None:
 def _select(ev: HostIrEvaluator, e: ir.HirAliasSelect) -> None:
     src = ev.get(e.input)
     index = 0 if e.axis.is_broadcast else int(ev.get(e.index))
-    ev.bind(e.out, src.select(e.input.runtime_position(e.axis), index))
+    ev.bind(e.out, src.select(ev._slice_dim[e.out], index))
 
 
 @impl(ir.Allocate)

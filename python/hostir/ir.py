@@ -109,9 +109,6 @@ class Scalar:
     def __mod__(self, other: Scalar) -> ScalarExpr:
         return ScalarExpr("%", self, other)
 
-    def __mul__(self, other: Scalar) -> ScalarExpr:
-        return ScalarExpr("*", self, other)
-
     def __repr__(self) -> str:
         from hostir.printer import format_scalar
 
@@ -122,7 +119,7 @@ class ScalarExpr(Scalar):
     """A scalar computed from two others, evaluated whenever it is read."""
 
     __slots__ = ("op", "lhs", "rhs")
-    OPS = {"%": lambda a, b: a % b, "*": lambda a, b: a * b, "+": lambda a, b: a + b}
+    OPS = {"%": lambda a, b: a % b, "*": lambda a, b: a * b}
 
     def __init__(self, op: str, lhs: Scalar, rhs: Scalar):
         if op not in self.OPS:
