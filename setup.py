@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="hostir",
-    version="0.1.0",
+    version="0.2.0",
     description="A Host-IR runtime: tensor programs pipelined across CUDA streams and devices",
     package_dir={"": "python"},
     packages=find_packages("python"),

@@ -1,21 +1,40 @@
-"""hostir: a Host-IR runtime that runs tensor programs with their work
-pipelined across CUDA streams (and, later, sharded across devices).
+"""hostir: a Host-IR runtime that runs tensor programs sharded across
+devices and pipelined across CUDA streams, with communication overlapped
+by computation.
 
-Write a program with `FusionDefinition`, mark stream-parallel axes with
-`tv.axis(i).parallelize(ParallelType.stream)`, run it with `fd.execute`, and
-read the lowered host program with `fd.host_ir()`.
+Write a program with `FusionDefinition`, place tensors on a `DeviceMesh`,
+shard axes with `ParallelType.mesh_x` and pipeline them with
+`ParallelType.stream`, run it with `fd.execute` on every rank (under
+mpirun or torchrun), and read the lowered host program with `fd.host_ir()`.
 """
 
+from hostir.communicator import (
+    CommunicatorTimeout,
+    LaunchError,
+    PeerLostError,
+    local_rank,
+    rank,
+    world_size,
+)
 from hostir.container import AliasError, HostIrContainer
 from hostir.evaluator import HostIrEvaluator, HostIrRuntimeError
-from hostir.executor import ExecutorParams
-from hostir.frontend import FusionDefinition
-from hostir.ir import IterType, MemoryType, ParallelType
+from hostir.executor import ExecutorParams, RankMismatchError
+from hostir.frontend import FusionDefinition, shard_tensor
+from hostir.ir import DeviceMesh, IterType, MemoryType, ParallelType
 from hostir.lower import LoweringError
 from hostir.options import OptionError
 
 __all__ = [
     "AliasError",
+    "CommunicatorTimeout",
+    "DeviceMesh",
+    "LaunchError",
+    "PeerLostError",
+    "RankMismatchError",
+    "local_rank",
+    "rank",
+    "shard_tensor",
+    "world_size",
     "ExecutorParams",
     "FusionDefinition",
     "HostIrContainer",
@@ -27,4 +46,4 @@ __all__ = [
     "OptionError",
     "ParallelType",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -85,6 +85,14 @@ class HostIrContainer(ir.IrContainer):
         self.exprs: list[ir.Expr] = []
         self.aliases = AliasMap()
         self._named: dict[str, ir.Scalar] = {}
+        # The rank this program runs on (None before `prune_for_rank`) and
+        # the communication backend its dump names.
+        self.rank: int | None = None
+        self.backend = "NCCL"
+        # Set by `lower`: the hash of the dump before pruning for a rank,
+        # and the teams of every rank's communications.
+        self.digest: str | None = None
+        self.all_teams: list[tuple[int, ...]] = []
 
     def derive(self) -> HostIrContainer:
         """An empty program with this one's inputs, outputs, aliases, named
@@ -93,6 +101,7 @@ class HostIrContainer(ir.IrContainer):
         new.inputs, new.outputs = list(self.inputs), list(self.outputs)
         new.aliases = self.aliases
         new._named = self._named
+        new.rank, new.backend = self.rank, self.backend
         return new
 
     # -- building
@@ -126,6 +135,23 @@ class HostIrContainer(ir.IrContainer):
     def walk(self) -> Iterator[ir.Expr]:
         return ir.walk(self.exprs)
 
+    def teams(self) -> list[tuple[int, ...]]:
+        """The teams of the program's communications, sorted: the process
+        groups every rank creates, in this order, before the first run."""
+        found = {tuple(e.team) for e in self.walk() if isinstance(e, ir.Communication)}
+        return sorted(found, key=lambda t: (len(t), t))
+
+    def meshes(self) -> list[ir.DeviceMesh]:
+        found = {}
+        for tv in self.inputs + self.outputs:
+            if tv.mesh is not None:
+                found[tv.mesh] = None
+        for e in self.walk():
+            for v in e.inputs() + e.outputs():
+                if isinstance(v, ir.TensorView) and v.mesh is not None:
+                    found[v.mesh] = None
+        return list(found)
+
     def __str__(self) -> str:
         return printer.print_container(self)
 
@@ -133,7 +159,8 @@ class HostIrContainer(ir.IrContainer):
     def verify(self) -> None:
         """Raise VerifyError unless every TensorView an expr reads is bound
         before it (an input, or defined earlier in an enclosing scope),
-        every output is defined, and no input is an alias."""
+        every output is defined (on this rank, once the program is pruned
+        for one), and no input is an alias."""
         for tv in self.inputs:
             if self.aliases.is_alias(tv):
                 raise VerifyError(f"Inputs cannot be aliased: T{tv.name} is an alias")
@@ -141,13 +168,19 @@ class HostIrContainer(ir.IrContainer):
         defined = {resolve(t) for t in self.inputs}
         self._verify_scope(self.exprs, defined, resolve)
         for tv in self.outputs:
+            if not self.holds(tv):
+                continue
             if resolve(tv) not in defined:
                 raise VerifyError(f"output {printer.format_tv(tv)} is never defined")
+
+    def holds(self, tv: ir.TensorView) -> bool:
+        """Whether this program's rank holds `tv` (always, before pruning)."""
+        return self.rank is None or tv.mesh is None or self.rank in tv.mesh
 
     def _verify_scope(self, exprs: Sequence[ir.Expr], defined: set, resolve) -> None:
         for e in exprs:
             for v in ir.read_vals(e):
-                if isinstance(v, ir.TensorView) and resolve(v) not in defined:
+                if isinstance(v, ir.TensorView) and resolve(v) not in defined and self.holds(v):
                     raise VerifyError(
                         f"{printer.format_tv(v)} is read before it is defined, by:\n"
                         f"{printer.format_expr_head(e)}"

@@ -50,7 +50,7 @@ class HostIrEvaluator:
     default) for the CPU; `device` is where `Allocate` puts new buffers.
     """
 
-    def __init__(self, container: HostIrContainer, streams=None, device="cpu"):
+    def __init__(self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None):
         for tv in container.inputs:
             if container.aliases.is_alias(tv):
                 raise AliasError(f"Inputs cannot be aliased: T{tv.name} is an alias")
@@ -60,6 +60,15 @@ class HostIrEvaluator:
         self.container = container
         self.streams = streams if streams is not None else NullStreams()
         self.device = torch.device(device)
+        self.communicator = communicator
+        self.dumper = dumper
+        needs = [e for e in container.walk() if isinstance(e, ir.COMMUNICATION_OPS)]
+        if needs and communicator is None:
+            raise ValueError(
+                f"A communicator must be provided: the program has communications, such as\n"
+                f"{printer.format_expr_head(needs[0])}"
+            )
+        self._rank_scalar = container.named_scalars().get("rank")
         self._alias = container.aliases.resolved()
         self._number_of_streams = container.named_scalars().get("numberOfStreams")
         self._body_locals = self._find_body_locals(container)
@@ -73,6 +82,9 @@ class HostIrEvaluator:
         self._values: dict = {}
         self._loops: list[list] = []
         self._used_streams: list = []
+        # Posted communications until their Wait: expr -> _Posted.
+        self._works: dict = {}
+        self._coalescing: list | None = None
         self.ops_executed = 0
 
     # -- the one entry point
@@ -86,8 +98,12 @@ class HostIrEvaluator:
         self._values = {}
         self._loops = []
         self._used_streams = []
+        self._works = {}
+        self._coalescing = None
         if self._number_of_streams is not None:
             self._values[self._number_of_streams] = number_of_streams
+        if self._rank_scalar is not None:
+            self._values[self._rank_scalar] = self.communicator.rank
         for val, value in bindings.items():
             if isinstance(val, ir.TensorView):
                 self._bind_extents(val, value)
@@ -101,6 +117,7 @@ class HostIrEvaluator:
                 self.streams.wait(caller, stream)
             self.streams.set_current(caller)
             self._values = {}
+            self._works = {}
 
     # -- the two accessors
     def get(self, val, default=_REQUIRED):
@@ -110,7 +127,12 @@ class HostIrEvaluator:
         if value is not None:
             return value
         if isinstance(val, ir.ScalarExpr):
-            return ir.ScalarExpr.OPS[val.op](self.get(val.lhs), self.get(val.rhs))
+            try:
+                return ir.ScalarExpr.OPS[val.op](self.get(val.lhs), self.get(val.rhs))
+            except UnboundValueError:
+                if default is not _REQUIRED:
+                    return default
+                raise
         if isinstance(val, ir.Scalar) and val.value is not None:
             return val.value
         if default is not _REQUIRED:
@@ -122,6 +144,8 @@ class HostIrEvaluator:
         self._values[self._alias.get(val, val)] = value
 
     def _output(self, tv: ir.TensorView):
+        if not self.container.holds(tv):
+            return None
         value = self.get(tv, None)
         if value is None:
             raise HostIrRuntimeError(f"output {printer.format_tv(tv)} is not bound at the end of the program")
@@ -146,14 +170,38 @@ class HostIrEvaluator:
         if value.dim() != len(axes):
             raise ValueError(f"{printer.format_tv(tv)} has {len(axes)} dims but its tensor has shape {list(value.shape)}")
         for i, (d, size) in enumerate(zip(axes, value.shape)):
+            if d.is_device_parallel:
+                if size != 1:
+                    raise ValueError(
+                        f"axis {i} of {printer.format_tv(tv)} is sharded ({printer.format_id(d)}): "
+                        f"each rank holds size 1 of it, got {size}"
+                    )
+                size = tv.mesh.x_size
             known = self.get(d.extent, None)
             if known is None:
-                self.bind(d.extent, size)
+                self._bind_extent(d.extent, size)
             elif known != size:
                 raise ValueError(
                     f"axis {i} of {printer.format_tv(tv)} is {size} but its extent "
                     f"{printer.format_scalar(d.extent)} is {known}"
                 )
+
+    def _bind_extent(self, extent: ir.Scalar, size: int) -> None:
+        """Bind a symbolic extent; for `( i0 / f )` (a split axis) bind i0."""
+        if isinstance(extent, ir.ScalarExpr):
+            if extent.op == "/" and extent.rhs.is_constant and not isinstance(extent.lhs, ir.ScalarExpr):
+                self._bind_extent(extent.lhs, size * extent.rhs.value)
+                return
+            raise ValueError(f"cannot infer {printer.format_scalar(extent)} from a size")
+        self.bind(extent, size)
+
+    def full_sizes(self, tv: ir.TensorView) -> list[int]:
+        """The runtime sizes of `tv` across all ranks (mesh_x axes whole)."""
+        return [int(self.get(d.extent)) for d in tv.runtime_domain()]
+
+    def local_sizes(self, tv: ir.TensorView) -> list[int]:
+        """This rank's runtime sizes of `tv` (1 on a mesh_x axis)."""
+        return tv.local_sizes(self.full_sizes(tv))
 
     def _run_scope(self, exprs) -> None:
         for e in exprs:
@@ -231,7 +279,7 @@ def _select(ev: HostIrEvaluator, e: ir.HirAliasSelect) -> None:
 def _allocate(ev: HostIrEvaluator, e: ir.Allocate) -> None:
     if ev.get(e.buffer, None) is not None:
         return
-    shape = [int(ev.get(d.extent)) for d in e.buffer.runtime_domain()]
+    shape = ev.local_sizes(e.buffer)
     make = torch.zeros if e.zero_init else torch.empty
     ev.bind(e.buffer, make(shape, dtype=e.buffer.dtype, device=ev.device))
 
@@ -321,3 +369,278 @@ def _linear(ev: HostIrEvaluator, e: ir.LinearOp) -> None:
         bind_fresh(torch.nn.functional.linear(x, w, bias))
     else:
         torch.ops.aten.linear.out(x, w, bias, out=out)
+
+
+# ---------------------------------------------------------------- communications
+
+import dataclasses as _dataclasses
+
+import torch.distributed as dist
+
+_RED_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# torch 2.13 renamed the tensor forms of all-gather and reduce-scatter.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@_dataclasses.dataclass
+class _Posted:
+    """A posted communication: its works, and what to do after they finish
+    (copy a staging buffer into a non-contiguous or reshaped output)."""
+
+    works: list
+    after: Callable[[], None] | None = None
+
+
+class _NoWork:
+    def wait(self, *args) -> bool:
+        return True
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    # Never hand a strided view to a collective: gloo would read or write
+    # the wrong memory.
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _staged(out: torch.Tensor, shape) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A contiguous buffer of `shape` that a collective may write, and what
+    copies it into `out` afterwards (nothing if it is `out` itself)."""
+    if out.is_contiguous():
+        return out.view(shape), None
+    staging = torch.empty(shape, dtype=out.dtype, device=out.device)
+    return staging, lambda: out.copy_(staging.view(out.shape))
+
+
+def _mesh_axis(tv: ir.TensorView) -> int:
+    (axis,) = tv.device_axes()
+    return tv.runtime_position(axis)
+
+
+def _outermost(shape, axis: int) -> bool:
+    return all(s == 1 for s in shape[:axis])
+
+
+def _post_allgather(ev, e, group) -> _Posted:
+    src = _contiguous(ev.get(e.input))
+    out = ev.get(e.out)
+    full = ev.full_sizes(e.input)
+    a = _mesh_axis(e.input)
+    n = len(e.team)
+    if _outermost(full, a):
+        buf, after = _staged(out, [-1])
+        return _Posted([_all_gather(buf, src.reshape(-1), group=group, async_op=True)], after)
+    # Gather into [n, *local] and move the ranks' axis into place.
+    staging = torch.empty([n] + list(src.shape), dtype=src.dtype, device=src.device)
+
+    def after():
+        moved = staging.squeeze(a + 1).movedim(0, a)
+        out.copy_(moved.reshape(out.shape))
+
+    return _Posted([_all_gather(staging.view(-1), src.reshape(-1), group=group, async_op=True)], after)
+
+
+def _post_allreduce(ev, e, group) -> _Posted:
+    src = ev.get(e.input)
+    out = ev.get(e.out)
+    buf, after = _staged(out, out.shape)
+    buf.copy_(src.reshape(out.shape))
+    return _Posted([dist.all_reduce(buf, op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
+
+
+def _post_reduce_scatter(ev, e, group) -> _Posted:
+    src = ev.get(e.input)
+    out = ev.get(e.out)
+    full = ev.full_sizes(e.out)
+    b = _mesh_axis(e.out)
+    whole = src.reshape(full)
+    if not _outermost(full, b):
+        whole = whole.movedim(b, 0)
+    whole = _contiguous(whole)
+    buf, after = _staged(out, [-1])
+    work = _reduce_scatter(buf, whole.reshape(-1), op=_RED_OPS[e.red_op], group=group, async_op=True)
+    return _Posted([work], after)
+
+
+def _holds(ev, tv: ir.TensorView) -> bool:
+    return tv.mesh is None or ev.communicator.rank in tv.mesh
+
+
+def _post_broadcast(ev, e, group) -> _Posted:
+    rank = ev.communicator.rank
+    out = ev.get(e.out) if _holds(ev, e.out) else None
+    if rank == e.root:
+        src = ev.get(e.input)
+        if out is None:
+            return _Posted([dist.broadcast(_contiguous(src), src=e.root, group=group, async_op=True)])
+        out.copy_(src.reshape(out.shape))
+    buf, after = _staged(out, out.shape)
+    return _Posted([dist.broadcast(buf, src=e.root, group=group, async_op=True)], after)
+
+
+def _post_gather(ev, e, group) -> _Posted:
+    rank = ev.communicator.rank
+    if _holds(ev, e.input):
+        src = _contiguous(ev.get(e.input))
+    else:
+        # The root is outside the sender mesh: it sends a dummy piece.
+        src = torch.empty(ev.local_sizes(e.input), dtype=e.input.dtype, device=ev.device)
+    if rank != e.root:
+        return _Posted([dist.gather(src, None, dst=e.root, group=group, async_op=True)])
+    out = ev.get(e.out)
+    pieces = [torch.empty_like(src) for _ in e.team]
+    a = _mesh_axis(e.input)
+    senders = [r for r in e.team if r in e.input.mesh]
+
+    def after():
+        ordered = [pieces[e.team.index(r)] for r in senders]
+        out.copy_(torch.cat(ordered, dim=a).reshape(out.shape))
+
+    return _Posted([dist.gather(src, pieces, dst=e.root, group=group, async_op=True)], after)
+
+
+def _post_scatter(ev, e, group) -> _Posted:
+    rank = ev.communicator.rank
+    out = ev.get(e.out) if _holds(ev, e.out) else None
+    if out is None:
+        # The root is outside the receiver mesh: it receives a dummy piece.
+        out_buf = torch.empty(ev.local_sizes(e.out), dtype=e.out.dtype, device=ev.device)
+        after = None
+    else:
+        out_buf, after = _staged(out, out.shape)
+    pieces = None
+    if rank == e.root:
+        whole = ev.get(e.input).reshape(ev.full_sizes(e.out))
+        b = _mesh_axis(e.out)
+        chunks = whole.chunk(len(e.out.mesh.devices), dim=b)
+        by_rank = dict(zip(e.out.mesh.devices, chunks))
+        pieces = [_contiguous(by_rank.get(r, chunks[0])).view(out_buf.shape) for r in e.team]
+    return _Posted([dist.scatter(out_buf, pieces, src=e.root, group=group, async_op=True)], after)
+
+
+def _post_reduce(ev, e, group) -> _Posted:
+    rank = ev.communicator.rank
+    red_op = _RED_OPS[e.red_op]
+    if rank != e.root:
+        piece = ev.get(e.input).clone(memory_format=torch.contiguous_format)
+        return _Posted([dist.reduce(piece, dst=e.root, op=red_op, group=group, async_op=True)])
+    out = ev.get(e.out)
+    buf, after = _staged(out, out.shape)
+    if _holds(ev, e.input):
+        buf.copy_(ev.get(e.input).reshape(out.shape))
+    else:
+        _fill_identity(buf, e.red_op)
+    return _Posted([dist.reduce(buf, dst=e.root, op=red_op, group=group, async_op=True)], after)
+
+
+def _fill_identity(t: torch.Tensor, red_op: str) -> None:
+    if red_op == "sum":
+        t.zero_()
+    elif t.dtype.is_floating_point:
+        t.fill_(float("-inf") if red_op == "max" else float("inf"))
+    else:
+        info = torch.iinfo(t.dtype)
+        t.fill_(info.min if red_op == "max" else info.max)
+
+
+def _post_send_recv(ev, e, group) -> _Posted:
+    rank = ev.communicator.rank
+    sender, receiver = e.root, (e.team[-1] if len(e.team) > 1 else e.team[0])
+    if sender == receiver:
+        ev.get(e.out).copy_(ev.get(e.input).reshape(ev.get(e.out).shape))
+        return _Posted([_NoWork()])
+    if rank == sender:
+        return _Posted([dist.isend(_contiguous(ev.get(e.input)), dst=receiver, group=group)])
+    out = ev.get(e.out)
+    buf, after = _staged(out, out.shape)
+    return _Posted([dist.irecv(buf, src=sender, group=group)], after)
+
+
+_POST = {
+    ir.CommunicationType.Allgather: _post_allgather,
+    ir.CommunicationType.Allreduce: _post_allreduce,
+    ir.CommunicationType.ReduceScatter: _post_reduce_scatter,
+    ir.CommunicationType.Broadcast: _post_broadcast,
+    ir.CommunicationType.Gather: _post_gather,
+    ir.CommunicationType.Scatter: _post_scatter,
+    ir.CommunicationType.Reduce: _post_reduce,
+    ir.CommunicationType.SendRecv: _post_send_recv,
+}
+
+
+def _log_posting(ev: HostIrEvaluator, e, tensors) -> None:
+    if ev.dumper is not None and ev.dumper.enabled("communication"):
+        sizes = ", ".join(f"{name} {list(t.shape)}" for name, t in tensors if t is not None)
+        ev.dumper.emit("communication", f"Posting {printer.format_expr_head(e)}", f"  with {sizes}")
+
+
+@impl(ir.Communication)
+def _communication(ev: HostIrEvaluator, e: ir.Communication) -> None:
+    comm = ev.communicator
+    if comm.rank not in e.team:
+        return
+    group = comm.group(e.team)
+    _log_posting(ev, e, [("input", ev.get(e.input, None)), ("output", ev.get(e.out, None))])
+    try:
+        ev._works[e] = _POST[e.type](ev, e, group)
+    except Exception as err:
+        raise _classify(err, e, ev) from err
+
+
+@impl(ir.P2PCommunication)
+def _p2p(ev: HostIrEvaluator, e: ir.P2PCommunication) -> None:
+    comm = ev.communicator
+    peer = int(ev.get(e.peer))
+    if not 0 <= peer < comm.world_size:
+        raise ValueError(f"invalid peer {peer}: the world has {comm.world_size} ranks")
+    buf = ev.get(e.buffer)
+    if not buf.is_contiguous():
+        raise ValueError(f"the buffer of a P2P communication must be contiguous (strides {list(buf.stride())})")
+    if ev._coalescing is not None:
+        fn = dist.isend if e.type == "send" else dist.irecv
+        ev._coalescing.append(dist.P2POp(fn, buf, peer))
+        ev._works[e] = _Posted([])
+        return
+    work = dist.isend(buf, dst=peer) if e.type == "send" else dist.irecv(buf, src=peer)
+    ev._works[e] = _Posted([work])
+
+
+@impl(ir.StartCoalescing)
+def _start_coalescing(ev: HostIrEvaluator, e: ir.StartCoalescing) -> None:
+    if ev._coalescing is not None:
+        raise RuntimeError("StartCoalescing inside an open coalescing group")
+    ev._coalescing = []
+
+
+@impl(ir.EndCoalescing)
+def _end_coalescing(ev: HostIrEvaluator, e: ir.EndCoalescing) -> None:
+    if ev._coalescing is None:
+        raise RuntimeError("EndCoalescing without StartCoalescing")
+    ops, ev._coalescing = ev._coalescing, None
+    works = dist.batch_isend_irecv(ops) if ops else []
+    ev._works[e] = _Posted(list(works))
+
+
+@impl(ir.Wait)
+def _wait(ev: HostIrEvaluator, e: ir.Wait) -> None:
+    target = e.communication
+    if isinstance(target, ir.Communication) and ev.communicator.rank not in target.team:
+        return
+    posted = ev._works.pop(target, None)
+    if posted is None:
+        raise RuntimeError(f"no posted communication to wait for: {printer.format_expr_head(target)}")
+    try:
+        for work in posted.works:
+            work.wait()
+    except Exception as err:
+        raise _classify(err, target, ev) from err
+    if posted.after is not None:
+        posted.after()
+
+
+def _classify(err: Exception, e, ev: HostIrEvaluator) -> Exception:
+    """The error of a failed collective, naming it and this rank."""
+    from hostir.communicator import classify_error
+
+    comm = ev.communicator
+    return classify_error(err, printer.format_expr_head(e), rank=comm.rank, timeout=comm.timeout)

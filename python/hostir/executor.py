@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from hostir import ir, printer
+from hostir import communicator, ir, printer
 from hostir.container import HostIrContainer
 from hostir.evaluator import HostIrEvaluator
 from hostir.lower import lower
@@ -22,6 +22,12 @@ from hostir.options import Dumper
 from hostir.streams import streams_for
 
 EVALUATORS = ("python",)
+CHECK_RANKS = ("always", "first")
+
+
+class RankMismatchError(ValueError):
+    """Ranks disagree on the program or its inputs, or one rank rejected its
+    inputs; raised on every rank, before any collective of the program."""
 
 
 @dataclasses.dataclass
@@ -31,12 +37,26 @@ class ExecutorParams:
     number_of_streams: worker streams a stream-parallel loop cycles through
         (`numberOfStreams` in the dump); at least 1.
     evaluator: "python", the reference interpreter.
-    device: where to run; by default the device of the inputs.
+    device: where to run; by default the device of the inputs (for a
+        multi-device program, the communicator's: cuda:local_rank or cpu).
+    backend: "nccl" or "gloo" for a multi-device program; by default nccl
+        where CUDA is available. Used when the communicator is created.
+    timeout: seconds any collective may wait for a peer (default
+        HOSTIR_TIMEOUT, else 300). Used when the communicator is created.
+    check_ranks: "always" (default) makes the ranks agree on the program and
+        their inputs' shapes and dtypes before every run of a multi-device
+        program: one small collective on a control group. "first" agrees
+        only when a rank lowers a program, which saves that collective but
+        lets a rank that alone changes its input shapes meet the others'
+        collectives with the wrong sizes.
     """
 
     number_of_streams: int = 4
     evaluator: str = "python"
     device: torch.device | str | None = None
+    backend: str | None = None
+    timeout: float | None = None
+    check_ranks: str = "always"
 
     def validate(self) -> None:
         n = self.number_of_streams
@@ -44,6 +64,8 @@ class ExecutorParams:
             raise ValueError(f"number_of_streams must be an integer >= 1, got {n!r}")
         if self.evaluator not in EVALUATORS:
             raise ValueError(f"unknown evaluator {self.evaluator!r}; expected one of {list(EVALUATORS)}")
+        if self.check_ranks not in CHECK_RANKS:
+            raise ValueError(f"check_ranks must be one of {list(CHECK_RANKS)}, got {self.check_ranks!r}")
 
 
 @dataclasses.dataclass
@@ -67,7 +89,12 @@ class FusionExecutor:
         return len(self._programs)
 
     def host_ir(self) -> str:
-        """The dump of the program the fusion lowers to now."""
+        """The dump of the program the fusion lowers to now (for a
+        multi-device fusion, this rank's program)."""
+        if is_multi_device(self.fusion):
+            rank = communicator.rank()
+            backend = _BACKEND_NAMES["nccl" if torch.cuda.is_available() else "gloo"]
+            return str(lower(self.fusion, rank=rank, backend=backend))
         return str(lower(self.fusion))
 
     def execute(
@@ -79,21 +106,62 @@ class FusionExecutor:
         params = params or ExecutorParams()
         params.validate()
         inputs = _as_list(inputs, "inputs")
-        device = check_inputs(self.fusion, inputs, params.device)
-        program = self._program(inputs, device, params)
-        sizes = check_sizes(self.fusion, inputs, program.equal_axes)
-        bindings = dict(zip(program.container.inputs, inputs))
         if outputs is not None:
             outputs = _as_list(outputs, "outputs")
             if all(t is None for t in outputs) and len(outputs) == len(self.fusion.outputs):
                 outputs = None
+        if is_multi_device(self.fusion):
+            return self._execute_multi_device(inputs, outputs, params)
+        device = check_inputs(self.fusion, inputs, params.device)
+        program = self._program(inputs, device, params)
+        sizes = check_sizes(self.fusion, inputs, program.equal_axes)
+        bindings = dict(zip(program.container.inputs, inputs))
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device)
             bindings.update(zip(program.container.outputs, outputs))
         with torch.no_grad():
             return program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
 
-    def _program(self, inputs, device: torch.device, params: ExecutorParams) -> _Program:
+    def _execute_multi_device(self, inputs, outputs, params: ExecutorParams) -> list[torch.Tensor]:
+        """Check locally, agree across ranks, then run. Every local failure
+        is shared with the other ranks first, so that all raise together
+        instead of one raising and the others waiting in a collective."""
+        comm = communicator.get(backend=params.backend, timeout=params.timeout)
+        # Never hand a strided view to a collective (gloo would read the wrong
+        # memory): compact first, which also keeps contiguity out of the
+        # program cache's key so that all ranks hit or miss it together.
+        inputs = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs]
+        error, program, new = None, None, False
+        try:
+            check_world(self.fusion, comm.world_size)
+            device = check_inputs(self.fusion, inputs, comm.device, sharded=True)
+            before = self.lowerings
+            program = self._program(inputs, device, params, comm)
+            new = self.lowerings != before
+            sizes = check_sizes(self.fusion, inputs, program.equal_axes)
+            if outputs is not None:
+                check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
+        except (ValueError, TypeError, IndexError) as err:
+            if params.check_ranks != "always":
+                raise
+            error = err
+        teams = program.container.all_teams if program is not None else []
+        need_groups = bool(comm.missing_teams(teams))
+        if params.check_ranks == "always" or new:
+            digest = program.container.digest if program is not None else None
+            need_groups = agree(comm, digest, input_signature(inputs), error, need_groups)
+        if need_groups:
+            comm.ensure_groups(teams)
+        container = program.container
+        bindings = {tv: to_loop(tv, t) for tv, t in zip(container.inputs, inputs)}
+        if outputs is not None:
+            for tv, t in zip(container.outputs, outputs):
+                bindings[tv] = to_loop(tv, t)
+        with torch.no_grad():
+            results = program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
+        return [None if r is None else to_logical(tv, r) for tv, r in zip(container.outputs, results)]
+
+    def _program(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> _Program:
         if self.fusion.version != self._version:
             self._programs.clear()
             self._version = self.fusion.version
@@ -104,19 +172,23 @@ class FusionExecutor:
         )
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = self._lower(device)
+            program = self._programs[key] = self._lower(device, comm)
         return program
 
-    def _lower(self, device: torch.device) -> _Program:
-        dumper = Dumper()
+    def _lower(self, device: torch.device, comm=None) -> _Program:
+        rank = comm.rank if comm is not None else 0
+        dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
-        container = lower(self.fusion, dumper)
+        if comm is None:
+            container = lower(self.fusion, dumper)
+        else:
+            container = lower(self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend])
         dumper.emit("host_ir", "Host program:", str(container))
         self.lowerings += 1
         streams = self._streams.get(device)
         if streams is None:
             streams = self._streams[device] = streams_for(device)
-        evaluator = HostIrEvaluator(container, streams=streams, device=device)
+        evaluator = HostIrEvaluator(container, streams=streams, device=device, communicator=comm, dumper=dumper)
         return _Program(container, evaluator, _equal_input_axes(self.fusion))
 
 
@@ -142,9 +214,11 @@ def _check_tensor(what: str, tv: ir.TensorView, t) -> None:
         raise TypeError(f"{what}: expected dtype {tv.dtype}, got {t.dtype}")
 
 
-def check_inputs(fusion: ir.Fusion, inputs: list, device=None) -> torch.device:
+def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = False) -> torch.device:
     """Raise unless `inputs` match the fusion's inputs in count, type, dtype,
-    rank, fixed sizes and device; return the device to run on."""
+    rank, fixed sizes and device; return the device to run on. Sizes are
+    those of this rank's pieces: 1 on a mesh_x axis, extent / mesh size on
+    a split axis sharded by the mesh."""
     if len(inputs) != len(fusion.inputs):
         raise ValueError(
             f"Wrong number of inputs: the fusion takes {len(fusion.inputs)} {signature(fusion)}, "
@@ -153,30 +227,157 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None) -> torch.device:
     for i, (tv, t) in enumerate(zip(fusion.inputs, inputs)):
         what = f"input {i} (T{tv.name})"
         _check_tensor(what, tv, t)
-        if t.dim() != tv.ndim:
+        if t.dim() != tv.logical_ndim:
             raise ValueError(
-                f"{what}: expected {tv.ndim} dims, got {t.dim()} (shape {list(t.shape)}); "
+                f"{what}: expected {tv.logical_ndim} dims, got {t.dim()} (shape {list(t.shape)}); "
                 f"the fusion takes {signature(fusion)}"
             )
-        for axis, (d, size) in enumerate(zip(tv.runtime_domain(), t.shape)):
-            if d.extent.is_constant and size != d.extent.value:
-                raise ValueError(f"{what}: axis {axis} must have size {d.extent.value}, got {size}")
+        for axis, (d, size) in enumerate(zip(tv.logical_runtime(), t.shape)):
+            expected = local_extent(tv, d)
+            if expected is not None and size != expected:
+                whole = f" (extent {d.extent.value} sharded over {tv.mesh.x_size} ranks)" if expected != d.extent.value else ""
+                raise ValueError(f"{what}: axis {axis} must have size {expected}{whole}, got {size}")
+            for f in _split_factors(d):
+                if size % f:
+                    raise ValueError(
+                        f"{what}: axis {axis} has size {size}, not divisible by {f} (it is split by {f})"
+                    )
     expected = torch.device(device) if device is not None else (inputs[0].device if inputs else torch.device("cpu"))
     for i, t in enumerate(inputs):
         if t.device != expected:
+            where = " (the device of input 0)" if device is None else (" (this rank's device)" if sharded else "")
             raise ValueError(
-                f"input {i} (T{fusion.inputs[i].name}) is on {t.device} but the fusion runs on {expected}"
-                + ("" if device is not None else " (the device of input 0)")
+                f"input {i} (T{fusion.inputs[i].name}) is on {t.device} but the fusion runs on {expected}{where}"
             )
     return expected
+
+
+def local_extent(tv: ir.TensorView, d: ir.IterDomain) -> int | None:
+    """This rank's size of logical axis `d` if it is fixed, else None."""
+    if d.is_device_parallel:
+        return 1
+    if not d.extent.is_constant:
+        return None
+    size = d.extent.value
+    for leaf in d.loop_leaves():
+        if leaf.is_device_parallel:
+            size //= leaf.extent.value
+    return size
+
+
+def _split_factors(d: ir.IterDomain) -> list[int]:
+    """Constant extents of the non-sharded pieces of a split symbolic axis:
+    its local size must be divisible by their product."""
+    if d.leaves is None or d.extent.is_constant:
+        return []
+    prod = 1
+    for leaf in d.leaves:
+        if leaf.extent.is_constant and not leaf.is_device_parallel:
+            prod *= leaf.extent.value
+    return [prod] if prod > 1 else []
+
+
+def is_multi_device(fusion: ir.Fusion) -> bool:
+    tvs = list(fusion.inputs) + list(fusion.outputs) + [v for e in fusion.exprs for v in e.outputs()]
+    return any(tv.mesh is not None or tv.device_axes() for tv in tvs)
+
+
+def check_world(fusion: ir.Fusion, world_size: int) -> None:
+    """A mesh names ranks the world must have."""
+    tvs = list(fusion.inputs) + [v for e in fusion.exprs for v in e.outputs()]
+    needed = max((max(tv.mesh.devices) + 1 for tv in tvs if tv.mesh is not None), default=1)
+    if needed > world_size:
+        hint = ""
+        if world_size == 1:
+            hint = (
+                " (no launcher variables were found: run every rank under mpirun or torchrun, which set "
+                "OMPI_COMM_WORLD_RANK/SIZE or RANK/WORLD_SIZE)"
+            )
+        raise ValueError(f"the fusion requests {needed} devices to run, but there are only {world_size} ranks{hint}")
+
+
+def input_signature(inputs: list) -> list[tuple]:
+    """What ranks compare of their inputs: shapes and dtypes (local pieces
+    have the same shape on every rank: shards are even)."""
+    return [
+        (list(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else (None, type(t).__name__)
+        for t in inputs
+    ]
+
+
+def agree(comm, digest: str | None, inputs_sig: list, error: Exception | None, need_groups: bool = False) -> bool:
+    """Raise `RankMismatchError` on every rank if any rank failed its local
+    checks, lowered another program, or has inputs of other shapes or
+    dtypes; else return whether any rank still lacks a process group of the
+    program (then all create them together). Runs on the communicator's
+    control group, so a rank that skips it ends in a timeout there rather
+    than in a data collective."""
+    mine = {
+        "digest": digest,
+        "inputs": inputs_sig,
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+        "need_groups": need_groups,
+    }
+    everyone = comm.all_gather_object(mine)
+    for r, theirs in enumerate(everyone):
+        if theirs["error"] is not None:
+            raise RankMismatchError(f"rank {r} failed before the program ran: {theirs['error']}") from error
+    ref = everyone[0]
+    for r, theirs in enumerate(everyone[1:], start=1):
+        if theirs["digest"] != ref["digest"]:
+            raise RankMismatchError(
+                f"the host program differs across ranks: rank {r} lowered program {theirs['digest'][:12]} "
+                f"but rank 0 lowered {ref['digest'][:12]}; every rank must define and schedule the same "
+                f"fusion (print it with HOSTIR_DUMP=host_ir HOSTIR_DUMP_RANKS=all)"
+            )
+        for i, (a, b) in enumerate(zip(theirs["inputs"], ref["inputs"])):
+            if a != b:
+                raise RankMismatchError(
+                    f"inputs differ across ranks: rank {r} input {i} has shape {a[0]} and dtype {a[1]}, "
+                    f"but rank 0 input {i} has shape {b[0]} and dtype {b[1]}"
+                )
+    return any(theirs["need_groups"] for theirs in everyone)
+
+
+def to_loop(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
+    """View a rank's piece `t` (logical axes) with `tv`'s loop axes."""
+    if not tv.is_split:
+        return t
+    shape = []
+    for d, size in zip(tv.logical_runtime(), t.shape):
+        leaves = d.loop_leaves()
+        local = [1 if x.is_device_parallel else (x.extent.value if x.extent.is_constant else None) for x in leaves]
+        known = 1
+        for v in local:
+            known *= v if v is not None else 1
+        shape += [size // known if v is None else v for v in local]
+    return t.view(shape)
+
+
+def to_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
+    """View a loop-shaped result of `tv` with its logical axes."""
+    if not tv.is_split:
+        return t
+    shape, i = [], 0
+    for d in tv.logical_runtime():
+        size = 1
+        for _ in d.loop_leaves():
+            size *= t.shape[i]
+            i += 1
+        shape.append(size)
+    return t.view(shape)
+
+
+_BACKEND_NAMES = {"nccl": "NCCL", "gloo": "gloo"}
 
 
 def _equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
     """Groups of (input index, axis) whose sizes ops require to be equal."""
     where = {}
     for i, tv in enumerate(fusion.inputs):
-        for axis, d in enumerate(tv.runtime_domain()):
-            where[d] = (i, axis)
+        for axis, d in enumerate(tv.logical_runtime()):
+            if not d.is_device_parallel and d.leaves is None:
+                where[d] = (i, axis)
     groups = []
     for members in ir.IdGraph(fusion.exprs, broadcast=False).groups():
         found = sorted(where[d] for d in members if d in where)
@@ -200,14 +401,16 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
                 )
     sizes = {}
     for tv, t in zip(fusion.inputs, inputs):
-        for d, size in zip(tv.runtime_domain(), t.shape):
-            sizes.setdefault(d.extent, size)
+        for d, size in zip(tv.logical_runtime(), t.shape):
+            if not d.is_device_parallel and d.leaves is None:
+                sizes.setdefault(d.extent, size)
     return sizes
 
 
-def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device: torch.device) -> None:
+def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device: torch.device, tvs=None) -> None:
     """Raise unless every output is preallocated with the right shape, dtype
-    and device, contiguous, and sharing no memory with an input."""
+    and device, contiguous, and sharing no memory with an input. `tvs` are
+    the lowered program's outputs (which carry propagated shardings)."""
     unset = [i for i, t in enumerate(outputs) if t is None]
     if unset and len(unset) < len(outputs):
         raise ValueError(f"outputs must be all or none preallocated: outputs {unset} are None")
@@ -216,20 +419,31 @@ def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device:
             f"outputs must be all or none preallocated: the fusion has {len(fusion.outputs)} "
             f"outputs, got {len(outputs)} tensors"
         )
-    for i, (tv, t) in enumerate(zip(fusion.outputs, outputs)):
+    for i, (tv, t) in enumerate(zip(tvs or fusion.outputs, outputs)):
         what = f"preallocated output {i} (T{tv.name})"
         _check_tensor(what, tv, t)
         if t.device != device:
             raise ValueError(f"{what} is on {t.device} but the fusion runs on {device}")
-        shape = []
-        for d in tv.runtime_domain():
-            shape.append(d.extent.value if d.extent.is_constant else sizes.get(d.extent))
+        shape = [_local_output_size(tv, d, sizes) for d in tv.logical_runtime()]
         if list(t.shape) != shape:
             raise ValueError(f"{what}: expected shape {shape}, got {list(t.shape)}")
         if not t.is_contiguous():
             raise ValueError(f"{what} must be contiguous (strides {list(t.stride())})")
         if t.numel() and any(_shares_memory(t, x) for x in inputs):
             raise ValueError(f"{what} shares memory with an input; pass a separate buffer")
+
+
+def _local_output_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None:
+    fixed = local_extent(tv, d)
+    if fixed is not None:
+        return fixed
+    size = sizes.get(d.extent)
+    if size is None:
+        return None
+    for leaf in d.loop_leaves():
+        if leaf.is_device_parallel:
+            size //= leaf.extent.value
+    return size
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -106,8 +106,17 @@ class Scalar:
     def is_constant(self) -> bool:
         return self.value is not None
 
-    def __mod__(self, other: Scalar) -> ScalarExpr:
-        return ScalarExpr("%", self, other)
+    def __mod__(self, other: Scalar | int) -> ScalarExpr:
+        return ScalarExpr("%", self, _scalar(other))
+
+    def __add__(self, other: Scalar | int) -> ScalarExpr:
+        return ScalarExpr("+", self, _scalar(other))
+
+    def __sub__(self, other: Scalar | int) -> ScalarExpr:
+        return ScalarExpr("-", self, _scalar(other))
+
+    def __rsub__(self, other: int) -> ScalarExpr:
+        return ScalarExpr("-", _scalar(other), self)
 
     def __repr__(self) -> str:
         from hostir.printer import format_scalar
@@ -119,7 +128,13 @@ class ScalarExpr(Scalar):
     """A scalar computed from two others, evaluated whenever it is read."""
 
     __slots__ = ("op", "lhs", "rhs")
-    OPS = {"%": lambda a, b: a % b, "*": lambda a, b: a * b}
+    OPS = {
+        "%": lambda a, b: a % b,
+        "*": lambda a, b: a * b,
+        "+": lambda a, b: a + b,
+        "-": lambda a, b: a - b,
+        "/": lambda a, b: a // b,
+    }
 
     def __init__(self, op: str, lhs: Scalar, rhs: Scalar):
         if op not in self.OPS:
@@ -131,6 +146,10 @@ class ScalarExpr(Scalar):
     @property
     def is_constant(self) -> bool:
         return False
+
+
+def _scalar(v) -> Scalar:
+    return v if isinstance(v, Scalar) else Scalar.constant(v)
 
 
 def product(extents: Sequence[Scalar]) -> Scalar:
@@ -146,10 +165,100 @@ def product(extents: Sequence[Scalar]) -> Scalar:
 # ---------------------------------------------------------------- domains
 
 
-class IterDomain:
-    """One axis of a tensor: an extent, an iteration type, a parallel type."""
+class DeviceMesh:
+    """The ranks a tensor lives on. A 1-D mesh is a list of ranks; an n-D
+    mesh (a nested list or an n-D tensor) is accepted too, and `mesh_x` then
+    shards along its last dimension: each row of that dimension is one team.
+    A mesh is a value: two meshes with the same shape and ranks are equal."""
 
-    __slots__ = ("name", "extent", "iter_type", "parallel_type", "owner")
+    __slots__ = ("shape", "devices")
+
+    def __init__(self, devices):
+        if isinstance(devices, DeviceMesh):
+            self.shape, self.devices = devices.shape, devices.devices
+            return
+        if isinstance(devices, range):
+            devices = list(devices)
+        if isinstance(devices, (list, tuple)) and not devices:
+            raise ValueError("a DeviceMesh needs at least one rank")
+        try:
+            t = torch.as_tensor(devices)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"DeviceMesh takes a list, range or tensor of ranks, got {devices!r}") from e
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype is torch.bool:
+            raise TypeError(f"DeviceMesh ranks must be integers, got {t.dtype}")
+        if t.numel() == 0:
+            raise ValueError("a DeviceMesh needs at least one rank")
+        if t.dim() == 0:
+            t = t.reshape(1)
+        flat = [int(r) for r in t.flatten().tolist()]
+        bad = [r for r in flat if r < 0]
+        if bad:
+            raise ValueError(f"DeviceMesh ranks must be >= 0, got {bad}")
+        dup = sorted({r for r in flat if flat.count(r) > 1})
+        if dup:
+            raise ValueError(f"DeviceMesh ranks must be unique; {dup} appear more than once")
+        self.shape = tuple(t.shape)
+        self.devices = tuple(flat)
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def x_size(self) -> int:
+        """How many ways `mesh_x` shards: the size of the last dimension."""
+        return self.shape[-1]
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self.devices
+
+    def teams(self) -> list[tuple[int, ...]]:
+        """The rows along the last dimension: the teams of a `mesh_x` axis."""
+        n = self.x_size
+        return [self.devices[i : i + n] for i in range(0, self.size, n)]
+
+    def team_of(self, rank: int) -> tuple[int, ...]:
+        for team in self.teams():
+            if rank in team:
+                return team
+        raise ValueError(f"rank {rank} is not in {self}")
+
+    def x_index(self, rank: int) -> int:
+        """The position of `rank` along the last dimension: which shard it holds."""
+        return self.team_of(rank).index(rank)
+
+    def shard_tensor(self, t: torch.Tensor, axis: int, rank: int) -> torch.Tensor:
+        """`rank`'s piece of `t` cut into `x_size` equal chunks along `axis`."""
+        n = self.x_size
+        if t.shape[axis] % n:
+            raise ValueError(f"axis {axis}: extent {t.shape[axis]} not divisible by mesh size {n}")
+        return t.chunk(n, axis)[self.x_index(rank)]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, DeviceMesh) and (self.shape, self.devices) == (other.shape, other.devices)
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.devices))
+
+    def __repr__(self) -> str:
+        if self.ndim == 1:
+            return "DeviceMesh{" + " ".join(map(str, self.devices)) + "}"
+        rows = " ".join("{" + " ".join(map(str, row)) + "}" for row in self.teams())
+        return "DeviceMesh{" + rows + "}"
+
+
+class IterDomain:
+    """One axis of a tensor: an extent, an iteration type, a parallel type.
+
+    An axis made by splitting another records the logical axis it came from
+    (`parent`); a split logical axis lists the axes it became (`leaves`)."""
+
+    __slots__ = ("name", "extent", "iter_type", "parallel_type", "owner", "parent", "leaves")
 
     def __init__(
         self,
@@ -164,6 +273,8 @@ class IterDomain:
         self.extent = extent
         self.iter_type = iter_type
         self.parallel_type = parallel_type
+        self.parent: IterDomain | None = None
+        self.leaves: list[IterDomain] | None = None
 
     def clone(self, owner: IrContainer, iter_type: IterType | None = None) -> IterDomain:
         return IterDomain(owner, self.extent, iter_type or self.iter_type, self.parallel_type)
@@ -176,10 +287,22 @@ class IterDomain:
     def is_broadcast(self) -> bool:
         return self.iter_type is IterType.broadcast
 
+    @property
+    def is_device_parallel(self) -> bool:
+        return self.parallel_type is ParallelType.mesh_x
+
+    def loop_leaves(self) -> list[IterDomain]:
+        """The loop axes this logical axis became (itself if unsplit)."""
+        return self.leaves if self.leaves is not None else [self]
+
     def parallelize(self, parallel_type: ParallelType) -> IterDomain:
         """Mark this axis `stream`, `mesh_x` or back to `serial`."""
         if not isinstance(parallel_type, ParallelType):
             raise TypeError(f"parallelize takes a ParallelType, got {parallel_type!r}")
+        if self.leaves is not None:
+            raise ValueError(
+                f"{self!r} has been split; parallelize one of the axes it was split into"
+            )
         self.parallel_type = parallel_type
         bump = getattr(self.owner, "bump_version", None)
         if bump is not None:
@@ -193,11 +316,16 @@ class IterDomain:
 
 
 class TensorView:
-    """A tensor of the program: a name `T<n>`, a dtype, a memory type and a
-    logical domain. Reduction axes stay in the domain (printed `r...`) but
-    have no extent in the runtime tensor."""
+    """A tensor of the program: a name `T<n>`, a dtype, a memory type, a
+    logical domain and a loop domain, and optionally the mesh it lives on.
 
-    __slots__ = ("name", "domain", "dtype", "memory_type", "owner", "__weakref__")
+    The logical domain is the tensor as defined; the loop domain (`domain`)
+    is the logical one with split axes replaced by the axes they were split
+    into. Ops, allocations and slices work on the loop domain. Reduction axes
+    stay in the domain (printed `r...`) but have no extent in the runtime
+    tensor; a `mesh_x` axis has extent 1 in each rank's local tensor."""
+
+    __slots__ = ("name", "logical", "domain", "dtype", "memory_type", "owner", "mesh", "__weakref__")
 
     def __init__(
         self,
@@ -206,22 +334,34 @@ class TensorView:
         dtype: torch.dtype,
         memory_type: MemoryType = MemoryType.local,
         name: int | None = None,
+        mesh: DeviceMesh | None = None,
+        logical: Sequence[IterDomain] | None = None,
     ):
         if dtype not in _DTYPE_NAMES:
             raise TypeError(f"dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES)}")
         self.owner = owner
         self.name = owner.next_name("tv") if name is None else name
         self.domain = list(domain)
+        self.logical = list(logical) if logical is not None else list(domain)
         self.dtype = dtype
         self.memory_type = memory_type
+        self.mesh = mesh
 
     @property
     def ndim(self) -> int:
         """Number of axes of the runtime tensor (reduction axes excluded)."""
         return sum(1 for d in self.domain if not d.is_reduction)
 
+    @property
+    def logical_ndim(self) -> int:
+        """Number of axes of the tensor a user passes or gets back."""
+        return sum(1 for d in self.logical if not d.is_reduction)
+
     def runtime_domain(self) -> list[IterDomain]:
         return [d for d in self.domain if not d.is_reduction]
+
+    def logical_runtime(self) -> list[IterDomain]:
+        return [d for d in self.logical if not d.is_reduction]
 
     def runtime_position(self, axis: IterDomain) -> int:
         """Position of `axis` in the runtime tensor's dims."""
@@ -234,7 +374,8 @@ class TensorView:
         raise ValueError(f"{axis} is not an axis of {self}")
 
     def axis(self, i: int) -> IterDomain:
-        """The i-th axis (negative counts from the end), reduction axes included."""
+        """The i-th loop axis (negative counts from the end), reduction axes
+        included; after a split, the axes it made."""
         n = len(self.domain)
         if not isinstance(i, int) or not -n <= i < n:
             raise IndexError(f"axis {i} is out of range for T{self.name}, which has {n} axes")
@@ -242,6 +383,73 @@ class TensorView:
 
     def stream_axes(self) -> list[IterDomain]:
         return [d for d in self.domain if d.parallel_type is ParallelType.stream]
+
+    def device_axes(self) -> list[IterDomain]:
+        return [d for d in self.domain if d.is_device_parallel and not d.is_reduction]
+
+    @property
+    def is_split(self) -> bool:
+        return len(self.domain) != len(self.logical) or any(d.leaves is not None for d in self.logical)
+
+    # -- scheduling
+    def set_device_mesh(self, mesh: DeviceMesh) -> TensorView:
+        """Place this tensor on `mesh` (replicated until an axis is `mesh_x`)."""
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"set_device_mesh takes a DeviceMesh, got {type(mesh).__name__}")
+        self.mesh = mesh
+        self._bump()
+        return self
+
+    def outer_split(self, axis: int, factor: int) -> TensorView:
+        """Replace loop axis `axis` (extent e) by [factor, e / factor]: the
+        outer axis can then be `mesh_x` (each rank holds e / factor) or
+        `stream`."""
+        return self._split(axis, factor, outer=True)
+
+    def split(self, axis: int, factor: int) -> TensorView:
+        """Replace loop axis `axis` (extent e) by [e / factor, factor]."""
+        return self._split(axis, factor, outer=False)
+
+    def _split(self, axis: int, factor: int, outer: bool) -> TensorView:
+        d = self.axis(axis)
+        if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
+            raise ValueError(f"split factor must be an integer >= 1, got {factor!r}")
+        if d.is_broadcast:
+            raise ValueError(f"cannot split broadcast axis {d!r} of T{self.name}")
+        if d.parallel_type is not ParallelType.serial:
+            raise ValueError(f"split {d!r} of T{self.name} before parallelizing it")
+        if d.extent.is_constant and d.extent.value % factor:
+            raise ValueError(
+                f"axis {axis} of T{self.name}: extent {d.extent.value} not divisible by {factor}"
+            )
+        if d.extent.is_constant:
+            rest = Scalar.constant(d.extent.value // factor)
+        else:
+            rest = ScalarExpr("/", d.extent, Scalar.constant(factor))
+        f = Scalar.constant(factor)
+        outer_ext, inner_ext = (f, rest) if outer else (rest, f)
+        root = d.parent or d
+        made = [IterDomain(self.owner, outer_ext, d.iter_type), IterDomain(self.owner, inner_ext, d.iter_type)]
+        for m in made:
+            m.parent = root
+        leaves = root.loop_leaves()
+        at = leaves.index(d)
+        root.leaves = leaves[:at] + made + leaves[at + 1 :]
+        i = self.domain.index(d)
+        self.domain[i : i + 1] = made
+        self._bump()
+        return self
+
+    def _bump(self) -> None:
+        bump = getattr(self.owner, "bump_version", None)
+        if bump is not None:
+            bump()
+
+    # -- shapes of a rank's tensors
+    def local_sizes(self, sizes: Sequence[int]) -> list[int]:
+        """The local loop shape, from the loop extents' values `sizes` (one
+        per runtime axis): 1 on a `mesh_x` axis."""
+        return [1 if d.is_device_parallel else s for d, s in zip(self.runtime_domain(), sizes)]
 
     def __repr__(self) -> str:
         from hostir.printer import format_tv
@@ -307,7 +515,7 @@ def _op(cls):
 
 def _zip_axes(out: TensorView, inp: TensorView) -> Iterator[tuple[IterDomain, IterDomain]]:
     # An operand's reduction axes (left by the op that made it) take no part.
-    yield from zip(out.runtime_domain(), inp.runtime_domain())
+    yield from zip(out.logical_runtime(), inp.logical_runtime())
 
 
 @_op
@@ -360,7 +568,7 @@ class ReductionOp(Expr):
         return [i for i, d in enumerate(self.out.domain) if d.is_reduction]
 
     def id_pairs(self):
-        return zip(self.out.domain, self.input.runtime_domain())
+        return zip(self.out.logical, self.input.logical_runtime())
 
 
 @_op
@@ -375,7 +583,7 @@ class MatmulOp(Expr):
     OUTPUTS = ("out",)
 
     def id_pairs(self):
-        a, b, out = self.a.runtime_domain(), self.b.runtime_domain(), self.out.domain
+        a, b, out = self.a.logical_runtime(), self.b.logical_runtime(), self.out.logical
         *batch_out, m, n, k = out
         yield m, a[-2]
         yield n, b[-1]
@@ -401,12 +609,12 @@ class LinearOp(Expr):
     OUTPUTS = ("out",)
 
     def id_pairs(self):
-        x, w = self.input.runtime_domain(), self.weight.runtime_domain()
-        *lead, n, k = self.out.domain
+        x, w = self.input.logical_runtime(), self.weight.logical_runtime()
+        *lead, n, k = self.out.logical
         yield from zip(lead, x[:-1])
         yield n, w[0]
         if self.bias is not None:
-            yield n, self.bias.runtime_domain()[0]
+            yield n, self.bias.logical_runtime()[0]
         yield k, x[-1]
         yield k, w[1]
 
@@ -493,6 +701,121 @@ class Deallocate(Expr):
     INPUTS = ("buffer",)
 
 
+class CommunicationType(enum.Enum):
+    Allgather = "Allgather"
+    Allreduce = "Allreduce"
+    ReduceScatter = "ReduceScatter"
+    Broadcast = "Broadcast"
+    Gather = "Gather"
+    Scatter = "Scatter"
+    Reduce = "Reduce"
+    SendRecv = "SendRecv"
+
+    @property
+    def has_root(self) -> bool:
+        return self in (
+            CommunicationType.Broadcast,
+            CommunicationType.Gather,
+            CommunicationType.Scatter,
+            CommunicationType.Reduce,
+            CommunicationType.SendRecv,
+        )
+
+    @property
+    def reduces(self) -> bool:
+        return self in (CommunicationType.Allreduce, CommunicationType.ReduceScatter, CommunicationType.Reduce)
+
+
+@_op
+class Communication(Expr):
+    """A collective over `team` (global ranks) that moves `input` (this
+    rank's local piece) into `out`. Posting it does not block the host: it
+    is enqueued after the work already on the current stream (NCCL) or runs
+    in the background (gloo), and its `Wait` makes the current stream (NCCL)
+    or the host (gloo) wait for it. A rank outside `team` does nothing; a
+    rank outside `input`'s mesh sends nothing of its own, one outside
+    `out`'s mesh keeps nothing. `root` is a global rank (Broadcast, Gather, Scatter,
+    Reduce; the sender of SendRecv); `red_op` is sum, max or min."""
+
+    name: int
+    type: CommunicationType
+    out: TensorView
+    input: TensorView
+    team: tuple
+    root: int | None = None
+    red_op: str | None = None
+    backend: str = "NCCL"
+    INPUTS = ("input",)
+    OUTPUTS = ("out",)
+
+    def __post_init__(self):
+        if not self.team:
+            raise ValueError("a Communication needs a non-empty team")
+        if self.type.has_root != (self.root is not None):
+            raise ValueError(f"root {self.root} is not expected by {self.type.value}")
+        if self.root is not None and self.root not in self.team:
+            raise ValueError(f"root {self.root} is not in team {self.team}")
+        if self.type.reduces != (self.red_op is not None):
+            raise ValueError(f"{self.type.value} {'needs' if self.type.reduces else 'takes no'} red_op")
+
+    def id_pairs(self):
+        if self.out.ndim == self.input.ndim:
+            yield from zip(self.out.runtime_domain(), self.input.runtime_domain())
+
+
+@_op
+class P2PCommunication(Expr):
+    """Sends `buffer` to, or receives it from, the global rank `peer` (a
+    scalar evaluated at run time). Posting does not block the host; a `Wait`
+    on it, or on the `EndCoalescing` of its group, completes it. The buffer
+    must be bound before (a recv writes into it)."""
+
+    name: int
+    type: str  # "send" or "recv"
+    buffer: TensorView
+    peer: Scalar
+    backend: str = "NCCL"
+    INPUTS = ("buffer", "peer")
+
+    def __post_init__(self):
+        if self.type not in ("send", "recv"):
+            raise ValueError(f"P2PCommunication type must be send or recv, got {self.type!r}")
+
+
+@_op
+class StartCoalescing(Expr):
+    """P2P communications posted until the matching `EndCoalescing` are
+    grouped and posted together (one NCCL group), so a send and a recv
+    between two ranks cannot deadlock each other."""
+
+
+@_op
+class EndCoalescing(Expr):
+    """Posts the group opened by `StartCoalescing`; a `Wait` on it completes
+    every communication of the group."""
+
+    name: int
+
+
+@_op
+class Wait(Expr):
+    """Completes `communication`: on NCCL the current stream waits for it
+    (the host does not block); on gloo the host waits, with the
+    communicator's timeout. After it, the output buffer holds the result."""
+
+    communication: Expr
+
+    def __post_init__(self):
+        if not isinstance(self.communication, (Communication, P2PCommunication, EndCoalescing)):
+            raise TypeError(
+                f"Wait takes a Communication, a P2PCommunication or an EndCoalescing, "
+                f"got {type(self.communication).__name__}"
+            )
+
+
+COMMUNICATION_OPS = (Communication, P2PCommunication, StartCoalescing, EndCoalescing, Wait)
+
+
 def walk(exprs: Sequence[Expr]) -> Iterator[Expr]:
     """Every expr, loop bodies included, in program order."""
     for e in exprs:
@@ -518,6 +841,24 @@ def read_vals(e: Expr) -> list:
 # ---------------------------------------------------------------- ID graph
 
 
+def _same_extent(a: IterDomain, b: IterDomain) -> bool:
+    from hostir.printer import format_scalar
+
+    return a.extent is b.extent or format_scalar(a.extent) == format_scalar(b.extent)
+
+
+def leaf_pairs(e: Expr) -> Iterator[tuple[IterDomain, IterDomain]]:
+    """`e.id_pairs()` on loop axes: a pair of logical axes split the same way
+    pairs their pieces in order; split differently (a resharding op that
+    gathers a split axis whole), they pair nothing."""
+    for a, b in e.id_pairs():
+        la, lb = a.loop_leaves(), b.loop_leaves()
+        if len(la) == 1 and len(lb) == 1:
+            yield a, b
+        elif len(la) == len(lb) and all(_same_extent(x, y) for x, y in zip(la, lb)):
+            yield from zip(la, lb)
+
+
 class IdGraph:
     """Union-find of axes that ops iterate together.
 
@@ -530,7 +871,7 @@ class IdGraph:
     def __init__(self, exprs: Sequence[Expr], broadcast: bool):
         self._parent: dict[IterDomain, IterDomain] = {}
         for e in walk(exprs):
-            for a, b in e.id_pairs():
+            for a, b in leaf_pairs(e):
                 if not broadcast and (a.is_broadcast or b.is_broadcast):
                     continue
                 self._union(a, b)
@@ -637,7 +978,7 @@ def _emit(fusion: Fusion, e: Expr) -> TensorView:
 
 def set_(x: TensorView) -> TensorView:
     fusion = _owner(x)
-    out = TensorView(fusion, [d.clone(fusion) for d in x.runtime_domain()], x.dtype)
+    out = TensorView(fusion, [d.clone(fusion) for d in x.logical_runtime()], x.dtype)
     return _emit(fusion, Set(out, x))
 
 
@@ -662,16 +1003,16 @@ def binary(kind: str, lhs, rhs) -> TensorView:
     lhs, rhs = _as_operand(lhs), _as_operand(rhs)
     fusion = _owner(lhs, rhs)
     tensors = [v for v in (lhs, rhs) if isinstance(v, TensorView)]
-    ranks = {t.ndim for t in tensors}
+    ranks = {t.logical_ndim for t in tensors}
     if len(ranks) > 1:
-        shapes = " and ".join(f"T{t.name} ({t.ndim} axes)" for t in tensors)
+        shapes = " and ".join(f"T{t.name} ({t.logical_ndim} axes)" for t in tensors)
         raise ValueError(f"{kind}: operands must have the same number of axes, got {shapes}")
     probe = [_probe(v) for v in (lhs, rhs)]
     if not isinstance(probe[0], torch.Tensor):
         probe[0] = torch.tensor(probe[0])
     dtype = getattr(torch, kind)(*probe).dtype
     domain = []
-    for axes in zip(*(t.runtime_domain() for t in tensors)):
+    for axes in zip(*(t.logical_runtime() for t in tensors)):
         wide = [d for d in axes if not d.is_broadcast]
         src = wide[0] if wide else axes[0]
         for d in wide[1:]:
@@ -688,7 +1029,7 @@ def _normalize_dims(x: TensorView, dims, what: str) -> list[int]:
     dims = list(dims)
     if not dims:
         raise ValueError(f"{what}: give at least one axis to reduce")
-    n = x.ndim
+    n = x.logical_ndim
     norm = []
     for d in dims:
         if not isinstance(d, int) or not -n <= d < n:
@@ -709,7 +1050,7 @@ def reduction(kind: str, x: TensorView, dims) -> TensorView:
         dtype = torch.int64
     domain = [
         d.clone(fusion, IterType.reduction if i in reduced else None)
-        for i, d in enumerate(x.runtime_domain())
+        for i, d in enumerate(x.logical_runtime())
     ]
     out = TensorView(fusion, domain, dtype)
     return _emit(fusion, ReductionOp(out, kind, x))
@@ -720,20 +1061,23 @@ def matmul(a: TensorView, b: TensorView) -> TensorView:
     for t in (a, b):
         if not isinstance(t, TensorView):
             raise TypeError(f"matmul takes TensorViews, got {type(t).__name__}")
-        if t.ndim < 2:
-            raise ValueError(f"matmul: T{t.name} must have at least 2 axes, got {t.ndim}")
+        if t.logical_ndim < 2:
+            raise ValueError(f"matmul: T{t.name} must have at least 2 axes, got {t.logical_ndim}")
     if a.dtype != b.dtype:
         raise TypeError(f"matmul: dtypes differ, T{a.name} is {a.dtype} and T{b.name} is {b.dtype}")
-    if b.ndim != 2 and b.ndim != a.ndim:
+    if b.logical_ndim != 2 and b.logical_ndim != a.logical_ndim:
         raise ValueError(
-            f"matmul: T{b.name} must have 2 axes or as many as T{a.name} ({a.ndim}), got {b.ndim}"
+            f"matmul: T{b.name} must have 2 axes or as many as T{a.name} ({a.logical_ndim}), got {b.logical_ndim}"
         )
-    ad, bd = a.runtime_domain(), b.runtime_domain()
+    ad, bd = a.logical_runtime(), b.logical_runtime()
     _check_same_size(ad[-1], bd[-2], "matmul: K of a and b")
     batch = []
     for i, d in enumerate(ad[:-2]):
-        if b.ndim > 2:
-            _check_same_size(d, bd[i], f"matmul: batch axis {i}")
+        if b.logical_ndim > 2:
+            if d.is_broadcast:
+                d = bd[i]
+            elif not bd[i].is_broadcast:
+                _check_same_size(d, bd[i], f"matmul: batch axis {i}")
         batch.append(d.clone(fusion))
     domain = batch + [
         ad[-2].clone(fusion),
@@ -746,17 +1090,17 @@ def matmul(a: TensorView, b: TensorView) -> TensorView:
 
 def linear(x: TensorView, weight: TensorView, bias: TensorView | None = None) -> TensorView:
     fusion = _owner(x, weight, bias)
-    if x.ndim < 1 or weight.ndim != 2:
-        raise ValueError(f"linear: weight T{weight.name} must have 2 axes [N, K], got {weight.ndim}")
-    if bias is not None and bias.ndim != 1:
-        raise ValueError(f"linear: bias T{bias.name} must have 1 axis [N], got {bias.ndim}")
+    if x.logical_ndim < 1 or weight.logical_ndim != 2:
+        raise ValueError(f"linear: weight T{weight.name} must have 2 axes [N, K], got {weight.logical_ndim}")
+    if bias is not None and bias.logical_ndim != 1:
+        raise ValueError(f"linear: bias T{bias.name} must have 1 axis [N], got {bias.logical_ndim}")
     for t in (weight, bias):
         if t is not None and t.dtype != x.dtype:
             raise TypeError(f"linear: T{t.name} is {t.dtype} but T{x.name} is {x.dtype}")
-    xd, wd = x.runtime_domain(), weight.runtime_domain()
+    xd, wd = x.logical_runtime(), weight.logical_runtime()
     _check_same_size(xd[-1], wd[1], "linear: K of input and weight")
     if bias is not None:
-        _check_same_size(wd[0], bias.runtime_domain()[0], "linear: N of weight and bias")
+        _check_same_size(wd[0], bias.logical_runtime()[0], "linear: N of weight and bias")
     domain = [d.clone(fusion) for d in xd[:-1]] + [
         wd[0].clone(fusion, IterType.iteration),
         xd[-1].clone(fusion, IterType.reduction),

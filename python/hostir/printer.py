@@ -36,7 +36,10 @@ def format_id(d: ir.IterDomain) -> str:
 
 def format_tv(tv: ir.TensorView) -> str:
     axes = ", ".join(format_id(d) for d in tv.domain)
-    return f"T{tv.name}_{tv.memory_type.value}_{ir.dtype_name(tv.dtype)}[{axes}]"
+    text = f"T{tv.name}_{tv.memory_type.value}_{ir.dtype_name(tv.dtype)}[{axes}]"
+    if tv.mesh is not None:
+        text += f" ({tv.mesh!r})"
+    return text
 
 
 def format_stream(s: ir.Stream) -> str:
@@ -148,6 +151,35 @@ def _deallocate(e: ir.Deallocate, pad):
     return [f"{pad}Deallocate {{", f"{pad}{INDENT}{format_tv(e.buffer)}", f"{pad}}}"]
 
 
+def _communication(e: ir.Communication, pad):
+    fields = [f"type={e.type.value}", "team=(" + " ".join(map(str, e.team)) + ")"]
+    if e.root is not None:
+        fields.append(f"root={e.root}")
+    if e.red_op is not None:
+        fields.append(f"red_op={e.red_op}")
+    fields += [f"input={format_tv(e.input)}", f"output={format_tv(e.out)}", f"backend={e.backend}"]
+    return [f"{pad}Communication {e.name} ({', '.join(fields)})"]
+
+
+def _p2p(e: ir.P2PCommunication, pad):
+    return [
+        f"{pad}P2PCommunication {e.name} (type={e.type}, buffer={format_tv(e.buffer)}, "
+        f"peer={format_scalar(e.peer)}, backend={e.backend})"
+    ]
+
+
+def _start_coalescing(e: ir.StartCoalescing, pad):
+    return [f"{pad}StartCoalescing"]
+
+
+def _end_coalescing(e: ir.EndCoalescing, pad):
+    return [f"{pad}EndCoalescing {e.name}"]
+
+
+def _wait(e: ir.Wait, pad):
+    return [f"{pad}Wait Communication {e.communication.name}"]
+
+
 _FORMATS = {
     ir.Set: _set,
     ir.BinaryOp: _binary,
@@ -161,6 +193,11 @@ _FORMATS = {
     ir.HirAliasSelect: _select,
     ir.Allocate: _allocate,
     ir.Deallocate: _deallocate,
+    ir.Communication: _communication,
+    ir.P2PCommunication: _p2p,
+    ir.StartCoalescing: _start_coalescing,
+    ir.EndCoalescing: _end_coalescing,
+    ir.Wait: _wait,
 }
 
 

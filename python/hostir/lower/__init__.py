@@ -1,7 +1,10 @@
 """Lowering: from a fusion to a verified host program.
 
 `build_host_program` turns the fusion into a container; then each pass of
-`PIPELINE`, in order, takes the container and returns the next one. After
+`PIPELINE`, in order, takes the container and returns the next one. The
+result is the same on every rank; its dump's hash (`digest`) is what ranks
+compare to agree on the program. Then, for a multi-device program lowered
+for one rank, the passes of `RANK_PIPELINE` keep what that rank runs. After
 every pass the program is verified and, with `HOSTIR_DUMP=host_ir_lowering`,
 printed under the pass's name. An error names the pass that raised it.
 """
@@ -10,12 +13,22 @@ from __future__ import annotations
 
 from hostir import ir
 from hostir.container import HostIrContainer
+import hashlib
+
 from hostir.lower.build_host_program import build_host_program
+from hostir.lower.lower_communications import lower_communications
 from hostir.lower.parallelize_streams import parallelize_streams
+from hostir.lower.propagate_shardings import propagate_shardings
+from hostir.lower.prune_for_rank import prune_for_rank
 from hostir.options import Dumper
 
 PIPELINE = [
+    propagate_shardings,
     parallelize_streams,
+    lower_communications,
+]
+RANK_PIPELINE = [
+    prune_for_rank,
 ]
 
 
@@ -29,10 +42,23 @@ def run_passes(container: HostIrContainer, passes=None, dumper: Dumper | None = 
     return container
 
 
-def lower(fusion: ir.Fusion, dumper: Dumper | None = None) -> HostIrContainer:
-    """The host program of `fusion`."""
+def lower(
+    fusion: ir.Fusion, dumper: Dumper | None = None, rank: int | None = None, backend: str = "NCCL"
+) -> HostIrContainer:
+    """The host program of `fusion`; with `rank`, the part that rank runs.
+    `backend` is the communication backend the dump names. The returned
+    program's `digest` hashes the program before pruning for a rank."""
     container = _run_one(build_host_program, fusion, dumper)
-    return run_passes(container, dumper=dumper)
+    container.backend = backend
+    container = run_passes(container, dumper=dumper)
+    digest = hashlib.sha256(str(container).encode()).hexdigest()
+    teams = container.teams()
+    if rank is not None and container.meshes():
+        container.rank = rank
+        container = run_passes(container, RANK_PIPELINE, dumper)
+    container.digest = digest
+    container.all_teams = teams
+    return container
 
 
 def _run_one(p, program, dumper: Dumper | None):

@@ -2,8 +2,9 @@
 
 Precondition: a `Fusion` whose ops each have one output.
 Postcondition: a verified `HostIrContainer` holding copies of the fusion's
-TensorViews (same names, memory type global) and one top-level op per
-fusion op, in definition order. The user's fusion is not changed.
+TensorViews (same names, meshes, splits and parallel types; memory type
+global) and one top-level op per fusion op, in definition order. The user's
+fusion is not changed.
 
     %Fusion { (T0_g_float[iS0{i0}]) -> (T1_l_float[iS1{i0}]) :
       T1_l_float[iS1{i0}] = Set( T0_g_float[iS0{i0}], cache_op=Streaming )
@@ -23,15 +24,26 @@ def build_host_program(fusion: ir.Fusion) -> HostIrContainer:
 
     def copy_id(d: ir.IterDomain) -> ir.IterDomain:
         if d not in ids:
-            ids[d] = ir.IterDomain(container, d.extent, d.iter_type, d.parallel_type, name=d.name)
+            new = ids[d] = ir.IterDomain(container, d.extent, d.iter_type, d.parallel_type, name=d.name)
+            if d.parent is not None:
+                new.parent = copy_id(d.parent)
+            if d.leaves is not None:
+                new.leaves = [copy_id(leaf) for leaf in d.leaves]
         return ids[d]
 
     def copy(v):
         if not isinstance(v, ir.TensorView):
             return v
         if v not in tvs:
-            domain = [copy_id(d) for d in v.domain]
-            tvs[v] = ir.TensorView(container, domain, v.dtype, ir.MemoryType.global_, name=v.name)
+            tvs[v] = ir.TensorView(
+                container,
+                [copy_id(d) for d in v.domain],
+                v.dtype,
+                ir.MemoryType.global_,
+                name=v.name,
+                mesh=v.mesh,
+                logical=[copy_id(d) for d in v.logical],
+            )
         return tvs[v]
 
     for tv in fusion.inputs:

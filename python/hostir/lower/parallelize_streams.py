@@ -12,7 +12,11 @@ an axis mapped to the loop's is replaced by a `HirAliasSelect` slice (one
 slice per (tensor, axis, index) for the whole pass), and the body runs on
 `Stream(StreamIdx % numberOfStreams)` after waiting for the caller's stream,
 which waits for it in turn at the end of each iteration. Any op in between
-ends the loop.
+ends the loop. In a multi-device program (where communications make
+overlap worth having) the wait for the caller's stream moves to a loop of
+its own before the work loop, as in nvFuser after #4402, so iterations on
+different streams overlap; single-device programs keep the reference PR's
+per-iteration form.
 
     T1 = Set(T0)                 T1 = ALLOCATE(...)
     (T1 axis 0 is stream)   →    FOR StreamIdx in iStreamIdx2{i0}:
@@ -61,6 +65,7 @@ def parallelize_streams(container: HostIrContainer) -> HostIrContainer:
 
     result = container.derive()
     slicer = _Slicer(result, graph)
+    multi_device = bool(container.meshes())
     for item in grouped:
         if id(item) not in loops:
             result.push_back(item)
@@ -69,7 +74,12 @@ def parallelize_streams(container: HostIrContainer) -> HostIrContainer:
             (out,) = e.outputs()
             if slicer.mapped_axis(out, item) is not None:
                 result.push_back(ir.Allocate(out, ir.MemoryType.global_))
-        result.push_back(_with_streams(result, item, slicer.slice_body(item)))
+        body = slicer.slice_body(item)
+        if multi_device:
+            for e in _pipelined(result, item, body):
+                result.push_back(e)
+        else:
+            result.push_back(_with_streams(result, item, body))
     return result
 
 
@@ -122,6 +132,12 @@ class _Slicer:
                 f"{printer.format_tv(tv)} has {len(axes)} axes ({ids}) that map to the stream axis "
                 f"{printer.format_id(loop.iter_domain)}; expected at most one"
             )
+        if axes and axes[0].is_device_parallel:
+            raise StreamParallelError(
+                f"stream axis {printer.format_id(loop.iter_domain)} maps to the mesh_x axis "
+                f"{printer.format_id(axes[0])} of {printer.format_tv(tv)}; a stream loop cannot walk a "
+                f"sharded axis (each rank holds one index of it)"
+            )
         return axes[0] if axes else None
 
     def slice_body(self, loop: ir.ForLoop) -> list[ir.Expr]:
@@ -139,12 +155,26 @@ class _Slicer:
                 piece = self._cache.get(key)
                 if piece is None:
                     domain = [d.clone(self._container) for d in tv.domain if d is not axis]
-                    piece = ir.TensorView(self._container, domain, tv.dtype, ir.MemoryType.local)
+                    piece = ir.TensorView(self._container, domain, tv.dtype, ir.MemoryType.local, mesh=tv.mesh)
                     self._cache[key] = piece
                     body.append(ir.HirAliasSelect(piece, tv, axis, loop.index))
                 changes[field] = piece
             body.append(e.replace(**changes))
         return body
+
+
+def _pipelined(container: HostIrContainer, loop: ir.ForLoop, body: list[ir.Expr]) -> list[ir.Expr]:
+    """The overlapping form (nvFuser #4402): the caller's stream is captured
+    once, a first loop makes each worker wait for it, and the second loop
+    runs the iterations with only the caller waiting for each worker, so
+    iteration i+1 need not wait for iteration i's communication."""
+    caller = ir.Stream(container)
+    worker = ir.Stream(container, index=loop.index % container.named_scalar("numberOfStreams"))
+    sync = loop.replace(body=[ir.SetCurrentStream(worker), ir.Synchronize(caller)])
+    work = loop.replace(
+        body=[ir.SetCurrentStream(worker), *body, ir.SetCurrentStream(caller), ir.Synchronize(worker)]
+    )
+    return [ir.GetCurrentStream(caller), sync, work]
 
 
 def _with_streams(container: HostIrContainer, loop: ir.ForLoop, body: list[ir.Expr]) -> ir.ForLoop:

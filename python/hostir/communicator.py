@@ -1,0 +1,705 @@
+"""Rank discovery and the process groups of the hostir runtime.
+
+`discover()` reads which process this is (rank, world size, local rank) from
+explicit arguments or from the variables a launcher exports (torchrun, Open
+MPI, MPICH / Intel MPI, Slurm), and turns a partial or contradictory set into
+a `LaunchError` that names the variables. `Communicator` builds the
+`torch.distributed` state on top of that: the default group over an explicit
+rendezvous store, one process group per team of ranks (created by every rank
+in one deterministic order), and a gloo control group for metadata agreement
+that data collectives never share. Every group carries a timeout, and
+`classify_error` turns the timeouts and lost peers that gloo reports into
+`CommunicatorTimeout` and `PeerLostError`, so a rank that skips a collective or
+dies ends in an error on the others, never a hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import math
+import os
+import re
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "LAUNCHER_VARIABLES",
+    "Communicator",
+    "CommunicatorTimeout",
+    "LaunchError",
+    "LaunchInfo",
+    "PeerLostError",
+    "classify_error",
+    "discover",
+    "get",
+    "local_rank",
+    "rank",
+    "shutdown",
+    "world_size",
+]
+
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+
+
+class LaunchError(RuntimeError):
+    """The launcher's environment (or the rendezvous it points to) cannot
+    describe a consistent set of processes."""
+
+
+class CommunicatorTimeout(RuntimeError):
+    """A collective did not complete within the communicator's timeout: some
+    rank did not join it."""
+
+
+class PeerLostError(RuntimeError):
+    """The connection to a peer closed during a collective: the peer exited."""
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Which process this is. `local_size` is None where the launcher does not
+    say how many processes share this node."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int | None
+    source: str
+
+
+@dataclass(frozen=True)
+class _Launcher:
+    source: str
+    rank: str
+    size: str
+    local_rank: str
+    local_size: str
+    # MPICH's hydra does not always export MPI_LOCALRANKID; its rank is then
+    # the best guess (right for the common single-node run).
+    local_rank_defaults_to_rank: bool = False
+
+
+_TORCHRUN = _Launcher("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+_OPEN_MPI = _Launcher(
+    "Open MPI",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+)
+_MPICH = _Launcher(
+    "MPICH", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", local_rank_defaults_to_rank=True
+)
+_SLURM = _Launcher("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
+_MPI_LAUNCHERS = (_OPEN_MPI, _MPICH)
+
+# Variables a launcher exports that `discover` reads; test helpers strip them
+# so a child process does not inherit its parent's launcher.
+LAUNCHER_VARIABLES = tuple(
+    name
+    for launcher in (_TORCHRUN, _OPEN_MPI, _MPICH, _SLURM)
+    for name in (launcher.rank, launcher.size, launcher.local_rank, launcher.local_size)
+)
+
+
+def _int_variable(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise LaunchError(f"{name}={value!r} is not an integer") from None
+
+
+def _present(env: Mapping[str, str], launcher: _Launcher) -> bool:
+    return launcher.rank in env or launcher.size in env
+
+
+def _read_launcher(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo:
+    """The launcher's set, which must be present: complete and in range."""
+    missing = [name for name in (launcher.rank, launcher.size) if name not in env]
+    if missing:
+        names = (launcher.rank, launcher.size, launcher.local_rank)
+        present = [f"{name}={env[name]!r}" for name in names if name in env]
+        raise LaunchError(
+            f"incomplete {launcher.source} variables: {', '.join(missing)} missing "
+            f"while {', '.join(present)} set; set both {launcher.rank} and {launcher.size}, or neither"
+        )
+    rank = _int_variable(env, launcher.rank)
+    size = _int_variable(env, launcher.size)
+    local = _int_variable(env, launcher.local_rank)
+    local_size = _local_size(env, launcher)
+    if size < 1:
+        raise LaunchError(f"{launcher.size}={size} must be at least 1")
+    if not 0 <= rank < size:
+        raise LaunchError(
+            f"{launcher.rank}={rank} is out of range for {launcher.size}={size} (ranks 0..{size - 1})"
+        )
+    if local is None and launcher.local_rank_defaults_to_rank:
+        local = rank
+    if local is None and size > 1:
+        raise LaunchError(
+            f"{launcher.local_rank} is missing ({launcher.rank}={rank}, {launcher.size}={size}); "
+            "the local rank picks this process's GPU"
+        )
+    local = 0 if local is None else local
+    if local < 0 or (local_size is not None and local >= local_size):
+        bound = "" if local_size is None else f" for {launcher.local_size}={local_size}"
+        raise LaunchError(f"{launcher.local_rank}={local} is out of range{bound}")
+    return LaunchInfo(rank, size, local, local_size, launcher.source)
+
+
+def _local_size(env: Mapping[str, str], launcher: _Launcher) -> int | None:
+    # SLURM_NTASKS_PER_NODE is only a plain integer for a uniform
+    # --ntasks-per-node; other forms do not name this node's count.
+    if launcher is _SLURM:
+        value = env.get(launcher.local_size, "").strip()
+        return int(value) if value.isdigit() else None
+    return _int_variable(env, launcher.local_size)
+
+
+def _check_agreement(chosen: LaunchInfo, env: Mapping[str, str], launcher: _Launcher) -> None:
+    other = _read_launcher(env, launcher)
+    if (other.rank, other.world_size) == (chosen.rank, chosen.world_size):
+        return
+    raise LaunchError(
+        f"{chosen.source} and {launcher.source} disagree: "
+        f"{_TORCHRUN.rank}={chosen.rank}, {_TORCHRUN.size}={chosen.world_size} but "
+        f"{launcher.rank}={other.rank}, {launcher.size}={other.world_size}; "
+        f"unset one launcher's variables"
+    )
+
+
+def _from_arguments(rank: int | None, world_size: int | None, local_rank: int | None) -> LaunchInfo:
+    if rank is None or world_size is None:
+        arguments = (("rank", rank), ("world_size", world_size), ("local_rank", local_rank))
+        given = ", ".join(f"{name}={value}" for name, value in arguments if value is not None)
+        raise LaunchError(f"pass rank and world_size together (got {given})")
+    for name, value in (("rank", rank), ("world_size", world_size), ("local_rank", local_rank)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise LaunchError(f"{name}={value!r} is not an integer")
+    if world_size < 1:
+        raise LaunchError(f"world_size={world_size} must be at least 1")
+    if not 0 <= rank < world_size:
+        raise LaunchError(
+            f"rank={rank} is out of range for world_size={world_size} (ranks 0..{world_size - 1})"
+        )
+    local = rank if local_rank is None else local_rank
+    if local < 0:
+        raise LaunchError(f"local_rank={local} is negative")
+    return LaunchInfo(rank, world_size, local, None, "arguments")
+
+
+def discover(
+    environ: Mapping[str, str] | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+) -> LaunchInfo:
+    """Which process this is, without touching torch.distributed.
+
+    Precedence: explicit arguments > torchrun (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE) > Open MPI (OMPI_COMM_WORLD_*) > MPICH / Intel MPI
+    (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS) > Slurm
+    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE). With
+    nothing set this is the only process. A set counts as present when its rank
+    or size variable is; it must then be complete, integer and in range. The
+    local rank is required when the world size is above 1, except under MPICH,
+    whose rank stands in when MPI_LOCALRANKID is absent. Complete torchrun and
+    MPI sets that disagree on rank or size are an error. Slurm is read only
+    when no torchrun or MPI set is present: sbatch exports SLURM_* into every
+    step, including an mpirun run inside the allocation.
+    """
+    if rank is not None or world_size is not None or local_rank is not None:
+        return _from_arguments(rank, world_size, local_rank)
+    env = os.environ if environ is None else environ
+    present = [launcher for launcher in (_TORCHRUN, *_MPI_LAUNCHERS) if _present(env, launcher)]
+    if not present:
+        if _present(env, _SLURM):
+            return _read_launcher(env, _SLURM)
+        return LaunchInfo(0, 1, 0, None, "single process")
+    chosen = _read_launcher(env, present[0])
+    if present[0] is _TORCHRUN:
+        for launcher in present[1:]:
+            _check_agreement(chosen, env, launcher)
+    return chosen
+
+
+def _positive_seconds(value: object, name: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{name}={value!r} must be a positive, finite number of seconds")
+    return seconds
+
+
+def _resolve_timeout(timeout: float | None) -> float:
+    if timeout is not None:
+        return _positive_seconds(timeout, "timeout")
+    value = os.environ.get("HOSTIR_TIMEOUT")
+    if value is None:
+        return DEFAULT_TIMEOUT
+    return _positive_seconds(value, "HOSTIR_TIMEOUT")
+
+
+def _resolve_rendezvous(addr: str | None, port: int | None) -> tuple[str, int]:
+    if addr is None:
+        addr = os.environ.get("HOSTIR_MASTER_ADDR") or os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
+    if port is not None:
+        return addr, _port(port, "master_port")
+    for name in ("HOSTIR_MASTER_PORT", "MASTER_PORT"):
+        if os.environ.get(name):
+            return addr, _port(os.environ[name], name)
+    return addr, DEFAULT_MASTER_PORT
+
+
+def _port(value: object, name: str) -> int:
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} is not a port number") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"{name}={value!r} is not a port number (1..65535)")
+    return port
+
+
+def _resolve_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend={backend!r}: expected 'nccl' or 'gloo'")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("backend='nccl' requested but CUDA unavailable; use backend='gloo'")
+    return backend
+
+
+def _resolve_device(backend: str, launch: LaunchInfo) -> torch.device:
+    if backend == "gloo":
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if launch.local_rank >= gpus:
+        processes = f"at least {launch.local_rank + 1}" if launch.local_size is None else launch.local_size
+        raise LaunchError(
+            f"{processes} processes on this node (local rank {launch.local_rank}) "
+            f"but only {gpus} GPUs are visible"
+        )
+    return torch.device("cuda", launch.local_rank)
+
+
+# The process-group backend string: with NCCL, gloo serves the CPU tensors of
+# the same group, so metadata and CPU fallbacks need no second group.
+_PG_BACKEND = {"nccl": "cpu:gloo,cuda:nccl", "gloo": "gloo"}
+
+_PEER_LOST = (
+    "connection closed by peer",
+    "connection reset",
+    "broken pipe",
+    "socket closed",
+    "remote process exited",
+)
+_TIMED_OUT = ("timed out", "timeout")
+_GLOO_WAIT = re.compile(r"waiting (\d+)ms")
+
+
+def classify_error(
+    exc: BaseException, what: str, *, rank: int | None = None, timeout: float | None = None
+) -> BaseException:
+    """Map an error of a collective to `PeerLostError` or `CommunicatorTimeout`
+    (with `exc` as `__cause__`), or return `exc` unchanged when it is neither.
+    Use as `raise classify_error(exc, "allgather of T3")` in an except block.
+    `rank` and `timeout` (seconds) default to what torch.distributed and
+    gloo's message say."""
+    text = str(exc)
+    lowered = text.lower()
+    if rank is None and dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+    where = "" if rank is None else f" on rank {rank}"
+    detail = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if any(pattern in lowered for pattern in _PEER_LOST):
+        error: BaseException = PeerLostError(
+            f"{what}{where}: the connection to a peer closed, so a peer process probably exited "
+            f"or crashed; check the other ranks' output ({detail})"
+        )
+    elif any(pattern in lowered for pattern in _TIMED_OUT):
+        if timeout is None:
+            match = _GLOO_WAIT.search(text)
+            timeout = int(match.group(1)) / 1000 if match else None
+        after = "the configured timeout" if timeout is None else f"{timeout:g} s"
+        error = CommunicatorTimeout(
+            f"{what} timed out after {after}{where}: some rank did not join it "
+            f"(it skipped the call, is stuck, or issues collectives in another order) ({detail})"
+        )
+    else:
+        return exc
+    error.__cause__ = exc
+    return error
+
+
+_generation = itertools.count()
+# One TCPStore per rendezvous for the life of the process: a re-created
+# Communicator must not connect to a server that a slower rank 0 is about to
+# close, so the store outlives communicators and each generation gets a fresh
+# PrefixStore on it.
+_stores: dict[tuple[str, int, int, int], dist.TCPStore] = {}
+_live: weakref.WeakSet[Communicator] = weakref.WeakSet()
+
+
+def _tcp_store(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TCPStore:
+    key = (addr, port, launch.world_size, launch.rank)
+    if key in _stores:
+        return _stores[key]
+    try:
+        store = _connect(addr, port, launch, timeout) if launch.rank else _listen(addr, port, launch, timeout)
+    except LaunchError:
+        raise
+    except Exception as exc:
+        raise _rendezvous_error(exc, addr, port, launch, timeout) from exc
+    _stores[key] = store
+    return store
+
+
+def _listen(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TCPStore:
+    return dist.TCPStore(addr, port, launch.world_size, is_master=True, timeout=timedelta(seconds=timeout))
+
+
+# How long past its own timeout a client store may take to answer: it only
+# connects and registers, both quick once rank 0 listens.
+_CONNECT_GRACE = 5.0
+
+
+def _connect(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TCPStore:
+    # A client TCPStore whose server accepts the connection but never answers
+    # (the port belongs to another program) blocks forever, whatever its
+    # timeout; so it connects on a daemon thread that is abandoned if late.
+    outcome: dict[str, object] = {}
+
+    def connect() -> None:
+        try:
+            outcome["store"] = dist.TCPStore(
+                addr, port, launch.world_size, is_master=False, timeout=timedelta(seconds=timeout)
+            )
+        except Exception as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=connect, name="hostir-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout + _CONNECT_GRACE)
+    if "error" in outcome:
+        raise outcome["error"]
+    if "store" in outcome:
+        return outcome["store"]
+    raise LaunchError(
+        f"rank {launch.rank} connected to {addr}:{port} but got no rendezvous answer within "
+        f"{timeout + _CONNECT_GRACE:g} s: another program may hold the port; set HOSTIR_MASTER_PORT "
+        f"to a free port (the same on every rank)"
+    )
+
+
+def _rendezvous_error(
+    exc: Exception, addr: str, port: int, launch: LaunchInfo, timeout: float
+) -> LaunchError:
+    text = str(exc)
+    if launch.rank == 0 and ("EADDRINUSE" in text or "address already in use" in text.lower()):
+        return LaunchError(
+            f"rank 0 cannot listen on port {port} for the rendezvous: the port is already in use "
+            f"(another job?); set HOSTIR_MASTER_PORT to a free port ({text})"
+        )
+    if launch.rank == 0:
+        return LaunchError(
+            f"rank 0 could not complete the rendezvous on {addr}:{port} within {timeout:g} s "
+            f"(not all {launch.world_size} ranks connected; set HOSTIR_MASTER_ADDR/HOSTIR_MASTER_PORT "
+            f"if they use another address) ({text})"
+        )
+    return LaunchError(
+        f"rank {launch.rank} could not reach the rendezvous at {addr}:{port} within {timeout:g} s "
+        f"(is rank 0 running, and is HOSTIR_MASTER_ADDR/HOSTIR_MASTER_PORT the same on every rank?) ({text})"
+    )
+
+
+class Communicator:
+    """The process groups of one run: the default group, one group per team
+    and a gloo control group, all with the same timeout.
+
+    Every rank constructs it, calls `ensure_groups` with the same teams and
+    runs the control-group methods in the same order. `shutdown` destroys what
+    this object created; a new Communicator may then be made in the process.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str | None = None,
+        timeout: float | None = None,
+        launch: LaunchInfo | None = None,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+    ) -> None:
+        self.launch = discover() if launch is None else launch
+        self.backend = _resolve_backend(backend)
+        self.timeout = _resolve_timeout(timeout)
+        self.master_addr, self.master_port = _resolve_rendezvous(master_addr, master_port)
+        self.device = _resolve_device(self.backend, self.launch)
+        self.rank = self.launch.rank
+        self.world_size = self.launch.world_size
+        self.local_rank = self.launch.local_rank
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._created: list[dist.ProcessGroup] = []
+        self._closed = False
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self._owns_default = not dist.is_initialized()
+        if self._owns_default:
+            self._init_default_group()
+        else:
+            self._check_default_group()
+        self._default = dist.group.WORLD
+        # A user's default group serves the whole-world team only if it runs
+        # our backend; otherwise that team gets a group of its own.
+        self._world_is_default = self._owns_default or self.backend in str(dist.get_backend())
+        _live.add(self)
+        try:
+            self._control = self._new_group(None, backend="gloo")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_default_group(self) -> None:
+        if self.world_size == 1:
+            store: dist.Store = dist.HashStore()
+        else:
+            store = dist.PrefixStore(
+                f"hostir/{next(_generation)}",
+                _tcp_store(self.master_addr, self.master_port, self.launch, self.timeout),
+            )
+        dist.init_process_group(
+            backend=_PG_BACKEND[self.backend],
+            store=store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=self.timeout),
+            device_id=self.device if self.backend == "nccl" else None,
+        )
+
+    def _check_default_group(self) -> None:
+        actual = (dist.get_rank(), dist.get_world_size())
+        if actual == (self.rank, self.world_size):
+            return
+        raise LaunchError(
+            f"torch.distributed is already initialized with rank {actual[0]} of {actual[1]}, "
+            f"but {self.launch.source} says rank {self.rank} of {self.world_size}"
+        )
+
+    def _new_group(self, ranks: list[int] | None, *, backend: str) -> dist.ProcessGroup:
+        group = dist.new_group(
+            ranks=ranks, timeout=timedelta(seconds=self.timeout), backend=backend, sort_ranks=False
+        )
+        self._created.append(group)
+        return group
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the communicator has been shut down")
+
+    def ensure_groups(self, teams: Iterable[Iterable[int]]) -> None:
+        """Create one process group per team not made yet. Collective: every
+        rank passes the same teams (checked on the control group first, so a
+        mismatch is an error on every rank rather than a hang). Teams are made
+        in sorted order; the whole world, in rank order, is the default group.
+        A team's group numbers its members in the team's order."""
+        self._check_open()
+        requested = sorted({tuple(team) for team in teams})
+        if self.world_size > 1:
+            everyone = self.all_gather_object(requested)
+            differing = [r for r, other in enumerate(everyone) if other != requested]
+            if differing:
+                raise ValueError(
+                    f"ensure_groups called with different teams across ranks: rank {self.rank} has "
+                    f"{requested}, rank {differing[0]} has {everyone[differing[0]]}"
+                )
+        for team in requested:
+            self._validate_team(team)
+        world = tuple(range(self.world_size))
+        for team in requested:
+            if team in self._groups:
+                continue
+            if team == world and self._world_is_default:
+                self._groups[team] = dist.group.WORLD
+                continue
+            self._groups[team] = self._new_group(list(team), backend=_PG_BACKEND[self.backend])
+
+    def missing_teams(self, teams: Iterable[Iterable[int]]) -> list[tuple[int, ...]]:
+        """The teams, sorted, that `ensure_groups` has not made yet on this
+        rank. Local: ranks must agree on the answer before acting on it."""
+        self._check_open()
+        return sorted({tuple(team) for team in teams} - self._groups.keys())
+
+    def _validate_team(self, team: tuple) -> None:
+        if not team:
+            raise ValueError("team () is empty")
+        for member in team:
+            if isinstance(member, bool) or not isinstance(member, int):
+                raise ValueError(f"team {team}: member {member!r} is not an integer rank")
+            if not 0 <= member < self.world_size:
+                raise ValueError(
+                    f"team {team}: rank {member} is out of range for world size {self.world_size}"
+                )
+        if len(set(team)) != len(team):
+            raise ValueError(f"team {team}: ranks repeat")
+
+    def group(self, team: Iterable[int]) -> dist.ProcessGroup:
+        """The process group of a team made by `ensure_groups`; this rank must
+        be a member."""
+        self._check_open()
+        key = tuple(team)
+        if key not in self._groups:
+            raise KeyError(f"no process group for team {key}: call ensure_groups with it on every rank first")
+        if self.rank not in key:
+            raise ValueError(f"rank {self.rank} is not a member of team {key}")
+        return self._groups[key]
+
+    @staticmethod
+    def group_rank(team: Iterable[int], global_rank: int) -> int:
+        """The index of `global_rank` inside `team`, which is its rank in the
+        team's process group."""
+        key = tuple(team)
+        if global_rank not in key:
+            raise ValueError(f"rank {global_rank} is not a member of team {key}")
+        return key.index(global_rank)
+
+    def all_gather_object(self, obj: object) -> list:
+        """Every rank's `obj`, in rank order, over the control group."""
+        self._check_open()
+        gathered: list = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, obj, group=self._control)
+        except Exception as exc:
+            raise classify_error(exc, "all_gather_object", rank=self.rank, timeout=self.timeout)
+        return gathered
+
+    def barrier(self) -> None:
+        """Block the host until every rank reaches the barrier (control group)."""
+        self._check_open()
+        try:
+            dist.barrier(group=self._control)
+        except Exception as exc:
+            raise classify_error(exc, "barrier", rank=self.rank, timeout=self.timeout)
+
+    def shutdown(self) -> None:
+        """Destroy the groups this communicator created (the default group
+        only if it created it). Local, so it also works after a peer is lost."""
+        if self._closed:
+            return
+        self._closed = True
+        _live.discard(self)
+        # Drop every reference to the groups, so that destroying them frees
+        # them now: freeing a gloo group joins its worker threads, and one
+        # still releasing a finished collective's tensors while the
+        # interpreter finalizes aborts it ("terminate called without an
+        # active exception").
+        created, self._created = self._created, []
+        default, self._default = self._default, None
+        self._control = None
+        self._groups.clear()
+        # Destroying the default group destroys every group, so once it is
+        # gone (or replaced) there is nothing of ours left to destroy.
+        if not dist.is_initialized() or dist.group.WORLD is not default:
+            return
+        for group in reversed(created):
+            dist.destroy_process_group(group)
+        if self._owns_default:
+            dist.destroy_process_group()
+
+    def __repr__(self) -> str:
+        state = "shut down" if self._closed else "live"
+        return (
+            f"Communicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
+            f"device={self.device}, timeout={self.timeout:g}, {state})"
+        )
+
+
+_instance: Communicator | None = None
+_instance_lock = threading.Lock()
+
+
+def get(**kwargs) -> Communicator:
+    """The process-wide communicator, created by the first call with `kwargs`
+    (Communicator's keyword arguments). A later call with arguments that do not
+    match the live one is an error: shut it down first."""
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            _instance = Communicator(**kwargs)
+            return _instance
+        live = {
+            "backend": _instance.backend,
+            "timeout": _instance.timeout,
+            "launch": _instance.launch,
+            "master_addr": _instance.master_addr,
+            "master_port": _instance.master_port,
+        }
+        unknown = set(kwargs) - set(live)
+        if unknown:
+            raise TypeError(f"unknown communicator argument(s): {', '.join(sorted(unknown))}")
+        differing = {k: v for k, v in kwargs.items() if v is not None and v != live[k]}
+        if differing:
+            wanted = ", ".join(f"{k}={v!r}" for k, v in differing.items())
+            have = ", ".join(f"{k}={live[k]!r}" for k in differing)
+            raise RuntimeError(
+                f"a communicator is live with {have}; asked for {wanted}: call shutdown() first"
+            )
+        return _instance
+
+
+def shutdown() -> None:
+    """Shut the process-wide communicator down; the next get() makes a new one."""
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            return
+        _instance.shutdown()
+        _instance = None
+
+
+def _current() -> LaunchInfo:
+    if _instance is not None and not _instance._closed:
+        return _instance.launch
+    return discover()
+
+
+def rank() -> int:
+    """This process's rank, without initializing a process group."""
+    return _current().rank
+
+
+def world_size() -> int:
+    """The number of processes, without initializing a process group."""
+    return _current().world_size
+
+
+def local_rank() -> int:
+    """This process's rank on its node, without initializing a process group."""
+    return _current().local_rank
+
+
+@atexit.register
+def _shutdown_live() -> None:
+    # Groups still alive when the interpreter finalizes now and then abort it
+    # (see Communicator.shutdown); free them while Python is still whole.
+    for communicator in list(_live):
+        try:
+            communicator.shutdown()
+        except Exception:
+            pass

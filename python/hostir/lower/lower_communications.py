@@ -1,0 +1,149 @@
+"""Replace every op that moves data between ranks by communications.
+
+Precondition: `propagate_shardings` has run (every tensor has a mesh when
+any has), and `parallelize_streams` may have put resharding ops in loops.
+Postcondition: each resharding `Set` or reduction, top level or in a loop
+body, is replaced by `Allocate` of its output (unless a slice already binds
+it) followed by one or more `Communication`s, each followed by its `Wait`
+(survey §3.2's table):
+
+    Set, sharded -> replicated, one mesh        Allgather over each mesh row
+    Set, sharded -> replicated, two meshes      Gather, one per receiver
+    Set, replicated -> sharded                  Scatter from the sender mesh's first rank
+    Set, sharded -> sharded, two meshes         SendRecv, one per position
+    Set, otherwise (mesh to mesh)               Broadcast from the sender mesh's first rank
+    reduction of the mesh_x axis, out sharded   ReduceScatter over each mesh row
+    same, out replicated, one mesh              Allreduce over each mesh row
+    same, out replicated, two meshes            Reduce, one per receiver
+
+Every rank gets every communication; `prune_for_rank` later drops those a
+rank takes no part in, so the program before pruning is the same on every
+rank (its dump is what ranks hash to agree).
+
+    T1 = Set( T0 )            T1 = ALLOCATE(...)
+    (T0 sharded, T1 not)  ->  Communication 0 (type=Allgather, team=(0 1), input=T0, output=T1, backend=NCCL)
+                              Wait Communication 0
+"""
+
+from __future__ import annotations
+
+from hostir import ir, printer
+from hostir.container import HostIrContainer
+from hostir.lower.propagate_shardings import is_resharding
+
+Type = ir.CommunicationType
+
+
+class CommunicationLoweringError(ValueError):
+    pass
+
+
+def lower_communications(container: HostIrContainer) -> HostIrContainer:
+    result = container.derive()
+    for e in _rewrite(container, container.exprs, bound=set()):
+        result.push_back(e)
+    return result
+
+
+def _rewrite(container: HostIrContainer, exprs, bound: set) -> list[ir.Expr]:
+    new: list[ir.Expr] = []
+    for e in exprs:
+        if isinstance(e, ir.ForLoop):
+            new.append(e.replace(body=_rewrite(container, e.body, set(bound))))
+            continue
+        if isinstance(e, ir.HirAliasSelect):
+            bound.add(e.out)
+        if isinstance(e, ir.Allocate):
+            bound.add(e.buffer)
+        if not isinstance(e, (ir.Set, ir.ReductionOp)) or not is_resharding(e):
+            new.append(e)
+            continue
+        comms = _communications(container, e)
+        if e.out not in bound:
+            new.append(ir.Allocate(e.out, ir.MemoryType.global_))
+            bound.add(e.out)
+        for c in comms:
+            new += [c, ir.Wait(c)]
+    return new
+
+
+def _communications(container: HostIrContainer, e: ir.Expr) -> list[ir.Communication]:
+    src, dst = e.input, e.out
+    sender, receiver = src.mesh, dst.mesh
+    in_sharded = bool(src.device_axes())
+    out_sharded = bool(dst.device_axes())
+
+    def make(type_, team, root=None, red_op=None):
+        return ir.Communication(
+            container.next_name("comm"),
+            type_,
+            dst,
+            src,
+            tuple(team),
+            root=root,
+            red_op=red_op,
+            backend=container.backend,
+        )
+
+    def with_root(mesh: ir.DeviceMesh, root: int) -> list[int]:
+        team = list(mesh.devices)
+        return team if root in team else team + [root]
+
+    if isinstance(e, ir.ReductionOp):
+        reduced = [i for o, i in e.id_pairs() if o.is_reduction]
+        if not any(x.is_device_parallel for d in reduced for x in d.loop_leaves()):
+            raise CommunicationLoweringError(
+                f"the input of a reduction that moves data must be sharded on a reduced axis; insert "
+                f"a set before the reduction to reshard:\n{printer.format_expr_head(e)}"
+            )
+        if len(reduced) != 1:
+            raise CommunicationLoweringError(
+                f"a reduction lowered to a communication reduces exactly one axis, the mesh_x one; "
+                f"this one reduces {len(reduced)}:\n{printer.format_expr_head(e)}"
+            )
+        red_op = e.kind
+        if out_sharded:
+            if sender != receiver:
+                raise CommunicationLoweringError(
+                    f"ReduceScatter needs the same sender and receiver mesh, got {sender!r} and "
+                    f"{receiver!r}:\n{printer.format_expr_head(e)}"
+                )
+            return [make(Type.ReduceScatter, team, red_op=red_op) for team in sender.teams()]
+        if sender == receiver:
+            return [make(Type.Allreduce, team, red_op=red_op) for team in sender.teams()]
+        _require_1d(e, sender, receiver, "Reduce")
+        return [make(Type.Reduce, with_root(sender, r), root=r, red_op=red_op) for r in receiver.devices]
+
+    if in_sharded and not out_sharded:
+        if sender == receiver:
+            return [make(Type.Allgather, team) for team in sender.teams()]
+        _require_1d(e, sender, receiver, "Gather")
+        return [make(Type.Gather, with_root(sender, r), root=r) for r in receiver.devices]
+    if not in_sharded and out_sharded:
+        _require_1d(e, sender, receiver, "Scatter")
+        root = sender.devices[0]
+        return [make(Type.Scatter, with_root(receiver, root), root=root)]
+    if in_sharded and out_sharded:
+        _require_1d(e, sender, receiver, "SendRecv")
+        if sender.size != receiver.size:
+            raise CommunicationLoweringError(
+                f"the receiver and sender meshes have different sizes ({sender!r}, {receiver!r}):\n"
+                f"{printer.format_expr_head(e)}"
+            )
+        if sender == receiver:
+            raise CommunicationLoweringError(
+                f"moving the sharded axis to another axis on one mesh (an all-to-all) is not "
+                f"supported:\n{printer.format_expr_head(e)}"
+            )
+        return [
+            make(Type.SendRecv, (s,) if s == r else (s, r), root=s)
+            for s, r in zip(sender.devices, receiver.devices)
+        ]
+    _require_1d(e, sender, receiver, "Broadcast")
+    root = sender.devices[0]
+    return [make(Type.Broadcast, with_root(receiver, root), root=root)]
+
+
+def _require_1d(e, sender: ir.DeviceMesh, receiver: ir.DeviceMesh, what: str) -> None:
+    if sender.ndim != 1 or receiver.ndim != 1:
+        raise CommunicationLoweringError(f"{what} is only supported on 1-D meshes:\n{printer.format_expr_head(e)}")
