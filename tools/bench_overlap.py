@@ -1,0 +1,726 @@
+"""All-gather + matmul overlap on several GPUs: hostir against eager baselines.
+
+Every rank holds a shard ``x`` of ``M`` rows and ``K`` columns and the same
+weight ``w`` of ``K`` x ``N``; the program all-gathers the shards into the
+``D*M`` x ``K`` matrix (``D`` = world size) and multiplies it by ``w``, so every
+rank ends with the whole ``D*M`` x ``N`` product (bf16, NCCL). Variants, all in
+one run on the same tensors:
+
+* ``gemm_alone``: ``x_full @ w`` on an already gathered ``x_full``; the lower
+  bound of any overlap.
+* ``allgather_alone``: ``dist.all_gather_into_tensor`` of the shard.
+* ``sequential``: the all-gather, then the matmul (eager torch, one stream).
+* ``nccl_pipeline_S`` (S = 2, 4): by hand, the shard cut into S row chunks;
+  chunk i is all-gathered and multiplied on worker stream i, so the matmul of
+  one chunk can run while the next chunk is gathered.
+* ``hostir_S`` (S = 1, 2, 4, 8): the same program written with hostir: the
+  input ``[S, D, M/S, K]`` sharded on axis 1 (``mesh_x``), a ``set`` that lowers
+  to an Allgather per chunk and a ``matmul``, both with axis 0 on
+  ``ParallelType.stream`` (S = 1: no stream axis, one all-gather and one
+  matmul), run with a preallocated output and ``number_of_streams=S``.
+* ``symm_mem``: ``torch.ops.symm_mem.fused_all_gather_matmul`` (PyTorch's
+  symmetric-memory op, which pulls peer shards with the copy engine), where
+  this torch has it; a failure is recorded, not fatal.
+
+How it is timed: before every iteration each rank synchronizes its GPU and
+all ranks meet at a barrier, so they start together; CUDA events around the
+whole call (host work included: hostir's evaluator runs in Python) give one
+time per iteration and rank. After the warm-ups, ``--iters`` iterations are
+timed; per iteration the slowest rank's time counts (the collective is done
+only when every rank is), and the median of those is reported. Derived
+columns: speedup over ``sequential``, ratio to ``gemm_alone``, and overlap
+efficiency ``(T_ag + T_gemm - T) / min(T_ag, T_gemm)`` (0: nothing hidden,
+1: the shorter of the two hidden entirely).
+
+Every variant's result is checked against the sequential one before it is
+timed (bf16 tolerances; inputs are normal, ``w`` scaled by 1/sqrt(K) so the
+outputs are O(1)). hostir and the hand-written pipeline produce
+``[S, D, M/S, N]``, whose element ``[s, d, j]`` is row ``s*(M/S) + j`` of rank
+``d``'s shard times ``w``; the sequential ``[D*M, N]`` is compared through
+``view(D, S, M/S, N).permute(1, 0, 2, 3)``.
+
+Run on the GPU machine from the repository root (one process per GPU):
+
+    torchrun --standalone --nproc-per-node 2 tools/bench_overlap.py --tag h200x2
+    mpirun --allow-run-as-root -np 2 --bind-to none python3 tools/bench_overlap.py --tag h200x2
+
+Under torchrun, spell the sizes ``--M``/``--K``/``--N``: torchrun's parser
+takes ``--m`` and ``--n`` for abbreviations of its own options and stops.
+
+Smoke test on the CPU (gloo, float32, ``time.perf_counter``; the NCCL pipeline
+and symm_mem are skipped):
+
+    mpirun -np 2 --oversubscribe python3 tools/bench_overlap.py --cpu \\
+        --m 64 --k 32 --n 16 --iters 3 --warmup 1 --out-dir /tmp/bench
+
+Rank 0 prints the table and writes ``bench_overlap_<tag>.md`` and ``.json``
+under ``--out-dir`` (rewritten after every variant, so a run cut short still
+leaves the variants it finished). hostir's rendezvous port is
+``HOSTIR_MASTER_PORT`` (default: ``MASTER_PORT``, then 29500);
+``HOSTIR_TIMEOUT`` bounds every collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 deprecates all_gather_into_tensor (the baselines' call, as in
+# torch 2.11's docs) with one warning per call site and rank.
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+
+try:
+    import hostir
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
+    import hostir
+from hostir import DeviceMesh, FusionDefinition, ParallelType
+from hostir import communicator as hostir_communicator
+
+DEFAULT_OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks", "results")
+HOSTIR_STREAMS = (1, 2, 4, 8)
+PIPELINE_STREAMS = (2, 4)
+# PERF.md's rule for numbers we keep; smaller values are allowed for smoke tests.
+MIN_ITERS, MIN_WARMUP = 20, 5
+# A teardown that has not finished after this long is abandoned: the results
+# are written by then, and the probes saw NCCL teardown hang after symm_mem.
+TEARDOWN_SECONDS = 30.0
+
+
+# ---------------------------------------------------------------- setup
+
+
+@dataclasses.dataclass
+class Context:
+    """What every variant shares: sizes, the tensors, and the control group."""
+
+    cpu: bool
+    rank: int
+    world: int  # D
+    m: int  # rows of a rank's shard
+    k: int
+    n: int
+    dtype: torch.dtype
+    device: torch.device
+    x_full: torch.Tensor  # [D*M, K], every rank's shard, regenerated locally
+    shard: torch.Tensor  # [M, K], this rank's rows of x_full (own storage)
+    w: torch.Tensor  # [K, N]
+    ctl: dist.ProcessGroup | None = None  # gloo group for barriers and metadata
+    ref: torch.Tensor | None = None  # [D*M, N], the sequential result
+
+    @property
+    def tolerances(self) -> dict:
+        # bf16 keeps 8 bits of mantissa: results that differ only in how the
+        # GEMM was tiled or split may differ by a few units in the last place
+        # (cuBLAS may also reduce split-K partials in bf16). float32 on the
+        # CPU differs only by summation order.
+        if self.dtype == torch.bfloat16:
+            return {"rtol": 1.6e-2, "atol": 1e-2}
+        return {"rtol": 1e-4, "atol": 1e-4}
+
+    def sync(self) -> None:
+        if not self.cpu:
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        # A CPU barrier on gloo, not dist.barrier() on the NCCL group: it
+        # queues no kernel on the device being timed, and the probes saw an
+        # NCCL barrier hang after symm_mem had been used.
+        dist.barrier(group=self.ctl)
+
+    def gather(self, obj) -> list:
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, obj, group=self.ctl)
+        return everyone
+
+
+def make_inputs(args, rank: int, world: int, device: torch.device, dtype: torch.dtype):
+    """Every rank's shard is drawn from a generator seeded by that rank, so
+    each rank can rebuild the whole gathered matrix without communication
+    (an independent reference for the all-gathers); `w` is the same on all
+    ranks."""
+
+    def normal(shape, seed):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+
+    x_full = torch.cat([normal((args.m, args.k), 1000 + r) for r in range(world)]).to(dtype)
+    w = (normal((args.k, args.n), 7) / math.sqrt(args.k)).to(dtype)
+    shard = x_full[rank * args.m : (rank + 1) * args.m].clone()
+    return x_full, shard, w
+
+
+def build_hostir(ctx: Context, streams: int) -> FusionDefinition:
+    """The AG+matmul program; `streams` = 1 leaves out the stream axes."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[streams, ctx.world, -1, ctx.k], dtype=ctx.dtype)
+        w = fd.define_tensor(shape=[ctx.k, ctx.n], dtype=ctx.dtype)
+        xg = fd.ops.set(x)  # replicated copy of a sharded tensor: an Allgather
+        y = fd.ops.matmul(xg, w)
+        fd.add_output(y)
+    mesh = DeviceMesh(range(ctx.world))
+    for tv in (x, w, xg, y):
+        tv.set_device_mesh(mesh)
+    x.axis(1).parallelize(ParallelType.mesh_x)
+    if streams > 1:
+        xg.axis(0).parallelize(ParallelType.stream)
+        y.axis(0).parallelize(ParallelType.stream)
+    return fd
+
+
+def hostir_kwargs(ctx: Context, streams: int) -> dict:
+    kwargs = {"number_of_streams": streams, "check_ranks": "first"}
+    if ctx.cpu:
+        # --cpu on a machine with CUDA: hostir would otherwise pick NCCL.
+        kwargs["backend"] = "gloo"
+    return kwargs
+
+
+def nan_buffer(ctx: Context, *shape) -> torch.Tensor:
+    # Output buffers start as NaN, so a variant that writes nothing cannot
+    # pass its check on memory a previous variant left correct.
+    return torch.full(shape, float("nan"), dtype=ctx.dtype, device=ctx.device)
+
+
+def chunk_major(ctx: Context, ref: torch.Tensor, streams: int) -> torch.Tensor:
+    """`ref` [D*M, N] in the [S, D, M/S, N] order of hostir and the pipeline."""
+    return ref.view(ctx.world, streams, ctx.m // streams, ctx.n).permute(1, 0, 2, 3)
+
+
+# ---------------------------------------------------------------- variants
+#
+# A variant's setup allocates what it needs and returns (call, expected):
+# call() runs it once and returns its result; expected() gives the tensor
+# the result must match (called after the reference exists).
+
+Setup = Callable[[Context], tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]]
+
+
+def setup_gemm_alone(ctx: Context):
+    y = nan_buffer(ctx, ctx.world * ctx.m, ctx.n)
+    return (lambda: torch.matmul(ctx.x_full, ctx.w, out=y)), (lambda: ctx.ref)
+
+
+def setup_allgather_alone(ctx: Context):
+    gathered = nan_buffer(ctx, ctx.world * ctx.m, ctx.k)
+
+    def call():
+        dist.all_gather_into_tensor(gathered, ctx.shard)
+        return gathered
+
+    # Compared with the locally rebuilt x_full: exact, it is a copy.
+    return call, (lambda: ctx.x_full)
+
+
+def make_sequential(ctx: Context):
+    gathered = nan_buffer(ctx, ctx.world * ctx.m, ctx.k)
+    y = nan_buffer(ctx, ctx.world * ctx.m, ctx.n)
+
+    def call():
+        dist.all_gather_into_tensor(gathered, ctx.shard)
+        return torch.matmul(gathered, ctx.w, out=y)
+
+    return call
+
+
+def setup_sequential(ctx: Context):
+    # The reference itself: checked against the GEMM on the locally rebuilt
+    # x_full, which needs no communication.
+    return make_sequential(ctx), (lambda: ctx.x_full @ ctx.w)
+
+
+def setup_nccl_pipeline(streams: int) -> Setup:
+    def setup(ctx: Context):
+        rows = ctx.m // streams
+        chunks = ctx.shard.view(streams, rows, ctx.k)
+        gathered = [nan_buffer(ctx, ctx.world * rows, ctx.k) for _ in range(streams)]
+        out = nan_buffer(ctx, streams, ctx.world, rows, ctx.n)
+        workers = [torch.cuda.Stream(ctx.device) for _ in range(streams)]
+
+        def call():
+            caller = torch.cuda.current_stream(ctx.device)
+            for i in range(streams):
+                worker = workers[i % streams]
+                # The worker must not start before what the caller queued
+                # (the inputs' producers, the start event).
+                worker.wait_stream(caller)
+                with torch.cuda.stream(worker):
+                    # all_gather_into_tensor makes `worker` wait for NCCL's
+                    # stream, so the matmul below reads a complete chunk.
+                    dist.all_gather_into_tensor(gathered[i], chunks[i])
+                    torch.matmul(gathered[i], ctx.w, out=out[i].view(ctx.world * rows, ctx.n))
+            # The call is done, for the end event and the caller's next work,
+            # only when every worker is.
+            for worker in workers:
+                caller.wait_stream(worker)
+            return out
+
+        return call, (lambda: chunk_major(ctx, ctx.ref, streams))
+
+    return setup
+
+
+def setup_hostir(streams: int) -> Setup:
+    def setup(ctx: Context):
+        fd = build_hostir(ctx, streams)
+        rows = ctx.m // streams
+        x_local = ctx.shard.view(streams, 1, rows, ctx.k)  # this rank's piece of [S, D, M/S, K]
+        out = nan_buffer(ctx, streams, ctx.world, rows, ctx.n)
+        kwargs = hostir_kwargs(ctx, streams)
+
+        def call():
+            fd.execute([x_local, ctx.w], outputs=[out], **kwargs)
+            return out
+
+        return call, (lambda: chunk_major(ctx, ctx.ref, streams))
+
+    return setup
+
+
+def setup_symm_mem(ctx: Context):
+    import torch.distributed._symmetric_memory as symm_mem  # registers torch.ops.symm_mem
+
+    group_name = dist.group.WORLD.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        # Needed by older torch; newer torch deprecates it as unneeded.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group_name)
+    # The shard lives in symmetric memory, as the docs set it up, so peers
+    # can read it directly.
+    a_shard = symm_mem.empty((ctx.m, ctx.k), dtype=ctx.dtype, device=ctx.device)
+    symm_mem.rendezvous(a_shard, group_name)
+    a_shard.copy_(ctx.shard)
+    # No barrier here: a rank whose setup failed would meet it with the
+    # error-agreement gather instead. The op starts with a symmetric-memory
+    # barrier of its own before any peer reads the shard.
+    ctx.sync()
+    op = torch.ops.symm_mem.fused_all_gather_matmul
+
+    def call():
+        _, (y,) = op(a_shard, [ctx.w], gather_dim=0, group_name=group_name)
+        return y
+
+    return call, (lambda: ctx.ref)
+
+
+def symm_mem_available() -> str | None:
+    """None if torch has the fused op, else why not."""
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except Exception as exc:
+        return f"torch.distributed._symmetric_memory unavailable: {exc}"
+    if not hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
+        return "torch.ops.symm_mem.fused_all_gather_matmul does not exist in this torch"
+    return None
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    setup: Setup
+    skip: str | None = None  # why it does not run, if it does not
+    optional: bool = False  # a failure here does not fail the run
+
+
+def variants(ctx: Context) -> list[Variant]:
+    """In table order. hostir_1 runs first in fact (see main)."""
+    out = [
+        Variant("gemm_alone", setup_gemm_alone),
+        Variant("allgather_alone", setup_allgather_alone),
+        Variant("sequential", setup_sequential),
+    ]
+    for s in PIPELINE_STREAMS:
+        skip = "--cpu: CUDA streams and NCCL only" if ctx.cpu else None
+        if skip is None and ctx.m % s:
+            skip = f"M={ctx.m} not divisible by S={s}"
+        out.append(Variant(f"nccl_pipeline_{s}", setup_nccl_pipeline(s), skip))
+    for s in HOSTIR_STREAMS:
+        skip = f"M={ctx.m} not divisible by S={s}" if ctx.m % s else None
+        out.append(Variant(f"hostir_{s}", setup_hostir(s), skip))
+    skip = "--cpu: needs CUDA" if ctx.cpu else symm_mem_available()
+    out.append(Variant("symm_mem", setup_symm_mem, skip, optional=True))
+    return out
+
+
+# ---------------------------------------------------------------- running
+
+
+@dataclasses.dataclass
+class Result:
+    name: str
+    status: str  # "ok", "failed", "skipped"
+    note: str = ""
+    match: bool | None = None  # on every rank
+    max_abs_err: float | None = None  # over ranks
+    times_ms: list[float] | None = None  # per iteration, max over ranks
+    rank_medians_ms: list[float] | None = None
+    optional: bool = False
+
+    @property
+    def median_ms(self) -> float | None:
+        return statistics.median(self.times_ms) if self.times_ms else None
+
+
+def _error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return " ".join(text.split())[:400]
+
+
+def check(ctx: Context, out: torch.Tensor, expected: torch.Tensor, exact: bool) -> tuple[bool, float, str]:
+    ctx.sync()
+    if out.shape != expected.shape:
+        return False, float("inf"), f"shape {list(out.shape)} != expected {list(expected.shape)}"
+    err = (out.float() - expected.float()).abs().max().item() if out.numel() else 0.0
+    tol = {"rtol": 0.0, "atol": 0.0} if exact else ctx.tolerances
+    try:
+        torch.testing.assert_close(out, expected, **tol)
+    except AssertionError as exc:
+        return False, err, " ".join(str(exc).split())[:300]
+    return True, err, ""
+
+
+def time_call(ctx: Context, call: Callable[[], object], iters: int, warmup: int) -> list[float]:
+    """This rank's time of each timed iteration, in ms."""
+    start = end = None
+    if not ctx.cpu:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(warmup + iters):
+        ctx.sync()
+        ctx.barrier()
+        if ctx.cpu:
+            t0 = time.perf_counter()
+            call()
+            elapsed = (time.perf_counter() - t0) * 1e3
+        else:
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end)
+        if i >= warmup:
+            times.append(elapsed)
+    ctx.sync()
+    return times
+
+
+def run_variant(ctx: Context, v: Variant, args) -> Result:
+    """Set up and check on every rank, agree, then time. The ranks agree
+    after each phase, so one rank's failure skips the rest on all of them
+    instead of leaving the others waiting in a collective."""
+    if v.skip:
+        return Result(v.name, "skipped", v.skip, optional=v.optional)
+    mine = {"error": None, "match": None, "err": None, "note": ""}
+    call = None
+    try:
+        call, expected = v.setup(ctx)
+        out = call()
+        mine["match"], mine["err"], mine["note"] = check(ctx, out, expected(), exact=v.name == "allgather_alone")
+        del out
+    except Exception as exc:
+        mine["error"] = _error_text(exc)
+        if os.environ.get("BENCH_TRACEBACK"):
+            traceback.print_exc()
+    everyone = ctx.gather(mine)
+    errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
+    if errors:
+        return Result(v.name, "failed", "; ".join(errors), optional=v.optional)
+    match = all(e["match"] for e in everyone)
+    max_err = max(e["err"] for e in everyone)
+    note = next((f"rank {r}: {e['note']}" for r, e in enumerate(everyone) if e["note"]), "")
+
+    mine = {"error": None, "times": None}
+    try:
+        mine["times"] = time_call(ctx, call, args.iters, args.warmup)
+    except Exception as exc:
+        mine["error"] = _error_text(exc)
+    everyone = ctx.gather(mine)
+    errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
+    if errors:
+        return Result(v.name, "failed", "timing: " + "; ".join(errors), match, max_err, optional=v.optional)
+    per_rank = [e["times"] for e in everyone]
+    slowest = [max(ts) for ts in zip(*per_rank)]
+    return Result(
+        v.name,
+        "ok",
+        note,
+        match,
+        max_err,
+        times_ms=slowest,
+        rank_medians_ms=[statistics.median(ts) for ts in per_rank],
+        optional=v.optional,
+    )
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def derived(results: list[Result]) -> dict[str, dict]:
+    """Speedup over sequential, ratio to gemm_alone, overlap efficiency."""
+    by_name = {r.name: r.median_ms for r in results if r.median_ms is not None}
+    t_seq, t_gemm, t_ag = by_name.get("sequential"), by_name.get("gemm_alone"), by_name.get("allgather_alone")
+    out = {}
+    for r in results:
+        t = r.median_ms
+        d = {"speedup_vs_sequential": None, "ratio_to_gemm_alone": None, "overlap_efficiency": None}
+        if t:
+            if t_seq:
+                d["speedup_vs_sequential"] = t_seq / t
+            if t_gemm:
+                d["ratio_to_gemm_alone"] = t / t_gemm
+            # Only meaningful for variants that do both the all-gather and the GEMM.
+            if t_ag and t_gemm and r.name not in ("gemm_alone", "allgather_alone"):
+                d["overlap_efficiency"] = (t_ag + t_gemm - t) / min(t_ag, t_gemm)
+        out[r.name] = d
+    return out
+
+
+def _fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def markdown_table(results: list[Result]) -> str:
+    d = derived(results)
+    lines = [
+        "| variant | median ms | speedup vs sequential | / gemm_alone | overlap eff. | match | max abs err | note |",
+        "|---|---:|---:|---:|---:|:---:|---:|---|",
+    ]
+    for r in results:
+        x = d[r.name]
+        match = "—" if r.match is None else ("yes" if r.match else "no")
+        note = r.note if r.status == "ok" else f"{r.status}: {r.note}"
+        lines.append(
+            f"| {r.name} | {_fmt(r.median_ms, '.3f')} | {_fmt(x['speedup_vs_sequential'], '.3f')} "
+            f"| {_fmt(x['ratio_to_gemm_alone'], '.3f')} | {_fmt(x['overlap_efficiency'], '.2f')} "
+            f"| {match} | {_fmt(r.max_abs_err, '.2e')} | {note.replace('|', '/')} |"
+        )
+    return "\n".join(lines)
+
+
+def _nccl_version(cpu: bool) -> str:
+    if cpu or not torch.cuda.is_available():
+        return "n/a"
+    try:
+        return ".".join(str(p) for p in torch.cuda.nccl.version())
+    except Exception as exc:
+        return f"unknown ({exc})"
+
+
+def environment(ctx: Context, args, launcher: str) -> dict:
+    cuda = not ctx.cpu
+    return {
+        "device": torch.cuda.get_device_name(ctx.device) if cuda else (platform.processor() or "cpu"),
+        "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "world_size": ctx.world,
+        "backend": "gloo" if ctx.cpu else "nccl",
+        "dtype": str(ctx.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": _nccl_version(ctx.cpu),
+        "python": platform.python_version(),
+        "hostir": hostir.__version__,
+        "host": socket.gethostname(),
+        "launcher": launcher,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "params": {"m": args.m, "k": args.k, "n": args.n, "iters": args.iters, "warmup": args.warmup},
+    }
+
+
+def markdown_report(results: list[Result], env: dict, done: bool) -> str:
+    p = env["params"]
+    lines = [
+        f"# AG+matmul overlap, {env['world_size']} ranks ({env['backend']}, {env['dtype']})",
+        "",
+    ]
+    if not done:
+        lines += ["**Partial: the run did not finish; the variants missing below never completed.**", ""]
+    lines += [
+        markdown_table(results),
+        "",
+        f"Per rank: shard M={p['m']} rows, K={p['k']}, N={p['n']}; every rank computes the whole "
+        f"[{env['world_size'] * p['m']}, {p['n']}] product. median ms: per iteration the slowest rank's "
+        f"time ({'CUDA events' if env['backend'] == 'nccl' else 'time.perf_counter'} around the whole call, "
+        f"ranks synchronized and at a barrier before each), median over {p['iters']} iterations after "
+        f"{p['warmup']} warm-ups. overlap eff. = (T_allgather_alone + T_gemm_alone - T) / "
+        "min(T_allgather_alone, T_gemm_alone). match: equal to the sequential result on every rank "
+        "(all-gather: exactly equal to the gathered input).",
+        "",
+        f"- device: {env['device']} ({env['gpu_count']} GPUs visible, {env['world_size']} ranks)",
+        f"- torch: {env['torch']}, CUDA: {env['cuda']}, NCCL: {env['nccl']}",
+        f"- python: {env['python']}, hostir: {env['hostir']}, launcher: {env['launcher']}, host: {env['host']}",
+        f"- date (UTC): {env['date']}",
+    ]
+    if p["iters"] < MIN_ITERS or p["warmup"] < MIN_WARMUP:
+        lines.append(f"- fewer iterations than PERF.md asks for kept numbers (>= {MIN_ITERS} timed, >= {MIN_WARMUP} warm-up)")
+    lines += ["", "Run: `torchrun --standalone --nproc-per-node 2 tools/bench_overlap.py --tag <tag>`", ""]
+    return "\n".join(lines)
+
+
+def write_results(results: list[Result], env: dict, out_dir: str, tag: str, done: bool) -> tuple[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"bench_overlap_{tag}")
+    d = derived(results)
+    rows = []
+    for r in results:
+        row = dataclasses.asdict(r)
+        row["median_ms"] = r.median_ms
+        row.update(d[r.name])
+        # Strict JSON has no NaN or Infinity (a NaN error means the variant
+        # left part of its output unwritten).
+        for key, value in row.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                row[key] = str(value)
+        rows.append(row)
+    # Write then rename, so a run killed mid-write never leaves a torn file.
+    for path, text in (
+        (stem + ".md", markdown_report(results, env, done)),
+        (stem + ".json", json.dumps({**env, "complete": done, "results": rows}, indent=2) + "\n"),
+    ):
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+    return stem + ".md", stem + ".json"
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # --M/--K/--N spell the same: torchrun's own parser rejects a script's
+    # --m and --n as ambiguous abbreviations of its options.
+    ap.add_argument("--m", "--M", dest="m", type=int, default=16384, help="rows of each rank's shard (default: 16384)")
+    ap.add_argument("--k", "--K", dest="k", type=int, default=8192, help="K (default: 8192)")
+    ap.add_argument("--n", "--N", dest="n", type=int, default=4096, help="N (default: 4096)")
+    ap.add_argument("--iters", type=int, default=50, help=f"timed iterations per variant (default: 50; keep >= {MIN_ITERS})")
+    ap.add_argument("--warmup", type=int, default=10, help=f"untimed iterations first (default: 10; keep >= {MIN_WARMUP})")
+    ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where rank 0 writes the .md and .json (default: benchmarks/results)")
+    ap.add_argument("--tag", default=None, help="file name suffix: bench_overlap_<tag>.md (default: cuda, or cpu with --cpu)")
+    ap.add_argument("--cpu", action="store_true", help="smoke test: gloo, float32, CPU timers; no NCCL pipeline, no symm_mem")
+    args = ap.parse_args(argv)
+    for name in ("m", "k", "n", "iters"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
+    if args.warmup < 0:
+        ap.error("--warmup must be at least 0")
+    if not args.cpu and not torch.cuda.is_available():
+        ap.error("CUDA is unavailable; pass --cpu for the gloo smoke test")
+    args.tag = args.tag or ("cpu" if args.cpu else "cuda")
+    args.out_dir = os.path.normpath(args.out_dir)
+    return args
+
+
+def launcher_name() -> str:
+    return hostir_communicator.discover().source
+
+
+def teardown(ctx: Context) -> None:
+    """Destroy the process groups, but never hang on it: a watchdog ends the
+    process if teardown stalls (the results are written by now)."""
+
+    def give_up():
+        print(f"rank {ctx.rank}: process-group teardown did not finish in {TEARDOWN_SECONDS:g} s; exiting", flush=True)
+        os._exit(0)
+
+    watchdog = threading.Timer(TEARDOWN_SECONDS, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        # No rank may destroy a group another still uses.
+        ctx.barrier()
+        dist.destroy_process_group(ctx.ctl)
+        # hostir owns the default group (it created it): its shutdown destroys it.
+        hostir_communicator.shutdown()
+    except Exception as exc:
+        print(f"rank {ctx.rank}: teardown: {_error_text(exc)}", file=sys.stderr, flush=True)
+    watchdog.cancel()
+    watchdog.join()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank, world, local = hostir.rank(), hostir.world_size(), hostir.local_rank()
+    if args.cpu:
+        device, dtype = torch.device("cpu"), torch.float32
+    else:
+        device, dtype = torch.device("cuda", local), torch.bfloat16
+        torch.cuda.set_device(device)  # hostir requires inputs on cuda:local_rank
+    x_full, shard, w = make_inputs(args, rank, world, device, dtype)
+    ctx = Context(args.cpu, rank, world, args.m, args.k, args.n, dtype, device, x_full, shard, w)
+    table = variants(ctx)
+
+    # hostir creates the process group on its first execute, so a hostir
+    # program runs before anything uses torch.distributed directly. A
+    # failure here is hostir_1's to report (the group exists by then unless
+    # the launch itself is broken, which ends the run).
+    bootstrap_error = None
+    try:
+        fd = build_hostir(ctx, 1)
+        fd.execute([shard.view(1, 1, args.m, args.k), w], **hostir_kwargs(ctx, 1))
+    except Exception as exc:
+        bootstrap_error = _error_text(exc)
+        if not dist.is_initialized():
+            raise
+    ctx.ctl = dist.new_group(
+        backend="gloo", timeout=timedelta(seconds=float(os.environ.get("HOSTIR_TIMEOUT", 300)))
+    )
+    ctx.ref = make_sequential(ctx)().clone()
+    ctx.sync()
+
+    env = environment(ctx, args, launcher_name())
+    results: list[Result] = []
+    # symm_mem last: after it, NCCL collectives and teardown were seen to hang.
+    order = sorted(table, key=lambda v: (v.name != "hostir_1", v.name == "symm_mem"))
+    for v in order:
+        if v.name == "hostir_1" and bootstrap_error:
+            results.append(Result(v.name, "failed", bootstrap_error))
+        else:
+            results.append(run_variant(ctx, v, args))
+        if rank == 0:
+            ranked = sorted(results, key=lambda r: [x.name for x in table].index(r.name))
+            write_results(ranked, env, args.out_dir, args.tag, done=len(results) == len(table))
+    results.sort(key=lambda r: [x.name for x in table].index(r.name))
+
+    if rank == 0:
+        print(
+            f"device: {env['device']} ({env['gpu_count']} GPUs visible)  ranks {world}  torch {env['torch']}  "
+            f"CUDA {env['cuda']}  NCCL {env['nccl']}  hostir {env['hostir']}"
+        )
+        print(f"AG+matmul, per rank M={args.m} K={args.k} N={args.n} {env['dtype']}, {args.iters} iters after {args.warmup} warm-ups")
+        print(markdown_table(results))
+        stem = os.path.join(args.out_dir, f"bench_overlap_{args.tag}")
+        print(f"wrote {stem}.md and {stem}.json", flush=True)
+    bad = [r.name for r in results if not r.optional and (r.status == "failed" or r.match is False)]
+    if bad and rank == 0:
+        print(f"FAILED or mismatched: {', '.join(bad)}", flush=True)
+    sys.stdout.flush()
+    teardown(ctx)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The process groups are gone by now; skip the interpreter's own
+    # teardown, where the destructors of cached NCCL and symmetric-memory
+    # state could still hang or abort a process whose work is done.
+    os._exit(code)
