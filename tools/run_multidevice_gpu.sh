@@ -5,7 +5,8 @@
 #   3. pip install -e . (offline, no deps), only if `import hostir` fails
 #   4. tests/python/multidevice under torchrun (2 ranks)
 #   5. the same under Open MPI's mpirun (2 ranks)
-#   6. tools/bench_overlap.py under torchrun, results copied to $OUT
+#   6. examples/sequence_parallel_matmul.py under torchrun and mpirun
+#   7. tools/bench_overlap.py under torchrun at two shapes, results copied to $OUT
 # Each step writes $OUT/<step>.log and runs under `timeout`, capped so that
 # the whole script ends within 9 minutes whatever hangs; a summary of every
 # step is printed last and written to $OUT/summary.txt. Leftover test and
@@ -42,6 +43,7 @@ BENCH_DIR=benchmarks/results
 LEFTOVER_PATTERNS=(
     "pytest -q -p no:cacheprovider tests/python/multidevice"
     "tools/bench_overlap.py"
+    "examples/sequence_parallel_matmul.py"
 )
 
 SUMMARY=()
@@ -170,31 +172,49 @@ kill_leftovers
 # --bind-to none: Open MPI otherwise pins each rank to one core, which the
 # Python host work and NCCL's proxy threads share. -x exports the variables
 # explicitly (local ranks inherit them anyway).
-MPI_ENV=(-x PYTHONUNBUFFERED -x HOSTIR_TIMEOUT -x HOSTIR_MASTER_ADDR -x HOSTIR_MASTER_PORT)
+# PATH and the interpreter's absolute path: mpirun starts ranks with a
+# login-like environment where `python3` may be the system one, without torch.
+MPI_ENV=(-x PYTHONUNBUFFERED -x HOSTIR_TIMEOUT -x HOSTIR_MASTER_ADDR -x HOSTIR_MASTER_PORT -x PATH)
 [ -n "${PYTHONPATH:-}" ] && MPI_ENV+=(-x PYTHONPATH)
+[ -n "${VIRTUAL_ENV:-}" ] && MPI_ENV+=(-x VIRTUAL_ENV)
+PYTHON=$(command -v python3)
 HOSTIR_MASTER_PORT=$(free_port) step tests_mpirun 130 \
     "$MPIRUN" --allow-run-as-root -np 2 --oversubscribe --bind-to none "${MPI_ENV[@]}" \
-    python3 "${PYTEST_ARGS[@]}"
+    "$PYTHON" "${PYTEST_ARGS[@]}"
 pytest_summary "$OUT/tests_mpirun.log"
+kill_leftovers
+
+# The README's example, unchanged from CPU: NCCL on two GPUs, both launchers.
+HOSTIR_MASTER_PORT=$(free_port) TAIL_LINES=3 step example_torchrun 60 \
+    torchrun --standalone --nproc-per-node 2 examples/sequence_parallel_matmul.py
+kill_leftovers
+HOSTIR_MASTER_PORT=$(free_port) TAIL_LINES=3 step example_mpirun 60 \
+    "$MPIRUN" --allow-run-as-root -np 2 --oversubscribe --bind-to none "${MPI_ENV[@]}" \
+    "$PYTHON" examples/sequence_parallel_matmul.py
 kill_leftovers
 
 # ---------------------------------------------------------------- 6
 
 mkdir -p "$BENCH_DIR"
-MARKER=$(mktemp)  # results newer than this are this run's
-HOSTIR_MASTER_PORT=$(free_port) TAIL_LINES=20 step bench_overlap 180 \
-    torchrun --standalone --nproc-per-node 2 tools/bench_overlap.py --out-dir "$BENCH_DIR" --tag "$BENCH_TAG"
-kill_leftovers
-# Copied even after a failure: the script rewrites its files after every
-# variant, so a cut-short run leaves the variants it finished.
+# Two shapes: 16384 rows per rank's shard (the shape read per rank),
+# and 8192 (a gathered M of 16384: the shape PERF.md's anchors were taken at).
 copied=0
-for f in "$BENCH_DIR/bench_overlap_$BENCH_TAG.md" "$BENCH_DIR/bench_overlap_$BENCH_TAG.json"; do
-    if [ -f "$f" ] && [ "$f" -nt "$MARKER" ]; then
-        cp "$f" "$OUT/" && copied=$((copied + 1))
-    fi
+for rows in 16384 8192; do
+    tag="${BENCH_TAG}_m${rows}"
+    MARKER=$(mktemp)  # results newer than this are this run's
+    HOSTIR_MASTER_PORT=$(free_port) TAIL_LINES=16 step "bench_m$rows" 150 \
+        torchrun --standalone --nproc-per-node 2 tools/bench_overlap.py --M "$rows" --out-dir "$BENCH_DIR" --tag "$tag"
+    kill_leftovers
+    # Copied even after a failure: the script rewrites its files after every
+    # variant, so a cut-short run leaves the variants it finished.
+    for f in "$BENCH_DIR/bench_overlap_$tag.md" "$BENCH_DIR/bench_overlap_$tag.json"; do
+        if [ -f "$f" ] && [ "$f" -nt "$MARKER" ]; then
+            cp "$f" "$OUT/" && copied=$((copied + 1))
+        fi
+    done
+    rm -f "$MARKER"
 done
-rm -f "$MARKER"
-((copied == 2)) || { echo "bench_overlap: result files missing (copied $copied of 2)"; FAILED=1; }
+((copied == 4)) || { echo "bench_overlap: result files missing (copied $copied of 4)"; FAILED=1; }
 
 # ---------------------------------------------------------------- summary
 
@@ -205,6 +225,6 @@ rm -f "$MARKER"
     pytest_summary "$OUT/tests_torchrun.log"
     echo "tests under mpirun:"
     pytest_summary "$OUT/tests_mpirun.log"
-    echo "bench results copied to $OUT: $copied of 2 files"
+    echo "bench results copied to $OUT: $copied of 4 files"
 } | tee "$OUT/summary.txt"
 exit $FAILED

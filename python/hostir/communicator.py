@@ -16,6 +16,7 @@ dies ends in an error on the others, never a hang.
 from __future__ import annotations
 
 import atexit
+import inspect
 import itertools
 import math
 import os
@@ -301,6 +302,7 @@ def _resolve_device(backend: str, launch: LaunchInfo) -> torch.device:
 
 # The process-group backend string: with NCCL, gloo serves the CPU tensors of
 # the same group, so metadata and CPU fallbacks need no second group.
+_NEW_GROUP_SORTS = "sort_ranks" in inspect.signature(dist.new_group).parameters
 _PG_BACKEND = {"nccl": "cpu:gloo,cuda:nccl", "gloo": "gloo"}
 
 _PEER_LOST = (
@@ -503,9 +505,11 @@ class Communicator:
         )
 
     def _new_group(self, ranks: list[int] | None, *, backend: str) -> dist.ProcessGroup:
-        group = dist.new_group(
-            ranks=ranks, timeout=timedelta(seconds=self.timeout), backend=backend, sort_ranks=False
-        )
+        # Where torch can (sort_ranks, newer than 2.11), a group numbers its
+        # members in the team's order; elsewhere in sorted order. Either way
+        # `group_order` says which, and the evaluator follows it.
+        extra = {"sort_ranks": False} if _NEW_GROUP_SORTS else {}
+        group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=self.timeout), backend=backend, **extra)
         self._created.append(group)
         return group
 
@@ -570,10 +574,15 @@ class Communicator:
             raise ValueError(f"rank {self.rank} is not a member of team {key}")
         return self._groups[key]
 
+    def group_order(self, team: Iterable[int]) -> tuple[int, ...]:
+        """The global ranks of a team's group in group-rank order: the order
+        in which collectives gather and scatter."""
+        return tuple(dist.get_process_group_ranks(self.group(team)))
+
     @staticmethod
     def group_rank(team: Iterable[int], global_rank: int) -> int:
-        """The index of `global_rank` inside `team`, which is its rank in the
-        team's process group."""
+        """The index of `global_rank` inside `team`: its rank in the team's
+        process group where torch keeps the team's order (see `group_order`)."""
         key = tuple(team)
         if global_rank not in key:
             raise ValueError(f"rank {global_rank} is not a member of team {key}")

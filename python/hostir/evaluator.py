@@ -427,14 +427,17 @@ def _post_allgather(ev, e, group) -> _Posted:
     full = ev.full_sizes(e.input)
     a = _mesh_axis(e.input)
     n = len(e.team)
-    if _outermost(full, a):
+    order = ev.communicator.group_order(e.team)
+    if _outermost(full, a) and order == tuple(e.team):
         buf, after = _staged(out, [-1])
         return _Posted([_all_gather(buf, src.reshape(-1), group=group, async_op=True)], after)
-    # Gather into [n, *local] and move the ranks' axis into place.
+    # Gather into [n, *local] in the group's order, then put each rank's
+    # piece at its position in the team, on the sharded axis.
     staging = torch.empty([n] + list(src.shape), dtype=src.dtype, device=src.device)
+    by_position = [order.index(r) for r in e.team]
 
     def after():
-        moved = staging.squeeze(a + 1).movedim(0, a)
+        moved = staging[by_position].squeeze(a + 1).movedim(0, a)
         out.copy_(moved.reshape(out.shape))
 
     return _Posted([_all_gather(staging.view(-1), src.reshape(-1), group=group, async_op=True)], after)
@@ -456,6 +459,10 @@ def _post_reduce_scatter(ev, e, group) -> _Posted:
     whole = src.reshape(full)
     if not _outermost(full, b):
         whole = whole.movedim(b, 0)
+    order = ev.communicator.group_order(e.team)
+    if order != tuple(e.team):
+        # Group rank j receives chunk j: the chunk of team position of order[j].
+        whole = whole.reshape(len(e.team), -1)[[e.team.index(r) for r in order]]
     whole = _contiguous(whole)
     buf, after = _staged(out, [-1])
     work = _reduce_scatter(buf, whole.reshape(-1), op=_RED_OPS[e.red_op], group=group, async_op=True)
@@ -492,8 +499,10 @@ def _post_gather(ev, e, group) -> _Posted:
     a = _mesh_axis(e.input)
     senders = [r for r in e.team if r in e.input.mesh]
 
+    order = ev.communicator.group_order(e.team)
+
     def after():
-        ordered = [pieces[e.team.index(r)] for r in senders]
+        ordered = [pieces[order.index(r)] for r in senders]
         out.copy_(torch.cat(ordered, dim=a).reshape(out.shape))
 
     return _Posted([dist.gather(src, pieces, dst=e.root, group=group, async_op=True)], after)
@@ -514,7 +523,8 @@ def _post_scatter(ev, e, group) -> _Posted:
         b = _mesh_axis(e.out)
         chunks = whole.chunk(len(e.out.mesh.devices), dim=b)
         by_rank = dict(zip(e.out.mesh.devices, chunks))
-        pieces = [_contiguous(by_rank.get(r, chunks[0])).view(out_buf.shape) for r in e.team]
+        order = ev.communicator.group_order(e.team)
+        pieces = [_contiguous(by_rank.get(r, chunks[0])).view(out_buf.shape) for r in order]
     return _Posted([dist.scatter(out_buf, pieces, src=e.root, group=group, async_op=True)], after)
 
 

@@ -402,8 +402,12 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
     sizes = {}
     for tv, t in zip(fusion.inputs, inputs):
         for d, size in zip(tv.logical_runtime(), t.shape):
-            if not d.is_device_parallel and d.leaves is None:
-                sizes.setdefault(d.extent, size)
+            if d.is_device_parallel:
+                continue
+            for leaf in d.loop_leaves():
+                if leaf.is_device_parallel:
+                    size *= leaf.extent.value
+            sizes.setdefault(d.extent, size)
     return sizes
 
 
