@@ -372,6 +372,10 @@ class Result:
     max_abs_err: float | None = None  # over ranks
     times_ms: list[float] | None = None  # per iteration, max over ranks
     rank_medians_ms: list[float] | None = None
+    # Host time of the call itself (enqueueing, not waiting), median over
+    # iterations, max over ranks: where it nears median_ms the GPU waits
+    # for the host.
+    host_ms: float | None = None
     optional: bool = False
 
     @property
@@ -397,12 +401,13 @@ def check(ctx: Context, out: torch.Tensor, expected: torch.Tensor, exact: bool) 
     return True, err, ""
 
 
-def time_call(ctx: Context, call: Callable[[], object], iters: int, warmup: int) -> list[float]:
-    """This rank's time of each timed iteration, in ms."""
+def time_call(ctx: Context, call: Callable[[], object], iters: int, warmup: int) -> tuple[list[float], list[float]]:
+    """This rank's time of each timed iteration and the host time of its
+    call, in ms."""
     start = end = None
     if not ctx.cpu:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
+    times, host = [], []
     for i in range(warmup + iters):
         ctx.sync()
         ctx.barrier()
@@ -410,16 +415,20 @@ def time_call(ctx: Context, call: Callable[[], object], iters: int, warmup: int)
             t0 = time.perf_counter()
             call()
             elapsed = (time.perf_counter() - t0) * 1e3
+            host_ms = elapsed
         else:
             start.record()
+            t0 = time.perf_counter()
             call()
+            host_ms = (time.perf_counter() - t0) * 1e3
             end.record()
             end.synchronize()
             elapsed = start.elapsed_time(end)
         if i >= warmup:
             times.append(elapsed)
+            host.append(host_ms)
     ctx.sync()
-    return times
+    return times, host
 
 
 def run_variant(ctx: Context, v: Variant, args) -> Result:
@@ -447,9 +456,9 @@ def run_variant(ctx: Context, v: Variant, args) -> Result:
     max_err = max(e["err"] for e in everyone)
     note = next((f"rank {r}: {e['note']}" for r, e in enumerate(everyone) if e["note"]), "")
 
-    mine = {"error": None, "times": None}
+    mine = {"error": None, "times": None, "host": None}
     try:
-        mine["times"] = time_call(ctx, call, args.iters, args.warmup)
+        mine["times"], mine["host"] = time_call(ctx, call, args.iters, args.warmup)
     except Exception as exc:
         mine["error"] = _error_text(exc)
     everyone = ctx.gather(mine)
@@ -466,6 +475,7 @@ def run_variant(ctx: Context, v: Variant, args) -> Result:
         max_err,
         times_ms=slowest,
         rank_medians_ms=[statistics.median(ts) for ts in per_rank],
+        host_ms=max(statistics.median(e["host"]) for e in everyone),
         optional=v.optional,
     )
 
@@ -500,15 +510,15 @@ def _fmt(value, spec: str) -> str:
 def markdown_table(results: list[Result]) -> str:
     d = derived(results)
     lines = [
-        "| variant | median ms | speedup vs sequential | / gemm_alone | overlap eff. | match | max abs err | note |",
-        "|---|---:|---:|---:|---:|:---:|---:|---|",
+        "| variant | median ms | host ms | speedup vs sequential | / gemm_alone | overlap eff. | match | max abs err | note |",
+        "|---|---:|---:|---:|---:|---:|:---:|---:|---|",
     ]
     for r in results:
         x = d[r.name]
         match = "—" if r.match is None else ("yes" if r.match else "no")
         note = r.note if r.status == "ok" else f"{r.status}: {r.note}"
         lines.append(
-            f"| {r.name} | {_fmt(r.median_ms, '.3f')} | {_fmt(x['speedup_vs_sequential'], '.3f')} "
+            f"| {r.name} | {_fmt(r.median_ms, '.3f')} | {_fmt(r.host_ms, '.3f')} | {_fmt(x['speedup_vs_sequential'], '.3f')} "
             f"| {_fmt(x['ratio_to_gemm_alone'], '.3f')} | {_fmt(x['overlap_efficiency'], '.2f')} "
             f"| {match} | {_fmt(r.max_abs_err, '.2e')} | {note.replace('|', '/')} |"
         )
