@@ -300,9 +300,10 @@ def _resolve_device(backend: str, launch: LaunchInfo) -> torch.device:
     return torch.device("cuda", launch.local_rank)
 
 
+_NEW_GROUP_SORTS = "sort_ranks" in inspect.signature(dist.new_group).parameters
+
 # The process-group backend string: with NCCL, gloo serves the CPU tensors of
 # the same group, so metadata and CPU fallbacks need no second group.
-_NEW_GROUP_SORTS = "sort_ranks" in inspect.signature(dist.new_group).parameters
 _PG_BACKEND = {"nccl": "cpu:gloo,cuda:nccl", "gloo": "gloo"}
 
 _PEER_LOST = (
@@ -460,6 +461,10 @@ class Communicator:
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._created: list[dist.ProcessGroup] = []
         self._closed = False
+        # The first timeout or lost peer of a collective, as text: after it
+        # the ranks' collectives are out of step and the executor refuses
+        # to post more.
+        self.failure: str | None = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._owns_default = not dist.is_initialized()

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from hostir import ir, printer
+from hostir.communicator import CommunicatorTimeout, PeerLostError
 from hostir.container import AliasError, HostIrContainer
 from hostir.streams import NullStreams
 
@@ -209,12 +210,19 @@ class HostIrEvaluator:
                 _HANDLERS[type(e)](self, e)
             except HostIrRuntimeError:
                 raise
+            except (CommunicatorTimeout, PeerLostError) as err:
+                # A lost peer or a timeout keeps its type, so callers can
+                # catch it; the message says where the program was.
+                raise type(err)(f"{err}\nWhile executing:\n{self._where(e)}") from err
             except Exception as err:
-                where = "".join(f"\n  in loop {printer.format_scalar(i)} = {v}" for i, v in self._loops)
                 raise HostIrRuntimeError(
-                    f"{type(err).__name__}: {err}\nWhile executing:\n{printer.format_expr_head(e)}{where}"
+                    f"{type(err).__name__}: {err}\nWhile executing:\n{self._where(e)}"
                 ) from err
             self.ops_executed += 1
+
+    def _where(self, e) -> str:
+        loops = "".join(f"\n  in loop {printer.format_scalar(i)} = {v}" for i, v in self._loops)
+        return printer.format_expr_head(e) + loops
 
     def _find_body_locals(self, container: HostIrContainer) -> dict[int, list]:
         """For each loop, the buffers first defined in its body (unbound at

@@ -127,6 +127,12 @@ class FusionExecutor:
         is shared with the other ranks first, so that all raise together
         instead of one raising and the others waiting in a collective."""
         comm = communicator.get(backend=params.backend, timeout=params.timeout)
+        if comm.failure is not None:
+            raise RuntimeError(
+                f"an earlier collective failed on this rank, so the ranks' collectives are out of step: "
+                f"{comm.failure.splitlines()[0]}\nend the job (or call hostir.communicator.shutdown() on "
+                f"every rank and start again)"
+            )
         # Never hand a strided view to a collective (gloo would read the wrong
         # memory): compact first, which also keeps contiguity out of the
         # program cache's key so that all ranks hit or miss it together.
@@ -149,7 +155,11 @@ class FusionExecutor:
         need_groups = bool(comm.missing_teams(teams))
         if params.check_ranks == "always" or new:
             digest = program.container.digest if program is not None else None
-            need_groups = agree(comm, digest, input_signature(inputs), error, need_groups)
+            try:
+                need_groups = agree(comm, digest, input_signature(inputs), error, need_groups)
+            except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
+                comm.failure = f"{type(err).__name__}: {err}"
+                raise
         if need_groups:
             comm.ensure_groups(teams)
         container = program.container
@@ -157,8 +167,12 @@ class FusionExecutor:
         if outputs is not None:
             for tv, t in zip(container.outputs, outputs):
                 bindings[tv] = to_loop(tv, t)
-        with torch.no_grad():
-            results = program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
+        try:
+            with torch.no_grad():
+                results = program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
+        except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
+            comm.failure = f"{type(err).__name__}: {err}"
+            raise
         return [None if r is None else to_logical(tv, r) for tv, r in zip(container.outputs, results)]
 
     def _program(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> _Program:
@@ -318,7 +332,12 @@ def agree(comm, digest: str | None, inputs_sig: list, error: Exception | None, n
         "error": None if error is None else f"{type(error).__name__}: {error}",
         "need_groups": need_groups,
     }
-    everyone = comm.all_gather_object(mine)
+    try:
+        everyone = comm.all_gather_object(mine)
+    except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
+        raise type(err)(
+            f"the ranks' check of the program and its inputs, before running it, failed: {err}"
+        ) from err
     for r, theirs in enumerate(everyone):
         if theirs["error"] is not None:
             raise RankMismatchError(f"rank {r} failed before the program ran: {theirs['error']}") from error
