@@ -451,8 +451,19 @@ def _post_allgather(ev, e, group) -> _Posted:
     return _Posted([_all_gather(staging.view(-1), src.reshape(-1), group=group, async_op=True)], after)
 
 
-def _post_allreduce(ev, e, group) -> _Posted:
+def _reduced_input(ev, e) -> torch.Tensor:
+    """This rank's input with the rows it holds of the reduced axes reduced."""
     src = ev.get(e.input)
+    if not e.local_reduce:
+        return src
+    dims = list(e.local_reduce)
+    if e.red_op == "sum":
+        return torch.sum(src, dims, keepdim=True)
+    return (torch.amax if e.red_op == "max" else torch.amin)(src, dims, keepdim=True)
+
+
+def _post_allreduce(ev, e, group) -> _Posted:
+    src = _reduced_input(ev, e)
     out = ev.get(e.out)
     buf, after = _staged(out, out.shape)
     buf.copy_(src.reshape(out.shape))
@@ -460,7 +471,7 @@ def _post_allreduce(ev, e, group) -> _Posted:
 
 
 def _post_reduce_scatter(ev, e, group) -> _Posted:
-    src = ev.get(e.input)
+    src = _reduced_input(ev, e)
     out = ev.get(e.out)
     full = ev.full_sizes(e.out)
     b = _mesh_axis(e.out)
@@ -540,12 +551,13 @@ def _post_reduce(ev, e, group) -> _Posted:
     rank = ev.communicator.rank
     red_op = _RED_OPS[e.red_op]
     if rank != e.root:
-        piece = ev.get(e.input).clone(memory_format=torch.contiguous_format)
+        # Every rank posts the output's shape (checked under TORCH_DISTRIBUTED_DEBUG=DETAIL).
+        piece = _reduced_input(ev, e).reshape(ev.local_sizes(e.out)).clone(memory_format=torch.contiguous_format)
         return _Posted([dist.reduce(piece, dst=e.root, op=red_op, group=group, async_op=True)])
     out = ev.get(e.out)
     buf, after = _staged(out, out.shape)
     if _holds(ev, e.input):
-        buf.copy_(ev.get(e.input).reshape(out.shape))
+        buf.copy_(_reduced_input(ev, e).reshape(out.shape))
     else:
         _fill_identity(buf, e.red_op)
     return _Posted([dist.reduce(buf, dst=e.root, op=red_op, group=group, async_op=True)], after)

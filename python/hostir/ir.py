@@ -745,6 +745,9 @@ class Communication(Expr):
     root: int | None = None
     red_op: str | None = None
     backend: str = "NCCL"
+    # Dims of the input's local tensor that each rank reduces itself first
+    # (the rows of a split mesh_x axis that a rank holds).
+    local_reduce: tuple = ()
     INPUTS = ("input",)
     OUTPUTS = ("out",)
 

@@ -157,6 +157,8 @@ def _communication(e: ir.Communication, pad):
         fields.append(f"root={e.root}")
     if e.red_op is not None:
         fields.append(f"red_op={e.red_op}")
+    if e.local_reduce:
+        fields.append("local_reduce=(" + " ".join(map(str, e.local_reduce)) + ")")
     fields += [f"input={format_tv(e.input)}", f"output={format_tv(e.out)}", f"backend={e.backend}"]
     return [f"{pad}Communication {e.name} ({', '.join(fields)})"]
 

@@ -73,6 +73,8 @@ def _communications(container: HostIrContainer, e: ir.Expr) -> list[ir.Communica
     in_sharded = bool(src.device_axes())
     out_sharded = bool(dst.device_axes())
 
+    local_reduce = _local_reduce_dims(e) if isinstance(e, ir.ReductionOp) else ()
+
     def make(type_, team, root=None, red_op=None):
         return ir.Communication(
             container.next_name("comm"),
@@ -83,6 +85,7 @@ def _communications(container: HostIrContainer, e: ir.Expr) -> list[ir.Communica
             root=root,
             red_op=red_op,
             backend=container.backend,
+            local_reduce=local_reduce if red_op is not None else (),
         )
 
     def with_root(mesh: ir.DeviceMesh, root: int) -> list[int]:
@@ -142,6 +145,20 @@ def _communications(container: HostIrContainer, e: ir.Expr) -> list[ir.Communica
     _require_1d(e, sender, receiver, "Broadcast")
     root = sender.devices[0]
     return [make(Type.Broadcast, with_root(receiver, root), root=root)]
+
+
+def _local_reduce_dims(e: ir.ReductionOp) -> tuple[int, ...]:
+    """Runtime dims of the input that are pieces of a reduced axis but not
+    its mesh_x piece: each rank sums its rows of them before the collective
+    sums across ranks."""
+    dims = []
+    for o, i in e.id_pairs():
+        if not o.is_reduction:
+            continue
+        for leaf in i.loop_leaves():
+            if not leaf.is_device_parallel and leaf in e.input.domain:
+                dims.append(e.input.runtime_position(leaf))
+    return tuple(sorted(dims))
 
 
 def _require_1d(e, sender: ir.DeviceMesh, receiver: ir.DeviceMesh, what: str) -> None:
