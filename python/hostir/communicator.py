@@ -677,6 +677,12 @@ def get(**kwargs) -> Communicator:
         return _instance
 
 
+def live() -> Communicator | None:
+    """The process-wide communicator if one is live, else None."""
+    with _instance_lock:
+        return _instance if _instance is not None and not _instance._closed else None
+
+
 def shutdown() -> None:
     """Shut the process-wide communicator down; the next get() makes a new one."""
     global _instance

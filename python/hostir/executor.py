@@ -104,14 +104,10 @@ class FusionExecutor:
         params: ExecutorParams | None = None,
     ) -> list[torch.Tensor]:
         params = params or ExecutorParams()
-        params.validate()
-        inputs = _as_list(inputs, "inputs")
-        if outputs is not None:
-            outputs = _as_list(outputs, "outputs")
-            if all(t is None for t in outputs) and len(outputs) == len(self.fusion.outputs):
-                outputs = None
         if is_multi_device(self.fusion):
             return self._execute_multi_device(inputs, outputs, params)
+        params.validate()
+        inputs, outputs = self._as_lists(inputs, outputs)
         device = check_inputs(self.fusion, inputs, params.device)
         program = self._program(inputs, device, params)
         sizes = check_sizes(self.fusion, inputs, program.equal_axes)
@@ -126,19 +122,23 @@ class FusionExecutor:
         """Check locally, agree across ranks, then run. Every local failure
         is shared with the other ranks first, so that all raise together
         instead of one raising and the others waiting in a collective."""
-        comm = communicator.get(backend=params.backend, timeout=params.timeout)
+        comm, error = _communicator_for(params)
         if comm.failure is not None:
             raise RuntimeError(
                 f"an earlier collective failed on this rank, so the ranks' collectives are out of step: "
                 f"{comm.failure.splitlines()[0]}\nend the job (or call hostir.communicator.shutdown() on "
                 f"every rank and start again)"
             )
-        # Never hand a strided view to a collective (gloo would read the wrong
-        # memory): compact first, which also keeps contiguity out of the
-        # program cache's key so that all ranks hit or miss it together.
-        inputs = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs]
-        error, program, new = None, None, False
+        program, new = None, False
         try:
+            if error is not None:
+                raise error
+            params.validate()
+            inputs, outputs = self._as_lists(inputs, outputs)
+            # Never hand a strided view to a collective (gloo would read the
+            # wrong memory): compact first, which also keeps contiguity out of
+            # the program cache's key so that all ranks hit or miss it together.
+            inputs = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs]
             check_world(self.fusion, comm.world_size)
             device = check_inputs(self.fusion, inputs, comm.device, sharded=True)
             before = self.lowerings
@@ -147,13 +147,15 @@ class FusionExecutor:
             sizes = check_sizes(self.fusion, inputs, program.equal_axes)
             if outputs is not None:
                 check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
-        except (ValueError, TypeError, IndexError) as err:
-            if params.check_ranks != "always":
+        except Exception as err:
+            # Any failure before the program's first collective is shared
+            # with the other ranks, which would otherwise wait in it.
+            if params.check_ranks == "first":
                 raise
             error = err
         teams = program.container.all_teams if program is not None else []
         need_groups = bool(comm.missing_teams(teams))
-        if params.check_ranks == "always" or new:
+        if params.check_ranks != "first" or new:
             digest = program.container.digest if program is not None else None
             try:
                 need_groups = agree(comm, digest, input_signature(inputs), error, need_groups)
@@ -174,6 +176,14 @@ class FusionExecutor:
             comm.failure = f"{type(err).__name__}: {err}"
             raise
         return [None if r is None else to_logical(tv, r) for tv, r in zip(container.outputs, results)]
+
+    def _as_lists(self, inputs, outputs) -> tuple[list, list | None]:
+        inputs = _as_list(inputs, "inputs")
+        if outputs is not None:
+            outputs = _as_list(outputs, "outputs")
+            if all(t is None for t in outputs) and len(outputs) == len(self.fusion.outputs):
+                outputs = None
+        return inputs, outputs
 
     def _program(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> _Program:
         if self.fusion.version != self._version:
@@ -204,6 +214,20 @@ class FusionExecutor:
             streams = self._streams[device] = streams_for(device)
         evaluator = HostIrEvaluator(container, streams=streams, device=device, communicator=comm, dumper=dumper)
         return _Program(container, evaluator, _equal_input_axes(self.fusion))
+
+
+def _communicator_for(params: ExecutorParams):
+    """The process-wide communicator, and the error of asking for it with
+    parameters that differ from the live one's (shared with the other ranks
+    like any local error); with no live communicator, its creation error is
+    raised here (the launch is broken on this rank)."""
+    try:
+        return communicator.get(backend=params.backend, timeout=params.timeout), None
+    except (RuntimeError, TypeError, ValueError) as err:
+        live = communicator.live()
+        if live is None:
+            raise
+        return live, err
 
 
 def _as_list(values, what: str) -> list:

@@ -54,6 +54,9 @@ def _base_env(nprocs: int, port: int) -> dict[str, str]:
         LOCAL_WORLD_SIZE=str(nprocs),
         HOSTIR_MASTER_ADDR="127.0.0.1",
         HOSTIR_MASTER_PORT=str(port),
+        # Ranks run on the CPU with gloo even where there is a GPU: several
+        # ranks cannot share one GPU under NCCL.
+        CUDA_VISIBLE_DEVICES="",
     )
     return env
 

@@ -1,0 +1,79 @@
+"""Multi-device tests: every rank of an mpirun (or torchrun) job runs the
+same tests in the same order.
+
+Without a launcher (plain `python3 -m pytest`) the world has one rank and
+every test here is skipped; `tests/python/test_multidevice_mpirun.py` runs
+this directory under `mpirun -np 2` and `-np 4`. By hand:
+
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+        mpirun -np 2 --oversubscribe -x HOSTIR_MASTER_PORT=29517 \
+        python3 -m pytest -q -p no:cacheprovider tests/python/multidevice --timeout=240
+
+Nothing here runs a collective of its own (no barrier between tests): each
+rank's tests talk to each other only through `fd.execute`, whose agreement
+step turns a one-rank failure into an error on every rank, so a test failing
+on one rank cannot shift the pairing of the collectives of the tests after
+it. Tests must therefore take every rank-dependent decision from the
+fixtures below, never skip on one rank only, and build full tensors from the
+per-test seed (the same on every rank).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import zlib
+from typing import NamedTuple
+
+# The communicator reads its timeout once, at the first multi-device
+# execute: a small one turns a desynchronized test into an error, not a hang.
+os.environ.setdefault("HOSTIR_TIMEOUT", "30")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import hostir  # noqa: E402
+
+_HERE = pathlib.Path(__file__).resolve().parent
+_SKIP_REASON = (
+    "multi-device test: needs at least 2 ranks (run under mpirun or torchrun, "
+    "as tests/python/test_multidevice_mpirun.py does)"
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    # This hook sees every collected item of the session, not only this
+    # directory's: mark ours alone.
+    if hostir.world_size() >= 2:
+        return
+    skip = pytest.mark.skip(reason=_SKIP_REASON)
+    for item in items:
+        if _HERE in pathlib.Path(str(item.path)).resolve().parents:
+            item.add_marker(skip)
+
+
+class World(NamedTuple):
+    size: int
+    rank: int
+    local_rank: int
+
+
+@pytest.fixture(scope="session")
+def world() -> World:
+    """This process's place in the job (no process group needed)."""
+    return World(hostir.world_size(), hostir.rank(), hostir.local_rank())
+
+
+@pytest.fixture
+def device(world) -> torch.device:
+    """Where a rank's inputs live: its GPU under NCCL, else the CPU (gloo)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", world.local_rank)
+    return torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """The same seed on every rank, from the test's id (not its position in
+    the run), so every rank builds the same full tensors."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
