@@ -35,10 +35,17 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # mpirun or torchrun) would contradict the job's own.
 _STRIPPED = set(LAUNCHER_VARIABLES) | {"MASTER_ADDR", "MASTER_PORT", "HOSTIR_MASTER_ADDR", "HOSTIR_MASTER_PORT"}
 _STRIPPED_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "TORCHELASTIC_")
+# Open MPI's own settings stay: a machine may need them to launch at all
+# (the GPU machines set the rsh agent through OMPI_MCA_plm_rsh_agent).
+_KEPT_PREFIXES = ("OMPI_MCA_", "PRTE_MCA_")
 
 
 def mpirun_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _STRIPPED and not k.startswith(_STRIPPED_PREFIXES)}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(_KEPT_PREFIXES) or (k not in _STRIPPED and not k.startswith(_STRIPPED_PREFIXES))
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(PYTHON_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     # Open MPI 5 refuses to run as root without these.
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
