@@ -7,13 +7,18 @@ resolve aliases — the one place that does. An op whose output buffer is
 already bound (a caller's preallocated output, an allocation, a slice) writes
 into it with torch's `out=` variants; otherwise its result is bound fresh.
 A failing op is reported with its dump line and the loop indices around it.
+Communications post through `torch.distributed` on the process groups of a
+`Communicator` (NCCL or gloo) and complete at their `Wait`; a timeout or a
+lost peer keeps its type (`CommunicatorTimeout`, `PeerLostError`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
 
 from hostir import ir, printer
 from hostir.communicator import CommunicatorTimeout, PeerLostError
@@ -381,17 +386,13 @@ def _linear(ev: HostIrEvaluator, e: ir.LinearOp) -> None:
 
 # ---------------------------------------------------------------- communications
 
-import dataclasses as _dataclasses
-
-import torch.distributed as dist
-
 _RED_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 renamed the tensor forms of all-gather and reduce-scatter.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@_dataclasses.dataclass
+@dataclasses.dataclass
 class _Posted:
     """A posted communication: its works, and what to do after they finish
     (copy a staging buffer into a non-contiguous or reshaped output)."""

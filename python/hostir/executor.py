@@ -337,6 +337,8 @@ def check_world(fusion: ir.Fusion, world_size: int) -> None:
 def input_signature(inputs: list) -> list[tuple]:
     """What ranks compare of their inputs: shapes and dtypes (local pieces
     have the same shape on every rank: shards are even)."""
+    if not isinstance(inputs, (list, tuple)):
+        return [(None, type(inputs).__name__)]
     return [
         (list(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else (None, type(t).__name__)
         for t in inputs

@@ -1,8 +1,10 @@
 """The IR shared by fusions and host programs.
 
-Values (`Scalar`, `IterDomain`, `TensorView`, `Stream`), the fusion ops a user
-writes (`Set`, `BinaryOp`, `ReductionOp`, `MatmulOp`, `LinearOp`) and the host
-ops a lowering emits (`ForLoop`, `HirAliasSelect`, `Allocate`, stream ops).
+Values (`Scalar`, `IterDomain`, `TensorView`, `Stream`, and the `DeviceMesh`
+a tensor lives on), the fusion ops a user writes (`Set`, `BinaryOp`,
+`ReductionOp`, `MatmulOp`, `LinearOp`) and the host ops a lowering emits
+(`ForLoop`, `HirAliasSelect`, `Allocate`, stream ops, `Communication`,
+`P2PCommunication`, coalescing and `Wait`).
 Every node is plain data compared by identity. Names are small integers drawn
 from the owning container's counters at creation, so a dump is the same on
 every run and every rank; nothing prints an address.
