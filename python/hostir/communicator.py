@@ -459,6 +459,8 @@ class Communicator:
         self.world_size = self.launch.world_size
         self.local_rank = self.launch.local_rank
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        # Each team's group-rank order, asked for at every collective.
+        self._orders: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._created: list[dist.ProcessGroup] = []
         self._closed = False
         # The first timeout or lost peer of a collective, as text: after it
@@ -582,7 +584,11 @@ class Communicator:
     def group_order(self, team: Iterable[int]) -> tuple[int, ...]:
         """The global ranks of a team's group in group-rank order: the order
         in which collectives gather and scatter."""
-        return tuple(dist.get_process_group_ranks(self.group(team)))
+        key = tuple(team)
+        order = self._orders.get(key)
+        if order is None:
+            order = self._orders[key] = tuple(dist.get_process_group_ranks(self.group(key)))
+        return order
 
     @staticmethod
     def group_rank(team: Iterable[int], global_rank: int) -> int:
@@ -627,6 +633,7 @@ class Communicator:
         default, self._default = self._default, None
         self._control = None
         self._groups.clear()
+        self._orders.clear()
         # Destroying the default group destroys every group, so once it is
         # gone (or replaced) there is nothing of ours left to destroy.
         if not dist.is_initialized() or dist.group.WORLD is not default:

@@ -599,10 +599,12 @@ _POST = {
 }
 
 
-def _log_posting(ev: HostIrEvaluator, e, tensors) -> None:
-    if ev.dumper is not None and ev.dumper.enabled("communication"):
-        sizes = ", ".join(f"{name} {list(t.shape)}" for name, t in tensors if t is not None)
-        ev.dumper.emit("communication", f"Posting {printer.format_expr_head(e)}", f"  with {sizes}")
+def _log_posting(ev: HostIrEvaluator, e: ir.Communication) -> None:
+    if ev.dumper is None or not ev.dumper.enabled("communication"):
+        return
+    tensors = [("input", ev.get(e.input, None)), ("output", ev.get(e.out, None))]
+    sizes = ", ".join(f"{name} {list(t.shape)}" for name, t in tensors if t is not None)
+    ev.dumper.emit("communication", f"Posting {printer.format_expr_head(e)}", f"  with {sizes}")
 
 
 @impl(ir.Communication)
@@ -611,7 +613,7 @@ def _communication(ev: HostIrEvaluator, e: ir.Communication) -> None:
     if comm.rank not in e.team:
         return
     group = comm.group(e.team)
-    _log_posting(ev, e, [("input", ev.get(e.input, None)), ("output", ev.get(e.out, None))])
+    _log_posting(ev, e)
     try:
         ev._works[e] = _POST[e.type](ev, e, group)
     except Exception as err:

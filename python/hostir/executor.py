@@ -83,6 +83,8 @@ class FusionExecutor:
         self._version = fusion.version
         self._streams: dict[torch.device, object] = {}
         self.lowerings = 0
+        self._multi_device_at: int | None = None
+        self._is_multi_device = False
 
     @property
     def num_programs(self) -> int:
@@ -104,7 +106,7 @@ class FusionExecutor:
         params: ExecutorParams | None = None,
     ) -> list[torch.Tensor]:
         params = params or ExecutorParams()
-        if is_multi_device(self.fusion):
+        if self._multi_device():
             return self._execute_multi_device(inputs, outputs, params)
         params.validate()
         inputs, outputs = self._as_lists(inputs, outputs)
@@ -176,6 +178,13 @@ class FusionExecutor:
             comm.failure = f"{type(err).__name__}: {err}"
             raise
         return [None if r is None else to_logical(tv, r) for tv, r in zip(container.outputs, results)]
+
+    def _multi_device(self) -> bool:
+        """`is_multi_device(fusion)`, computed once per fusion version."""
+        if self._multi_device_at != self.fusion.version:
+            self._multi_device_at = self.fusion.version
+            self._is_multi_device = is_multi_device(self.fusion)
+        return self._is_multi_device
 
     def _as_lists(self, inputs, outputs) -> tuple[list, list | None]:
         inputs = _as_list(inputs, "inputs")
