@@ -22,3 +22,7 @@ class DefinitionTypeError(HostIrError, TypeError):
 class UsageError(HostIrError, RuntimeError):
     """An API call made in the wrong state (outside or after the
     definition block, twice)."""
+
+
+class DefinitionIndexError(HostIrError, IndexError):
+    """An axis index out of range for a tensor of the fusion."""

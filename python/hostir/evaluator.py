@@ -524,12 +524,43 @@ def _reduced_input(frame, e) -> torch.Tensor:
     return (torch.amax if e.red_op == "max" else torch.amin)(src, dims, keepdim=True)
 
 
+def _nan_flags(t: torch.Tensor, red_op: str) -> torch.Tensor | None:
+    """1 where `t` is NaN, for a max or min of floating values; else None."""
+    if red_op not in ("max", "min") or not t.dtype.is_floating_point:
+        return None
+    return torch.isnan(t).to(torch.float32)
+
+
+def _with_nan_flags(posted: _Posted, buf: torch.Tensor | None, flags_out: torch.Tensor, post_flags) -> _Posted:
+    """Make a max or min keep NaN, as torch's amax and amin do: gloo and
+    NCCL compare with `<`, so a NaN may lose to any number. `post_flags()`
+    posts a second collective, a MAX over 0/1 NaN flags laid out like the
+    data, into `flags_out`; once both finish, the reduced result `buf`
+    (None on a rank that receives nothing) gets NaN wherever a rank had one."""
+    flag_work = post_flags()
+    after = posted.after
+
+    def fill_nan():
+        if buf is not None:
+            buf.masked_fill_(flags_out.view(buf.shape) > 0, float("nan"))
+        if after is not None:
+            after()
+
+    return _Posted(posted.works + [flag_work], fill_nan)
+
+
 def _post_allreduce(frame, e, group) -> _Posted:
     src = _reduced_input(frame, e)
     out = frame.get(e.out)
     buf, after = _staged(out, out.shape)
     buf.copy_(src.reshape(out.shape))
-    return _Posted([dist.all_reduce(buf, op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
+    flags = _nan_flags(buf, e.red_op)
+    posted = _Posted([dist.all_reduce(buf, op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
+    if flags is None:
+        return posted
+    return _with_nan_flags(
+        posted, buf, flags, lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    )
 
 
 def _post_reduce_scatter(frame, e, group) -> _Posted:
@@ -546,8 +577,17 @@ def _post_reduce_scatter(frame, e, group) -> _Posted:
         whole = whole.reshape(len(e.team), -1)[[e.team.index(r) for r in order]]
     whole = _contiguous(whole)
     buf, after = _staged(out, [-1])
-    work = _reduce_scatter(buf, whole.reshape(-1), op=_RED_OPS[e.red_op], group=group, async_op=True)
-    return _Posted([work], after)
+    flags = _nan_flags(whole, e.red_op)
+    posted = _Posted([_reduce_scatter(buf, whole.reshape(-1), op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
+    if flags is None:
+        return posted
+    received = torch.empty(buf.shape, dtype=flags.dtype, device=buf.device)
+    return _with_nan_flags(
+        posted,
+        buf,
+        received,
+        lambda: _reduce_scatter(received, flags.reshape(-1), op=dist.ReduceOp.MAX, group=group, async_op=True),
+    )
 
 
 def _holds(frame, tv: ir.TensorView) -> bool:
@@ -611,18 +651,26 @@ def _post_scatter(frame, e, group) -> _Posted:
 
 def _post_reduce(frame, e, group) -> _Posted:
     rank = frame.communicator.rank
-    red_op = _RED_OPS[e.red_op]
     if rank != e.root:
         # Every rank posts the output's shape (checked under TORCH_DISTRIBUTED_DEBUG=DETAIL).
         piece = _reduced_input(frame, e).reshape(frame.local_sizes(e.out)).clone(memory_format=torch.contiguous_format)
-        return _Posted([dist.reduce(piece, dst=e.root, op=red_op, group=group, async_op=True)])
-    out = frame.get(e.out)
-    buf, after = _staged(out, out.shape)
-    if _holds(frame, e.input):
-        buf.copy_(_reduced_input(frame, e).reshape(out.shape))
+        buf, after = None, None
     else:
-        _fill_identity(buf, e.red_op)
-    return _Posted([dist.reduce(buf, dst=e.root, op=red_op, group=group, async_op=True)], after)
+        out = frame.get(e.out)
+        buf, after = _staged(out, out.shape)
+        if _holds(frame, e.input):
+            buf.copy_(_reduced_input(frame, e).reshape(out.shape))
+        else:
+            _fill_identity(buf, e.red_op)
+        piece = buf
+    # The flags are read before the collective may write `piece`.
+    flags = _nan_flags(piece, e.red_op)
+    posted = _Posted([dist.reduce(piece, dst=e.root, op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
+    if flags is None:
+        return posted
+    return _with_nan_flags(
+        posted, buf, flags, lambda: dist.reduce(flags, dst=e.root, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    )
 
 
 def _fill_identity(t: torch.Tensor, red_op: str) -> None:

@@ -157,6 +157,7 @@ class FusionExecutor:
         self._version = fusion.version
         self._streams: dict[torch.device, object] = {}
         self._lock = threading.Lock()
+        self._comm = None
         self.lowerings = 0
         self._multi_device_at: int | None = None
         self._is_multi_device = False
@@ -291,9 +292,12 @@ class FusionExecutor:
             params.evaluator,
         )
         with self._lock:
-            if self.fusion.version != self._version:
+            # A program holds the communicator it was lowered for: after a
+            # shutdown and a new communicator, lower again.
+            if self.fusion.version != self._version or comm is not self._comm:
                 self._programs.clear()
                 self._version = self.fusion.version
+                self._comm = comm
             program = self._programs.get(key)
             if program is not None:
                 return program, False
@@ -613,8 +617,21 @@ def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device:
             raise InputError(f"{what}: expected shape {shape}, got {list(t.shape)}")
         if not t.is_contiguous():
             raise InputError(f"{what} must be contiguous (strides {list(t.stride())})")
-        if t.numel() and any(_shares_memory(t, x) for x in inputs):
-            raise InputError(f"{what} shares memory with an input; pass a separate buffer")
+    _check_no_overlap(fusion, outputs, inputs, tvs or fusion.outputs)
+
+
+def _check_no_overlap(fusion: ir.Fusion, outputs: list, inputs: list, tvs) -> None:
+    """A preallocated output may share no memory with another output or
+    an input: the program would read what it already overwrote, or two ops
+    would write one buffer."""
+    named = [(f"input {i} (T{tv.name})", t) for i, (tv, t) in enumerate(zip(fusion.inputs, inputs))]
+    spans = []
+    for i, (tv, t) in enumerate(zip(tvs, outputs)):
+        what = f"preallocated output {i} (T{tv.name})"
+        for other, x in named + spans:
+            if _overlaps(t, x):
+                raise InputError(f"{what} shares memory with {other}; pass separate buffers")
+        spans.append((what, t))
 
 
 def _local_output_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None:
@@ -630,7 +647,19 @@ def _local_output_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None
     return size
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device or a.device.type == "meta" or not b.numel():
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes `t` may touch: [first, last) over its strides."""
+    start = t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if stride > 0)
+    return start, start + (last + 1) * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b) -> bool:
+    """Whether `a` and `b` may touch a common byte (exactly, for the
+    contiguous outputs; by span, for strided inputs)."""
+    if not isinstance(b, torch.Tensor) or a.device != b.device or a.device.type == "meta":
         return False
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    if not a.numel() or not b.numel():
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
