@@ -19,10 +19,12 @@ import atexit
 import hashlib
 import inspect
 import itertools
+import logging
 import math
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -378,16 +380,42 @@ _generation = itertools.count()
 # Communicator must not connect to a server that a slower rank 0 is about to
 # close, so the store outlives communicators and each generation gets a fresh
 # PrefixStore on it.
-_stores: dict[tuple[str, int, int, int], dist.TCPStore] = {}
+_stores: dict[tuple[str, int, int, int], dist.Store] = {}
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
+_log = logging.getLogger("hostir.communicator")
+# How often a rank waiting at the rendezvous says so.
+RENDEZVOUS_LOG_SECONDS = 10.0
 
-def _tcp_store(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TCPStore:
+
+def _launcher_store() -> tuple[str, int, str] | None:
+    """The address, port and key prefix of the store a torchrun agent runs
+    for its workers (TORCHELASTIC_USE_AGENT_STORE), or None: every rank then
+    joins it as a client, as torch's own env:// rendezvous does."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("HOSTIR_MASTER_ADDR") or os.environ.get("HOSTIR_MASTER_PORT"):
+        return None  # the user chose a rendezvous of hostir's own
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return addr, _port(port, "MASTER_PORT"), f"/worker/attempt_{attempt}"
+
+
+def _tcp_store(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.Store:
     key = (addr, port, launch.world_size, launch.rank)
     if key in _stores:
         return _stores[key]
+    agent = _launcher_store()
     try:
-        store = _connect(addr, port, launch, timeout) if launch.rank else _listen(addr, port, launch, timeout)
+        if agent is not None:
+            addr, port, prefix = agent
+            store: dist.Store = dist.PrefixStore(prefix, _connect(addr, port, launch, timeout, "the torchrun agent"))
+        elif launch.rank:
+            store = _connect(addr, port, launch, timeout, "rank 0")
+        else:
+            store = _listen(addr, port, launch, timeout)
     except LaunchError:
         raise
     except Exception as exc:
@@ -397,7 +425,11 @@ def _tcp_store(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist
 
 
 def _listen(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TCPStore:
-    return dist.TCPStore(addr, port, launch.world_size, is_master=True, timeout=timedelta(seconds=timeout))
+    # The other ranks' arrival is awaited in `_await_ranks`, which says
+    # whom it waits for.
+    return dist.TCPStore(
+        addr, port, launch.world_size, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+    )
 
 
 # How long past its own timeout a client store may take to answer: it only
@@ -405,7 +437,7 @@ def _listen(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TC
 _CONNECT_GRACE = 5.0
 
 
-def _connect(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TCPStore:
+def _connect(addr: str, port: int, launch: LaunchInfo, timeout: float, server: str) -> dist.TCPStore:
     # A client TCPStore whose server accepts the connection but never answers
     # (the port belongs to another program) blocks forever, whatever its
     # timeout; so it connects on a daemon thread that is abandoned if late.
@@ -421,16 +453,52 @@ def _connect(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.T
 
     thread = threading.Thread(target=connect, name="hostir-rendezvous", daemon=True)
     thread.start()
-    thread.join(timeout + _CONNECT_GRACE)
+    start = time.monotonic()
+    limit = timeout + _CONNECT_GRACE
+    while thread.is_alive() and time.monotonic() - start < limit:
+        thread.join(min(RENDEZVOUS_LOG_SECONDS, limit - (time.monotonic() - start)))
+        if thread.is_alive() and time.monotonic() - start < limit:
+            _log.warning(
+                "rank %d has waited %.0f s at the rendezvous %s:%d for %s to answer",
+                launch.rank, time.monotonic() - start, addr, port, server,
+            )  # fmt: skip
     if "error" in outcome:
         raise outcome["error"]
     if "store" in outcome:
         return outcome["store"]
     raise LaunchError(
         f"rank {launch.rank} connected to {addr}:{port} but got no rendezvous answer within "
-        f"{timeout + _CONNECT_GRACE:g} s: another program may hold the port; set HOSTIR_MASTER_PORT "
+        f"{limit:g} s: another program may hold the port; set HOSTIR_MASTER_PORT "
         f"to a free port (the same on every rank)"
     )
+
+
+def _await_ranks(store: dist.Store, launch: LaunchInfo, timeout: float, where: str) -> None:
+    """Mark this rank arrived in `store` (a generation's prefix store) and
+    wait until every rank has, saying every RENDEZVOUS_LOG_SECONDS whom it
+    still waits for; a LaunchError names them after `timeout` seconds."""
+    store.set(f"arrived/{launch.rank}", "1")
+    keys = [f"arrived/{r}" for r in range(launch.world_size)]
+    start = time.monotonic()
+    next_log = RENDEZVOUS_LOG_SECONDS
+    pause = 0.001
+    while not store.check(keys):
+        waited = time.monotonic() - start
+        if waited >= next_log or waited >= timeout:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            if waited >= timeout:
+                raise LaunchError(
+                    f"rank {launch.rank} could not complete the rendezvous on {where} within {timeout:g} s: "
+                    f"ranks {missing} of {launch.world_size} never arrived (did they start, and do they use "
+                    f"the same HOSTIR_MASTER_ADDR/HOSTIR_MASTER_PORT?)"
+                )
+            _log.warning(
+                "rank %d has waited %.0f s at the rendezvous %s for ranks %s of %d",
+                launch.rank, waited, where, missing, launch.world_size,
+            )  # fmt: skip
+            next_log += RENDEZVOUS_LOG_SECONDS
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def _rendezvous_error(
@@ -519,6 +587,8 @@ class Communicator:
                 f"hostir/{next(_generation)}",
                 _tcp_store(self.master_addr, self.master_port, self.launch, self.timeout),
             )
+            where = "the torchrun agent's store" if _launcher_store() else f"{self.master_addr}:{self.master_port}"
+            _await_ranks(store, self.launch, self.timeout, where)
         dist.init_process_group(
             backend=_PG_BACKEND[self.backend],
             store=store,
