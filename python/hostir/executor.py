@@ -222,6 +222,7 @@ class FusionExecutor:
         self._warn_requires_grad(inputs)
         program, lowered = self._program(inputs, device, params, comm)
         sizes = check_sizes(self.fusion, inputs, program.equal_axes)
+        check_reductions(self.fusion, sizes)
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
         return _Call(program, inputs, outputs, lowered)
@@ -593,6 +594,22 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
                     size *= leaf.extent.value
             sizes.setdefault(d.extent, size)
     return sizes
+
+
+def check_reductions(fusion: ir.Fusion, sizes: dict) -> None:
+    """A max or min over an empty axis has no value (torch raises): reject
+    it before any work."""
+    for e in fusion.exprs:
+        if not isinstance(e, ir.ReductionOp) or e.kind == "sum":
+            continue
+        for axis in e.reduced_dims():
+            d = e.out.domain[axis]
+            size = d.extent.value if d.extent.is_constant else sizes.get(d.extent)
+            if size == 0:
+                raise InputError(
+                    f"{e.kind} of T{e.input.name} over axis {axis}, which has size 0 for these inputs: "
+                    f"a {e.kind} over no values is undefined (torch.a{e.kind} raises too)"
+                )
 
 
 def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device: torch.device, tvs=None) -> None:
