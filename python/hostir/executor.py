@@ -229,7 +229,10 @@ class FusionExecutor:
 
     def _device(self, inputs: list, params: ExecutorParams, comm) -> torch.device:
         if params.device is not None:
-            return torch.device(params.device)
+            device = torch.device(params.device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            return device
         if comm is not None:
             return comm.device
         tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
