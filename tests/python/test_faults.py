@@ -29,7 +29,7 @@ DEADLINE = TIMEOUT + 30
 
 WORKER = textwrap.dedent(
     r"""
-    import os, sys
+    import os, sys, time
     import torch
     import hostir
     from hostir import DeviceMesh, FusionDefinition, ParallelType, shard_tensor
@@ -53,6 +53,7 @@ WORKER = textwrap.dedent(
         print(f"rank {rank}: execute {i} ok", flush=True)
 
     def fail():
+        print(f"rank {rank}: failing at {time.time():.3f}", flush=True)
         raise RuntimeError(f"injected failure on rank {rank}")
 
     if mode == "raise_before_first_execute":
@@ -257,11 +258,15 @@ def test_mpirun_ends_the_job_when_one_rank_raises(tmp_path, mode, launcher):
         command = mpich_command(mpich_mpiexec(), 2, program, exports)
     else:
         command = open_mpi_command(2, program, exports)
-    returncode, output, elapsed = run_job(command, DEADLINE + 15)
-    assert returncode is not None, f"mpirun did not end within {DEADLINE + 15} s:\n{output[-4000:]}"
+    returncode, output, elapsed = run_job(command, DEADLINE + 60)
+    ended = time.time()
+    assert returncode is not None, f"{launcher} did not end within {DEADLINE + 60} s:\n{output[-4000:]}"
     assert returncode != 0, output[-4000:]
     assert "injected failure on rank 1" in output, output[-4000:]
-    assert elapsed < DEADLINE, f"took {elapsed:.0f} s:\n{output[-4000:]}"
+    # From the failure, not from the launch: starting two interpreters that
+    # import torch takes a loaded 2-core machine anything from 5 to 40 s.
+    failed_at = float(re.search(r"rank 1: failing at ([\d.]+)", output).group(1))
+    assert ended - failed_at < DEADLINE, f"ended {ended - failed_at:.0f} s after the failure:\n{output[-4000:]}"
 
 
 @pytest.mark.timeout(120)
