@@ -14,13 +14,11 @@ lost peer keeps its type (`CommunicatorTimeout`, `PeerLostError`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Mapping
 
 import torch
-import torch.distributed as dist
 
-from hostir import ir, printer
+from hostir import ir, printer, transports
 from hostir.communicator import CommunicatorTimeout, PeerLostError
 from hostir.container import AliasError, HostIrContainer
 from hostir.streams import NullStreams
@@ -92,6 +90,9 @@ class HostIrEvaluator:
         self._works: dict = {}
         self._coalescing: list | None = None
         self.ops_executed = 0
+        # Runs so far; buffers that peers write alternate by its parity.
+        self._calls = 0
+        self.call_parity = 0
 
     # -- the one entry point
     def run(self, bindings: Mapping[Any, Any], number_of_streams: int = 4) -> list:
@@ -106,6 +107,8 @@ class HostIrEvaluator:
         self._used_streams = []
         self._works = {}
         self._coalescing = None
+        self.call_parity = self._calls % 2
+        self._calls += 1
         if self._number_of_streams is not None:
             self._values[self._number_of_streams] = number_of_streams
         if self._rank_scalar is not None:
@@ -293,6 +296,9 @@ def _allocate(ev: HostIrEvaluator, e: ir.Allocate) -> None:
     if ev.get(e.buffer, None) is not None:
         return
     shape = ev.local_sizes(e.buffer)
+    if e.memory_type is ir.MemoryType.symmetric:
+        ev.bind(e.buffer, transports.allocate(ev, e.buffer, shape))
+        return
     make = torch.zeros if e.zero_init else torch.empty
     ev.bind(e.buffer, make(shape, dtype=e.buffer.dtype, device=ev.device))
 
@@ -386,219 +392,6 @@ def _linear(ev: HostIrEvaluator, e: ir.LinearOp) -> None:
 
 # ---------------------------------------------------------------- communications
 
-_RED_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-# torch 2.13 renamed the tensor forms of all-gather and reduce-scatter.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclasses.dataclass
-class _Posted:
-    """A posted communication: its works, and what to do after they finish
-    (copy a staging buffer into a non-contiguous or reshaped output)."""
-
-    works: list
-    after: Callable[[], None] | None = None
-
-
-class _NoWork:
-    def wait(self, *args) -> bool:
-        return True
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    # Never hand a strided view to a collective: gloo would read or write
-    # the wrong memory.
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _staged(out: torch.Tensor, shape) -> tuple[torch.Tensor, Callable[[], None] | None]:
-    """A contiguous buffer of `shape` that a collective may write, and what
-    copies it into `out` afterwards (nothing if it is `out` itself)."""
-    if out.is_contiguous():
-        return out.view(shape), None
-    staging = torch.empty(shape, dtype=out.dtype, device=out.device)
-    return staging, lambda: out.copy_(staging.view(out.shape))
-
-
-def _mesh_axis(tv: ir.TensorView) -> int:
-    (axis,) = tv.device_axes()
-    return tv.runtime_position(axis)
-
-
-def _outermost(shape, axis: int) -> bool:
-    return all(s == 1 for s in shape[:axis])
-
-
-def _post_allgather(ev, e, group) -> _Posted:
-    src = _contiguous(ev.get(e.input))
-    out = ev.get(e.out)
-    full = ev.full_sizes(e.input)
-    a = _mesh_axis(e.input)
-    n = len(e.team)
-    order = ev.communicator.group_order(e.team)
-    if _outermost(full, a) and order == tuple(e.team):
-        buf, after = _staged(out, [-1])
-        return _Posted([_all_gather(buf, src.reshape(-1), group=group, async_op=True)], after)
-    # Gather into [n, *local] in the group's order, then put each rank's
-    # piece at its position in the team, on the sharded axis.
-    staging = torch.empty([n] + list(src.shape), dtype=src.dtype, device=src.device)
-    by_position = [order.index(r) for r in e.team]
-
-    def after():
-        moved = staging[by_position].squeeze(a + 1).movedim(0, a)
-        out.copy_(moved.reshape(out.shape))
-
-    return _Posted([_all_gather(staging.view(-1), src.reshape(-1), group=group, async_op=True)], after)
-
-
-def _reduced_input(ev, e) -> torch.Tensor:
-    """This rank's input with the rows it holds of the reduced axes reduced."""
-    src = ev.get(e.input)
-    if not e.local_reduce:
-        return src
-    dims = list(e.local_reduce)
-    if e.red_op == "sum":
-        return torch.sum(src, dims, keepdim=True)
-    return (torch.amax if e.red_op == "max" else torch.amin)(src, dims, keepdim=True)
-
-
-def _post_allreduce(ev, e, group) -> _Posted:
-    src = _reduced_input(ev, e)
-    out = ev.get(e.out)
-    buf, after = _staged(out, out.shape)
-    buf.copy_(src.reshape(out.shape))
-    return _Posted([dist.all_reduce(buf, op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
-
-
-def _post_reduce_scatter(ev, e, group) -> _Posted:
-    src = _reduced_input(ev, e)
-    out = ev.get(e.out)
-    full = ev.full_sizes(e.out)
-    b = _mesh_axis(e.out)
-    whole = src.reshape(full)
-    if not _outermost(full, b):
-        whole = whole.movedim(b, 0)
-    order = ev.communicator.group_order(e.team)
-    if order != tuple(e.team):
-        # Group rank j receives chunk j: the chunk of team position of order[j].
-        whole = whole.reshape(len(e.team), -1)[[e.team.index(r) for r in order]]
-    whole = _contiguous(whole)
-    buf, after = _staged(out, [-1])
-    work = _reduce_scatter(buf, whole.reshape(-1), op=_RED_OPS[e.red_op], group=group, async_op=True)
-    return _Posted([work], after)
-
-
-def _holds(ev, tv: ir.TensorView) -> bool:
-    return tv.mesh is None or ev.communicator.rank in tv.mesh
-
-
-def _post_broadcast(ev, e, group) -> _Posted:
-    rank = ev.communicator.rank
-    out = ev.get(e.out) if _holds(ev, e.out) else None
-    if rank == e.root:
-        src = ev.get(e.input)
-        if out is None:
-            return _Posted([dist.broadcast(_contiguous(src), src=e.root, group=group, async_op=True)])
-        out.copy_(src.reshape(out.shape))
-    buf, after = _staged(out, out.shape)
-    return _Posted([dist.broadcast(buf, src=e.root, group=group, async_op=True)], after)
-
-
-def _post_gather(ev, e, group) -> _Posted:
-    rank = ev.communicator.rank
-    if _holds(ev, e.input):
-        src = _contiguous(ev.get(e.input))
-    else:
-        # The root is outside the sender mesh: it sends a dummy piece.
-        src = torch.empty(ev.local_sizes(e.input), dtype=e.input.dtype, device=ev.device)
-    if rank != e.root:
-        return _Posted([dist.gather(src, None, dst=e.root, group=group, async_op=True)])
-    out = ev.get(e.out)
-    pieces = [torch.empty_like(src) for _ in e.team]
-    a = _mesh_axis(e.input)
-    senders = [r for r in e.team if r in e.input.mesh]
-
-    order = ev.communicator.group_order(e.team)
-
-    def after():
-        ordered = [pieces[order.index(r)] for r in senders]
-        out.copy_(torch.cat(ordered, dim=a).reshape(out.shape))
-
-    return _Posted([dist.gather(src, pieces, dst=e.root, group=group, async_op=True)], after)
-
-
-def _post_scatter(ev, e, group) -> _Posted:
-    rank = ev.communicator.rank
-    out = ev.get(e.out) if _holds(ev, e.out) else None
-    if out is None:
-        # The root is outside the receiver mesh: it receives a dummy piece.
-        out_buf = torch.empty(ev.local_sizes(e.out), dtype=e.out.dtype, device=ev.device)
-        after = None
-    else:
-        out_buf, after = _staged(out, out.shape)
-    pieces = None
-    if rank == e.root:
-        whole = ev.get(e.input).reshape(ev.full_sizes(e.out))
-        b = _mesh_axis(e.out)
-        chunks = whole.chunk(len(e.out.mesh.devices), dim=b)
-        by_rank = dict(zip(e.out.mesh.devices, chunks))
-        order = ev.communicator.group_order(e.team)
-        pieces = [_contiguous(by_rank.get(r, chunks[0])).view(out_buf.shape) for r in order]
-    return _Posted([dist.scatter(out_buf, pieces, src=e.root, group=group, async_op=True)], after)
-
-
-def _post_reduce(ev, e, group) -> _Posted:
-    rank = ev.communicator.rank
-    red_op = _RED_OPS[e.red_op]
-    if rank != e.root:
-        # Every rank posts the output's shape (checked under TORCH_DISTRIBUTED_DEBUG=DETAIL).
-        piece = _reduced_input(ev, e).reshape(ev.local_sizes(e.out)).clone(memory_format=torch.contiguous_format)
-        return _Posted([dist.reduce(piece, dst=e.root, op=red_op, group=group, async_op=True)])
-    out = ev.get(e.out)
-    buf, after = _staged(out, out.shape)
-    if _holds(ev, e.input):
-        buf.copy_(_reduced_input(ev, e).reshape(out.shape))
-    else:
-        _fill_identity(buf, e.red_op)
-    return _Posted([dist.reduce(buf, dst=e.root, op=red_op, group=group, async_op=True)], after)
-
-
-def _fill_identity(t: torch.Tensor, red_op: str) -> None:
-    if red_op == "sum":
-        t.zero_()
-    elif t.dtype.is_floating_point:
-        t.fill_(float("-inf") if red_op == "max" else float("inf"))
-    else:
-        info = torch.iinfo(t.dtype)
-        t.fill_(info.min if red_op == "max" else info.max)
-
-
-def _post_send_recv(ev, e, group) -> _Posted:
-    rank = ev.communicator.rank
-    sender, receiver = e.root, (e.team[-1] if len(e.team) > 1 else e.team[0])
-    if sender == receiver:
-        ev.get(e.out).copy_(ev.get(e.input).reshape(ev.get(e.out).shape))
-        return _Posted([_NoWork()])
-    if rank == sender:
-        return _Posted([dist.isend(_contiguous(ev.get(e.input)), dst=receiver, group=group)])
-    out = ev.get(e.out)
-    buf, after = _staged(out, out.shape)
-    return _Posted([dist.irecv(buf, src=sender, group=group)], after)
-
-
-_POST = {
-    ir.CommunicationType.Allgather: _post_allgather,
-    ir.CommunicationType.Allreduce: _post_allreduce,
-    ir.CommunicationType.ReduceScatter: _post_reduce_scatter,
-    ir.CommunicationType.Broadcast: _post_broadcast,
-    ir.CommunicationType.Gather: _post_gather,
-    ir.CommunicationType.Scatter: _post_scatter,
-    ir.CommunicationType.Reduce: _post_reduce,
-    ir.CommunicationType.SendRecv: _post_send_recv,
-}
-
-
 def _log_posting(ev: HostIrEvaluator, e: ir.Communication) -> None:
     if ev.dumper is None or not ev.dumper.enabled("communication"):
         return
@@ -615,7 +408,7 @@ def _communication(ev: HostIrEvaluator, e: ir.Communication) -> None:
     group = comm.group(e.team)
     _log_posting(ev, e)
     try:
-        ev._works[e] = _POST[e.type](ev, e, group)
+        ev._works[e] = transports.post(ev, e, group)
     except Exception as err:
         raise _classify(err, e, ev) from err
 
@@ -629,29 +422,38 @@ def _p2p(ev: HostIrEvaluator, e: ir.P2PCommunication) -> None:
     buf = ev.get(e.buffer)
     if not buf.is_contiguous():
         raise ValueError(f"the buffer of a P2P communication must be contiguous (strides {list(buf.stride())})")
+    ops = None
     if ev._coalescing is not None:
-        fn = dist.isend if e.type == "send" else dist.irecv
-        ev._coalescing.append(dist.P2POp(fn, buf, peer))
-        ev._works[e] = _Posted([])
-        return
-    work = dist.isend(buf, dst=peer) if e.type == "send" else dist.irecv(buf, src=peer)
-    ev._works[e] = _Posted([work])
+        backend, ops = ev._coalescing
+        if backend is None:
+            ev._coalescing = (e.backend, ops)
+        elif backend != e.backend:
+            raise ValueError(f"one coalescing group mixes backends {backend} and {e.backend}")
+    try:
+        ev._works[e] = transports.post_p2p(ev, e, buf, peer, ops)
+    except Exception as err:
+        raise _classify(err, e, ev) from err
 
 
 @impl(ir.StartCoalescing)
 def _start_coalescing(ev: HostIrEvaluator, e: ir.StartCoalescing) -> None:
     if ev._coalescing is not None:
         raise RuntimeError("StartCoalescing inside an open coalescing group")
-    ev._coalescing = []
+    ev._coalescing = (None, [])
 
 
 @impl(ir.EndCoalescing)
 def _end_coalescing(ev: HostIrEvaluator, e: ir.EndCoalescing) -> None:
     if ev._coalescing is None:
         raise RuntimeError("EndCoalescing without StartCoalescing")
-    ops, ev._coalescing = ev._coalescing, None
-    works = dist.batch_isend_irecv(ops) if ops else []
-    ev._works[e] = _Posted(list(works))
+    (backend, ops), ev._coalescing = ev._coalescing, None
+    if backend is None:
+        ev._works[e] = transports.Posted([])
+        return
+    try:
+        ev._works[e] = transports.end_coalescing(ev, backend, ops)
+    except Exception as err:
+        raise _classify(err, e, ev) from err
 
 
 @impl(ir.Wait)

@@ -36,10 +36,12 @@ class IterType(enum.Enum):
 class MemoryType(enum.Enum):
     global_ = "g"
     local = "l"
+    # Device memory that peers map and write (the cuda transport's windows).
+    symmetric = "s"
 
     @property
     def word(self) -> str:
-        return "global" if self is MemoryType.global_ else "local"
+        return {"g": "global", "l": "local", "s": "symmetric"}[self.value]
 
 
 # The dtype spellings of nvFuser's dumps.
