@@ -83,6 +83,10 @@ class HostIrEvaluator:
             for e in container.walk()
             if isinstance(e, ir.HirAliasSelect)
         }
+        # A chunk of such a slice lacks the same axis.
+        for e in container.walk():
+            if isinstance(e, ir.HirAliasChunk) and e.input in self._slice_dim:
+                self._slice_dim[e.out] = self._slice_dim[e.input]
         self._values: dict = {}
         self._loops: list[list] = []
         self._used_streams: list = []
@@ -239,10 +243,20 @@ class HostIrEvaluator:
         resolve = container.aliases.resolve
         keep = {resolve(t) for t in container.inputs + container.outputs}
         found: dict[int, list] = {}
-        for e in container.walk():
-            if isinstance(e, ir.ForLoop):
-                local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
-                found[id(e)] = list(local - keep)
+
+        def scan(exprs, before: set) -> None:
+            # `before`: buffers bound ahead of this scope; an op in a loop
+            # that writes one of them (a communication into a slice made
+            # outside) writes it, it does not define a fresh one.
+            seen = set(before)
+            for e in exprs:
+                if isinstance(e, ir.ForLoop):
+                    local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
+                    found[id(e)] = list(local - keep - seen)
+                    scan(e.body, seen)
+                seen.update(resolve(t) for t in ir.defined_tvs(e))
+
+        scan(container.exprs, set())
         return found
 
 
@@ -289,6 +303,17 @@ def _select(ev: HostIrEvaluator, e: ir.HirAliasSelect) -> None:
     src = ev.get(e.input)
     index = 0 if e.axis.is_broadcast else int(ev.get(e.index))
     ev.bind(e.out, src.select(ev._slice_dim[e.out], index))
+
+
+@impl(ir.HirAliasChunk)
+def _chunk(ev: HostIrEvaluator, e: ir.HirAliasChunk) -> None:
+    src = ev.get(e.input)
+    dim = e.input.runtime_position(e.axis)
+    size = src.shape[dim]
+    if size % e.parts:
+        raise ValueError(f"axis {dim} of size {size} does not split into {e.parts} equal pieces")
+    piece = size // e.parts
+    ev.bind(e.out, src.narrow(dim, int(ev.get(e.index)) * piece, piece))
 
 
 @impl(ir.Allocate)

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, ir, printer
+from hostir import communicator, ir, printer, schedule
 from hostir.container import HostIrContainer
 from hostir.evaluator import HostIrEvaluator
 from hostir.lower import lower
@@ -49,6 +49,10 @@ class ExecutorParams:
         only when a rank lowers a program, which saves that collective but
         lets a rank that alone changes its input shapes meet the others'
         collectives with the wrong sizes.
+    schedule: how a device axis walked as a stream axis runs: a
+        `hostir.schedule.Schedule` or its text (`ring:chunks=2`,
+        `collective`, `sequential`, ...); by default `HOSTIR_SCHEDULE`, else
+        the machine model's choice for the inputs' shapes.
     """
 
     number_of_streams: int = 4
@@ -57,6 +61,7 @@ class ExecutorParams:
     backend: str | None = None
     timeout: float | None = None
     check_ranks: str = "always"
+    schedule: object = None
 
     def validate(self) -> None:
         n = self.number_of_streams
@@ -147,6 +152,7 @@ class FusionExecutor:
             program = self._program(inputs, device, params, comm)
             new = self.lowerings != before
             sizes = check_sizes(self.fusion, inputs, program.equal_axes)
+            check_chunks(program.container, sizes)
             if outputs is not None:
                 check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
         except Exception as err:
@@ -198,24 +204,28 @@ class FusionExecutor:
         if self.fusion.version != self._version:
             self._programs.clear()
             self._version = self.fusion.version
+        chosen = schedule.for_inputs(self.fusion, inputs, comm, params.schedule)
         key = (
             tuple((t.dtype, t.dim(), t.is_contiguous()) for t in inputs),
             device,
             params.evaluator,
+            None if chosen is None else chosen.key(),
         )
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = self._lower(device, comm)
+            program = self._programs[key] = self._lower(device, comm, chosen)
         return program
 
-    def _lower(self, device: torch.device, comm=None) -> _Program:
+    def _lower(self, device: torch.device, comm=None, chosen=None) -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
         if comm is None:
             container = lower(self.fusion, dumper)
         else:
-            container = lower(self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend])
+            container = lower(
+                self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend], schedule=chosen
+            )
         dumper.emit("host_ir", "Host program:", str(container))
         self.lowerings += 1
         streams = self._streams.get(device)
@@ -463,6 +473,17 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
                     size *= leaf.extent.value
             sizes.setdefault(d.extent, size)
     return sizes
+
+
+def check_chunks(container: HostIrContainer, sizes: dict) -> None:
+    """Raise unless every axis a decomposition splits into chunks divides."""
+    for extent, parts, where in container.chunked:
+        size = sizes.get(extent)
+        if size is not None and size % parts:
+            raise ValueError(
+                f"{where}: extent {size} does not split into {parts} chunks per peer; pick a chunk count "
+                f"that divides it (schedule chunks=)"
+            )
 
 
 def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device: torch.device, tvs=None) -> None:
