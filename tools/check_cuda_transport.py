@@ -113,7 +113,8 @@ def main() -> int:
             print(f"{'PASS' if ok else 'FAIL'}  {name}  {note}", flush=True)
 
     info["probe"] = schedule.p2p_reason(comm)
-    record("cuda transport probe", True, f"reason={info['probe']!r}")
+    info["windows"] = cuda_transport.window_kind(comm)
+    record("cuda transport probe", True, f"reason={info['probe']!r}, windows={info['windows']}")
     try:
         model = schedule.measure(dev)
         info["model"] = model.__dict__
