@@ -204,7 +204,8 @@ class _Builder:
             domain[at].extent = ir.Scalar.constant(rows.value // parts)
         else:
             domain[at].extent = ir.ScalarExpr("/", rows, ir.Scalar.constant(parts))
-            where = f"axis {printer.format_id(axis)} of {printer.format_tv(tv)}"
+            origin = self._origin.get(axis, axis)
+            where = f"axis {printer.format_id(origin)} (the rows a decomposition cuts into chunks)"
             if not any(x is rows and p == parts for x, p, _ in self.c.chunked):
                 self.c.chunked.append((rows, parts, where))
         piece = ir.TensorView(self.c, domain, tv.dtype, ir.MemoryType.local, mesh=tv.mesh)
