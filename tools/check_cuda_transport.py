@@ -26,7 +26,7 @@ import traceback
 
 import torch
 
-from hostir import DeviceMesh, FusionDefinition, ParallelType, communicator, schedule
+from hostir import DeviceMesh, FusionDefinition, ParallelType, communicator, graphs, schedule
 from hostir.evaluator import HostIrEvaluator
 from hostir.lower import lower
 from hostir.streams import CudaStreams
@@ -83,6 +83,14 @@ def cases(D, rank, dev, m, K, N):
         ("AG+matmul", ag_fusion(D), [X[rank : rank + 1], W], ag_ref),
         ("matmul+RS", rs_fusion(D), [a_loc, b_loc], rs_ref),
     ]
+
+
+def schedule_line(fd) -> str:
+    for program in fd.executor._programs.values():
+        for line in str(program.container).splitlines():
+            if "(ring," in line:
+                return line.strip()
+    return "no ring in the program"
 
 
 def main() -> int:
@@ -176,6 +184,26 @@ def main() -> int:
                 traceback.print_exc()
                 record(label, False, f"{type(err).__name__}: {str(err)[:300]}")
             comm.barrier()
+    # The user's path: fd.execute with the schedule forced, then the same
+    # calls captured in CUDA graphs by hostir.graphs and replayed.
+    for name, fd, inputs, ref in cases(D, rank, dev, m, K, N):
+        label = f"{name} fd.execute(schedule='ring:transport=cuda,chunks=2')"
+        try:
+            kwargs = {"schedule": "ring:transport=cuda,chunks=2", "backend": "gloo"}
+            (out,) = fd.execute(inputs, **kwargs)
+            torch.cuda.synchronize()
+            record(f"{label}: eager", torch.equal(out.reshape(ref.shape), ref), schedule_line(fd))
+            replay = graphs.capture(fd, inputs, **kwargs)
+            ok = True
+            for _ in range(6):
+                (got,) = replay()
+                torch.cuda.synchronize()
+                ok = ok and torch.equal(got.reshape(ref.shape), ref)
+            record(f"{label}: hostir.graphs.capture, 6 replays", ok)
+        except Exception as err:  # noqa: BLE001
+            traceback.print_exc()
+            record(label, False, f"{type(err).__name__}: {str(err)[:300]}")
+        comm.barrier()
     if rank == 0:
         path = os.path.join(args.out, "check_cuda_transport.json")
         with open(path, "w") as f:

@@ -213,7 +213,7 @@ def choose(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize: int
     sequential = steps * move + D * gemm
     ring = gemm + steps * max(gemm, move) + steps * model.step_us * 1e-3
     if ring >= sequential:
-        note = f"sequential: a ring would take {ring:.3f} ms against {sequential:.3f} ms"
+        note = f"a ring would take {ring:.3f} ms against {sequential:.3f} ms sequentially"
         return Schedule("sequential", note=note)
     # More chunks pay only while a step is much longer than its fixed cost.
     chunks = 1

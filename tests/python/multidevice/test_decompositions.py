@@ -9,16 +9,21 @@ transport by tools/check_cuda_transport.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from hostir import RankMismatchError, overlap
 
+# HOSTIR_TEST_TRANSPORT=cuda runs the rings over the copy-engine transport
+# (tools/run_overlap_gpu.sh does, on the GPU machines).
+_RING = f",transport={os.environ['HOSTIR_TEST_TRANSPORT']}" if os.environ.get("HOSTIR_TEST_TRANSPORT") else ""
 SCHEDULES = [
-    "ring",
-    "ring:direction=-1",
-    "ring:chunks=2",
-    "ring:chunks=2,direction=-1",
+    "ring:direction=1" + _RING,
+    "ring:direction=-1" + _RING,
+    "ring:chunks=2" + _RING,
+    "ring:chunks=2,direction=-1" + _RING,
     "collective",
     "collective:chunks=2",
     "sequential",
@@ -102,11 +107,11 @@ def test_the_models_choice_runs_and_shows_in_the_dump(world, device, monkeypatch
     head = head_of(str(program))
     if device.type == "cpu":
         # Tiny shapes cannot pay for a ring: the sequential program, and why.
-        assert "sequential: a ring would take" in head, head
+        assert "schedule=(sequential, a ring would take" in head, head
 
 
 def test_forced_schedule_from_the_environment(world, device, monkeypatch):
-    monkeypatch.setenv("HOSTIR_SCHEDULE", "ring:chunks=2,direction=-1")
+    monkeypatch.setenv("HOSTIR_SCHEDULE", "ring:chunks=2,direction=-1" + _RING)
     D, m, K, N = world.size, 2, 3, 4
     fd = overlap.allgather_matmul(D)
     inputs, expected = overlap.allgather_matmul_inputs(rand_int([D, m, K], device), rand_int([K, N], device), world.rank)
