@@ -26,7 +26,8 @@ import traceback
 
 import torch
 
-from hostir import DeviceMesh, FusionDefinition, ParallelType, communicator, graphs, schedule
+from hostir import DeviceMesh, FusionDefinition, ParallelType, communicator, schedule
+from hostir import graphs as hostir_graphs
 from hostir.evaluator import HostIrEvaluator
 from hostir.lower import lower
 from hostir.streams import CudaStreams
@@ -193,7 +194,7 @@ def main() -> int:
             (out,) = fd.execute(inputs, **kwargs)
             torch.cuda.synchronize()
             record(f"{label}: eager", torch.equal(out.reshape(ref.shape), ref), schedule_line(fd))
-            replay = graphs.capture(fd, inputs, **kwargs)
+            replay = hostir_graphs.capture(fd, inputs, **kwargs)
             ok = True
             for _ in range(6):
                 (got,) = replay()
