@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from hostir.errors import UsageError
+
 
 class Replay:
     """Replays the captured graphs alternately; `()` returns the outputs the
@@ -36,7 +38,7 @@ def capture(fd, inputs, **params) -> Replay:
     """Capture `fd`'s calls on `inputs` (keyword arguments as for
     `fd.execute`); needs CUDA."""
     if not torch.cuda.is_available():
-        raise RuntimeError("CUDA graphs need CUDA, which is unavailable")
+        raise UsageError("CUDA graphs need CUDA, which is unavailable")
     # The ranks agreed on the program in the eager calls; a capture must not
     # wait for a control-group exchange of its own.
     params.setdefault("check_ranks", "first")

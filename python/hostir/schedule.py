@@ -228,10 +228,11 @@ def choose(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize: int
 
 def decomposable(fusion) -> bool:
     """Whether `fusion` may hold a device axis walked as a stream axis."""
-    tvs = list(fusion.inputs) + [out for e in fusion.exprs for out in e.outputs()]
-    has_stream = any(tv.stream_axes() for tv in tvs)
-    has_mesh = any(tv.device_axes() for tv in tvs)
-    return has_stream and has_mesh
+    from hostir.lower.decompose_device_axis import walks_device_axis
+
+    # Other programs keep one lowering for every shape: their key holds no
+    # schedule.
+    return walks_device_axis(fusion.exprs)
 
 
 def agreed_model(comm) -> MachineModel:

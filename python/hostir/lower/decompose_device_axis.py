@@ -46,12 +46,13 @@ from __future__ import annotations
 
 from hostir import ir, printer
 from hostir.container import HostIrContainer
+from hostir.errors import HostIrError
 from hostir.lower.propagate_shardings import is_resharding
 from hostir.schedule import Schedule
 
 
-class DecompositionError(ValueError):
-    pass
+class DecompositionError(HostIrError, ValueError):
+    """A device axis this pass cannot decompose (mesh, chunks, reduction)."""
 
 
 def decompose_device_axis(container: HostIrContainer) -> HostIrContainer:
@@ -78,6 +79,20 @@ def decompose_device_axis(container: HostIrContainer) -> HostIrContainer:
 
 
 # ---------------------------------------------------------------- patterns
+
+
+def walks_device_axis(exprs) -> bool:
+    """Whether `exprs` (a fusion's, before sharding propagation) hold a
+    pattern this pass decomposes, so that a schedule matters."""
+    graph = ir.IdGraph(exprs, broadcast=True)
+    for e in exprs:
+        if _gather_axis(e, graph) is not None:
+            return True
+        if isinstance(e, ir.ReductionOp):
+            s = _stream_axis(e.input)
+            if s is not None and any(graph.mapped(d, s) for d in e.out.device_axes()):
+                return True
+    return False
 
 
 def _stream_axis(tv) -> ir.IterDomain | None:

@@ -13,6 +13,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from hostir.errors import HostIrError
+
+
+class TransportError(HostIrError, RuntimeError):
+    """A transport could not move data (a driver call failed, no way to map
+    peer memory)."""
+
+
+class TransportUsageError(HostIrError, ValueError):
+    """A communication a transport cannot take (unknown backend, a buffer
+    outside its windows, a bad root or peer)."""
+
+
+class TransportUnsupported(HostIrError, NotImplementedError):
+    """An operation the chosen transport does not implement."""
+
 
 @dataclasses.dataclass
 class Posted:
@@ -40,14 +56,14 @@ class Transport:
 
     name = "?"
 
-    def post(self, ev, e, group, root: int | None) -> Posted:
-        raise NotImplementedError(f"the {self.name} transport has no collectives")
+    def post(self, frame, e, group, root: int | None) -> Posted:
+        raise TransportUnsupported(f"the {self.name} transport has no collectives")
 
-    def post_p2p(self, ev, e, buf, peer: int, ops: list | None) -> Posted:
-        raise NotImplementedError(f"the {self.name} transport has no point-to-point communications")
+    def post_p2p(self, frame, e, buf, peer: int, ops: list | None) -> Posted:
+        raise TransportUnsupported(f"the {self.name} transport has no point-to-point communications")
 
-    def end_coalescing(self, ev, ops: list) -> Posted:
+    def end_coalescing(self, frame, ops: list) -> Posted:
         return Posted([])
 
-    def allocate(self, ev, tv, shape):
-        raise NotImplementedError(f"the {self.name} transport allocates no buffers")
+    def allocate(self, frame, tv, shape):
+        raise TransportUnsupported(f"the {self.name} transport allocates no buffers")

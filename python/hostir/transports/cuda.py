@@ -32,7 +32,14 @@ import weakref
 
 import torch
 
-from hostir.transports.base import NoWork, Posted, Transport
+from hostir.transports.base import (
+    NoWork,
+    Posted,
+    Transport,
+    TransportError,
+    TransportUnsupported,
+    TransportUsageError,
+)
 
 _INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -88,7 +95,7 @@ def window_kind(comm) -> str:
     forced = os.environ.get("HOSTIR_CUDA_WINDOWS")
     if forced:
         if forced not in ("symm_mem", "ipc"):
-            raise ValueError(f"HOSTIR_CUDA_WINDOWS={forced!r}: expected symm_mem or ipc")
+            raise TransportUsageError(f"HOSTIR_CUDA_WINDOWS={forced!r}: expected symm_mem or ipc")
         return forced
     local = comm.launch.local_size or comm.world_size
     return "symm_mem" if torch.cuda.device_count() >= local else "ipc"
@@ -126,17 +133,17 @@ class MemOps:
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32]
                 return fn
-        raise RuntimeError("libcuda.so.1 exports none of " + ", ".join(names))
+        raise TransportError("libcuda.so.1 exports none of " + ", ".join(names))
 
     def write(self, stream, addr: int, value: int) -> None:
         code = self._write(stream.cuda_stream, addr, value, 0)
         if code != 0:
-            raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {code}")
+            raise TransportError(f"cuStreamWriteValue32 failed with CUresult {code}")
 
     def wait(self, stream, addr: int, value: int) -> None:
         code = self._wait(stream.cuda_stream, addr, value, self.EQ)
         if code != 0:
-            raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {code}")
+            raise TransportError(f"cuStreamWaitValue32 failed with CUresult {code}")
 
 
 _MEMOPS: list = []
@@ -156,13 +163,13 @@ class Window:
     base: int
 
     def view(self, rank: int, shape, dtype: torch.dtype, byte_off: int) -> torch.Tensor:
-        raise NotImplementedError
+        raise TransportUnsupported("a window without views")
 
     def signal(self, peer: int, channel: int, timeout_ms: int) -> None:
-        raise NotImplementedError
+        raise TransportUnsupported("a window without signals")
 
     def wait(self, src: int, channel: int, timeout_ms: int) -> None:
-        raise NotImplementedError
+        raise TransportUnsupported("a window without signals")
 
 
 class SymmetricWindow(Window):
@@ -179,7 +186,7 @@ class SymmetricWindow(Window):
     def view(self, rank: int, shape, dtype: torch.dtype, byte_off: int) -> torch.Tensor:
         size = torch.empty((), dtype=dtype).element_size()
         if byte_off % size:
-            raise ValueError(f"offset {byte_off} is not a multiple of the {dtype} element size {size}")
+            raise TransportUsageError(f"offset {byte_off} is not a multiple of the {dtype} element size {size}")
         return self.handle.get_buffer(rank, tuple(shape), dtype, byte_off // size)
 
     def signal(self, peer: int, channel: int, timeout_ms: int) -> None:
@@ -219,7 +226,7 @@ class IpcWindow(Window):
     def _flag(self, on_rank: int, channel: int, src: int) -> int:
         offset = 4 * (channel * self.world + src)
         if offset + 4 > self.FLAG_BYTES:
-            raise ValueError(f"signal channel {channel} is beyond the window's {self.FLAG_BYTES // 4 // self.world}")
+            raise TransportUsageError(f"signal channel {channel} is beyond the window's {self.FLAG_BYTES // 4 // self.world}")
         return self.peers[on_rank].data_ptr() + offset
 
     def signal(self, peer: int, channel: int, timeout_ms: int) -> None:
@@ -273,11 +280,11 @@ class CudaTransport(Transport):
         self.kind = window_kind(comm)
 
     # -- buffers
-    def allocate(self, ev, tv, shape):
+    def allocate(self, frame, tv, shape):
         # Per program: two programs never share a window, so each one's
         # parity alone orders the writes into it.
-        parity = ev.call_parity
-        key = (id(ev.container), tv.name, tuple(shape), tv.dtype, parity)
+        parity = frame.call_parity
+        key = (id(frame.evaluator.container), tv.name, tuple(shape), tv.dtype, parity)
         window = self._windows.get(key)
         if window is None:
             size = torch.empty((), dtype=tv.dtype).element_size()
@@ -295,7 +302,7 @@ class CudaTransport(Transport):
         for window in self._windows.values():
             if window.base <= ptr < window.base + window.nbytes:
                 return window, ptr - window.base
-        raise ValueError(
+        raise TransportUsageError(
             "a cuda-transport buffer must be a view of a symmetric allocation (Allocate with "
             "mem_type=symmetric)"
         )
@@ -304,20 +311,20 @@ class CudaTransport(Transport):
     def _channel(t: torch.Tensor, offset: int) -> int:
         piece = t.numel() * t.element_size()
         if piece == 0 or offset % piece:
-            raise ValueError(f"a piece of {piece} bytes at offset {offset} is not aligned to its size")
+            raise TransportUsageError(f"a piece of {piece} bytes at offset {offset} is not aligned to its size")
         return offset // piece
 
     # -- communications
-    def post(self, ev, e, group, root):
+    def post(self, frame, e, group, root):
         from hostir.transports import torch_dist
 
         # Collectives the cuda transport does not move itself go to NCCL.
-        return torch_dist.POST[e.type](ev, e, group, root)
+        return torch_dist.POST[e.type](frame, e, group, root)
 
-    def post_p2p(self, ev, e, buf, peer: int, ops) -> Posted:
+    def post_p2p(self, frame, e, buf, peer: int, ops) -> Posted:
         if peer == self.comm.rank:
-            raise ValueError("a cuda-transport send or receive needs another rank as its peer")
-        posted = self._recv(buf, peer) if e.type == "recv" else self._push(ev, e, buf, peer)
+            raise TransportUsageError("a cuda-transport send or receive needs another rank as its peer")
+        posted = self._recv(buf, peer) if e.type == "recv" else self._push(frame, e, buf, peer)
         if ops is None:
             return posted
         # In a coalescing group the group's Wait completes every member.
@@ -328,13 +335,13 @@ class CudaTransport(Transport):
         window, offset = self._locate(buf)
         return Posted([_SignalWork(window, peer, self._channel(buf, offset), self.timeout_ms)])
 
-    def _push(self, ev, e, buf, peer: int) -> Posted:
+    def _push(self, frame, e, buf, peer: int) -> Posted:
         if e.into is None:
-            raise ValueError("a cuda-transport send needs `into`, the place of its data in the peer's window")
-        into = ev.get(e.into)
+            raise TransportUsageError("a cuda-transport send needs `into`, the place of its data in the peer's window")
+        into = frame.get(e.into)
         window, offset = self._locate(into)
         if not into.is_contiguous() or into.numel() != buf.numel():
-            raise ValueError(
+            raise TransportUsageError(
                 f"send buffer {list(buf.shape)} does not fill its contiguous place {list(into.shape)} in the window"
             )
         remote = window.view(peer, into.shape, into.dtype, offset)
@@ -349,7 +356,7 @@ class CudaTransport(Transport):
         buf.record_stream(self._send)
         return Posted([_SendWork(done)])
 
-    def end_coalescing(self, ev, ops: list) -> Posted:
+    def end_coalescing(self, frame, ops: list) -> Posted:
         return Posted(list(ops) or [NoWork()])
 
 

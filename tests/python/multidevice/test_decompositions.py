@@ -59,6 +59,24 @@ def test_allgather_matmul(world, device, sched):
 
 
 @pytest.mark.parametrize("sched", SCHEDULES)
+def test_gather_alone(world, device, sched):
+    from hostir import DeviceMesh, FusionDefinition, ParallelType
+
+    D = world.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[D, -1])
+        y = fd.ops.set(x)
+        fd.add_output(y)
+    for tv in (x, y):
+        tv.set_device_mesh(DeviceMesh(range(D)))
+    x.axis(0).parallelize(ParallelType.mesh_x)
+    y.axis(0).parallelize(ParallelType.stream)
+    full = rand_int([D, 4], device)
+    out, = fd.execute([full[world.rank : world.rank + 1]], schedule=sched)
+    exact(out, full)
+
+
+@pytest.mark.parametrize("sched", SCHEDULES)
 def test_matmul_reduce_scatter(world, device, sched):
     D, m, k, N = world.size, 4, 3, 5
     fd = overlap.matmul_reduce_scatter(D)
