@@ -4,7 +4,8 @@ transport — and the choice of them per input signature.
 A `Schedule` is what `lower` hands `decompose_device_axis`. `choose` picks
 one for a fusion's inputs from a `MachineModel` (GEMM and copy throughput
 of this machine, measured once and cached per machine under
-`~/.cache/hostir/`, or the CPU defaults): the sequential program where
+`~/.cache/hostir/`, the first rank to measure writing it for all, or the
+CPU defaults): the sequential program where
 overlap cannot pay (the time a ring could hide is smaller than what it
 costs), else the ring with the transport the probe allows and the chunk
 count the model prefers. `HOSTIR_SCHEDULE` (or `ExecutorParams.schedule`)
@@ -52,12 +53,6 @@ class Schedule:
             raise ScheduleError(f"ring direction must be +1 or -1, got {self.direction!r}")
         if self.transport is not None and self.transport not in TRANSPORTS:
             raise ScheduleError(f"unknown transport {self.transport!r}; expected one of {list(TRANSPORTS)}")
-
-    def gather_kind(self) -> str:
-        return self.decomposition
-
-    def reduce_kind(self) -> str:
-        return self.decomposition
 
     def with_chunks(self, chunks: int) -> Schedule:
         return dataclasses.replace(self, chunks=chunks)
@@ -139,9 +134,19 @@ def load_model(device_name: str) -> MachineModel | None:
 
 
 def save_model(model: MachineModel) -> pathlib.Path:
+    """Write `model` unless the cache already holds one for its device: the
+    first writer wins (written aside, then linked into place), so ranks of
+    one node that measured at once all read back the same model."""
     path = _model_path(model.device)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dataclasses.asdict(model), indent=1))
+    aside = path.with_suffix(f".{os.getpid()}.tmp")
+    aside.write_text(json.dumps(dataclasses.asdict(model), indent=1))
+    try:
+        os.link(aside, path)
+    except FileExistsError:
+        pass
+    finally:
+        aside.unlink(missing_ok=True)
     return path
 
 
@@ -158,7 +163,8 @@ def machine_model(device) -> MachineModel:
         try:
             save_model(model)
         except OSError:
-            pass
+            return model
+        model = load_model(name) or model
     return model
 
 
@@ -235,14 +241,15 @@ def decomposable(fusion) -> bool:
     return walks_device_axis(fusion.exprs)
 
 
-def agreed_model(comm) -> MachineModel:
-    """Rank 0's machine model, on every rank (one control-group exchange per
-    communicator), so that every rank makes the same choice."""
+def model_for(comm) -> MachineModel:
+    """The machine model of `comm`'s device, read once per communicator.
+    No collective: the choice is made while ranks may still be out of step
+    (one failing its input checks); ranks of one node share the cached
+    model, and ranks that choose differently fail the agreement on the
+    program with a clear error."""
     model = getattr(comm, "_machine_model", None)
     if model is None:
-        mine = machine_model(comm.device)
-        model = comm.all_gather_object(mine)[0] if comm.world_size > 1 and comm.device.type == "cuda" else mine
-        comm._machine_model = model
+        model = comm._machine_model = machine_model(comm.device)
     return model
 
 
@@ -289,4 +296,4 @@ def for_inputs(fusion, inputs, comm, forced=None) -> Schedule | None:
     D = comm.world_size
     rows, k, n, itemsize = _shape_hint(fusion, inputs, D)
     backend = "NCCL" if comm.backend == "nccl" else "gloo"
-    return choose(agreed_model(comm), D, rows, k, n, itemsize, p2p_reason(comm), backend)
+    return choose(model_for(comm), D, rows, k, n, itemsize, p2p_reason(comm), backend)

@@ -164,6 +164,10 @@ def test_machine_model_is_cached_per_device_name(tmp_path, monkeypatch):
     model = schedule.MachineModel("Some GPU", 1.0, 2.0, 3.0, 4.0)
     path = schedule.save_model(model)
     assert path.parent == tmp_path and schedule.load_model("Some GPU") == model
+    # The first writer wins: a rank that measured later reads the same model.
+    schedule.save_model(schedule.MachineModel("Some GPU", 9.0, 9.0, 9.0, 9.0))
+    assert schedule.load_model("Some GPU") == model
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_cpu_ranks_use_the_cpu_model():

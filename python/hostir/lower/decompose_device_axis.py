@@ -253,10 +253,6 @@ class _Builder:
             parts.append(s.note)
         return ", ".join(parts)
 
-    def _loop(self, start: int, stop: int, body: list, head: str) -> ir.ForLoop:
-        index = ir.Scalar(label="StreamIdx")
-        return ir.ForLoop(index, ir.Scalar.constant(start), ir.Scalar.constant(stop), body, schedule=head)
-
     def _pipeline(self, start: int, stop: int, make_body, head: str, local_first=None, local_last=None):
         """GetCurrentStream; a loop making every worker wait for the caller;
         `local_first` on the caller; the work loop on the workers; then
@@ -353,7 +349,7 @@ class _Builder:
         x, xg = set_op.input, set_op.out
         mesh, first = self._mesh(set_op, x)
         D = mesh.size
-        kind = self.schedule.gather_kind()
+        kind = self.schedule.decomposition
         outs = [xg] + [e.out for e in group]
         if kind == "sequential":
             for tv in outs:
@@ -428,7 +424,7 @@ class _Builder:
         s = _stream_axis(c)
         mesh, first = self._mesh(red, c)
         D = mesh.size
-        kind = self.schedule.reduce_kind()
+        kind = self.schedule.decomposition
         y = red.out
         if len(red.reduced_dims()) != 1:
             raise DecompositionError(

@@ -74,13 +74,14 @@ def local_reason(comm) -> str | None:
 
 
 def probe(comm) -> str | None:
-    """None when every rank can use the cuda transport, else the first
-    rank's reason; asked once per communicator, on every rank together."""
+    """None when this rank can use the cuda transport, else why not; asked
+    once per communicator. No collective (the schedule is chosen before
+    the ranks agree): ranks that answer differently lower different
+    programs and fail the agreement on the program with a clear error."""
     cached = getattr(comm, "_cuda_transport_probe", False)
     if cached is not False:
         return cached
-    reasons = comm.all_gather_object(local_reason(comm)) if comm.world_size > 1 else [local_reason(comm)]
-    found = next((f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None), None)
+    found = local_reason(comm)
     comm._cuda_transport_probe = found
     return found
 
