@@ -237,8 +237,12 @@ def decomposable(fusion) -> bool:
     from hostir.lower.decompose_device_axis import walks_device_axis
 
     # Other programs keep one lowering for every shape: their key holds no
-    # schedule.
-    return walks_device_axis(fusion.exprs)
+    # schedule. Asked at every execute: the answer is kept per version.
+    cached = getattr(fusion, "_walks_device_axis", None)
+    if cached is None or cached[0] != fusion.version:
+        cached = (fusion.version, walks_device_axis(fusion.exprs))
+        fusion._walks_device_axis = cached
+    return cached[1]
 
 
 def model_for(comm) -> MachineModel:
