@@ -85,6 +85,14 @@ class HostIrEvaluator:
             for e in container.walk()
             if isinstance(e, ir.HirAliasSelect)
         }
+        # For each compute op, the operand axes it reads this rank's slice
+        # of (replicated where its output is sharded).
+        sliced = set(self._slice_dim)
+        self._local_slices = {
+            id(e): _local_slices(e)
+            for e in container.walk()
+            if isinstance(e, ir.COMPUTE_OPS) and container.meshes() and not sliced & set(e.inputs() + e.outputs())
+        }
         self._values: dict = {}
         self._loops: list[list] = []
         self._used_streams: list = []
@@ -117,6 +125,7 @@ class HostIrEvaluator:
         caller = self.streams.current()
         try:
             self._run_scope(self.container.exprs)
+            self._complete_pending()
             return [self._output(tv) for tv in self.container.outputs]
         finally:
             for stream in self._used_streams:
@@ -124,6 +133,21 @@ class HostIrEvaluator:
             self.streams.set_current(caller)
             self._values = {}
             self._works = {}
+
+    def _complete_pending(self) -> None:
+        """Wait for every communication posted without a `Wait` (a send
+        nobody waits on): a run never ends with a message in flight, which
+        its peer would otherwise miss. Each wait has the communicator's
+        timeout."""
+        while self._works:
+            target, posted = next(iter(self._works.items()))
+            try:
+                _wait(self, ir.Wait(target))
+            except Exception as err:
+                raise HostIrRuntimeError(
+                    f"{type(err).__name__}: {err}\nWhile completing, at the end of the run:\n"
+                    f"{printer.format_expr_head(target)}"
+                ) from err
 
     # -- the two accessors
     def get(self, val, default=_REQUIRED):
@@ -182,7 +206,7 @@ class HostIrEvaluator:
                         f"axis {i} of {printer.format_tv(tv)} is sharded ({printer.format_id(d)}): "
                         f"each rank holds size 1 of it, got {size}"
                     )
-                size = tv.mesh.x_size
+                size = tv.mesh.size_along(d.parallel_type)
             known = self.get(d.extent, None)
             if known is None:
                 self._bind_extent(d.extent, size)
@@ -306,6 +330,125 @@ def _deallocate(ev: HostIrEvaluator, e: ir.Deallocate) -> None:
 # ---------------------------------------------------------------- compute ops
 
 
+# ---------------------------------------------------------------- local layouts
+#
+# A rank holds each tensor in its loop layout (a split axis as its pieces,
+# a sharded piece with size 1). Compute ops run torch on the logical layout
+# (one dim per logical axis, of this rank's size) and put the result back
+# in the output's loop layout; both are views of the same memory. An
+# operand axis replicated where the output is sharded is first cut to this
+# rank's slice.
+
+
+def _local_slices(e: ir.Expr) -> dict[int, list]:
+    """operand id -> [(logical position, output axis)] to slice."""
+    if isinstance(e, ir.Set):
+        return {}
+    partial = getattr(e, "partial", None)
+    found: dict[int, list] = {}
+    for o, i in e.id_pairs():
+        if o.is_reduction and partial is None:
+            continue
+        missing = _types(o) - _types(i)
+        if not missing:
+            continue
+        for v in e.inputs():
+            if isinstance(v, ir.TensorView) and i in v.logical:
+                found.setdefault(id(v), []).append((v.logical_runtime().index(i), o))
+    return found
+
+
+def _types(d: ir.IterDomain) -> set:
+    return {x.parallel_type for x in d.loop_leaves() if x.is_device_parallel}
+
+
+def _leaf_sizes(d: ir.IterDomain, size: int, whole: set, mesh) -> list[int]:
+    """The sizes of `d`'s pieces in a dim of `size`: a piece sharded on a
+    mesh dimension in `whole` has the mesh's size along it, any other
+    sharded piece 1, a constant piece its extent, the symbolic one the rest."""
+    sizes = []
+    for x in d.loop_leaves():
+        if x.is_device_parallel:
+            sizes.append(mesh.size_along(x.parallel_type) if x.parallel_type in whole else 1)
+        elif x.extent.is_constant:
+            sizes.append(x.extent.value)
+        else:
+            sizes.append(None)
+    known = 1
+    for v in sizes:
+        known *= v if v is not None else 1
+    return [size // known if v is None else v for v in sizes]
+
+
+def as_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
+    """`t` (loop layout) with one dim per logical axis of `tv`."""
+    if not tv.is_split:
+        return t
+    shape, at = [], 0
+    for d in tv.logical_runtime():
+        n = len(d.loop_leaves())
+        size = 1
+        for s in t.shape[at : at + n]:
+            size *= s
+        shape.append(size)
+        at += n
+    return t.reshape(shape)
+
+
+def as_loop(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
+    """`t` (logical layout, this rank's sizes) in `tv`'s loop layout."""
+    if not tv.is_split:
+        return t
+    shape = []
+    for d, size in zip(tv.logical_runtime(), t.shape):
+        shape += _leaf_sizes(d, size, set(), tv.mesh)
+    return t.reshape(shape)
+
+
+def _operand(ev: HostIrEvaluator, e, tv, full_rank: bool = False):
+    """Operand `tv` of `e` in logical layout, cut to this rank's slice
+    where `e`'s output is sharded and `tv` is not."""
+    t = ev.get(tv)
+    if not isinstance(tv, ir.TensorView):
+        return t
+    if tv in ev._slice_dim:
+        return ev.full_rank(tv, t) if full_rank else t
+    t = as_logical(tv, t)
+    for pos, o in ev._local_slices.get(id(e), {}).get(id(tv), ()):
+        mesh = e.out.mesh
+        missing = _types(o) - _types(tv.logical_runtime()[pos])
+        sizes = _leaf_sizes(o, t.shape[pos], missing, mesh)
+        pieces = t.reshape(list(t.shape[:pos]) + sizes + list(t.shape[pos + 1 :]))
+        for j, x in enumerate(o.loop_leaves()):
+            if x.parallel_type in missing:
+                pieces = pieces.narrow(pos + j, mesh.index_along(ev.communicator.rank, x.parallel_type), 1)
+        t = pieces.reshape(list(t.shape[:pos]) + [-1] + list(t.shape[pos + 1 :]))
+    return t
+
+
+def _store(ev: HostIrEvaluator, e, fresh: Callable[[], torch.Tensor], into: Callable[[torch.Tensor], Any], full_rank=False) -> None:
+    """Bind `fresh()`'s result to `e.out` in its loop layout, or, if `e.out`
+    is bound, run `into(view)` on its logical view."""
+    tv = e.out
+    partial = getattr(e, "partial", None)
+    if tv in ev._slice_dim:
+        out, bind_fresh = _full_rank_out(ev, e) if full_rank else (ev.get(tv, None), lambda r: ev.bind(tv, r))
+        if out is None:
+            bind_fresh(fresh())
+        else:
+            into(out)
+        return
+    out = ev.get(tv, None)
+    if out is None:
+        result = fresh()
+        if partial is not None:
+            result = result.unsqueeze(0)
+        ev.bind(tv, as_loop(tv, result))
+        return
+    view = as_logical(tv, out)
+    into(view.squeeze(0) if partial is not None else view)
+
+
 @impl(ir.Set)
 def _set(ev: HostIrEvaluator, e: ir.Set) -> None:
     src = ev.get(e.input)
@@ -316,38 +459,53 @@ def _set(ev: HostIrEvaluator, e: ir.Set) -> None:
         out.copy_(src)
 
 
+_UNARY = {
+    "relu": torch.relu,
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "gelu": torch.nn.functional.gelu,
+    "silu": torch.nn.functional.silu,
+    "exp": torch.exp,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+}
+
+
+@impl(ir.UnaryOp)
+def _unary(ev: HostIrEvaluator, e: ir.UnaryOp) -> None:
+    x = _operand(ev, e, e.input)
+    if e.kind == "cast":
+        _store(ev, e, lambda: x.to(e.out.dtype), lambda out: out.copy_(x))
+        return
+    fn = _UNARY[e.kind]
+    _store(ev, e, lambda: fn(x), lambda out: out.copy_(fn(x)))
+
+
 _BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 
 
 @impl(ir.BinaryOp)
 def _binary(ev: HostIrEvaluator, e: ir.BinaryOp) -> None:
     fn = _BINARY[e.kind]
-    lhs, rhs = ev.get(e.lhs), ev.get(e.rhs)
+    lhs, rhs = _operand(ev, e, e.lhs), _operand(ev, e, e.rhs)
     if not isinstance(lhs, torch.Tensor):
         # torch takes a number only on the right; a 0-d tensor of the
         # number's default dtype promotes the same way.
         lhs = torch.tensor(lhs)
-    out = ev.get(e.out, None)
-    if out is None:
-        ev.bind(e.out, fn(lhs, rhs))
-    else:
-        fn(lhs, rhs, out=out)
+    _store(ev, e, lambda: fn(lhs, rhs), lambda out: fn(lhs, rhs, out=out))
 
 
 @impl(ir.ReductionOp)
 def _reduction(ev: HostIrEvaluator, e: ir.ReductionOp) -> None:
-    src = ev.get(e.input)
-    dims = e.reduced_dims()
-    out = ev.get(e.out, None)
-    extra = {"out": out} if out is not None else {}
-    if e.kind == "sum":
-        result = torch.sum(src, dims, dtype=e.out.dtype, **extra)
-    elif e.kind == "max":
-        result = torch.amax(src, dims, **extra)
-    else:
-        result = torch.amin(src, dims, **extra)
-    if out is None:
-        ev.bind(e.out, result)
+    src = _operand(ev, e, e.input)
+    dims = [i for i, d in enumerate(e.out.logical) if d.is_reduction]
+
+    def run(**out):
+        if e.kind == "sum":
+            return torch.sum(src, dims, dtype=e.out.dtype, **out)
+        return (torch.amax if e.kind == "max" else torch.amin)(src, dims, **out)
+
+    _store(ev, e, run, lambda out: run(out=out))
 
 
 def _full_rank_out(ev: HostIrEvaluator, e) -> tuple[torch.Tensor | None, Callable]:
@@ -363,25 +521,23 @@ def _full_rank_out(ev: HostIrEvaluator, e) -> tuple[torch.Tensor | None, Callabl
 
 @impl(ir.MatmulOp)
 def _matmul(ev: HostIrEvaluator, e: ir.MatmulOp) -> None:
-    a = ev.full_rank(e.a, ev.get(e.a))
-    b = ev.full_rank(e.b, ev.get(e.b))
-    out, bind_fresh = _full_rank_out(ev, e)
-    if out is None:
-        bind_fresh(torch.matmul(a, b))
-    else:
-        torch.matmul(a, b, out=out)
+    a = _operand(ev, e, e.a, full_rank=True)
+    b = _operand(ev, e, e.b, full_rank=True)
+    _store(ev, e, lambda: torch.matmul(a, b), lambda out: torch.matmul(a, b, out=out), full_rank=True)
 
 
 @impl(ir.LinearOp)
 def _linear(ev: HostIrEvaluator, e: ir.LinearOp) -> None:
-    x = ev.full_rank(e.input, ev.get(e.input))
-    w = ev.full_rank(e.weight, ev.get(e.weight))
-    bias = None if e.bias is None else ev.full_rank(e.bias, ev.get(e.bias))
-    out, bind_fresh = _full_rank_out(ev, e)
-    if out is None:
-        bind_fresh(torch.nn.functional.linear(x, w, bias))
-    else:
-        torch.ops.aten.linear.out(x, w, bias, out=out)
+    x = _operand(ev, e, e.input, full_rank=True)
+    w = _operand(ev, e, e.weight, full_rank=True)
+    bias = None if e.bias is None else _operand(ev, e, e.bias, full_rank=True)
+    _store(
+        ev,
+        e,
+        lambda: torch.nn.functional.linear(x, w, bias),
+        lambda out: torch.ops.aten.linear.out(x, w, bias, out=out),
+        full_rank=True,
+    )
 
 
 # ---------------------------------------------------------------- communications
@@ -421,9 +577,12 @@ def _staged(out: torch.Tensor, shape) -> tuple[torch.Tensor, Callable[[], None] 
     return staging, lambda: out.copy_(staging.view(out.shape))
 
 
-def _mesh_axis(tv: ir.TensorView) -> int:
-    (axis,) = tv.device_axes()
-    return tv.runtime_position(axis)
+def _mesh_axis(tv: ir.TensorView, parallel_type: ir.ParallelType = ir.ParallelType.mesh_x) -> int:
+    """The local dim of `tv` that is sharded along `parallel_type`."""
+    for axis in tv.device_axes():
+        if axis.parallel_type is parallel_type:
+            return tv.runtime_position(axis)
+    raise ValueError(f"{printer.format_tv(tv)} has no {parallel_type.name} axis")
 
 
 def _outermost(shape, axis: int) -> bool:
@@ -433,11 +592,10 @@ def _outermost(shape, axis: int) -> bool:
 def _post_allgather(ev, e, group) -> _Posted:
     src = _contiguous(ev.get(e.input))
     out = ev.get(e.out)
-    full = ev.full_sizes(e.input)
-    a = _mesh_axis(e.input)
+    a = _mesh_axis(e.input, e.parallel_type)
     n = len(e.team)
     order = ev.communicator.group_order(e.team)
-    if _outermost(full, a) and order == tuple(e.team):
+    if _outermost(src.shape, a) and order == tuple(e.team):
         buf, after = _staged(out, [-1])
         return _Posted([_all_gather(buf, src.reshape(-1), group=group, async_op=True)], after)
     # Gather into [n, *local] in the group's order, then put each rank's
@@ -474,8 +632,9 @@ def _post_allreduce(ev, e, group) -> _Posted:
 def _post_reduce_scatter(ev, e, group) -> _Posted:
     src = _reduced_input(ev, e)
     out = ev.get(e.out)
-    full = ev.full_sizes(e.out)
-    b = _mesh_axis(e.out)
+    b = _mesh_axis(e.out, e.parallel_type)
+    # The output's local shape with the team's pieces of its sharded dim.
+    full = [len(e.team) if i == b else s for i, s in enumerate(out.shape)]
     whole = src.reshape(full)
     if not _outermost(full, b):
         whole = whole.movedim(b, 0)
@@ -576,7 +735,11 @@ def _fill_identity(t: torch.Tensor, red_op: str) -> None:
 
 def _post_send_recv(ev, e, group) -> _Posted:
     rank = ev.communicator.rank
-    sender, receiver = e.root, (e.team[-1] if len(e.team) > 1 else e.team[0])
+    # The receiver is the team's other rank, whichever order the team lists.
+    others = [r for r in e.team if r != e.root]
+    if len(others) > 1:
+        raise ValueError(f"a SendRecv team holds the sender and one receiver, got {e.team}")
+    sender, receiver = e.root, (others[0] if others else e.root)
     if sender == receiver:
         ev.get(e.out).copy_(ev.get(e.input).reshape(ev.get(e.out).shape))
         return _Posted([_NoWork()])
@@ -587,7 +750,39 @@ def _post_send_recv(ev, e, group) -> _Posted:
     return _Posted([dist.irecv(buf, src=sender, group=group)], after)
 
 
+def _post_all_to_all(ev, e, group) -> _Posted:
+    """Each rank sends team position j the j-th piece of the output's
+    sharded axis of its input, and puts the piece from position j at the
+    j-th place of the input's sharded axis. Works on logical layouts; the
+    lowering checks that both sharded pieces are outermost."""
+    pt, team = e.parallel_type, e.team
+    n = len(team)
+    src = as_logical(e.input, ev.get(e.input))
+    out = ev.get(e.out)
+    a = _sharded_logical_axis(e.input, pt)
+    b = _sharded_logical_axis(e.out, pt)
+    order = ev.communicator.group_order(team)
+    chunks = src.chunk(n, dim=b)
+    send = torch.stack([chunks[team.index(r)] for r in order]).contiguous()
+    recv = torch.empty_like(send)
+
+    def after():
+        pieces = [recv[order.index(r)] for r in team]
+        whole = torch.cat(pieces, dim=a)
+        out.copy_(as_loop(e.out, whole).reshape(out.shape))
+
+    return _Posted([dist.all_to_all_single(recv, send, group=group, async_op=True)], after)
+
+
+def _sharded_logical_axis(tv: ir.TensorView, pt: ir.ParallelType) -> int:
+    for pos, d in enumerate(tv.logical_runtime()):
+        if any(x.parallel_type is pt for x in d.loop_leaves()):
+            return pos
+    raise ValueError(f"{printer.format_tv(tv)} has no {pt.name} axis")
+
+
 _POST = {
+    ir.CommunicationType.AllToAll: _post_all_to_all,
     ir.CommunicationType.Allgather: _post_allgather,
     ir.CommunicationType.Allreduce: _post_allreduce,
     ir.CommunicationType.ReduceScatter: _post_reduce_scatter,

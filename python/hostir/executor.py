@@ -17,7 +17,7 @@ import torch
 from hostir import communicator, ir, printer
 from hostir.container import HostIrContainer
 from hostir.evaluator import HostIrEvaluator
-from hostir.lower import lower
+from hostir.lower import RESHARDING_MODES, lower
 from hostir.options import Dumper
 from hostir.streams import streams_for
 
@@ -49,6 +49,11 @@ class ExecutorParams:
         only when a rank lowers a program, which saves that collective but
         lets a rank that alone changes its input shapes meet the others'
         collectives with the wrong sizes.
+    resharding: where an op that would both compute and move data between
+        ranks gets its resharding `set` (lower/insert_reshardings.py):
+        "auto" (default) on the side that moves fewer elements, "before"
+        or "after" the op where possible, or "strict", which refuses such
+        an op and asks for an explicit `fd.ops.set`.
     """
 
     number_of_streams: int = 4
@@ -57,6 +62,7 @@ class ExecutorParams:
     backend: str | None = None
     timeout: float | None = None
     check_ranks: str = "always"
+    resharding: str = "auto"
 
     def validate(self) -> None:
         n = self.number_of_streams
@@ -66,6 +72,8 @@ class ExecutorParams:
             raise ValueError(f"unknown evaluator {self.evaluator!r}; expected one of {list(EVALUATORS)}")
         if self.check_ranks not in CHECK_RANKS:
             raise ValueError(f"check_ranks must be one of {list(CHECK_RANKS)}, got {self.check_ranks!r}")
+        if self.resharding not in RESHARDING_MODES:
+            raise ValueError(f"resharding must be one of {list(RESHARDING_MODES)}, got {self.resharding!r}")
 
 
 @dataclasses.dataclass
@@ -202,20 +210,23 @@ class FusionExecutor:
             tuple((t.dtype, t.dim(), t.is_contiguous()) for t in inputs),
             device,
             params.evaluator,
+            params.resharding,
         )
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = self._lower(device, comm)
+            program = self._programs[key] = self._lower(device, comm, params.resharding)
         return program
 
-    def _lower(self, device: torch.device, comm=None) -> _Program:
+    def _lower(self, device: torch.device, comm=None, resharding: str = "auto") -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
         if comm is None:
-            container = lower(self.fusion, dumper)
+            container = lower(self.fusion, dumper, resharding=resharding)
         else:
-            container = lower(self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend])
+            container = lower(
+                self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend], resharding=resharding
+            )
         dumper.emit("host_ir", "Host program:", str(container))
         self.lowerings += 1
         streams = self._streams.get(device)
@@ -282,7 +293,7 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
         for axis, (d, size) in enumerate(zip(tv.logical_runtime(), t.shape)):
             expected = local_extent(tv, d)
             if expected is not None and size != expected:
-                whole = f" (extent {d.extent.value} sharded over {tv.mesh.x_size} ranks)" if expected != d.extent.value else ""
+                whole = f" (extent {d.extent.value}, sharded)" if expected != d.extent.value else ""
                 raise ValueError(f"{what}: axis {axis} must have size {expected}{whole}, got {size}")
             for f in _split_factors(d):
                 if size % f:
@@ -426,42 +437,51 @@ _BACKEND_NAMES = {"nccl": "NCCL", "gloo": "gloo"}
 
 
 def _equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
-    """Groups of (input index, axis) whose sizes ops require to be equal."""
-    where = {}
+    """Groups of (input index, axis) whose whole sizes the program makes
+    equal: axes its ops iterate together, through any chain of ops (the
+    extents' classes), whether the axes are split or sharded or not."""
+    classes = ir.ExtentClasses(fusion.exprs)
+    by_class: dict = {}
     for i, tv in enumerate(fusion.inputs):
         for axis, d in enumerate(tv.logical_runtime()):
-            if not d.is_device_parallel and d.leaves is None:
-                where[d] = (i, axis)
-    groups = []
-    for members in ir.IdGraph(fusion.exprs, broadcast=False).groups():
-        found = sorted(where[d] for d in members if d in where)
-        if len(found) > 1:
-            groups.append(found)
-    return groups
+            if d.is_broadcast:
+                continue
+            key = classes.key(d.extent)
+            by_class.setdefault(id(key) if isinstance(key, ir.Scalar) else ("c", key), []).append((i, axis))
+    return [sorted(found) for found in by_class.values() if len(found) > 1]
+
+
+def _whole_size(tv: ir.TensorView, d: ir.IterDomain, size: int) -> int:
+    """The size of logical axis `d` across all ranks, from this rank's."""
+    for leaf in d.loop_leaves():
+        if leaf.is_device_parallel:
+            size *= tv.mesh.size_along(leaf.parallel_type) if tv.mesh is not None else 1
+    return size
 
 
 def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, int]:
-    """Raise if input axes that ops iterate together differ in size; return
-    the size of every symbolic extent."""
+    """Raise if input axes that the program makes equal differ in whole
+    size (this rank's size times the ranks sharing the axis); return the
+    whole size of every symbolic extent."""
     for group in equal_axes:
         (i0, a0), *rest = group
+        t0 = fusion.inputs[i0]
+        s0 = _whole_size(t0, t0.logical_runtime()[a0], inputs[i0].shape[a0])
         for i, a in rest:
-            if inputs[i].shape[a] != inputs[i0].shape[a0]:
-                t0, t = fusion.inputs[i0], fusion.inputs[i]
+            t = fusion.inputs[i]
+            size = _whole_size(t, t.logical_runtime()[a], inputs[i].shape[a])
+            if size != s0:
                 raise ValueError(
-                    f"input {i} (T{t.name}) axis {a} has size {inputs[i].shape[a]} but input {i0} "
-                    f"(T{t0.name}) axis {a0} has size {inputs[i0].shape[a0]}; an op of the fusion "
-                    f"needs them equal"
+                    f"input {i} (T{t.name}) axis {a} has size {size} but input {i0} "
+                    f"(T{t0.name}) axis {a0} has size {s0} (whole sizes, across ranks); an op of "
+                    f"the fusion needs them equal"
                 )
     sizes = {}
     for tv, t in zip(fusion.inputs, inputs):
         for d, size in zip(tv.logical_runtime(), t.shape):
             if d.is_device_parallel:
                 continue
-            for leaf in d.loop_leaves():
-                if leaf.is_device_parallel:
-                    size *= leaf.extent.value
-            sizes.setdefault(d.extent, size)
+            sizes.setdefault(d.extent, _whole_size(tv, d, size))
     return sizes
 
 
@@ -500,7 +520,7 @@ def _local_output_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None
         return None
     for leaf in d.loop_leaves():
         if leaf.is_device_parallel:
-            size //= leaf.extent.value
+            size //= tv.mesh.size_along(leaf.parallel_type)
     return size
 
 
