@@ -1,0 +1,213 @@
+"""Tensor-parallel linear and matmul with sharded weights, against eager torch.
+
+Column parallel: the weight (and bias) sharded on N, each rank computes its
+columns, no communication. Row parallel: input and weight sharded on K, each
+rank computes partial sums that an Allreduce (replicated output) or a
+ReduceScatter (output sharded on M: sequence parallel) completes. Sequence
+parallel input: the input sharded on M is gathered before a column-parallel
+linear. Every rank builds the same whole tensors from the per-test seed,
+passes its pieces, and compares its piece of the result. The data are small
+integers, so every dtype computes them exactly, whatever the order of the
+partial sums; the MLP block (with gelu) compares with tolerances.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hostir import DeviceMesh, FusionDefinition, ParallelType, shard_tensor
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def rand_int(shape, dtype, device) -> torch.Tensor:
+    return torch.randint(-3, 4, tuple(shape)).to(dtype).to(device)
+
+
+def exact(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def chunk(t: torch.Tensor, dim: int, world) -> torch.Tensor:
+    """This rank's piece of `t`: the rank-th of world.size equal chunks."""
+    return t.chunk(world.size, dim)[world.rank]
+
+
+def shard(tv, axis: int, d: int) -> None:
+    tv.outer_split(axis, d)
+    tv.axis(axis).parallelize(ParallelType.mesh_x)
+
+
+def place(mesh, *tvs):
+    for tv in tvs:
+        if tv is not None:
+            tv.set_device_mesh(mesh)
+
+
+def reference_linear(x, w, b):
+    # Integer data: float64 computes them exactly, then the dtype holds them.
+    out = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("batch", [False, True], ids=["2d", "batched"])
+def test_column_parallel_linear(world, device, dtype, bias, batch):
+    D = world.size
+    lead = [3, 5] if batch else [5]
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1] * len(lead) + [-1], dtype=dtype)
+        w = fd.define_tensor(shape=[-1, -1], dtype=dtype)
+        b = fd.define_tensor(shape=[-1], dtype=dtype) if bias else None
+        y = fd.ops.linear(x, w, b)
+        fd.add_output(y)
+    place(DeviceMesh(range(D)), x, w, b)
+    shard(w, 0, D)
+    if bias:
+        shard(b, 0, D)
+
+    x_full = rand_int(lead + [8], dtype, device)
+    w_full = rand_int([4 * D, 8], dtype, device)
+    b_full = rand_int([4 * D], dtype, device) if bias else None
+    inputs = [x_full, shard_tensor(w_full, w)] + ([shard_tensor(b_full, b)] if bias else [])
+    (out,) = fd.execute(inputs)
+    exact(out, chunk(reference_linear(x_full, w_full, b_full), -1, world))
+    assert "Communication" not in fd.host_ir()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("output", ["allreduce", "reduce_scatter"])
+def test_row_parallel_linear(world, device, dtype, bias, output):
+    D = world.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1, -1], dtype=dtype)
+        w = fd.define_tensor(shape=[-1, -1], dtype=dtype)
+        b = fd.define_tensor(shape=[-1], dtype=dtype) if bias else None
+        y = fd.ops.linear(x, w, b)
+        fd.add_output(y)
+    place(DeviceMesh(range(D)), x, w, b, y)
+    shard(x, 2, D)
+    shard(w, 1, D)
+    if output == "reduce_scatter":
+        shard(y, 1, D)
+
+    x_full = rand_int([2, 2 * D, 4 * D], dtype, device)
+    w_full = rand_int([6, 4 * D], dtype, device)
+    b_full = rand_int([6], dtype, device) if bias else None
+    inputs = [shard_tensor(x_full, x), shard_tensor(w_full, w)] + ([b_full] if bias else [])
+    (out,) = fd.execute(inputs)
+    expected = reference_linear(x_full, w_full, b_full)
+    if output == "reduce_scatter":
+        expected = chunk(expected, 1, world)
+    exact(out, expected)
+    kind = "Allreduce" if output == "allreduce" else "ReduceScatter"
+    assert f"type={kind}" in fd.host_ir()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_column_parallel_matmul(world, device, dtype):
+    D = world.size
+    with FusionDefinition() as fd:
+        a = fd.define_tensor(shape=[-1, -1, -1], dtype=dtype)
+        b = fd.define_tensor(shape=[-1, -1], dtype=dtype)
+        y = fd.ops.matmul(a, b)
+        fd.add_output(y)
+    place(DeviceMesh(range(D)), a, b)
+    shard(b, 1, D)
+
+    a_full = rand_int([2, 3, 8], dtype, device)
+    b_full = rand_int([8, 2 * D], dtype, device)
+    (out,) = fd.execute([a_full, shard_tensor(b_full, b)])
+    exact(out, chunk((a_full.double() @ b_full.double()).to(dtype), -1, world))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("output", ["allreduce", "reduce_scatter"])
+def test_row_parallel_matmul(world, device, dtype, output):
+    D = world.size
+    with FusionDefinition() as fd:
+        a = fd.define_tensor(shape=[-1, -1], dtype=dtype)
+        b = fd.define_tensor(shape=[-1, -1], dtype=dtype)
+        y = fd.ops.matmul(a, b)
+        fd.add_output(y)
+    place(DeviceMesh(range(D)), a, b, y)
+    shard(a, 1, D)
+    shard(b, 0, D)
+    if output == "reduce_scatter":
+        shard(y, 0, D)
+
+    a_full = rand_int([2 * D, 3 * D], dtype, device)
+    b_full = rand_int([3 * D, 5], dtype, device)
+    (out,) = fd.execute([shard_tensor(a_full, a), shard_tensor(b_full, b)])
+    expected = (a_full.double() @ b_full.double()).to(dtype)
+    exact(out, chunk(expected, 0, world) if output == "reduce_scatter" else expected)
+
+
+def test_row_parallel_matmul_with_only_the_input_sharded(world, device):
+    # b is replicated: each rank multiplies its rows of b (its slice of K).
+    D = world.size
+    with FusionDefinition() as fd:
+        a = fd.define_tensor(shape=[-1, -1])
+        b = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.matmul(a, b)
+        fd.add_output(y)
+    place(DeviceMesh(range(D)), a, b, y)
+    shard(a, 1, D)
+
+    a_full = rand_int([4, 2 * D], torch.float32, device)
+    b_full = rand_int([2 * D, 3], torch.float32, device)
+    (out,) = fd.execute([shard_tensor(a_full, a), b_full])
+    exact(out, a_full @ b_full)
+
+
+def test_matmul_with_only_the_weight_annotated(world, device):
+    # The input and the output take the weight's mesh; the output its sharding.
+    D = world.size
+    with FusionDefinition() as fd:
+        a = fd.define_tensor(shape=[-1, -1])
+        b = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.matmul(a, b)
+        fd.add_output(y)
+    b.set_device_mesh(DeviceMesh(range(D)))
+    shard(b, 1, D)
+
+    a_full = rand_int([4, 6], torch.float32, device)
+    b_full = rand_int([6, 2 * D], torch.float32, device)
+    (out,) = fd.execute([a_full, shard_tensor(b_full, b)])
+    exact(out, chunk(a_full @ b_full, 1, world))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sequence_parallel_column_linear_gathers_the_sequence(world, device, dtype):
+    D = world.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1], dtype=dtype)
+        w = fd.define_tensor(shape=[-1, -1], dtype=dtype)
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+    place(DeviceMesh(range(D)), x, w)
+    shard(x, 0, D)
+    shard(w, 0, D)
+
+    x_full = rand_int([2 * D, 8], dtype, device)
+    w_full = rand_int([3 * D, 8], dtype, device)
+    (out,) = fd.execute([shard_tensor(x_full, x), shard_tensor(w_full, w)])
+    exact(out, chunk(reference_linear(x_full, w_full, None), -1, world))
+    assert "type=Allgather" in fd.host_ir()
+
+
+def test_column_parallel_linear_with_symbolic_sizes_checks_them(world, device):
+    D = world.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        w = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+    place(DeviceMesh(range(D)), x, w)
+    shard(w, 0, D)
+    w_full = rand_int([2 * D, 8], torch.float32, device)
+    with pytest.raises(ValueError, match="an op of the fusion needs them equal"):
+        fd.execute([rand_int([3, 7], torch.float32, device), shard_tensor(w_full, w)])
