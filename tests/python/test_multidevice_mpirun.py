@@ -117,8 +117,8 @@ def summaries(output: str) -> list[dict[str, int]]:
 
 
 @requires_mpirun
-@pytest.mark.timeout(330)
-@pytest.mark.parametrize("nprocs, limit", [(2, 150), (4, 300)], ids=["np2", "np4"])
+@pytest.mark.timeout(630)
+@pytest.mark.parametrize("nprocs, limit", [(2, 300), (3, 450), (4, 600)], ids=["np2", "np3", "np4"])
 def test_multidevice_suite_under_mpirun(nprocs, limit):
     exports = {
         "HOSTIR_TIMEOUT": "30",

@@ -13,6 +13,8 @@ partial sums; the MLP block (with gelu) compares with tolerances.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -211,3 +213,48 @@ def test_column_parallel_linear_with_symbolic_sizes_checks_them(world, device):
     w_full = rand_int([2 * D, 8], torch.float32, device)
     with pytest.raises(ValueError, match="an op of the fusion needs them equal"):
         fd.execute([rand_int([3, 7], torch.float32, device), shard_tensor(w_full, w)])
+
+
+def _megatron_example():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[3] / "examples" / "megatron_mlp.py"
+    spec = importlib.util.spec_from_file_location("megatron_mlp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_megatron_mlp_block(world, device, dtype):
+    """Sequence-parallel input -> Allgather -> column-parallel linear -> gelu
+    -> row-parallel linear -> ReduceScatter, as examples/megatron_mlp.py."""
+    example = _megatron_example()
+    D, H = world.size, example.HIDDEN
+    fd, tvs = example.define(D, dtype)
+    whole = [
+        torch.randn(3 * D, H),
+        torch.randn(4 * H, H) / H**0.5,
+        torch.randn(4 * H),
+        torch.randn(H, 4 * H) / (4 * H) ** 0.5,
+        torch.randn(H),
+    ]
+    mine = [shard_tensor(t.to(dtype), tv).to(device) for t, tv in zip(whole, tvs)]
+    (out,) = fd.execute(mine)
+    # The reference computes in float32 from the same dtype-rounded data.
+    expected = example.reference(*[t.to(dtype).float() for t in whole])
+    torch.testing.assert_close(out.float(), chunk(expected, 0, world), **_tolerance(dtype))
+    dump = fd.host_ir()
+    comms = re.findall(r"^\s*Communication \d+ \(type=(\w+),", dump, re.MULTILINE)
+    assert comms == ["Allgather", "ReduceScatter"], dump
+
+
+def _tolerance(dtype) -> dict:
+    # Half types round every intermediate (h, the partial sums) to 8 or 11
+    # bits of mantissa; float32 rounds the same sums in another order.
+    return {
+        torch.float32: {},
+        torch.bfloat16: {"rtol": 2e-2, "atol": 5e-2},
+        torch.float16: {"rtol": 5e-3, "atol": 1e-2},
+    }[dtype]
