@@ -24,7 +24,7 @@ import torch
 import hostir
 from hostir import DeviceMesh, FusionDefinition, ParallelType
 
-SEQUENCE_PER_RANK, HIDDEN = 4, 16
+SEQUENCE_PER_RANK, HIDDEN = 4, 24  # 4 * HIDDEN splits over 2, 3 or 4 ranks
 
 
 def define(d: int, dtype=torch.float32):

@@ -293,7 +293,8 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
         for axis, (d, size) in enumerate(zip(tv.logical_runtime(), t.shape)):
             expected = local_extent(tv, d)
             if expected is not None and size != expected:
-                whole = f" (extent {d.extent.value}, sharded)" if expected != d.extent.value else ""
+                ways = d.extent.value // expected if expected else 0
+                whole = f" (extent {d.extent.value} sharded over {ways} ranks)" if expected != d.extent.value else ""
                 raise ValueError(f"{what}: axis {axis} must have size {expected}{whole}, got {size}")
             for f in _split_factors(d):
                 if size % f:

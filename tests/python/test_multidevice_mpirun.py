@@ -1,7 +1,7 @@
 """Run tests/python/multidevice under mpirun, from the single-process suite.
 
 The multi-device tests skip themselves in a plain `pytest` run (the world has
-one rank); this test launches them with `mpirun -np 2` and `-np 4` on gloo,
+one rank); this test launches them with `mpirun -np 2`, `-np 3` and `-np 4` on gloo,
 each rank running the whole directory, and asserts that every rank reports
 passed tests and no failure. Open MPI 5 from PyPI needs the root variables
 and `--oversubscribe` (more ranks than cores); the rendezvous port is a free
