@@ -11,9 +11,11 @@ printed under the pass's name. An error names the pass that raised it.
 
 from __future__ import annotations
 
+import hashlib
+
 from hostir import ir
 from hostir.container import HostIrContainer
-import hashlib
+from hostir.errors import HostIrError
 
 from hostir.lower.build_host_program import build_host_program
 from hostir.lower.insert_reshardings import MODES as RESHARDING_MODES
@@ -35,7 +37,7 @@ RANK_PIPELINE = [
 ]
 
 
-class LoweringError(ValueError):
+class LoweringError(HostIrError, ValueError):
     """A fusion that cannot be lowered; the message names the pass."""
 
 
@@ -62,7 +64,7 @@ def lower(
     which refuses an op that computes and reshards). The returned
     program's `digest` hashes the program before pruning for a rank."""
     if resharding not in RESHARDING_MODES:
-        raise ValueError(f"resharding must be one of {list(RESHARDING_MODES)}, got {resharding!r}")
+        raise LoweringError(f"resharding must be one of {list(RESHARDING_MODES)}, got {resharding!r}")
     container = _run_one(build_host_program, fusion, dumper)
     container.backend = backend
     container = run_passes(container, dumper=dumper, options={insert_reshardings: {"mode": resharding}})

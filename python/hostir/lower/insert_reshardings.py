@@ -62,7 +62,7 @@ MODES = ("auto", "before", "after", "strict")
 
 def insert_reshardings(container: HostIrContainer, mode: str = "auto") -> HostIrContainer:
     if mode not in MODES:
-        raise ValueError(f"resharding mode must be one of {list(MODES)}, got {mode!r}")
+        raise ShardingError(f"resharding mode must be one of {list(MODES)}, got {mode!r}")
     if not any(tv.mesh is not None for tv in all_tvs(container)):
         return container
     classes = ir.ExtentClasses(container.exprs)

@@ -35,12 +35,13 @@ from __future__ import annotations
 
 from hostir import ir, printer
 from hostir.container import HostIrContainer
+from hostir.errors import HostIrError
 from hostir.lower.propagate_shardings import device_types, is_resharding
 
 Type = ir.CommunicationType
 
 
-class CommunicationLoweringError(ValueError):
+class CommunicationLoweringError(HostIrError, ValueError):
     pass
 
 
