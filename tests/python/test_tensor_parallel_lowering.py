@@ -234,6 +234,31 @@ def test_symbolic_extents_made_equal_by_an_op_are_equal():
     assert _comms(text) == []
 
 
+def test_replicated_add_of_two_unsized_inputs_on_a_mesh():
+    # i0 and i2 are different symbols; the add makes them equal.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        y = fd.define_tensor(shape=[-1, -1])
+        z = fd.ops.add(x, y)
+        fd.add_output(z)
+    _place(DeviceMesh([0, 1]), x, y, z)
+    assert _comms(_dump(fd)) == []
+
+
+def test_row_parallel_matmul_written_with_unsized_inputs_lowers_for_every_rank():
+    with FusionDefinition() as fd:
+        a = fd.define_tensor(shape=[-1, -1])
+        b = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.matmul(a, b)
+        fd.add_output(y)
+    _place(DeviceMesh([0, 1]), a, b, y)
+    _shard(a, 1)
+    _shard(b, 0)
+    _shard(y, 0)
+    for rank in (0, 1):
+        assert _comms(str(lower(fd.fusion, rank=rank))) == ["ReduceScatter"]
+
+
 def test_no_extent_is_compared_as_text():
     # Equality of extents is structural: no module formats scalars to compare.
     sources = (REPO / "python" / "hostir").rglob("*.py")
