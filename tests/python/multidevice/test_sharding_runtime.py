@@ -324,3 +324,40 @@ def test_output_without_a_sharding_runs_with_the_propagated_one(world, device, o
         exact(out, full.sum(0))
     else:
         exact(out, (full if op == "set" else 2 * full)[world.rank : world.rank + 1])
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_2d_mesh_data_and_tensor_parallel_linear(world, device, kind):
+    """The batch sharded on mesh_y (data parallel) and the weight on mesh_x
+    (tensor parallel): a column-parallel linear computes locally, a
+    row-parallel one all-reduces its partial sums along each mesh row."""
+    mesh = mesh_2d(world)
+    ny, nx = mesh.shape
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1, -1])
+        w = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+    for tv in (x, w, y):
+        tv.set_device_mesh(mesh)
+    shard(x, 0, ny, ParallelType.mesh_y)
+    shard(y, 0, ny, ParallelType.mesh_y)
+    if kind == "column":
+        shard(w, 0, nx)
+        shard(y, 3, nx)  # y's loop axes: [y, B/ny, M, N]
+    else:
+        shard(x, 3, nx)  # x's loop axes: [y, B/ny, M, K]
+        shard(w, 1, nx)
+    x_full = rand_int([2 * ny, 3, 4 * nx], torch.float32, device)
+    w_full = rand_int([2 * nx, 4 * nx], torch.float32, device)
+    (out,) = fd.execute([shard_tensor(x_full, x), shard_tensor(w_full, w)])
+    expected = torch.nn.functional.linear(x_full, w_full)
+    expected = chunk(expected, 0, ny, mesh.index_along(world.rank, ParallelType.mesh_y))
+    if kind == "column":
+        expected = chunk(expected, 2, nx, mesh.index_along(world.rank, ParallelType.mesh_x))
+    exact(out, expected)
+    dump = fd.host_ir()
+    if kind == "row":
+        assert "type=Allreduce" in dump and f"team=({' '.join(map(str, mesh.team_of(world.rank)))})" in dump, dump
+    else:
+        assert "Communication" not in dump, dump
