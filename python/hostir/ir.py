@@ -656,9 +656,9 @@ class MatmulOp(Expr):
     out: TensorView
     a: TensorView
     b: TensorView
-    # An outermost `mesh_x` axis of `out` holding each rank's partial sums
-    # over its piece of a sharded K (a `sum` over it then reduces across
-    # ranks); None for a whole result.
+    # An outermost sharded axis of `out` (on K's mesh dimension) holding
+    # each rank's partial sums over its piece of a sharded K: a `sum` over it
+    # then reduces across ranks. None for a whole result.
     partial: IterDomain | None = None
     INPUTS = ("a", "b")
     OUTPUTS = ("out",)
