@@ -484,7 +484,9 @@ def _operand(frame: Frame, e, tv, full_rank: bool = False):
     return t
 
 
-def _store(frame: Frame, e, fresh: Callable[[], torch.Tensor], into: Callable[[torch.Tensor], Any], full_rank=False) -> None:
+def _store(
+    frame: Frame, e, fresh: Callable[[], torch.Tensor], into: Callable[[torch.Tensor], Any], full_rank=False
+) -> None:
     """Bind `fresh()`'s result to `e.out` in its loop layout, or, if `e.out`
     is bound, run `into(view)` on its logical view."""
     tv = e.out
@@ -493,8 +495,12 @@ def _store(frame: Frame, e, fresh: Callable[[], torch.Tensor], into: Callable[[t
         out, bind_fresh = _full_rank_out(frame, e) if full_rank else (frame.get(tv, None), lambda r: frame.bind(tv, r))
         if out is None:
             bind_fresh(fresh())
-        else:
+        elif partial is None:
             into(out)
+        else:
+            # A chunk of partial sums: the slice keeps the partial and the
+            # sharded pieces as size-1 dims where the operands put them.
+            _copy_same_sizes(out, fresh())
         return
     out = frame.get(tv, None)
     if out is None:
@@ -505,6 +511,14 @@ def _store(frame: Frame, e, fresh: Callable[[], torch.Tensor], into: Callable[[t
         return
     view = as_logical(tv, out)
     into(view.squeeze(0) if partial is not None else view)
+
+
+def _copy_same_sizes(out: torch.Tensor, result: torch.Tensor) -> None:
+    """Copy `result` into `out`, which holds the same sizes but for dims of
+    size 1."""
+    if [s for s in out.shape if s != 1] != [s for s in result.shape if s != 1]:
+        raise BindingError(f"a result of shape {list(result.shape)} does not fit its buffer of shape {list(out.shape)}")
+    out.copy_(result.reshape(out.shape))
 
 
 @impl(ir.Set)

@@ -82,6 +82,18 @@ def test_row_parallel_linear_with_sequence_sharded_output_reduce_scatters():
     check_golden("tp_row_linear_reduce_scatter", text)
 
 
+def test_row_parallel_linear_with_stream_axis_pipelines_partial_sums_and_allreduce():
+    fd, x, w, b, y = _linear(bias=False)
+    _place(DeviceMesh([0, 1]), x, w, y)
+    _shard(x, 1)
+    _shard(w, 1)
+    y.axis(0).parallelize(ParallelType.stream)
+    text = _dump(fd)
+    work_loop = text.split("FOR StreamIdx")[-1]
+    assert "partial = " in work_loop and "type=Allreduce" in work_loop
+    check_golden("tp_row_linear_stream_pipeline", text)
+
+
 def test_row_parallel_matmul_partial_sums():
     with FusionDefinition() as fd:
         a = fd.define_tensor(shape=[-1, -1, -1])

@@ -142,7 +142,13 @@ def _partial_sums(container: HostIrContainer, e) -> list[ir.Expr]:
     pieces = [
         ir.IterDomain(container, leaf.extent, ir.IterType.reduction, leaf.parallel_type) for leaf in k.loop_leaves()
     ]
-    logical = [partial] + [ir.IterDomain(container, d.extent, d.iter_type) for d in kept] + [k_reduced]
+    # A stream axis of the output stays on the partial sums, so that the
+    # stream loop computes and reduces chunk by chunk.
+    logical = (
+        [partial]
+        + [ir.IterDomain(container, d.extent, d.iter_type, _stream_or_serial(d)) for d in kept]
+        + [k_reduced]
+    )
     p = ir.TensorView(container, logical, out.dtype, ir.MemoryType.global_, mesh=mesh)
     if k.leaves is None:
         k_reduced.parallel_type = k.parallel_type
@@ -167,6 +173,10 @@ def _partial_sums(container: HostIrContainer, e) -> list[ir.Expr]:
     s.domain.insert(0, summed_axis)
     _set_axes(out, kept)
     return [compute, ir.ReductionOp(s, "sum", p), ir.BinaryOp(out, "add", s, bias)]
+
+
+def _stream_or_serial(d: ir.IterDomain) -> ir.ParallelType:
+    return ir.ParallelType.stream if d.parallel_type is ir.ParallelType.stream else ir.ParallelType.serial
 
 
 def _set_axes(tv: ir.TensorView, logical: list[ir.IterDomain]) -> None:

@@ -215,6 +215,34 @@ def test_column_parallel_linear_with_symbolic_sizes_checks_them(world, device):
         fd.execute([rand_int([3, 7], torch.float32, device), shard_tensor(w_full, w)])
 
 
+@pytest.mark.parametrize("output", ["allreduce", "reduce_scatter"])
+def test_row_parallel_linear_pipelined_over_streams(world, device, output):
+    """A stream axis on the output of a row-parallel linear: each chunk's
+    partial sums are computed and reduced in the same loop iteration, so
+    chunk i+1's GEMM can overlap chunk i's collective (nvFuser's
+    collective-based row-parallel pipeline)."""
+    D = world.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[4, -1, -1])
+        w = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+    place(DeviceMesh(range(D)), x, w, y)
+    shard(x, 2, D)
+    shard(w, 1, D)
+    if output == "reduce_scatter":
+        shard(y, 1, D)
+    y.axis(0).parallelize(ParallelType.stream)
+
+    x_full = rand_int([4, 2 * D, 4 * D], torch.float32, device)
+    w_full = rand_int([5, 4 * D], torch.float32, device)
+    (out,) = fd.execute([shard_tensor(x_full, x), shard_tensor(w_full, w)], number_of_streams=2)
+    expected = reference_linear(x_full, w_full, None)
+    exact(out, chunk(expected, 1, world) if output == "reduce_scatter" else expected)
+    loop = fd.host_ir().split("FOR StreamIdx")[-1]
+    assert "linear(" in loop and ("type=Allreduce" if output == "allreduce" else "type=ReduceScatter") in loop
+
+
 def _megatron_example():
     import importlib.util
     import pathlib
