@@ -177,14 +177,15 @@ class FusionExecutor:
     def num_programs(self) -> int:
         return len(self._programs)
 
-    def host_ir(self) -> str:
+    def host_ir(self, resharding: str = "auto") -> str:
         """The dump of the program the fusion lowers to now (for a
-        multi-device fusion, this rank's program)."""
+        multi-device fusion, this rank's program), with `resharding` as
+        ExecutorParams takes it."""
         if is_multi_device(self.fusion):
             rank = communicator.rank()
             backend = _BACKEND_NAMES["nccl" if torch.cuda.is_available() else "gloo"]
-            return str(lower(self.fusion, rank=rank, backend=backend))
-        return str(lower(self.fusion))
+            return str(lower(self.fusion, rank=rank, backend=backend, resharding=resharding))
+        return str(lower(self.fusion, resharding=resharding))
 
     def execute(
         self,

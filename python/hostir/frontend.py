@@ -168,9 +168,10 @@ class FusionDefinition:
             raise UsageError("execute the fusion after its `with FusionDefinition() as fd:` block")
         return self.executor.execute(inputs, outputs, params, **kwargs)
 
-    def host_ir(self) -> str:
-        """The lowered host program, in the dump format."""
-        return self.executor.host_ir()
+    def host_ir(self, resharding: str = "auto") -> str:
+        """The lowered host program, in the dump format; `resharding` as
+        `execute` takes it ("auto", "before", "after", "strict")."""
+        return self.executor.host_ir(resharding)
 
     def __repr__(self) -> str:
         return printer.print_fusion(self.fusion)

@@ -190,6 +190,13 @@ def test_resharding_side_can_be_forced():
     assert after.index("reduction(") < after.index("type=Allgather")
 
 
+def test_host_ir_shows_the_program_of_a_resharding_mode():
+    fd = _sharded_sum()
+    before, auto = fd.host_ir(resharding="before"), fd.host_ir()
+    assert before.index("type=Allgather") < before.index("reduction(")
+    assert auto.index("reduction(") < auto.index("type=Allgather")
+
+
 def test_strict_mode_refuses_an_op_that_computes_and_reshards():
     with pytest.raises(LoweringError, match="both computes and moves data"):
         lower(_sharded_sum().fusion, resharding="strict")
