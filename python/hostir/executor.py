@@ -587,7 +587,12 @@ def _whole_size(tv: ir.TensorView, d: ir.IterDomain, size: int) -> int:
     """The size of logical axis `d` across all ranks, from this rank's."""
     for leaf in d.loop_leaves():
         if leaf.is_device_parallel:
-            size *= tv.mesh.size_along(leaf.parallel_type) if tv.mesh is not None else 1
+            # A sharded piece's extent is the mesh's size along it (checked
+            # when lowering); a symbolic one takes it from the mesh.
+            if leaf.extent.is_constant:
+                size *= leaf.extent.value
+            elif tv.mesh is not None:
+                size *= tv.mesh.size_along(leaf.parallel_type)
     return size
 
 
