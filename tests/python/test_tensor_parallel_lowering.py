@@ -94,6 +94,23 @@ def test_row_parallel_linear_with_stream_axis_pipelines_partial_sums_and_allredu
     check_golden("tp_row_linear_stream_pipeline", text)
 
 
+def test_inserted_allgather_joins_the_stream_loop_of_its_consumer():
+    # No explicit set: the Allgather of x is inserted with the output's
+    # stream axis, so each chunk is gathered then multiplied (AG+GEMM).
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[4, 2, -1, 16])
+        w = fd.define_tensor(shape=[16, -1])
+        y = fd.ops.matmul(x, w)
+        fd.add_output(y)
+    _place(DeviceMesh([0, 1]), x, w, y)
+    x.axis(1).parallelize(ParallelType.mesh_x)
+    y.axis(0).parallelize(ParallelType.stream)
+    text = _dump(fd)
+    work_loop = text.split("FOR StreamIdx")[-1]
+    assert "type=Allgather" in work_loop and "matmul(" in work_loop
+    check_golden("reshard_before_in_stream_loop", text)
+
+
 def test_row_parallel_matmul_partial_sums():
     with FusionDefinition() as fd:
         a = fd.define_tensor(shape=[-1, -1, -1])

@@ -32,7 +32,9 @@ Rewrites, with `mode` "auto" (the default), "before" or "after":
   sizes that cannot be compared) the `Set` goes before, nvFuser's default. So a sum over an unsharded axis of a sharded tensor
   reduces first and gathers the smaller result, and a matmul of a
   sequence-sharded input gathers the input (the output cannot be sharded
-  on both M and N).
+  on both M and N). A stream axis of the output stays on the matching axis
+  of the resharded copy (or of the partial sums), so a stream loop
+  reshards and computes chunk by chunk.
 
 With mode "strict" such an op is an error instead, as before this pass
 existed.
@@ -175,6 +177,14 @@ def _partial_sums(container: HostIrContainer, e) -> list[ir.Expr]:
     return [compute, ir.ReductionOp(s, "sum", p), ir.BinaryOp(out, "add", s, bias)]
 
 
+def _keep_stream(new: ir.IterDomain, like: ir.IterDomain) -> None:
+    """A stream axis of the op's output stays on the resharded copy's axis
+    that pairs with it, so the stream loop reshards chunk by chunk (a
+    collective-based pipeline) instead of before the loop."""
+    if like.parallel_type is ir.ParallelType.stream and new.leaves is None and new.parallel_type is ir.ParallelType.serial:
+        new.parallel_type = ir.ParallelType.stream
+
+
 def _stream_or_serial(d: ir.IterDomain) -> ir.ParallelType:
     return ir.ParallelType.stream if d.parallel_type is ir.ParallelType.stream else ir.ParallelType.serial
 
@@ -230,6 +240,7 @@ def _reshard_before(container: HostIrContainer, e: ir.Expr) -> tuple[list[ir.Exp
         for new, (o, i) in zip(logical, pairs):
             if o is not None and not o.is_reduction:
                 _copy_sharding(copy, new, o)
+                _keep_stream(new, o)
         copies.append(ir.Set(copy, v))
         changes[field] = made[id(v)] = copy
         moved.append(v)
@@ -248,6 +259,8 @@ def _reshard_after(container: HostIrContainer, e: ir.Expr) -> list[ir.Expr] | No
     # Reduction axes (a matmul's K, a reduction's reduced axes) stay in the
     # new tensor; the Set pairs the kept axes.
     logical = [ir.IterDomain(container, d.extent, d.iter_type) for d in out.logical]
+    for new, d in zip(logical, out.logical):
+        _keep_stream(new, d)
     operands = _operands(e)
     if len({v.mesh for v in operands}) != 1:
         return None

@@ -243,6 +243,26 @@ def test_row_parallel_linear_pipelined_over_streams(world, device, output):
     assert "linear(" in loop and ("type=Allreduce" if output == "allreduce" else "type=ReduceScatter") in loop
 
 
+def test_inserted_allgather_pipelined_with_matmul(world, device):
+    """x holds this rank's rows of every chunk; nothing asks for an
+    Allgather, yet the matmul needs whole chunks: the inserted set takes the
+    output's stream axis and gathers chunk by chunk."""
+    D = world.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[4, D, -1, 8])
+        w = fd.define_tensor(shape=[8, -1])
+        y = fd.ops.matmul(x, w)
+        fd.add_output(y)
+    place(DeviceMesh(range(D)), x, w, y)
+    x.axis(1).parallelize(ParallelType.mesh_x)
+    y.axis(0).parallelize(ParallelType.stream)
+    x_full = rand_int([4, D, 3, 8], torch.float32, device)
+    w_full = rand_int([8, 5], torch.float32, device)
+    (out,) = fd.execute([shard_tensor(x_full, x), w_full], number_of_streams=2)
+    exact(out, x_full @ w_full)
+    assert "type=Allgather" in fd.host_ir().split("FOR StreamIdx")[-1]
+
+
 def _megatron_example():
     import importlib.util
     import pathlib
