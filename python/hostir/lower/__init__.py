@@ -18,6 +18,7 @@ from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 
 from hostir.lower.build_host_program import build_host_program
+from hostir.lower.decompose_device_axis import decompose_device_axis
 from hostir.lower.insert_reshardings import MODES as RESHARDING_MODES
 from hostir.lower.insert_reshardings import insert_reshardings
 from hostir.lower.lower_communications import lower_communications
@@ -29,6 +30,7 @@ from hostir.options import Dumper
 PIPELINE = [
     propagate_shardings,
     insert_reshardings,
+    decompose_device_axis,
     parallelize_streams,
     lower_communications,
 ]
@@ -57,16 +59,20 @@ def lower(
     rank: int | None = None,
     backend: str = "NCCL",
     resharding: str = "auto",
+    schedule=None,
 ) -> HostIrContainer:
     """The host program of `fusion`; with `rank`, the part that rank runs.
     `backend` is the communication backend the dump names; `resharding` is
     `insert_reshardings`' mode ("auto", "before", "after", or "strict",
-    which refuses an op that computes and reshards). The returned
+    which refuses an op that computes and reshards); `schedule` (a
+    `hostir.schedule.Schedule`) how a device axis walked as a stream axis
+    is decomposed (by default a ring, one chunk per peer). The returned
     program's `digest` hashes the program before pruning for a rank."""
     if resharding not in RESHARDING_MODES:
         raise LoweringError(f"resharding must be one of {list(RESHARDING_MODES)}, got {resharding!r}")
     container = _run_one(build_host_program, fusion, dumper)
     container.backend = backend
+    container.schedule = schedule
     container = run_passes(container, dumper=dumper, options={insert_reshardings: {"mode": resharding}})
     digest = hashlib.sha256(str(container).encode()).hexdigest()
     teams = container.teams()
