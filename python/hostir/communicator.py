@@ -7,10 +7,12 @@ a `LaunchError` that names the variables. `Communicator` builds the
 `torch.distributed` state on top of that: the default group over an explicit
 rendezvous store, one process group per team of ranks (created by every rank
 in one deterministic order), and a gloo control group for metadata agreement
-that data collectives never share. Every group carries a timeout, and
-`classify_error` turns the timeouts and lost peers that gloo reports into
-`CommunicatorTimeout` and `PeerLostError`, so a rank that skips a collective or
-dies ends in an error on the others, never a hang.
+that data collectives never share. Before the first group of a multi-process
+job it picks the network interface gloo binds to (`hostir.network`), so ranks
+on several nodes reach each other rather than their own loopback. Every group
+carries a timeout, and `classify_error` turns the timeouts and lost peers that
+gloo reports into `CommunicatorTimeout` and `PeerLostError`, so a rank that
+skips a collective or dies ends in an error on the others, never a hang.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from hostir.network import GLOO_IFNAME, GlooInterface, choose_gloo_interface
 
 __all__ = [
     "LAUNCHER_VARIABLES",
@@ -256,9 +260,19 @@ def _resolve_timeout(timeout: float | None) -> float:
     return _positive_seconds(value, "HOSTIR_TIMEOUT")
 
 
-def _resolve_rendezvous(addr: str | None, port: int | None) -> tuple[str, int]:
+def _resolve_rendezvous(addr: str | None, port: int | None, launch: LaunchInfo) -> tuple[str, int]:
     if addr is None:
-        addr = os.environ.get("HOSTIR_MASTER_ADDR") or os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
+        addr = os.environ.get("HOSTIR_MASTER_ADDR") or os.environ.get("MASTER_ADDR")
+    if addr is None:
+        # The loopback default reaches rank 0 only from rank 0's node: a
+        # launch that spans nodes must name rank 0's address.
+        if launch.local_size is not None and launch.local_size < launch.world_size:
+            raise LaunchError(
+                f"{launch.source} places {launch.local_size} of the {launch.world_size} processes on this node, "
+                f"so the job spans several nodes, but no rendezvous address is set: set HOSTIR_MASTER_ADDR "
+                f"(or MASTER_ADDR) on every rank to an address of rank 0's node that every node reaches"
+            )
+        addr = DEFAULT_MASTER_ADDR
     if port is not None:
         return addr, _port(port, "master_port")
     for name in ("HOSTIR_MASTER_PORT", "MASTER_PORT"):
@@ -275,6 +289,23 @@ def _port(value: object, name: str) -> int:
     if not 0 < port < 65536:
         raise ValueError(f"{name}={value!r} is not a port number (1..65535)")
     return port
+
+
+def _choose_interface(addr: str, port: int) -> GlooInterface:
+    """Pick gloo's interface (see hostir.network) and export it to this
+    process's GLOO_SOCKET_IFNAME, which gloo reads as each group is made."""
+    try:
+        chosen = choose_gloo_interface(addr, port, os.environ)
+    except ValueError as exc:
+        raise LaunchError(f"{exc}; set it to the interface through which this node reaches the others") from None
+    except OSError as exc:
+        raise LaunchError(
+            f"this node cannot route to the rendezvous address {addr}:{port} ({exc}); set HOSTIR_MASTER_ADDR "
+            f"(or MASTER_ADDR) on every rank to an address of rank 0's node that every node reaches"
+        ) from exc
+    if chosen.name is not None and not os.environ.get(GLOO_IFNAME):
+        os.environ[GLOO_IFNAME] = chosen.name
+    return chosen
 
 
 def _resolve_backend(backend: str | None) -> str:
@@ -453,7 +484,7 @@ class Communicator:
         self.launch = discover() if launch is None else launch
         self.backend = _resolve_backend(backend)
         self.timeout = _resolve_timeout(timeout)
-        self.master_addr, self.master_port = _resolve_rendezvous(master_addr, master_port)
+        self.master_addr, self.master_port = _resolve_rendezvous(master_addr, master_port, self.launch)
         self.device = _resolve_device(self.backend, self.launch)
         self.rank = self.launch.rank
         self.world_size = self.launch.world_size
@@ -470,6 +501,11 @@ class Communicator:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._owns_default = not dist.is_initialized()
+        # The interface this rank's gloo groups bind to; None where the
+        # caller made the default group (its groups keep the caller's choice).
+        self.interface: GlooInterface | None = None
+        if self._owns_default and self.world_size > 1:
+            self.interface = _choose_interface(self.master_addr, self.master_port)
         if self._owns_default:
             self._init_default_group()
         else:
