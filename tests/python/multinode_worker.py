@@ -5,7 +5,8 @@ is, then run the multi-device suite (tests/python/multidevice) in this process.
 `python3 multinode_worker.py loop SECONDS`: report, then run all-gathers until
 the time is up, printing `ready <rank>` after the third; a node that dies
 meanwhile must end the loop in an error, printed as `failed <rank> <json>`
-with the error's class and message.
+with the error's class and message (and, where MULTINODE_FAILURES names a
+directory, in the file failed-rank<rank>.json there).
 
 The report is one all-gather through `fd.execute`, so it also proves that the
 rendezvous and gloo's connections reach every node: each rank contributes
@@ -18,6 +19,7 @@ its interface and why that interface was chosen.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 import time
@@ -95,8 +97,13 @@ def main(argv: list[str]) -> int:
         try:
             loop(float(argv[1]))
         except Exception as exc:
-            failure = {"error": type(exc).__name__, "message": str(exc)}
-            print(f"failed {hostir.rank()} {json.dumps(failure)}", flush=True)
+            failure = json.dumps({"error": type(exc).__name__, "message": str(exc)})
+            # To a file first: a launcher that has already ended has closed
+            # the output of the ranks it left behind.
+            if os.environ.get("MULTINODE_FAILURES"):
+                record = pathlib.Path(os.environ["MULTINODE_FAILURES"]) / f"failed-rank{hostir.rank()}.json"
+                record.write_text(failure)
+            print(f"failed {hostir.rank()} {failure}", flush=True)
             return 1
         return 0
     print(f"usage: {sys.argv[0]} suite [pytest arguments] | loop SECONDS", file=sys.stderr)

