@@ -100,8 +100,8 @@ class _Launcher:
     size: str
     local_rank: str
     local_size: str
-    # MPICH's hydra does not always export MPI_LOCALRANKID; its rank is then
-    # the best guess (right for the common single-node run).
+    # MPICH's hydra does not always export MPI_LOCALRANKID, nor does srun
+    # --mpi=pmi2: see _local_rank_fallback.
     local_rank_defaults_to_rank: bool = False
 
 
@@ -163,7 +163,7 @@ def _read_launcher(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo:
             f"{launcher.rank}={rank} is out of range for {launcher.size}={size} (ranks 0..{size - 1})"
         )
     if local is None and launcher.local_rank_defaults_to_rank:
-        local = rank
+        local, local_size = _local_rank_fallback(env, launcher, rank, size, local_size)
     if local is None and size > 1:
         raise LaunchError(
             f"{launcher.local_rank} is missing ({launcher.rank}={rank}, {launcher.size}={size}); "
@@ -174,6 +174,25 @@ def _read_launcher(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo:
         bound = "" if local_size is None else f" for {launcher.local_size}={local_size}"
         raise LaunchError(f"{launcher.local_rank}={local} is out of range{bound}")
     return LaunchInfo(rank, size, local, local_size, launcher.source)
+
+
+def _local_rank_fallback(
+    env: Mapping[str, str], launcher: _Launcher, rank: int, size: int, local_size: int | None
+) -> tuple[int, int | None]:
+    """The local rank (and local size) of an MPICH process without
+    MPI_LOCALRANKID. `srun --mpi=pmi2` starts such processes on every node
+    of an allocation: Slurm's variables describe the same process when its
+    rank matches, and count from 0 on each node. Otherwise the rank stands
+    in, which is right only where every rank shares one node."""
+    if _int_variable(env, _SLURM.rank) == rank and _SLURM.local_rank in env:
+        return _int_variable(env, _SLURM.local_rank), local_size if local_size is not None else _local_size(env, _SLURM)
+    if local_size is not None and local_size < size:
+        raise LaunchError(
+            f"{launcher.local_rank} is missing while {launcher.local_size}={local_size} of "
+            f"{launcher.size}={size} says the job spans several nodes, so {launcher.rank}={rank} cannot "
+            f"stand in for the local rank; set {launcher.local_rank} (it picks this process's GPU)"
+        )
+    return rank, local_size
 
 
 def _local_size(env: Mapping[str, str], launcher: _Launcher) -> int | None:
@@ -232,8 +251,10 @@ def discover(
     (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE). With
     nothing set this is the only process. A set counts as present when its rank
     or size variable is; it must then be complete, integer and in range. The
-    local rank is required when the world size is above 1, except under MPICH,
-    whose rank stands in when MPI_LOCALRANKID is absent. Complete torchrun and
+    local rank is required when the world size is above 1, except under MPICH:
+    without MPI_LOCALRANKID, Slurm's SLURM_LOCALID serves when Slurm describes
+    the same rank (srun --mpi=pmi2), else the rank stands in unless
+    MPI_LOCALNRANKS shows the job spans nodes. Complete torchrun and
     MPI sets that disagree on rank or size are an error. Slurm is read only
     when no torchrun or MPI set is present: sbatch exports SLURM_* into every
     step, including an mpirun run inside the allocation.
@@ -331,16 +352,31 @@ def _resolve_backend(backend: str | None) -> str:
 
 
 def _resolve_device(backend: str, launch: LaunchInfo) -> torch.device:
+    """The rank's device: the CPU under gloo, else GPU `local_rank` of those
+    this process sees, or its only one where the launcher gave each rank a
+    GPU of its own through CUDA_VISIBLE_DEVICES (`srun --gpus-per-task=1`)."""
     if backend == "gloo":
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
-    if launch.local_rank >= gpus:
-        processes = f"at least {launch.local_rank + 1}" if launch.local_size is None else launch.local_size
-        raise LaunchError(
-            f"{processes} processes on this node (local rank {launch.local_rank}) "
-            f"but only {gpus} GPUs are visible"
-        )
-    return torch.device("cuda", launch.local_rank)
+    if launch.local_rank < gpus:
+        return torch.device("cuda", launch.local_rank)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus == 1 and visible.strip() and "," not in visible:
+        return torch.device("cuda", 0)
+    processes = f"at least {launch.local_rank + 1}" if launch.local_size is None else launch.local_size
+    raise LaunchError(
+        f"{processes} processes on this node (local rank {launch.local_rank}) "
+        f"but only {gpus} GPUs are visible (CUDA_VISIBLE_DEVICES={visible or 'unset'})"
+    )
+
+
+def shared_gpus(uuids: list[str]) -> dict[str, list[int]]:
+    """The GPUs that more than one rank would use: UUID -> ranks, given each
+    rank's GPU UUID in rank order."""
+    ranks: dict[str, list[int]] = {}
+    for rank, uuid in enumerate(uuids):
+        ranks.setdefault(uuid, []).append(rank)
+    return {uuid: members for uuid, members in ranks.items() if len(members) > 1}
 
 
 _NEW_GROUP_SORTS = "sort_ranks" in inspect.signature(dist.new_group).parameters
@@ -542,9 +578,25 @@ class Communicator:
         _live.add(self)
         try:
             self._control = self._new_group(None, backend="gloo")
+            if self.device.type == "cuda" and self.world_size > 1:
+                self._check_gpus_distinct()
         except BaseException:
             self.shutdown()
             raise
+
+    def _check_gpus_distinct(self) -> None:
+        """Every rank must drive a GPU of its own: NCCL cannot run two ranks
+        on one. Local ranks pick the GPUs, so a launch whose local ranks or
+        CUDA_VISIBLE_DEVICES repeat on a node would share one; the GPUs'
+        UUIDs show it on every rank at once, before any collective."""
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        shared = shared_gpus(self.all_gather_object(uuid))
+        if shared:
+            groups = "; ".join(f"ranks {', '.join(map(str, ranks))} on GPU {gpu}" for gpu, ranks in shared.items())
+            raise LaunchError(
+                f"ranks would share a GPU ({groups}): each rank needs its own; check that local ranks "
+                f"count from 0 on every node and that CUDA_VISIBLE_DEVICES does not give two ranks one GPU"
+            )
 
     def _init_default_group(self) -> None:
         if self.world_size == 1:
