@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hostir.errors import HostIrError
-from hostir.network import GLOO_IFNAME, GlooInterface, choose_gloo_interface
+from hostir.network import GLOO_IFNAME, GlooInterface, InterfaceError, choose_gloo_interface
 
 __all__ = [
     "LAUNCHER_VARIABLES",
@@ -329,7 +329,7 @@ def _choose_interface(addr: str, port: int) -> GlooInterface:
     process's GLOO_SOCKET_IFNAME, which gloo reads as each group is made."""
     try:
         chosen = choose_gloo_interface(addr, port, os.environ)
-    except ValueError as exc:
+    except InterfaceError as exc:
         raise LaunchError(f"{exc}; set it to the interface through which this node reaches the others") from None
     except OSError as exc:
         raise LaunchError(

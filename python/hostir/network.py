@@ -21,11 +21,17 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["GlooInterface", "choose_gloo_interface", "interface_addresses", "route_source"]
+from hostir.errors import HostIrError
+
+__all__ = ["GlooInterface", "InterfaceError", "choose_gloo_interface", "interface_addresses", "route_source"]
 
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 _SIOCGIFADDR = 0x8915
 _IFNAMSIZ = 16
+
+
+class InterfaceError(HostIrError, ValueError):
+    """GLOO_SOCKET_IFNAME names an interface this node does not have."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ def _resolve_ipv4(host: str) -> str:
 
 def choose_gloo_interface(master_addr: str, master_port: int, env: Mapping[str, str]) -> GlooInterface:
     """The interface gloo should bind to on this node, for a job whose
-    rendezvous is at `master_addr:master_port`. Raises ValueError when
+    rendezvous is at `master_addr:master_port`. Raises InterfaceError when
     `GLOO_SOCKET_IFNAME` names an interface this node lacks, and OSError
     when `master_addr` cannot be resolved or routed to."""
     interfaces = interface_addresses()
@@ -90,7 +96,7 @@ def choose_gloo_interface(master_addr: str, master_port: int, env: Mapping[str, 
         names = [name.strip() for name in requested.split(",")]
         missing = [name for name in names if name not in interfaces]
         if missing:
-            raise ValueError(
+            raise InterfaceError(
                 f"{GLOO_IFNAME}={requested!r} names {', '.join(repr(n) for n in missing)}, which this "
                 f"node does not have (its interfaces: {', '.join(sorted(interfaces))})"
             )

@@ -84,6 +84,10 @@ def _why_no_namespaces() -> str | None:
     return None
 
 
+def namespace_pids(namespace: str) -> list[int]:
+    return [int(pid) for pid in _ip("netns", "pids", namespace).stdout.split()]
+
+
 @dataclass(frozen=True)
 class Node:
     index: int
@@ -136,8 +140,7 @@ class TwoNodes:
         return proc
 
     def pids(self, node: Node) -> list[int]:
-        done = _ip("netns", "pids", node.namespace)
-        return [int(pid) for pid in done.stdout.split()]
+        return namespace_pids(node.namespace)
 
     def kill(self, node: Node) -> None:
         """SIGKILL every process in `node`'s namespace, as a node that loses
@@ -176,11 +179,31 @@ class TwoNodes:
         self._created.clear()
 
 
+_OURS = re.compile(r"^hostir-(\d+)-[0-9a-f]{6}-node\d$")
+
+
+def remove_stale_namespaces() -> None:
+    """Delete the namespaces of earlier runs whose pytest died before its
+    teardown (killed by a CI timeout, say): those of processes gone."""
+    for line in _ip("netns", "list").stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        match = _OURS.match(name)
+        if match is None or pathlib.Path(f"/proc/{match.group(1)}").exists():
+            continue
+        for pid in namespace_pids(name):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _ip("netns", "del", name)
+
+
 @pytest.fixture
 def nodes():
     reason = _why_no_namespaces()
     if reason is not None:
         pytest.skip(reason)
+    remove_stale_namespaces()
     pair = TwoNodes()
     try:
         try:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hostir import communicator, network
 from hostir.communicator import Communicator, LaunchError, LaunchInfo
-from hostir.network import GlooInterface, choose_gloo_interface
+from hostir.network import GlooInterface, InterfaceError, choose_gloo_interface
 
 # A node with two interfaces besides loopback, one without an IPv4 address.
 FAKE_INTERFACES = {"lo": "127.0.0.1", "eth0": "192.0.2.7", "ib0": "10.20.0.7", "tun0": None}
@@ -83,7 +83,7 @@ def test_named_interfaces_may_be_a_comma_list(fake_node):
 
 
 def test_named_interface_this_node_lacks_is_named_with_the_ones_it_has(fake_node):
-    with pytest.raises(ValueError, match=r"GLOO_SOCKET_IFNAME='eth0,ens5' names 'ens5'.*eth0, ib0, lo, tun0"):
+    with pytest.raises(InterfaceError, match=r"GLOO_SOCKET_IFNAME='eth0,ens5' names 'ens5'.*eth0, ib0, lo, tun0"):
         choose_gloo_interface("10.20.0.1", 29500, {"GLOO_SOCKET_IFNAME": "eth0,ens5"})
 
 
