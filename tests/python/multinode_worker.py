@@ -34,6 +34,13 @@ MULTIDEVICE = pathlib.Path(__file__).resolve().parent / "multidevice"
 _COLUMNS = 8
 
 
+def say(line: str) -> None:
+    """Print one line in one write: the ranks of a node share one output
+    file, and print's separate write of the newline lets lines interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def gather_fusion(world: int) -> tuple[FusionDefinition, object]:
     with FusionDefinition() as fd:
         x = fd.define_tensor(shape=[world, _COLUMNS], dtype=torch.float64)
@@ -66,8 +73,8 @@ def report() -> tuple[FusionDefinition, object, torch.Tensor]:
         "reason": None if comm.interface is None else comm.interface.reason,
         "master": f"{comm.master_addr}:{comm.master_port}",
     }
-    print(f"where {rank} {json.dumps(where)}", flush=True)
-    print(f"table {rank} {json.dumps(table.to(torch.int64).tolist())}", flush=True)
+    say(f"where {rank} {json.dumps(where)}")
+    say(f"table {rank} {json.dumps(table.to(torch.int64).tolist())}")
     return fd, x, table
 
 
@@ -81,9 +88,9 @@ def loop(seconds: float) -> None:
         torch.testing.assert_close(out, table)
         calls += 1
         if calls == 3:
-            print(f"ready {rank}", flush=True)
+            say(f"ready {rank}")
         time.sleep(0.05)
-    print(f"loop {rank} ended after {calls} calls", flush=True)
+    say(f"loop {rank} ended after {calls} calls")
 
 
 def main(argv: list[str]) -> int:
@@ -103,7 +110,7 @@ def main(argv: list[str]) -> int:
             if os.environ.get("MULTINODE_FAILURES"):
                 record = pathlib.Path(os.environ["MULTINODE_FAILURES"]) / f"failed-rank{hostir.rank()}.json"
                 record.write_text(failure)
-            print(f"failed {hostir.rank()} {failure}", flush=True)
+            say(f"failed {hostir.rank()} {failure}")
             return 1
         return 0
     print(f"usage: {sys.argv[0]} suite [pytest arguments] | loop SECONDS", file=sys.stderr)

@@ -8,7 +8,9 @@ launches a 2-node job:
 
 - torchrun: on each node `torchrun --nnodes 2 --node-rank N --nproc-per-node 2
   --rdzv-endpoint 10.231.0.1:29500`; gloo's interface is left to hostir, which
-  takes the one that routes to the rendezvous address.
+  takes the one that routes to the rendezvous address. `--log-dir` and
+  `--redirects 3` give each rank an output file of its own, so that the
+  ranks of a node cannot interleave their lines.
 - mpirun with a host list (`--host 10.231.0.1:2,10.231.0.2:2`), started on the
   first node. Open MPI starts its daemon on the second host through its
   remote-shell agent; here the agent is a script that runs the daemon's
@@ -44,7 +46,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -249,7 +251,7 @@ def read(log: pathlib.Path) -> str:
 
 
 def tails(logs: list[pathlib.Path]) -> str:
-    return "\n".join(f"--- {log.name}\n{read(log)[-5000:]}" for log in logs)
+    return "\n".join(f"--- {'/'.join(log.parts[-4:])}\n{read(log)[-5000:]}" for log in logs)
 
 
 def ranks_of(node: Node) -> list[int]:
@@ -317,15 +319,35 @@ def write_agent(nodes: TwoNodes, path: pathlib.Path) -> pathlib.Path:
 @dataclass
 class Job:
     procs: list[subprocess.Popen]  # the launchers: one per node, or mpirun
-    logs: list[pathlib.Path]  # their output, in the same order
+    logs: list[pathlib.Path]  # the launchers' output, in the same order
+    # Where torchrun writes each rank's stdout.log and stderr.log: ranks that
+    # share one output file could interleave their lines.
+    rank_dirs: list[pathlib.Path] = field(default_factory=list)
+
+    def rank_files(self, name: str = "stdout.log") -> list[pathlib.Path]:
+        if not self.rank_dirs:
+            return self.logs
+        return sorted(path for folder in self.rank_dirs for path in folder.glob(f"**/{name}"))
+
+    def output(self) -> str:
+        """Every rank's output (mpirun forwards each rank's lines whole)."""
+        return "\n".join(read(path) for path in self.rank_files())
+
+    def context(self) -> str:
+        ranks = self.rank_files() + self.rank_files("stderr.log") if self.rank_dirs else []
+        return tails(self.logs + ranks)
 
 
 def launch_torchrun(nodes: TwoNodes, tmp_path: pathlib.Path, args: list[str], timeout: int) -> Job:
     """One torchrun per node; gloo's interface is left to hostir."""
     env = job_env(HOSTIR_TIMEOUT=str(timeout), MULTINODE_FAILURES=str(tmp_path))
     logs = [tmp_path / f"torchrun-node{n.index}.log" for n in nodes.nodes]
-    procs = [nodes.popen(n, torchrun_command(n, [str(WORKER), *args]), env, log) for n, log in zip(nodes.nodes, logs)]
-    return Job(procs, logs)
+    rank_dirs = [tmp_path / f"ranks-node{n.index}" for n in nodes.nodes]
+    procs = [
+        nodes.popen(n, torchrun_command(n, ["--log-dir", str(folder), "--redirects", "3", str(WORKER), *args]), env, log)
+        for n, log, folder in zip(nodes.nodes, logs, rank_dirs)
+    ]
+    return Job(procs, logs, rank_dirs)
 
 
 def launch_mpirun(nodes: TwoNodes, tmp_path: pathlib.Path, args: list[str], timeout: int) -> Job:
@@ -365,21 +387,18 @@ def test_two_nodes_run_the_multidevice_suite(nodes, tmp_path, launcher):
     start, source, reason = LAUNCHERS[launcher]
     job = start(nodes, tmp_path, ["suite", "--timeout=200"], 30)
     finished = wait_all(job.procs, SUITE_LIMIT)
-    context = tails(job.logs)
+    context = job.context()
     assert finished, f"the 2-node {launcher} job did not end within {SUITE_LIMIT} s:\n{context}"
     assert [p.returncode for p in job.procs] == [0] * len(job.procs), context
-    # torchrun's log of a node holds that node's ranks; mpirun's all of them.
-    groups = [ranks_of(n) for n in nodes.nodes] if launcher == "torchrun" else [list(range(WORLD))]
-    for log, ranks in zip(job.logs, groups):
-        output = read(log)
-        check_placement(output, ranks, source, reason, context)
-        check_suite(output, len(ranks), context)
+    output = job.output()
+    check_placement(output, list(range(WORLD)), source, reason, context)
+    check_suite(output, WORLD, context)
 
 
-def wait_for(logs: list[pathlib.Path], pattern: str, count: int, limit: float) -> bool:
+def wait_for(job: Job, pattern: str, count: int, limit: float) -> bool:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
-        if sum(len(re.findall(pattern, read(log), re.MULTILINE)) for log in logs) >= count:
+        if len(re.findall(pattern, job.output(), re.MULTILINE)) >= count:
             return True
         time.sleep(0.2)
     return False
@@ -402,7 +421,7 @@ _MPIRUN_ENDED_THE_JOB = "PRTE has lost communication with a remote daemon"
 def test_a_lost_node_ends_the_other_nodes_ranks_within_the_timeout(nodes, tmp_path, launcher, how):
     start, _, _ = LAUNCHERS[launcher]
     job = start(nodes, tmp_path, ["loop", "600"], TIMEOUT)
-    assert wait_for(job.logs, r"^ready \d+$", WORLD, 120), f"the ranks did not all start:\n{tails(job.logs)}"
+    assert wait_for(job, r"^ready \d+$", WORLD, 120), f"the ranks did not all start:\n{job.context()}"
 
     survivor, lost = nodes.nodes
     if how == "killed":
@@ -425,7 +444,7 @@ def test_a_lost_node_ends_the_other_nodes_ranks_within_the_timeout(nodes, tmp_pa
         if not any(left.values()):
             break
         time.sleep(0.2)
-    context = tails(job.logs)
+    context = job.context()
     assert not any(left.values()), f"processes still running {DEADLINE} s after the node was {how}: {left}\n{context}"
     if launcher == "torchrun":
         for node in ended:
