@@ -7,10 +7,12 @@ a `LaunchError` that names the variables. `Communicator` builds the
 `torch.distributed` state on top of that: the default group over an explicit
 rendezvous store, one process group per team of ranks (created by every rank
 in one deterministic order), and a gloo control group for metadata agreement
-that data collectives never share. Every group carries a timeout, and
-`classify_error` turns the timeouts and lost peers that gloo reports into
-`CommunicatorTimeout` and `PeerLostError`, so a rank that skips a collective or
-dies ends in an error on the others, never a hang.
+that data collectives never share. Before the first group of a multi-process
+job it picks the network interface gloo binds to (`hostir.network`), so ranks
+on several nodes reach each other rather than their own loopback. Every group
+carries a timeout, and `classify_error` turns the timeouts and lost peers that
+gloo reports into `CommunicatorTimeout` and `PeerLostError`, so a rank that
+skips a collective or dies ends in an error on the others, never a hang.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hostir.errors import HostIrError
+from hostir.network import GLOO_IFNAME, GlooInterface, InterfaceError, choose_gloo_interface
 
 __all__ = [
     "LAUNCHER_VARIABLES",
@@ -99,8 +102,8 @@ class _Launcher:
     size: str
     local_rank: str
     local_size: str
-    # MPICH's hydra does not always export MPI_LOCALRANKID; its rank is then
-    # the best guess (right for the common single-node run).
+    # MPICH's hydra does not always export MPI_LOCALRANKID, nor does srun
+    # --mpi=pmi2: see _local_rank_fallback.
     local_rank_defaults_to_rank: bool = False
 
 
@@ -162,7 +165,7 @@ def _read_launcher(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo:
             f"{launcher.rank}={rank} is out of range for {launcher.size}={size} (ranks 0..{size - 1})"
         )
     if local is None and launcher.local_rank_defaults_to_rank:
-        local = rank
+        local, local_size = _local_rank_fallback(env, launcher, rank, size, local_size)
     if local is None and size > 1:
         raise LaunchError(
             f"{launcher.local_rank} is missing ({launcher.rank}={rank}, {launcher.size}={size}); "
@@ -173,6 +176,25 @@ def _read_launcher(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo:
         bound = "" if local_size is None else f" for {launcher.local_size}={local_size}"
         raise LaunchError(f"{launcher.local_rank}={local} is out of range{bound}")
     return LaunchInfo(rank, size, local, local_size, launcher.source)
+
+
+def _local_rank_fallback(
+    env: Mapping[str, str], launcher: _Launcher, rank: int, size: int, local_size: int | None
+) -> tuple[int, int | None]:
+    """The local rank (and local size) of an MPICH process without
+    MPI_LOCALRANKID. `srun --mpi=pmi2` starts such processes on every node
+    of an allocation: Slurm's variables describe the same process when its
+    rank matches, and count from 0 on each node. Otherwise the rank stands
+    in, which is right only where every rank shares one node."""
+    if _int_variable(env, _SLURM.rank) == rank and _SLURM.local_rank in env:
+        return _int_variable(env, _SLURM.local_rank), local_size if local_size is not None else _local_size(env, _SLURM)
+    if local_size is not None and local_size < size:
+        raise LaunchError(
+            f"{launcher.local_rank} is missing while {launcher.local_size}={local_size} of "
+            f"{launcher.size}={size} says the job spans several nodes, so {launcher.rank}={rank} cannot "
+            f"stand in for the local rank; set {launcher.local_rank} (it picks this process's GPU)"
+        )
+    return rank, local_size
 
 
 def _local_size(env: Mapping[str, str], launcher: _Launcher) -> int | None:
@@ -231,8 +253,10 @@ def discover(
     (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE). With
     nothing set this is the only process. A set counts as present when its rank
     or size variable is; it must then be complete, integer and in range. The
-    local rank is required when the world size is above 1, except under MPICH,
-    whose rank stands in when MPI_LOCALRANKID is absent. Complete torchrun and
+    local rank is required when the world size is above 1, except under MPICH:
+    without MPI_LOCALRANKID, Slurm's SLURM_LOCALID serves when Slurm describes
+    the same rank (srun --mpi=pmi2), else the rank stands in unless
+    MPI_LOCALNRANKS shows the job spans nodes. Complete torchrun and
     MPI sets that disagree on rank or size are an error. Slurm is read only
     when no torchrun or MPI set is present: sbatch exports SLURM_* into every
     step, including an mpirun run inside the allocation.
@@ -271,9 +295,19 @@ def _resolve_timeout(timeout: float | None) -> float:
     return _positive_seconds(value, "HOSTIR_TIMEOUT")
 
 
-def _resolve_rendezvous(addr: str | None, port: int | None) -> tuple[str, int]:
+def _resolve_rendezvous(addr: str | None, port: int | None, launch: LaunchInfo) -> tuple[str, int]:
     if addr is None:
-        addr = os.environ.get("HOSTIR_MASTER_ADDR") or os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
+        addr = os.environ.get("HOSTIR_MASTER_ADDR") or os.environ.get("MASTER_ADDR")
+    if addr is None:
+        # The loopback default reaches rank 0 only from rank 0's node: a
+        # launch that spans nodes must name rank 0's address.
+        if launch.local_size is not None and launch.local_size < launch.world_size:
+            raise LaunchError(
+                f"{launch.source} places {launch.local_size} of the {launch.world_size} processes on this node, "
+                f"so the job spans several nodes, but no rendezvous address is set: set HOSTIR_MASTER_ADDR "
+                f"(or MASTER_ADDR) on every rank to an address of rank 0's node that every node reaches"
+            )
+        addr = DEFAULT_MASTER_ADDR
     if port is not None:
         return addr, _port(port, "master_port")
     for name in ("HOSTIR_MASTER_PORT", "MASTER_PORT"):
@@ -292,6 +326,23 @@ def _port(value: object, name: str) -> int:
     return port
 
 
+def _choose_interface(addr: str, port: int) -> GlooInterface:
+    """Pick gloo's interface (see hostir.network) and export it to this
+    process's GLOO_SOCKET_IFNAME, which gloo reads as each group is made."""
+    try:
+        chosen = choose_gloo_interface(addr, port, os.environ)
+    except InterfaceError as exc:
+        raise LaunchError(f"{exc}; set it to the interface through which this node reaches the others") from None
+    except OSError as exc:
+        raise LaunchError(
+            f"this node cannot route to the rendezvous address {addr}:{port} ({exc}); set HOSTIR_MASTER_ADDR "
+            f"(or MASTER_ADDR) on every rank to an address of rank 0's node that every node reaches"
+        ) from exc
+    if chosen.name is not None and not os.environ.get(GLOO_IFNAME):
+        os.environ[GLOO_IFNAME] = chosen.name
+    return chosen
+
+
 def _resolve_backend(backend: str | None) -> str:
     if backend is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -303,16 +354,31 @@ def _resolve_backend(backend: str | None) -> str:
 
 
 def _resolve_device(backend: str, launch: LaunchInfo) -> torch.device:
+    """The rank's device: the CPU under gloo, else GPU `local_rank` of those
+    this process sees, or its only one where the launcher gave each rank a
+    GPU of its own through CUDA_VISIBLE_DEVICES (`srun --gpus-per-task=1`)."""
     if backend == "gloo":
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
-    if launch.local_rank >= gpus:
-        processes = f"at least {launch.local_rank + 1}" if launch.local_size is None else launch.local_size
-        raise LaunchError(
-            f"{processes} processes on this node (local rank {launch.local_rank}) "
-            f"but only {gpus} GPUs are visible"
-        )
-    return torch.device("cuda", launch.local_rank)
+    if launch.local_rank < gpus:
+        return torch.device("cuda", launch.local_rank)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus == 1 and visible.strip() and "," not in visible:
+        return torch.device("cuda", 0)
+    processes = f"at least {launch.local_rank + 1}" if launch.local_size is None else launch.local_size
+    raise LaunchError(
+        f"{processes} processes on this node (local rank {launch.local_rank}) "
+        f"but only {gpus} GPUs are visible (CUDA_VISIBLE_DEVICES={visible or 'unset'})"
+    )
+
+
+def shared_gpus(uuids: list[str]) -> dict[str, list[int]]:
+    """The GPUs that more than one rank would use: UUID -> ranks, given each
+    rank's GPU UUID in rank order."""
+    ranks: dict[str, list[int]] = {}
+    for rank, uuid in enumerate(uuids):
+        ranks.setdefault(uuid, []).append(rank)
+    return {uuid: members for uuid, members in ranks.items() if len(members) > 1}
 
 
 _NEW_GROUP_SORTS = "sort_ranks" in inspect.signature(dist.new_group).parameters
@@ -543,7 +609,7 @@ class Communicator:
         self.launch = discover() if launch is None else launch
         self.backend = _resolve_backend(backend)
         self.timeout = _resolve_timeout(timeout)
-        self.master_addr, self.master_port = _resolve_rendezvous(master_addr, master_port)
+        self.master_addr, self.master_port = _resolve_rendezvous(master_addr, master_port, self.launch)
         self.device = _resolve_device(self.backend, self.launch)
         self.rank = self.launch.rank
         self.world_size = self.launch.world_size
@@ -564,6 +630,11 @@ class Communicator:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._owns_default = not dist.is_initialized()
+        # The interface this rank's gloo groups bind to; None where the
+        # caller made the default group (its groups keep the caller's choice).
+        self.interface: GlooInterface | None = None
+        if self._owns_default and self.world_size > 1:
+            self.interface = _choose_interface(self.master_addr, self.master_port)
         if self._owns_default:
             self._init_default_group()
         else:
@@ -575,9 +646,25 @@ class Communicator:
         _live.add(self)
         try:
             self._control = self._new_group(None, backend="gloo")
+            if self.device.type == "cuda" and self.world_size > 1:
+                self._check_gpus_distinct()
         except BaseException:
             self.shutdown()
             raise
+
+    def _check_gpus_distinct(self) -> None:
+        """Every rank must drive a GPU of its own: NCCL cannot run two ranks
+        on one. Local ranks pick the GPUs, so a launch whose local ranks or
+        CUDA_VISIBLE_DEVICES repeat on a node would share one; the GPUs'
+        UUIDs show it on every rank at once, before any collective."""
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        shared = shared_gpus(self.all_gather_object(uuid))
+        if shared:
+            groups = "; ".join(f"ranks {', '.join(map(str, ranks))} on GPU {gpu}" for gpu, ranks in shared.items())
+            raise LaunchError(
+                f"ranks would share a GPU ({groups}): each rank needs its own; check that local ranks "
+                f"count from 0 on every node and that CUDA_VISIBLE_DEVICES does not give two ranks one GPU"
+            )
 
     def _init_default_group(self) -> None:
         if self.world_size == 1:
