@@ -4,7 +4,10 @@
 against the fusion before any work starts, looks up the lowered program for
 the inputs' signature (dtypes, ranks, device, contiguity — not sizes: extents
 are symbolic, so one program serves every shape), lowers it on a miss, and
-runs it with the chosen evaluator under `torch.no_grad()`.
+runs it with the chosen evaluator under `torch.no_grad()`: the Python
+reference (`HostIrEvaluator`) or the C++ executor (`hostir.cpp`), both built
+from the same lowered container; with `cuda_graph=True` the run is captured
+once per exact input signature and replayed (`hostir.graphs`).
 """
 
 from __future__ import annotations
@@ -14,14 +17,13 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, ir, printer
+from hostir import communicator, cpp, ir, printer
 from hostir.container import HostIrContainer
 from hostir.evaluator import HostIrEvaluator
+from hostir.graphs import CudaGraphs
 from hostir.lower import lower
-from hostir.options import Dumper
+from hostir.options import EVALUATORS, Dumper, evaluator_choice
 from hostir.streams import streams_for
-
-EVALUATORS = ("python",)
 CHECK_RANKS = ("always", "first")
 
 
@@ -36,7 +38,14 @@ class ExecutorParams:
 
     number_of_streams: worker streams a stream-parallel loop cycles through
         (`numberOfStreams` in the dump); at least 1.
-    evaluator: "python", the reference interpreter.
+    evaluator: "python" (the reference interpreter), "cpp" (the C++
+        executor, an error if it is not built) or "auto" (C++ when built);
+        by default HOSTIR_EVALUATOR, else "auto".
+    cuda_graph: capture the run as a CUDA graph on first use for each exact
+        input signature (sizes included) and replay it after; CUDA and NCCL
+        only. Outputs of a replay are the graph's own tensors (or the
+        caller's preallocated ones); inputs are copied into the graph's
+        buffers unless the caller passes those buffers.
     device: where to run; by default the device of the inputs (for a
         multi-device program, the communicator's: cuda:local_rank or cpu).
     backend: "nccl" or "gloo" for a multi-device program; by default nccl
@@ -52,18 +61,33 @@ class ExecutorParams:
     """
 
     number_of_streams: int = 4
-    evaluator: str = "python"
+    evaluator: str | None = None
     device: torch.device | str | None = None
     backend: str | None = None
     timeout: float | None = None
     check_ranks: str = "always"
+    cuda_graph: bool = False
 
     def validate(self) -> None:
         n = self.number_of_streams
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"number_of_streams must be an integer >= 1, got {n!r}")
-        if self.evaluator not in EVALUATORS:
+        if self.evaluator is not None and self.evaluator not in EVALUATORS:
             raise ValueError(f"unknown evaluator {self.evaluator!r}; expected one of {list(EVALUATORS)}")
+        if not isinstance(self.cuda_graph, bool):
+            raise TypeError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
+
+    def evaluator_name(self) -> str:
+        """"python" or "cpp": the evaluator this run uses."""
+        choice = self.evaluator if self.evaluator is not None else evaluator_choice()
+        if choice == "python":
+            return "python"
+        if cpp.available():
+            return "cpp"
+        if choice == "cpp":
+            raise RuntimeError(f"evaluator='cpp' was requested but the C++ executor is unavailable: {cpp.reason()}")
+        cpp.warn_unavailable()
+        return "python"
         if self.check_ranks not in CHECK_RANKS:
             raise ValueError(f"check_ranks must be one of {list(CHECK_RANKS)}, got {self.check_ranks!r}")
 
@@ -71,7 +95,7 @@ class ExecutorParams:
 @dataclasses.dataclass
 class _Program:
     container: HostIrContainer
-    evaluator: HostIrEvaluator
+    evaluator: HostIrEvaluator | cpp.CppEvaluator
     # Input axes that ops iterate together: their sizes must be equal.
     equal_axes: list[list[tuple[int, int]]]
 
@@ -85,6 +109,7 @@ class FusionExecutor:
         self.lowerings = 0
         self._multi_device_at: int | None = None
         self._is_multi_device = False
+        self._graphs = CudaGraphs()
 
     @property
     def num_programs(self) -> int:
@@ -118,6 +143,8 @@ class FusionExecutor:
             check_outputs(self.fusion, outputs, inputs, sizes, device)
             bindings.update(zip(program.container.outputs, outputs))
         with torch.no_grad():
+            if params.cuda_graph:
+                return self._graphs.run(program, bindings, params.number_of_streams, device)
             return program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
 
     def _execute_multi_device(self, inputs, outputs, params: ExecutorParams) -> list[torch.Tensor]:
@@ -173,7 +200,10 @@ class FusionExecutor:
                 bindings[tv] = to_loop(tv, t)
         try:
             with torch.no_grad():
-                results = program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
+                if params.cuda_graph:
+                    results = self._graphs.run(program, bindings, params.number_of_streams, comm.device, comm.backend)
+                else:
+                    results = program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
         except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
             comm.failure = f"{type(err).__name__}: {err}"
             raise
@@ -198,17 +228,18 @@ class FusionExecutor:
         if self.fusion.version != self._version:
             self._programs.clear()
             self._version = self.fusion.version
+        evaluator = params.evaluator_name()
         key = (
             tuple((t.dtype, t.dim(), t.is_contiguous()) for t in inputs),
             device,
-            params.evaluator,
+            evaluator,
         )
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = self._lower(device, comm)
+            program = self._programs[key] = self._lower(device, evaluator, comm)
         return program
 
-    def _lower(self, device: torch.device, comm=None) -> _Program:
+    def _lower(self, device: torch.device, evaluator: str, comm=None) -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
@@ -221,8 +252,9 @@ class FusionExecutor:
         streams = self._streams.get(device)
         if streams is None:
             streams = self._streams[device] = streams_for(device)
-        evaluator = HostIrEvaluator(container, streams=streams, device=device, communicator=comm, dumper=dumper)
-        return _Program(container, evaluator, _equal_input_axes(self.fusion))
+        make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
+        run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper)
+        return _Program(container, run, _equal_input_axes(self.fusion))
 
 
 def _communicator_for(params: ExecutorParams):
