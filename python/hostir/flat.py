@@ -224,7 +224,10 @@ class _Compiler:
         for e in c.walk():
             if isinstance(e, ir.ForLoop):
                 local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
-                found[id(e)] = sorted(self.tensor(t) for t in local - keep)
+                # By name, so that slot numbers (and the dump) never depend
+                # on the order of a set.
+                ordered = sorted(local - keep, key=lambda t: t.name)
+                found[id(e)] = sorted(self.tensor(t) for t in ordered)
         return found
 
     def extent_rules(self, tv: ir.TensorView) -> list[dict]:

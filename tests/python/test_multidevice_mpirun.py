@@ -119,8 +119,11 @@ def summaries(output: str) -> list[dict[str, int]]:
 @requires_mpirun
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize("nprocs, limit", [(2, 150), (4, 300)], ids=["np2", "np4"])
-def test_multidevice_suite_under_mpirun(nprocs, limit):
+def test_multidevice_suite_under_mpirun(nprocs, limit, evaluator):
+    """The whole suite on each evaluator (HOSTIR_EVALUATOR): every test checks
+    its results against eager torch, so both evaluators agree with it."""
     exports = {
+        "HOSTIR_EVALUATOR": evaluator,
         "HOSTIR_TIMEOUT": "30",
         "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
         "HOSTIR_MASTER_PORT": str(free_port()),
