@@ -23,7 +23,8 @@ the eager loop) after warm-up runs; the median over ``--iters`` runs is
 reported. On CUDA, ``torch.cuda.synchronize()`` is called before each timed
 run but not inside it, so the number is host time (kernel launches are
 asynchronous). Host ops per run are read as the change of the program's
-``ops_executed`` across one run (a graph replay runs the C++ executor's
+an ``OpCounter`` listener on the Python evaluator, or the C++ executor's own
+``ops_executed``, across one run (a graph replay runs the C++ executor's
 program, so its row counts that program's ops); compute ops per run (the
 torch calls that do arithmetic) are ``S * L`` for the chunked variants and
 ``L`` for the flat ones.
@@ -57,6 +58,7 @@ import torch
 import hostir
 import hostir.cpp
 from hostir import FusionDefinition, ParallelType
+from hostir.evaluator import OpCounter
 
 ADD_SCALAR = 1.0
 MUL_SCALAR = 1.0001
@@ -203,7 +205,13 @@ def bench_hostir(
     programs = list(fd.executor._programs.values())
     if len(programs) != 1:
         raise RuntimeError(f"{variant}: expected one lowered program, found {len(programs)}")
-    counter = programs[0].evaluator
+    ev = programs[0].evaluator
+    if isinstance(ev, hostir.cpp.CppEvaluator):
+        count = lambda: ev.ops_executed  # counted in C++, no callback per op
+    else:
+        counter = OpCounter()
+        ev.listeners.append(counter)
+        count = lambda: counter.count
     _sync(x.device)
     torch.testing.assert_close(out, expected)
     if cuda_graph:
@@ -213,13 +221,13 @@ def bench_hostir(
         torch.testing.assert_close(out, expected)
         return Result(variant, ops_per_run, compute_ops, median)
 
-    before = counter.ops_executed
+    before = count()
     run()
-    ops = counter.ops_executed - before
+    ops = count() - before
 
-    before = counter.ops_executed
+    before = count()
     median = time_runs(run, x.device, p.iters, p.warmup)
-    total = counter.ops_executed - before
+    total = count() - before
     if total != ops * (p.iters + p.warmup):
         raise RuntimeError(f"{variant}: host ops per run vary ({total} over {p.iters + p.warmup} runs, {ops} in one)")
     if fd.executor.num_programs != 1:
@@ -339,7 +347,8 @@ def markdown_report(results: list[Result], env: dict) -> str:
             "",
             *ratios(results),
             "",
-            "ops/run: host ops executed by the evaluator (`ops_executed`) for the hostir rows, torch calls for "
+            "ops/run: host ops executed by the evaluator (a listener on the Python evaluator, the C++ "
+            "executor's own count) for the hostir rows, torch calls for "
             "the eager rows. µs/op = median host time of one run / ops per run. Host time only: the device "
             "is synchronized before each timed run, not inside it.",
             "",

@@ -138,6 +138,7 @@ Instr instr(int opcode, const py::dict& f) {
     i.world_size = f["world_size"].cast<int64_t>();
   }
   i.posted = field(f, "posted", -1);
+  i.text = field(f, "text", std::string());
   return i;
 }
 
@@ -222,18 +223,17 @@ py::object runExecutor(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "The C++ executor of flat host programs (see python/hostir/flat.py).";
+  // An error before the program runs (binding the inputs): Python raises
+  // it as the evaluator's BindingError.
+  static PyObject* binding_error = PyErr_NewException("hostir._C.BindingError", PyExc_ValueError, nullptr);
+  m.attr("BindingError") = py::handle(binding_error);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) {
         std::rethrow_exception(p);
       }
     } catch (const hostir::Error& e) {
-      const std::string& kind = e.kind();
-      PyObject* type = kind == "ValueError" ? PyExc_ValueError
-          : kind == "TypeError"            ? PyExc_TypeError
-          : kind == "IndexError"           ? PyExc_IndexError
-                                           : PyExc_RuntimeError;
-      PyErr_SetString(type, e.what());
+      PyErr_SetString(binding_error, e.what());
     }
   });
   py::class_<hostir::Executor>(m, "Executor")
@@ -247,4 +247,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &hostir::runExecutor, py::arg("inputs"), py::arg("outputs"), py::arg("number_of_streams"))
       .def_property_readonly("ops_executed", &hostir::Executor::opsExecuted);
   m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kWait) + 1;
+  m.def(
+      "stream_pool_size",
+      []() { return hostir::streamPool().size(); },
+      "How many worker streams the process-wide pool holds (all devices).");
 }

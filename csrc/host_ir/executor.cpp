@@ -38,6 +38,11 @@ c10::Stream StreamPool::get(c10::Device device, int64_t key) {
   return stream;
 }
 
+size_t StreamPool::size() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return streams_.size();
+}
+
 namespace {
 
 // A run failed at an instruction; carries the Failure up through loops.
@@ -126,8 +131,8 @@ class Run {
     RunResult result;
     if (number_of_streams < 1) {
       throw Error(
-          c10::str("number_of_streams must be at least 1, got ", number_of_streams),
-          "ValueError");
+          c10::str("number_of_streams must be an integer >= 1, got ", number_of_streams),
+          "BindingError");
     }
     if (p_.number_of_streams >= 0) {
       bindInt(p_.number_of_streams, number_of_streams);
@@ -267,7 +272,7 @@ class Run {
     if (value.dim() != static_cast<int64_t>(rules.size())) {
       throw Error(
           c10::str(name, " has ", rules.size(), " dims but its tensor has shape ", value.sizes()),
-          "ValueError");
+          "BindingError");
     }
     for (size_t i = 0; i < rules.size(); ++i) {
       const ExtentRule& r = rules[i];
@@ -278,20 +283,20 @@ class Run {
               c10::str(
                   "axis ", i, " of ", name, " is sharded (", r.axis_text,
                   "): each rank holds size 1 of it, got ", size),
-              "ValueError");
+              "BindingError");
         }
         size = r.mesh_size;
       }
       auto known = eval(r.extent);
       if (!known) {
         if (!r.error.empty()) {
-          throw Error(r.error, "ValueError");
+          throw Error(r.error, "BindingError");
         }
         bindInt(r.bind_slot, size * r.factor);
       } else if (*known != size) {
         throw Error(
             c10::str("axis ", i, " of ", name, " is ", size, " but its extent ", r.text, " is ", *known),
-            "ValueError");
+            "BindingError");
       }
     }
   }
@@ -530,7 +535,7 @@ class Run {
         break;
       case Opcode::kStartCoalescing:
         if (coalescing_) {
-          throw Error("StartCoalescing inside an open coalescing group", "RuntimeError");
+          throw Error("StartCoalescing inside an open coalescing group", "ProgramError");
         }
         coalescing_ = true;
         coalesced_.clear();
@@ -540,7 +545,7 @@ class Run {
         break;
       case Opcode::kEndCoalescing: {
         if (!coalescing_) {
-          throw Error("EndCoalescing without StartCoalescing", "RuntimeError");
+          throw Error("EndCoalescing without StartCoalescing", "ProgramError");
         }
         coalescing_ = false;
         Posted posted;
@@ -840,13 +845,13 @@ class Run {
     int64_t peer = get(static_cast<int>(ins.peer));
     if (peer < 0 || peer >= ins.world_size) {
       throw Error(
-          c10::str("invalid peer ", peer, ": the world has ", ins.world_size, " ranks"), "ValueError");
+          c10::str("invalid peer ", peer, ": the world has ", ins.world_size, " ranks"), "BindingError");
     }
     const at::Tensor& buf = tensor(ins.buffer);
     if (!buf.is_contiguous()) {
       throw Error(
           c10::str("the buffer of a P2P communication must be contiguous (strides ", buf.strides(), ")"),
-          "ValueError");
+          "BindingError");
     }
     std::vector<at::Tensor> bufs{buf};
     auto& group = worldGroup();
@@ -866,8 +871,7 @@ class Run {
   void waitFor(const Instr& ins) {
     auto it = posted_.find(ins.posted);
     if (it == posted_.end()) {
-      throw Error(
-          c10::str("no posted communication to wait for: instruction ", ins.posted), "RuntimeError");
+      throw Error(c10::str("no posted communication to wait for: ", ins.text), "ProgramError");
     }
     Posted posted = std::move(it->second);
     posted_.erase(it);

@@ -162,6 +162,7 @@ struct Instr {
   bool send = false;
   int64_t world_size = 0;
   int posted = -1;  // Wait: the posting instruction
+  std::string text;  // Wait: the dump line of what it waits for
 };
 
 struct Program {
@@ -200,6 +201,7 @@ struct RunResult {
 class StreamPool {
  public:
   c10::Stream get(c10::Device device, int64_t key);
+  size_t size();
 
  private:
   std::mutex mutex_;

@@ -5,8 +5,9 @@
 program (`hostir.flat`) on first use — after the process groups of a
 multi-device program exist — and runs it in C++. A failure comes back as the
 failing instruction and its loop indices and is raised exactly as the Python
-evaluator raises it: the op's dump line, the loop indices, a timeout or lost
-peer keeping its type.
+evaluator raises it: hostir's errors as a `HostIrRuntimeError` quoting the
+op's dump line and the loop indices, torch's own errors with their type and
+that text as a note, a timeout or lost peer keeping its type.
 
 If the extension was not built or fails to import, `available()` is False,
 `reason()` says why, and hostir runs on the Python evaluator (it says so once,
@@ -15,6 +16,7 @@ on stderr, when the C++ executor is first wanted).
 
 from __future__ import annotations
 
+import builtins
 import sys
 import threading
 from typing import Any, Mapping
@@ -24,7 +26,8 @@ import torch
 from hostir import ir, printer
 from hostir.communicator import CommunicatorTimeout, PeerLostError, classify_error
 from hostir.container import HostIrContainer
-from hostir.evaluator import HostIrRuntimeError
+from hostir.errors import HostIrError
+from hostir.evaluator import BindingError, HostIrRuntimeError
 from hostir.flat import OPCODES, FlatProgram, compile_program
 
 try:
@@ -43,6 +46,10 @@ else:
 
 _warned = False
 _warn_lock = threading.Lock()
+
+
+class CppUnavailableError(HostIrError, RuntimeError):
+    """The C++ executor was asked for but is not built or does not load."""
 
 
 def available() -> bool:
@@ -71,7 +78,7 @@ class CppEvaluator:
 
     def __init__(self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None):
         if _C is None:
-            raise RuntimeError(f"the C++ executor is unavailable: {_REASON}")
+            raise CppUnavailableError(f"the C++ executor is unavailable: {_REASON}")
         self.container = container
         self.device = torch.device(device)
         self.communicator = communicator
@@ -106,18 +113,23 @@ class CppEvaluator:
 
     def run(self, bindings: Mapping[Any, Any], number_of_streams: int = 4) -> list:
         """As `HostIrEvaluator.run`."""
+        if isinstance(number_of_streams, bool) or not isinstance(number_of_streams, int) or number_of_streams < 1:
+            raise BindingError(f"number_of_streams must be an integer >= 1, got {number_of_streams!r}")
         executor = self._executor or self._compile()
         c = self.container
         inputs = []
         for tv in c.inputs:
             value = bindings[tv]
             if not isinstance(value, torch.Tensor):
-                raise TypeError(
+                raise BindingError(
                     f"{printer.format_tv(tv)} must be bound to a torch.Tensor, got {type(value).__name__}"
                 )
             inputs.append(value)
         outputs = [bindings.get(tv) for tv in c.outputs] if len(bindings) > len(c.inputs) else []
-        values, failure = executor.run(inputs, outputs, number_of_streams)
+        try:
+            values, failure = executor.run(inputs, outputs, number_of_streams)
+        except _C.BindingError as err:
+            raise BindingError(str(err)) from None
         if failure is not None:
             raise self._error(*failure)
         flat = self._flat
@@ -141,4 +153,25 @@ class CppEvaluator:
             )
             if isinstance(err, (CommunicatorTimeout, PeerLostError)):
                 return type(err)(f"{err}\nWhile executing:\n{where}")
-        return HostIrRuntimeError(f"{kind}: {message}\nWhile executing:\n{where}")
+        if kind in _HOSTIR_KINDS:
+            return HostIrRuntimeError(f"{kind}: {message}\nWhile executing:\n{where}")
+        # torch's own error keeps its type; a note names the op (PEP 678).
+        err = _torch_error(kind)(message)
+        err.add_note(f"While executing:\n{where}")
+        return err
+
+
+# Errors of hostir's own that the executor reports by name (the Python
+# evaluator raises these classes; both wrap them in HostIrRuntimeError).
+_HOSTIR_KINDS = {"UnboundValueError", "BindingError", "ProgramError"}
+
+
+def _torch_error(kind: str) -> type:
+    """The Python class of an error torch raised in C++ (as torch's own
+    bindings translate it)."""
+    import torch.distributed as dist
+
+    found = getattr(builtins, kind, None) or getattr(torch, kind, None) or getattr(dist, kind, None)
+    if isinstance(found, type) and issubclass(found, Exception):
+        return found
+    return RuntimeError

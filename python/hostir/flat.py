@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from hostir import ir, printer
 from hostir.container import AliasError, HostIrContainer
+from hostir.evaluator import BindingError, MissingHandlerError, ProgramError
 
 # Opcodes shared with csrc/host_ir/program.h (enum class Opcode).
 OPCODES = (
@@ -171,10 +172,10 @@ class _Compiler:
                 raise AliasError(f"Inputs cannot be aliased: T{tv.name} is an alias")
         missing = {type(e).__name__ for e in c.walk() if type(e) not in _COMPILERS}
         if missing:
-            raise NotImplementedError(f"the C++ executor has no instruction for {', '.join(sorted(missing))}")
+            raise MissingHandlerError(f"the C++ executor has no instruction for {', '.join(sorted(missing))}")
         needs = [e for e in c.walk() if isinstance(e, ir.COMMUNICATION_OPS)]
         if needs and self.comm is None:
-            raise ValueError(
+            raise BindingError(
                 f"A communicator must be provided: the program has communications, such as\n"
                 f"{printer.format_expr_head(needs[0])}"
             )
@@ -499,8 +500,8 @@ def _wait(cc, e) -> None:
     # (it precedes its Wait in program order).
     posted = [i for i, instr in enumerate(cc.instrs) if instr.expr is target]
     if not posted:
-        raise ValueError(f"Wait before its communication is posted: {printer.format_expr_head(target)}")
-    cc.emit("wait", e, posted=posted[-1])
+        raise ProgramError(f"Wait before its communication is posted: {printer.format_expr_head(target)}")
+    cc.emit("wait", e, posted=posted[-1], text=printer.format_expr_head(target))
 
 
 def compile_program(container: HostIrContainer, communicator=None) -> FlatProgram:
@@ -551,7 +552,7 @@ def _field_text(p: FlatProgram, name: str, value) -> str:
     return str(value)
 
 
-_HIDDEN = {"stream_index", "stream_slot", "stream_key"}
+_HIDDEN = {"stream_index", "stream_slot", "stream_key", "text"}
 
 
 def _stream_text(fields: dict) -> str:

@@ -23,8 +23,10 @@ import threading
 
 import torch
 
+from hostir.errors import HostIrError
 
-class CudaGraphError(ValueError):
+
+class CudaGraphError(HostIrError, ValueError):
     """cuda_graph=True where a run cannot be captured."""
 
 

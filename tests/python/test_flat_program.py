@@ -18,7 +18,7 @@ import torch
 from conftest import check_golden
 from hostir import FusionDefinition, HostIrRuntimeError, ParallelType, cpp, ir
 from hostir.container import HostIrContainer
-from hostir.evaluator import HostIrEvaluator
+from hostir.evaluator import BindingError, HostIrEvaluator
 from hostir.flat import compile_program
 from hostir.lower import lower
 from hostir.options import OptionError, evaluator_choice
@@ -89,27 +89,48 @@ def _failing_loop():
 
 @needs_cpp
 def test_errors_read_the_same_on_both_evaluators():
+    """torch's own error (a select out of range) keeps its type on both, with
+    the same message and the same note naming the op and the loop index."""
     c, t0 = _failing_loop()
     x = torch.randn(2)
-    messages = []
+    seen = []
     for make in (HostIrEvaluator, cpp.CppEvaluator):
-        with pytest.raises(HostIrRuntimeError) as err:
+        with pytest.raises(IndexError) as err:
             make(c).run({t0: x})
-        messages.append(str(err.value))
-    assert messages[0] == messages[1]
-    assert "in loop i = 2" in messages[1]
+        seen.append((type(err.value), str(err.value), err.value.__notes__))
+    assert seen[0] == seen[1]
+    assert seen[1][2][0].endswith("in loop i = 2")
 
 
 @needs_cpp
-def test_bad_number_of_streams_reads_the_same():
-    c, t0 = _hand_built()
-    c.add_output(t0)
+def test_hostir_errors_read_the_same_on_both_evaluators():
+    """An unbound value is hostir's error: a HostIrRuntimeError quoting the op."""
+    c = HostIrContainer()
+    domain = [ir.IterDomain(c, ir.Scalar.symbolic(c))]
+    t0 = ir.TensorView(c, domain, torch.float32, ir.MemoryType.global_)
+    t1 = ir.TensorView(c, [domain[0].clone(c)], torch.float32, ir.MemoryType.global_)
+    c.push_back(ir.Set(t1, t0))
+    c.add_output(t1)
     messages = []
     for make in (HostIrEvaluator, cpp.CppEvaluator):
-        with pytest.raises(ValueError) as err:
-            make(c).run({t0: torch.randn(2)}, number_of_streams=0)
+        with pytest.raises(HostIrRuntimeError) as err:
+            make(c).run({})
         messages.append(str(err.value))
-    assert messages[0] == messages[1] == "number_of_streams must be at least 1, got 0"
+    assert messages[0] == messages[1]
+    assert messages[1].startswith("UnboundValueError: value T0_g_float[iS0{i0}] is not bound\nWhile executing:")
+
+
+@needs_cpp
+def test_bad_bindings_read_the_same():
+    c, t0 = _hand_built()
+    c.add_output(t0)
+    for bad in ({"number_of_streams": 0}, {"bindings": {t0: torch.randn(2, 2)}}):
+        messages = []
+        for make in (HostIrEvaluator, cpp.CppEvaluator):
+            with pytest.raises(BindingError) as err:
+                make(c).run(bad.get("bindings", {t0: torch.randn(2)}), number_of_streams=bad.get("number_of_streams", 4))
+            messages.append(str(err.value))
+        assert messages[0] == messages[1], messages
 
 
 @needs_cpp
