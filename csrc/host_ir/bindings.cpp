@@ -223,10 +223,9 @@ py::object runExecutor(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "The C++ executor of flat host programs (see python/hostir/flat.py).";
-  // An error before the program runs (binding the inputs): Python raises
-  // it as the evaluator's BindingError.
-  static PyObject* binding_error = PyErr_NewException("hostir._C.BindingError", PyExc_ValueError, nullptr);
-  m.attr("BindingError") = py::handle(binding_error);
+  // An error before the program runs (binding the inputs) is a BindingError.
+  // The Python evaluator's class, so both evaluators raise the same one.
+  static PyObject* binding_error = py::module_::import("hostir.evaluator").attr("BindingError").release().ptr();
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) {

@@ -103,6 +103,37 @@ bool outermost(const std::vector<int64_t>& shape, int64_t axis) {
   return true;
 }
 
+// 1 where `t` is NaN, for a max or min of floating values; else undefined.
+at::Tensor nanFlags(const at::Tensor& t, const std::string& red_op) {
+  if ((red_op != "max" && red_op != "min") || !at::isFloatingType(t.scalar_type())) {
+    return at::Tensor();
+  }
+  return at::isnan(t).to(at::kFloat);
+}
+
+// Makes a max or min keep NaN, as amax and amin do (gloo and NCCL compare
+// with `<`, so a NaN may lose to any number): `flag_work` reduced 0/1 NaN
+// flags with MAX into `flags_out`; once both are done, `buf` (undefined on a
+// rank that receives nothing) gets NaN wherever a rank had one.
+void withNanFlags(
+    Posted& posted,
+    const at::Tensor& buf,
+    const at::Tensor& flags_out,
+    c10::intrusive_ptr<c10d::Work> flag_work) {
+  posted.works.push_back(std::move(flag_work));
+  auto after = posted.after;
+  at::Tensor target = buf;
+  at::Tensor flags = flags_out;
+  posted.after = [target, flags, after]() mutable {
+    if (target.defined()) {
+      target.masked_fill_(flags.view(target.sizes()) > 0, std::numeric_limits<double>::quiet_NaN());
+    }
+    if (after) {
+      after();
+    }
+  };
+}
+
 c10d::ReduceOp reduceOp(const std::string& name) {
   if (name == "sum") {
     return c10d::ReduceOp(c10d::ReduceOp::SUM);
@@ -687,11 +718,18 @@ class Run {
         at::Tensor out = tensor(ins.out);
         auto [buf, after] = staged(out, out.sizes());
         buf.copy_(src.reshape(out.sizes()));
+        at::Tensor flags = nanFlags(buf, ins.red_op);
         std::vector<at::Tensor> bufs{buf};
         c10d::AllreduceOptions opts;
         opts.reduceOp = reduceOp(ins.red_op);
         posted.works.push_back(group->allreduce(bufs, opts));
         posted.after = after;
+        if (flags.defined()) {
+          std::vector<at::Tensor> flag_bufs{flags};
+          c10d::AllreduceOptions flag_opts;
+          flag_opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MAX);
+          withNanFlags(posted, buf, flags, group->allreduce(flag_bufs, flag_opts));
+        }
         break;
       }
       case CommType::kReduceScatter: {
@@ -710,10 +748,18 @@ class Run {
         whole = contiguous(whole);
         auto [buf, after] = staged(out, {-1});
         at::Tensor flat = whole.reshape({-1});
+        at::Tensor flags = nanFlags(whole, ins.red_op);
         c10d::ReduceScatterOptions opts;
         opts.reduceOp = reduceOp(ins.red_op);
         posted.works.push_back(group->_reduce_scatter_base(buf, flat, opts));
         posted.after = after;
+        if (flags.defined()) {
+          at::Tensor received = at::empty(buf.sizes(), flags.options());
+          at::Tensor flat_flags = flags.reshape({-1});
+          c10d::ReduceScatterOptions flag_opts;
+          flag_opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MAX);
+          withNanFlags(posted, buf, received, group->_reduce_scatter_base(received, flat_flags, flag_opts));
+        }
         break;
       }
       case CommType::kBroadcast: {
@@ -799,24 +845,32 @@ class Run {
         c10d::ReduceOptions opts;
         opts.rootRank = ins.root;
         opts.reduceOp = reduceOp(ins.red_op);
+        at::Tensor piece;
+        at::Tensor buf;
         if (!ins.is_root) {
           // Every rank posts the output's shape.
-          at::Tensor piece =
-              reducedInput(ins).reshape(sizes(ins.out_shape)).clone(at::MemoryFormat::Contiguous);
-          std::vector<at::Tensor> bufs{piece};
-          posted.works.push_back(group->reduce(bufs, opts));
-          break;
-        }
-        at::Tensor out = tensor(ins.out);
-        auto [buf, after] = staged(out, out.sizes());
-        if (ins.input >= 0) {
-          buf.copy_(reducedInput(ins).reshape(out.sizes()));
+          piece = reducedInput(ins).reshape(sizes(ins.out_shape)).clone(at::MemoryFormat::Contiguous);
         } else {
-          buf.fill_(ins.identity);
+          at::Tensor out = tensor(ins.out);
+          std::tie(buf, posted.after) = staged(out, out.sizes());
+          if (ins.input >= 0) {
+            buf.copy_(reducedInput(ins).reshape(out.sizes()));
+          } else {
+            buf.fill_(ins.identity);
+          }
+          piece = buf;
         }
-        std::vector<at::Tensor> bufs{buf};
+        // The flags are read before the collective may write `piece`.
+        at::Tensor flags = nanFlags(piece, ins.red_op);
+        std::vector<at::Tensor> bufs{piece};
         posted.works.push_back(group->reduce(bufs, opts));
-        posted.after = after;
+        if (flags.defined()) {
+          std::vector<at::Tensor> flag_bufs{flags};
+          c10d::ReduceOptions flag_opts;
+          flag_opts.rootRank = ins.root;
+          flag_opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MAX);
+          withNanFlags(posted, buf, flags, group->reduce(flag_bufs, flag_opts));
+        }
         break;
       }
       case CommType::kSendRecv: {

@@ -126,10 +126,8 @@ class CppEvaluator:
                 )
             inputs.append(value)
         outputs = [bindings.get(tv) for tv in c.outputs] if len(bindings) > len(c.inputs) else []
-        try:
-            values, failure = executor.run(inputs, outputs, number_of_streams)
-        except _C.BindingError as err:
-            raise BindingError(str(err)) from None
+        # A bad binding raises the evaluator's BindingError from C++.
+        values, failure = executor.run(inputs, outputs, number_of_streams)
         if failure is not None:
             raise self._error(*failure)
         flat = self._flat
