@@ -225,7 +225,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "The C++ executor of flat host programs (see python/hostir/flat.py).";
   // An error before the program runs (binding the inputs) is a BindingError.
   // The Python evaluator's class, so both evaluators raise the same one.
-  static PyObject* binding_error = py::module_::import("hostir.evaluator").attr("BindingError").release().ptr();
+  static PyObject* binding_error =
+      py::object(py::module_::import("hostir.evaluator").attr("BindingError")).release().ptr();
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) {
