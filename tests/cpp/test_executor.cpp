@@ -141,13 +141,13 @@ TEST(Executor, WritesIntoPreallocatedOutput) {
   EXPECT_TRUE(at::allclose(out, expectedRows(x, 2)));
 }
 
-TEST(Executor, InconsistentExtentIsAValueError) {
+TEST(Executor, InconsistentExtentIsABindingError) {
   Executor executor(rowLoop());
   try {
     executor.run({at::randn({3, 4})}, {at::empty({3, 5})}, 2);
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), "ValueError");
+    EXPECT_EQ(e.kind(), "BindingError");
     EXPECT_STREQ(e.what(), "axis 1 of T1 is 5 but its extent i1 is 4");
   }
 }
@@ -169,14 +169,14 @@ TEST(Executor, FailureNamesInstructionAndLoopIndex) {
   EXPECT_EQ(r.failure->kind, "IndexError");
 }
 
-TEST(Executor, BadNumberOfStreamsIsAValueError) {
+TEST(Executor, BadNumberOfStreamsIsABindingError) {
   Executor executor(rowLoop());
   try {
     executor.run({at::randn({2, 2})}, {}, 0);
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), "ValueError");
-    EXPECT_STREQ(e.what(), "number_of_streams must be at least 1, got 0");
+    EXPECT_EQ(e.kind(), "BindingError");
+    EXPECT_STREQ(e.what(), "number_of_streams must be an integer >= 1, got 0");
   }
 }
 
