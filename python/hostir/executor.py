@@ -37,7 +37,7 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, cpp, ir, printer
+from hostir import communicator, cpp, flat, ir, printer, schedule
 from hostir.agreement import Offer, RankMismatchError, check, exchange, input_signature
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
@@ -104,6 +104,10 @@ class ExecutorParams:
         protections off: a rank that alone fails its checks, skips a call or
         changes its input shapes then meets the others' collectives out of
         step, and the job ends in a timeout or returns wrong data.
+    schedule: how a device axis walked as a stream axis runs: a
+        `hostir.schedule.Schedule` or its text (`ring:chunks=2`,
+        `collective`, `sequential`, ...); by default `HOSTIR_SCHEDULE`, else
+        the machine model's choice for the inputs' shapes.
     """
 
     number_of_streams: int = 4
@@ -112,6 +116,7 @@ class ExecutorParams:
     backend: str | None = None
     timeout: float | None = None
     check_ranks: str = "always"
+    schedule: object = None
     cuda_graph: bool = False
 
     def validate(self) -> None:
@@ -251,6 +256,7 @@ class FusionExecutor:
         self._warn_requires_grad(inputs)
         program, lowered = self._program(inputs, device, params, comm)
         sizes = check_sizes(self.fusion, inputs, program.equal_axes)
+        check_chunks(program.container, sizes)
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
         return _Call(program, inputs, outputs, lowered)
@@ -316,10 +322,12 @@ class FusionExecutor:
 
     def _program(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> tuple[_Program, bool]:
         evaluator = params.evaluator_name()
+        chosen = schedule.for_inputs(self.fusion, inputs, comm, params.schedule)
         key = (
             tuple((t.dtype, t.dim(), t.is_contiguous()) for t in inputs),
             device,
             evaluator,
+            None if chosen is None else chosen.key(),
         )
         with self._lock:
             # A program holds the communicator it was lowered for: after a
@@ -331,22 +339,29 @@ class FusionExecutor:
             program = self._programs.get(key)
             if program is not None:
                 return program, False
-            program = self._programs[key] = self._lower(device, evaluator, comm)
+            strict = (params.evaluator or evaluator_choice()) == "cpp"
+            program = self._programs[key] = self._lower(device, evaluator, comm, chosen, strict)
             return program, True
 
-    def _lower(self, device: torch.device, evaluator: str, comm=None) -> _Program:
+    def _lower(self, device: torch.device, evaluator: str, comm=None, chosen=None, strict=False) -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
         if comm is None:
             container = lower(self.fusion, dumper)
         else:
-            container = lower(self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend])
+            container = lower(
+                self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend], schedule=chosen
+            )
         dumper.emit("host_ir", "Host program:", str(container))
         self.lowerings += 1
         streams = self._streams.get(device)
         if streams is None:
             streams = self._streams[device] = streams_for(device)
+        if evaluator == "cpp" and not strict and flat.unsupported(container) is not None:
+            # "auto": a program with ops the C++ executor lacks (a copy-engine
+            # transport, chunked views) runs on the Python evaluator.
+            evaluator = "python"
         make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
         run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper)
         return _Program(container, run, _equal_input_axes(self.fusion))
@@ -634,6 +649,17 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
                     size *= leaf.extent.value
             sizes.setdefault(d.extent, size)
     return sizes
+
+
+def check_chunks(container: HostIrContainer, sizes: dict) -> None:
+    """Raise unless every axis a decomposition splits into chunks divides."""
+    for extent, parts, where in container.chunked:
+        size = sizes.get(extent)
+        if size is not None and size % parts:
+            raise schedule.ScheduleError(
+                f"{where}: extent {size} does not split into {parts} chunks per peer; pick a chunk count "
+                f"that divides it (schedule chunks=)"
+            )
 
 
 def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device: torch.device, tvs=None) -> None:

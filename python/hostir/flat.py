@@ -170,9 +170,9 @@ class _Compiler:
         for tv in c.inputs:
             if c.aliases.is_alias(tv):
                 raise AliasError(f"Inputs cannot be aliased: T{tv.name} is an alias")
-        missing = {type(e).__name__ for e in c.walk() if type(e) not in _COMPILERS}
-        if missing:
-            raise MissingHandlerError(f"the C++ executor has no instruction for {', '.join(sorted(missing))}")
+        reason = unsupported(c)
+        if reason is not None:
+            raise MissingHandlerError(f"the C++ executor cannot run this program: {reason}")
         needs = [e for e in c.walk() if isinstance(e, ir.COMMUNICATION_OPS)]
         if needs and self.comm is None:
             raise BindingError(
@@ -502,6 +502,24 @@ def _wait(cc, e) -> None:
     if not posted:
         raise ProgramError(f"Wait before its communication is posted: {printer.format_expr_head(target)}")
     cc.emit("wait", e, posted=posted[-1], text=printer.format_expr_head(target))
+
+
+def unsupported(container: HostIrContainer) -> str | None:
+    """Why the C++ executor cannot run `container`, or None if it can: an op
+    it has no instruction for, or a communication only Python posts (the
+    copy-engine transport, a root chosen at run time, symmetric memory)."""
+    for e in container.walk():
+        if type(e) not in _COMPILERS:
+            return f"it has no instruction for {type(e).__name__}"
+        if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):
+            return f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}"
+        if isinstance(e, ir.Communication) and not (e.root is None or isinstance(e.root, int)):
+            return f"its root is chosen at run time: {printer.format_expr_head(e)}"
+        if isinstance(e, ir.P2PCommunication) and getattr(e, "into", None) is not None:
+            return f"it pushes into a peer's buffer: {printer.format_expr_head(e)}"
+        if isinstance(e, ir.Allocate) and e.memory_type.word == "symmetric":
+            return f"it allocates symmetric memory: {printer.format_expr_head(e)}"
+    return None
 
 
 def compile_program(container: HostIrContainer, communicator=None) -> FlatProgram:
