@@ -248,3 +248,21 @@ def test_cuda_graph_replays_into_the_same_outputs(cuda_device):
     fd.execute([x3, w], outputs=[out3], cuda_graph=True)
     torch.testing.assert_close(out3, (x3 @ w) * 3)
     assert len(fd.executor._graphs) == 2
+
+
+def test_unsupported_names_what_only_python_runs():
+    """`auto` runs such a program on the Python evaluator; compiling it for
+    the C++ executor is an error that names the op."""
+    from hostir.evaluator import MissingHandlerError
+    from hostir.flat import unsupported
+
+    class Mystery(ir.Expr):
+        pass
+
+    c, t0 = _hand_built()
+    c.add_output(t0)
+    assert unsupported(c) is None
+    c.push_back(Mystery())
+    assert unsupported(c) == "it has no instruction for Mystery"
+    with pytest.raises(MissingHandlerError, match="cannot run this program: it has no instruction for Mystery"):
+        compile_program(c)
