@@ -8,7 +8,7 @@ only when a program is lowered), on each evaluator, and rank 0 prints the
 median host time of one `execute` per variant: the difference is what the
 agreement costs per call.
 
-    mpirun -np 2 --oversubscribe python3 tools/bench_agreement.py
+    mpirun -np 2 --oversubscribe python3 tools/bench_agreement_cpp.py
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ OPCODES = (
     "wait",
 )
 _CODE = {name: i for i, name in enumerate(OPCODES)}
-COMMUNICATION_TYPES = tuple(t.value for t in ir.CommunicationType)
+# Shared with csrc/host_ir/program.h (enum class CommType), in this order.
+COMMUNICATION_TYPES = ("Allgather", "Allreduce", "ReduceScatter", "Broadcast", "Gather", "Scatter", "Reduce", "SendRecv")
 
 _DTYPES = {dtype: i for i, dtype in enumerate(ir.SUPPORTED_DTYPES)}
 
@@ -462,7 +463,9 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         f["perm"] = [devices.index(r) if r in devices else 0 for r in order]
         f["chunks"] = len(devices)
     elif t is ir.CommunicationType.SendRecv:
-        receiver = e.team[-1] if len(e.team) > 1 else e.team[0]
+        # The receiver is the team's other rank, whichever order the team lists.
+        others = [r for r in e.team if r != e.root]
+        receiver = others[0] if others else e.root
         f["self_copy"] = receiver == e.root
         f["peer"] = order.index(receiver) if rank == e.root else order.index(e.root)
     cc.emit("communication", e, **f)
@@ -513,6 +516,10 @@ def unsupported(container: HostIrContainer) -> str | None:
             return f"it has no instruction for {type(e).__name__}"
         if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):
             return f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}"
+        if isinstance(e, ir.Communication) and e.type.value not in COMMUNICATION_TYPES:
+            return f"it has no {e.type.value}: {printer.format_expr_head(e)}"
+        if getattr(e, "partial", None) is not None:
+            return f"it keeps partial sums: {printer.format_expr_head(e)}"
         if isinstance(e, ir.Communication) and not (e.root is None or isinstance(e.root, int)):
             return f"its root is chosen at run time: {printer.format_expr_head(e)}"
         if isinstance(e, ir.P2PCommunication) and getattr(e, "into", None) is not None:
