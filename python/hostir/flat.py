@@ -518,6 +518,12 @@ def unsupported(container: HostIrContainer) -> str | None:
             return f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}"
         if isinstance(e, ir.Communication) and e.type.value not in COMMUNICATION_TYPES:
             return f"it has no {e.type.value}: {printer.format_expr_head(e)}"
+        if isinstance(e, ir.FUSION_OPS) and any(_sharded(v) for v in e.inputs() + e.outputs()):
+            return f"it computes on sharded axes: {printer.format_expr_head(e)}"
+        if isinstance(e, ir.Communication) and any(
+            (v.mesh is not None and v.mesh.ndim > 1) or len(v.device_axes()) > 1 for v in (e.input, e.out)
+        ):
+            return f"it communicates over a 2-D mesh: {printer.format_expr_head(e)}"
         if getattr(e, "partial", None) is not None:
             return f"it keeps partial sums: {printer.format_expr_head(e)}"
         if isinstance(e, ir.Communication) and not (e.root is None or isinstance(e.root, int)):
@@ -527,6 +533,14 @@ def unsupported(container: HostIrContainer) -> str | None:
         if isinstance(e, ir.Allocate) and e.memory_type.word == "symmetric":
             return f"it allocates symmetric memory: {printer.format_expr_head(e)}"
     return None
+
+
+def _sharded(v) -> bool:
+    """A tensor with a device-parallel axis (the Python evaluator's ops lay
+    those out per rank; the C++ executor's do not yet)."""
+    if not isinstance(v, ir.TensorView):
+        return False
+    return any(d.parallel_type.name.startswith("mesh") for d in v.domain)
 
 
 def compile_program(container: HostIrContainer, communicator=None) -> FlatProgram:
