@@ -21,8 +21,10 @@ echo "build: exit $? in $(( $(date +%s) - start )) s (MAX_JOBS=${MAX_JOBS:-8})" 
 python3 -c 'from hostir import cpp; print("cpp executor available:", cpp.available(), cpp.reason())' | tee -a "$OUT/env.txt"
 
 status=0
-timeout 200 python3 -m pytest -q -rs -x tests/python/test_flat_program.py tests/python/test_evaluator.py tests/python/test_stream_lowering.py 2>&1 | tail -15 | tee "$OUT/pytest.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# The whole log, verbose: a crash (faulthandler) names the test it happened in.
+timeout 200 python3 -m pytest -v -rs -p no:cacheprovider tests/python/test_flat_program.py tests/python/test_evaluator.py tests/python/test_stream_lowering.py >"$OUT/pytest.log" 2>&1
+rc=$?; tail -15 "$OUT/pytest.log"
+[ "$rc" -eq 0 ] || status=1
 timeout 200 python3 tools/bench_host_overhead.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status
