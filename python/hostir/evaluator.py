@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from hostir import ir, printer
+from hostir import ir, printer, profiling
 from hostir.communicator import CommunicatorTimeout, PeerLostError
 from hostir.container import AliasError, HostIrContainer
 from hostir.streams import NullStreams
@@ -91,6 +91,8 @@ class HostIrEvaluator:
         # Posted communications until their Wait: expr -> _Posted.
         self._works: dict = {}
         self._coalescing: list | None = None
+        # Profiler ranges and trace events of the current run, or None.
+        self._observer: profiling.Observer | None = None
         self.ops_executed = 0
 
     # -- the one entry point
@@ -115,6 +117,8 @@ class HostIrEvaluator:
                 self._bind_extents(val, value)
             self.bind(val, value)
         caller = self.streams.current()
+        rank = self.communicator.rank if self.communicator is not None else 0
+        self._observer = profiling.observer_for(self.container, self.streams, rank)
         try:
             self._run_scope(self.container.exprs)
             return [self._output(tv) for tv in self.container.outputs]
@@ -124,6 +128,9 @@ class HostIrEvaluator:
             self.streams.set_current(caller)
             self._values = {}
             self._works = {}
+            if self._observer is not None:
+                observer, self._observer = self._observer, None
+                observer.finish()
 
     # -- the two accessors
     def get(self, val, default=_REQUIRED):
@@ -210,9 +217,13 @@ class HostIrEvaluator:
         return tv.local_sizes(self.full_sizes(tv))
 
     def _run_scope(self, exprs) -> None:
+        observer = self._observer
         for e in exprs:
             try:
-                _HANDLERS[type(e)](self, e)
+                if observer is None:
+                    _HANDLERS[type(e)](self, e)
+                else:
+                    observer.run(self, e, _HANDLERS[type(e)])
             except HostIrRuntimeError:
                 raise
             except (CommunicatorTimeout, PeerLostError) as err:

@@ -15,11 +15,13 @@ whenever the definition or the inputs' signature changes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import os
+from typing import Any, Sequence
 
 import torch
 
 from hostir import ir, printer
+from hostir.dtensor import Adapter, has_dtensors, is_dtensor
 from hostir.executor import ExecutorParams, FusionExecutor
 
 
@@ -86,6 +88,7 @@ class FusionDefinition:
         self.fusion = ir.Fusion()
         self.ops = Ops(self)
         self.executor = FusionExecutor(self.fusion)
+        self._adapter: Adapter | None = None
         self._state = "new"
 
     def __enter__(self) -> FusionDefinition:
@@ -123,13 +126,21 @@ class FusionDefinition:
         outputs: Sequence[torch.Tensor] | None = None,
         *,
         params: ExecutorParams | None = None,
-        **kwargs,
-    ) -> list[torch.Tensor]:
+        trace: str | os.PathLike[str] | None = None,
+        return_dtensors: bool | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run the fusion on `inputs` and return its outputs. With
         `outputs`, write into those tensors (all or none) and return them.
         Keyword arguments are fields of ExecutorParams (number_of_streams,
         evaluator, device). Runs without autograd: outputs never require
-        grad."""
+        grad.
+
+        Inputs may be DTensors: their placements shard the fusion's inputs
+        (or are checked against the shardings set), and the outputs come
+        back as DTensors; `return_dtensors=True` asks for DTensor outputs
+        from plain local inputs too. `trace=DIR` writes this run's
+        Chrome / Perfetto trace to DIR/hostir_trace_rank<R>.json."""
         if self._state != "defined":
             raise RuntimeError("execute the fusion after its `with FusionDefinition() as fd:` block")
         if params is not None and kwargs:
@@ -140,7 +151,25 @@ class FusionDefinition:
             if unknown:
                 raise TypeError(f"unknown execution parameters {unknown}; expected some of {sorted(fields)}")
             params = ExecutorParams(**kwargs)
-        return self.executor.execute(inputs, outputs, params)
+        wrap = bool(return_dtensors)
+        if has_dtensors(inputs) or has_dtensors(outputs):
+            wrap = return_dtensors is not False
+            inputs = self._dtensors().local_inputs(inputs)
+            if outputs is not None:
+                outputs = [o.to_local() if is_dtensor(o) else o for o in outputs]
+        if trace is None:
+            results = self.executor.execute(inputs, outputs, params)
+        else:
+            from hostir import communicator, profiling
+
+            with profiling.tracing(trace, communicator.rank()):
+                results = self.executor.execute(inputs, outputs, params)
+        return self._dtensors().wrap_outputs(results) if wrap else results
+
+    def _dtensors(self) -> Adapter:
+        if self._adapter is None:
+            self._adapter = Adapter(self.fusion)
+        return self._adapter
 
     def host_ir(self) -> str:
         """The lowered host program, in the dump format."""
