@@ -450,7 +450,9 @@ class Communicator:
         master_addr: str | None = None,
         master_port: int | None = None,
     ) -> None:
-        self.launch = discover() if launch is None else launch
+        if launch is None:
+            launch = _from_default_group() if dist.is_available() and dist.is_initialized() else discover()
+        self.launch = launch
         self.backend = _resolve_backend(backend)
         self.timeout = _resolve_timeout(timeout)
         self.master_addr, self.master_port = _resolve_rendezvous(master_addr, master_port)
@@ -700,9 +702,24 @@ def shutdown() -> None:
         _instance = None
 
 
+def _from_default_group() -> LaunchInfo:
+    """Which process this is when the program initialized torch.distributed
+    itself: the default group's rank and size, with the launcher's local rank
+    where its variables agree (else the rank modulo the visible GPUs)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    launch = discover()
+    if (launch.rank, launch.world_size) == (rank, size) or launch.world_size > 1:
+        # A launcher that disagrees is reported by _check_default_group.
+        return launch
+    gpus = torch.cuda.device_count()
+    return LaunchInfo(rank, size, rank % gpus if gpus else rank, None, "torch.distributed")
+
+
 def _current() -> LaunchInfo:
     if _instance is not None and not _instance._closed:
         return _instance.launch
+    if dist.is_available() and dist.is_initialized():
+        return _from_default_group()
     return discover()
 
 

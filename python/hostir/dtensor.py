@@ -72,7 +72,7 @@ def to_torch_mesh(mesh: ir.DeviceMesh, device_type: str | None = None) -> Any:
 
 
 def _placement_text(placements: Sequence[Any]) -> str:
-    return "(" + ", ".join(str(p) for p in placements) + ")"
+    return "(" + ", ".join(repr(p) for p in placements) + ")"
 
 
 def _sharding_text(tv: ir.TensorView) -> str:
@@ -154,7 +154,7 @@ class Adapter:
                 continue
             if not p.is_shard():
                 raise DTensorPlacementError(
-                    f"{what}: placement {p} on mesh dimension {mesh_dim} "
+                    f"{what}: placement {p!r} on mesh dimension {mesh_dim} "
                     f"{_placement_text(placements)} is not supported; redistribute the DTensor to "
                     f"Replicate() or Shard(d) first"
                 )
