@@ -1,16 +1,7 @@
-"""Installs the hostir package from python/hostir."""
+"""Builds hostir. The package's metadata (name, version, dependencies,
+extras, entry points) lives in pyproject.toml; this file is for the build
+steps that need code."""
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
-setup(
-    name="hostir",
-    version="0.2.0",
-    description="A Host-IR runtime: tensor programs pipelined across CUDA streams and devices",
-    package_dir={"": "python"},
-    packages=find_packages("python"),
-    python_requires=">=3.11",
-    install_requires=["torch>=2.11"],
-    extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
-    },
-)
+setup()

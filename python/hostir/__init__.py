@@ -8,6 +8,7 @@ shard axes with `ParallelType.mesh_x` and pipeline them with
 mpirun or torchrun), and read the lowered host program with `fd.host_ir()`.
 """
 
+from hostir._version import __version__
 from hostir.communicator import (
     CommunicatorTimeout,
     LaunchError,
@@ -17,6 +18,8 @@ from hostir.communicator import (
     world_size,
 )
 from hostir.container import AliasError, HostIrContainer
+from hostir.dtensor import DTensorPlacementError
+from hostir.errors import HostIrError
 from hostir.evaluator import HostIrEvaluator, HostIrRuntimeError
 from hostir.executor import ExecutorParams, RankMismatchError
 from hostir.frontend import FusionDefinition, shard_tensor
@@ -27,6 +30,7 @@ from hostir.options import OptionError
 __all__ = [
     "AliasError",
     "CommunicatorTimeout",
+    "DTensorPlacementError",
     "DeviceMesh",
     "LaunchError",
     "PeerLostError",
@@ -38,6 +42,7 @@ __all__ = [
     "ExecutorParams",
     "FusionDefinition",
     "HostIrContainer",
+    "HostIrError",
     "HostIrEvaluator",
     "HostIrRuntimeError",
     "IterType",
@@ -45,5 +50,5 @@ __all__ = [
     "MemoryType",
     "OptionError",
     "ParallelType",
+    "__version__",
 ]
-__version__ = "0.2.0"

@@ -117,7 +117,7 @@ def _dump(args: argparse.Namespace) -> int:
         found.append(fd.fusion)
         raise _Stop
 
-    FusionDefinition.execute = capture  # type: ignore[method-assign]
+    FusionDefinition.execute = capture  # type: ignore[method-assign,assignment]
     argv = sys.argv
     sys.argv = [args.script, *args.script_args]
     try:
@@ -237,7 +237,7 @@ def environment() -> dict[str, Any]:
     info["devices"] = [torch.cuda.get_device_name(i) for i in range(count)] or ["cpu"]
     info["p2p_access"] = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(count)] for i in range(count)]
     if cuda:
-        nccl = torch.cuda.nccl.version()
+        nccl = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
         info["versions"]["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     info["extension"] = "built" if importlib.util.find_spec("hostir._C") is not None else "not built"
     for module in ("mpi4py", "matplotlib", "cupy"):

@@ -30,6 +30,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hostir.log import logger
+
 __all__ = [
     "LAUNCHER_VARIABLES",
     "Communicator",
@@ -486,6 +488,11 @@ class Communicator:
         except BaseException:
             self.shutdown()
             raise
+        logger.info(
+            "communicator: rank %d of %d (%s), transport %s on %s, timeout %g s, %s",
+            self.rank, self.world_size, self.launch.source, self.backend, self.device, self.timeout,
+            "default group created" if self._owns_default else "reusing the program's default group",
+        )
 
     def _init_default_group(self) -> None:
         if self.world_size == 1:

@@ -26,6 +26,7 @@ import torch
 
 from hostir import ir
 from hostir.errors import HostIrError
+from hostir.log import logger
 
 __all__ = ["DTensorPlacementError", "has_dtensors", "is_dtensor", "is_torch_mesh", "to_torch_mesh"]
 
@@ -106,7 +107,11 @@ class Adapter:
         # Every check passes before the fusion changes.
         for i, tv, value, plan in plans:
             self._torch_meshes.setdefault(ir.DeviceMesh(value.device_mesh.mesh), value.device_mesh)
+            before = _sharding_text(tv)
             plan()
+            after = _sharding_text(tv)
+            if before != after:
+                logger.info("input %d: DTensor placement %s made T%d %s", i, _placement_text(value.placements), tv.name, after)
         return [v.to_local() if is_dtensor(v) else v for v in inputs]
 
     def _plan(self, i: int, tv: ir.TensorView, dt: Any) -> Any:
@@ -148,7 +153,7 @@ class Adapter:
     def _sharded_axis(what: str, dt: Any, mesh: ir.DeviceMesh, placements: tuple[Any, ...]) -> int | None:
         """The logical axis a `Shard` places on the mesh's last dimension, or
         None for a replicated DTensor; anything else is an error."""
-        axis = None
+        axis: int | None = None
         for mesh_dim, p in enumerate(placements):
             if p.is_replicate():
                 continue
@@ -164,7 +169,7 @@ class Adapter:
                     f"{mesh_dim} of {mesh.ndim}; hostir shards (mesh_x) along the mesh's last dimension "
                     f"only, so the other dimensions must be Replicate()"
                 )
-            axis = p.dim % dt.dim()
+            axis = int(p.dim) % dt.dim()
         if axis is None:
             return None
         size, n = dt.shape[axis], mesh.x_size

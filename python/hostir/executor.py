@@ -10,6 +10,7 @@ runs it with the chosen evaluator under `torch.no_grad()`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Sequence
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from hostir import communicator, ir, printer
 from hostir.container import HostIrContainer
 from hostir.evaluator import HostIrEvaluator
+from hostir.log import logger
 from hostir.lower import lower
 from hostir.options import Dumper
 from hostir.streams import streams_for
@@ -205,7 +207,10 @@ class FusionExecutor:
         )
         program = self._programs.get(key)
         if program is None:
+            logger.debug("program cache miss for %s on %s: lowering", _key_text(key), device)
             program = self._programs[key] = self._lower(device, comm)
+        else:
+            logger.debug("program cache hit for %s on %s", _key_text(key), device)
         return program
 
     def _lower(self, device: torch.device, comm=None) -> _Program:
@@ -222,7 +227,22 @@ class FusionExecutor:
         if streams is None:
             streams = self._streams[device] = streams_for(device)
         evaluator = HostIrEvaluator(container, streams=streams, device=device, communicator=comm, dumper=dumper)
+        if logger.isEnabledFor(logging.INFO):
+            exprs = list(container.walk())
+            comms = sum(isinstance(e, ir.Communication) for e in exprs)
+            logger.info(
+                "lowered fusion %s to a host program of %d ops (%d communications), digest %s; "
+                "evaluator %s on %s with %s",
+                signature(self.fusion), len(exprs), comms, (getattr(container, "digest", None) or "")[:12],
+                type(evaluator).__name__, device, type(streams).__name__,
+            )
         return _Program(container, evaluator, _equal_input_axes(self.fusion))
+
+
+def _key_text(key: tuple) -> str:
+    inputs, _, evaluator = key
+    parts = ", ".join(f"{str(dtype).removeprefix('torch.')}/{ndim}d{'' if contiguous else ' strided'}" for dtype, ndim, contiguous in inputs)
+    return f"inputs ({parts}), evaluator {evaluator}"
 
 
 def _communicator_for(params: ExecutorParams):

@@ -84,7 +84,7 @@ class Ops:
 
 
 class FusionDefinition:
-    def __init__(self):
+    def __init__(self) -> None:
         self.fusion = ir.Fusion()
         self.ops = Ops(self)
         self.executor = FusionExecutor(self.fusion)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import sys
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -184,7 +184,7 @@ class DeviceMesh:
 
     __slots__ = ("shape", "devices")
 
-    def __init__(self, devices):
+    def __init__(self, devices: object) -> None:
         if isinstance(devices, DeviceMesh):
             self.shape, self.devices = devices.shape, devices.devices
             return
@@ -215,14 +215,14 @@ class DeviceMesh:
         self.devices = tuple(flat)
 
     @classmethod
-    def from_torch(cls, mesh) -> DeviceMesh:
+    def from_torch(cls, mesh: object) -> DeviceMesh:
         """The hostir mesh of a `torch.distributed.device_mesh.DeviceMesh`:
         the same shape and ranks."""
         if not _is_torch_mesh(mesh):
             raise TypeError(f"DeviceMesh.from_torch takes a torch DeviceMesh, got {type(mesh).__name__}")
         return cls(mesh.mesh)
 
-    def to_torch(self, device_type: str | None = None):
+    def to_torch(self, device_type: str | None = None) -> Any:
         """A `torch.distributed.device_mesh.DeviceMesh` of the same shape
         and ranks, on `device_type` ("cuda" where CUDA is available, else
         "cpu"). Every rank calls it (torch may create process groups);

@@ -80,7 +80,7 @@ def op_name(e: ir.Expr) -> str:
     if isinstance(e, ir.EndCoalescing):
         return f"EndCoalescing {e.name}"
     if isinstance(e, ir.Wait):
-        return f"Wait Communication {e.communication.name}"
+        return f"Wait Communication {getattr(e.communication, 'name', '?')}"
     if isinstance(e, ir.Synchronize):
         return f"Synchronize {_stream(e.stream)}"
     if isinstance(e, ir.SetCurrentStream):
@@ -264,7 +264,7 @@ class Observer:
         self._origin_event = self._event() if self.cuda else None
 
     def _event(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         event.record()
         return event
 
@@ -274,7 +274,7 @@ class Observer:
     def run(self, ev: Any, e: ir.Expr, handler: Callable[[Any, Any], None]) -> None:
         name = self.names.get(id(e)) or op_name(e)
         if self.nvtx:
-            torch.cuda.nvtx.range_push(name)
+            torch.cuda.nvtx.range_push(name)  # type: ignore[no-untyped-call]
         try:
             if self.ranges:
                 with torch.profiler.record_function(name):
@@ -283,7 +283,7 @@ class Observer:
                 self._timed(ev, e, handler, name)
         finally:
             if self.nvtx:
-                torch.cuda.nvtx.range_pop()
+                torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
 
     def _timed(self, ev: Any, e: ir.Expr, handler: Callable[[Any, Any], None], name: str) -> None:
         if self.trace is None or isinstance(e, ir.ForLoop):
@@ -325,7 +325,7 @@ class Observer:
         if not self.cuda or self.trace is None:
             return
         torch.cuda.synchronize()
-        origin = self._origin_event
+        origin: Any = self._origin_event
         for name, kind, track, start, end, args in self._pending:
             start_us = self._origin_us + origin.elapsed_time(start) * 1000.0
             end_us = self._origin_us + origin.elapsed_time(end) * 1000.0
@@ -336,7 +336,7 @@ class Observer:
 def observer_for(container: Any, streams: Any, rank: int) -> Observer | None:
     """The observer of one run, or None when nothing watches it (profiler
     off, no NVTX, no trace): then the evaluator runs each op bare."""
-    ranges = torch.autograd._profiler_enabled()
+    ranges = bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
     trace = _active.get()
     if trace is None:
         trace = _env_trace_for(rank)
