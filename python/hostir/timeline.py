@@ -77,7 +77,7 @@ def plot(directory: str | pathlib.Path, output: str | pathlib.Path, run: int | N
         raise SystemExit("plot_timeline needs matplotlib: pip install 'hostir[plot]' (or matplotlib)") from None
 
     table = rows(load(directory), run)
-    height = 0.8 + 0.45 * len(table)
+    height = 1.4 + 0.45 * len(table)
     fig, ax = plt.subplots(figsize=(12, max(height, 2.0)))
     for y, (_, events) in enumerate(table):
         base = len(table) - 1 - y
@@ -98,7 +98,7 @@ def plot(directory: str | pathlib.Path, output: str | pathlib.Path, run: int | N
     ax.set_yticklabels([label for label, _ in reversed(table)])
     ax.set_xlabel("time (ms)")
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right", fontsize=8, ncol=5)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper center", bbox_to_anchor=(0.5, -0.12 * 6 / max(height, 2.0)), fontsize=8, ncol=5, frameon=False)
     if title:
         ax.set_title(title)
     fig.tight_layout()
