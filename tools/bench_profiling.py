@@ -13,7 +13,7 @@ ops) in four modes and reports the median host time per host op:
   two CUDA events per op and one synchronization per run).
 * ``profiler+trace``: both.
 
-Host ops per run are read from ``HostIrEvaluator.ops_executed``. On CUDA,
+Host ops per run are counted by an ``OpCounter`` listener across one run. On CUDA,
 ``torch.cuda.synchronize()`` runs before each timed run, not inside it.
 
     PYTHONPATH=python python3 tools/bench_profiling.py               # cpu
@@ -41,6 +41,7 @@ import torch
 
 import hostir
 from hostir import FusionDefinition, ParallelType
+from hostir.evaluator import OpCounter
 
 DEFAULT_OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks", "results")
 
@@ -82,9 +83,11 @@ def measure(device: str, streams: int, width: int, chain: int, iters: int, warmu
     x = torch.randn(streams, width, device=device)
     fd.execute([x], number_of_streams=streams)
     ev = _program_evaluator(fd)
-    before = ev.ops_executed
+    counter = OpCounter()
+    ev.listeners.append(counter)
     fd.execute([x], number_of_streams=streams)
-    ops = ev.ops_executed - before
+    ev.listeners.remove(counter)
+    ops = counter.count
     sync: Callable[[], None] = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     rows = {}
     with tempfile.TemporaryDirectory() as trace_dir:

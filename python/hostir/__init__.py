@@ -10,6 +10,7 @@ mpirun or torchrun), and read the lowered host program with `fd.host_ir()`.
 
 from hostir._version import __version__
 from hostir.communicator import (
+    CommunicatorError,
     CommunicatorTimeout,
     LaunchError,
     PeerLostError,
@@ -19,9 +20,9 @@ from hostir.communicator import (
 )
 from hostir.container import AliasError, HostIrContainer
 from hostir.dtensor import DTensorPlacementError
-from hostir.errors import HostIrError
+from hostir.errors import DefinitionError, HostIrError, UsageError
 from hostir.evaluator import HostIrEvaluator, HostIrRuntimeError
-from hostir.executor import ExecutorParams, RankMismatchError
+from hostir.executor import ExecutorParams, InputError, InputTypeError, RankMismatchError
 from hostir.frontend import FusionDefinition, shard_tensor
 from hostir.ir import DeviceMesh, IterType, MemoryType, ParallelType
 from hostir.lower import LoweringError
@@ -29,8 +30,14 @@ from hostir.options import OptionError
 
 __all__ = [
     "AliasError",
+    "CommunicatorError",
     "CommunicatorTimeout",
     "DTensorPlacementError",
+    "DefinitionError",
+    "HostIrError",
+    "InputError",
+    "InputTypeError",
+    "UsageError",
     "DeviceMesh",
     "LaunchError",
     "PeerLostError",
@@ -42,7 +49,6 @@ __all__ = [
     "ExecutorParams",
     "FusionDefinition",
     "HostIrContainer",
-    "HostIrError",
     "HostIrEvaluator",
     "HostIrRuntimeError",
     "IterType",
