@@ -35,12 +35,13 @@ import statistics
 import sys
 import tempfile
 import time
+import timeit
 from collections.abc import Callable, Iterator
 
 import torch
 
 import hostir
-from hostir import FusionDefinition, ParallelType
+from hostir import FusionDefinition, ParallelType, profiling
 from hostir.evaluator import OpCounter
 
 DEFAULT_OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks", "results")
@@ -106,7 +107,15 @@ def measure(device: str, streams: int, width: int, chain: int, iters: int, warmu
     off = rows["off"]["per_op_us"]
     for row in rows.values():
         row["added_per_op_us"] = row["per_op_us"] - off
-    return {"host_ops_per_run": ops, "modes": rows}
+    # What the off path adds to a run without any profiling code: one
+    # observer_for() per run and one `is None` test per op.
+    container, streams = ev.container, ev.streams
+    n = 20000
+    per_run = timeit.timeit(lambda: profiling.observer_for(container, streams, 0), number=n) / n
+    observer = None
+    per_test = timeit.timeit("observer is None", globals={"observer": observer}, number=n * 10) / (n * 10)
+    off_path = {"observer_for_per_run_us": per_run * 1e6, "is_none_per_op_us": per_test * 1e6}
+    return {"host_ops_per_run": ops, "modes": rows, "off_path": off_path}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"| {mode} | {row['run_us']:.1f} | {row['per_op_us']:.2f} | {row['added_per_op_us']:+.2f} |"
         )
+    off_path = result["off_path"]
+    lines += [
+        "",
+        f"The off path (no profiler, no trace) adds {off_path['observer_for_per_run_us']:.3f} µs per run "
+        f"(`observer_for`) and {off_path['is_none_per_op_us'] * 1000:.0f} ns per op (an `is None` test), "
+        f"{(off_path['observer_for_per_run_us'] / result['host_ops_per_run'] + off_path['is_none_per_op_us']) * 1000:.0f} "
+        f"ns per op in all here. A trace run's time includes writing its JSON file.",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(args.out_dir, exist_ok=True)

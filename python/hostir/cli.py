@@ -32,15 +32,20 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from hostir.errors import HostIrError
+
 __all__ = ["main"]
 
 
 # ---------------------------------------------------------------- dump
 
 
-class _Stop(BaseException):
-    """Ends a dumped script at its first execute (not an Exception, so the
-    script's own `except Exception` does not catch it)."""
+class CommandLineError(HostIrError, ValueError):
+    """A command's arguments cannot be acted on; `main` exits with it."""
+
+
+class _Stop(HostIrError):
+    """Ends a dumped script at its first execute."""
 
 
 def _pass_names() -> list[str]:
@@ -59,7 +64,7 @@ def host_program(fusion: Any, rank: int, pass_name: str | None = None, backend: 
 
     names = _pass_names()
     if pass_name is not None and pass_name not in names:
-        raise SystemExit(f"hostir dump: unknown pass {pass_name!r}; passes in order: {', '.join(names)}")
+        raise CommandLineError(f"hostir dump: unknown pass {pass_name!r}; passes in order: {', '.join(names)}")
     multi = is_multi_device(fusion)
     if pass_name is None:
         return str(lowering.lower(fusion, rank=rank if multi else None, backend=backend))
@@ -78,7 +83,7 @@ def host_program(fusion: Any, rank: int, pass_name: str | None = None, backend: 
             container = lowering._run_one(p, container, None)
         if p.__name__ == pass_name:
             return str(container)
-    raise AssertionError(pass_name)
+    raise CommandLineError(f"hostir dump: pass {pass_name!r} was not reached")
 
 
 @contextlib.contextmanager
@@ -102,14 +107,14 @@ def _dump(args: argparse.Namespace) -> int:
     from hostir.frontend import FusionDefinition
 
     if args.rank is not None and args.world_size is None:
-        raise SystemExit("hostir dump: --rank needs --world-size")
+        raise CommandLineError("hostir dump: --rank needs --world-size")
     world = args.world_size or 1
     rank = args.rank or 0
     if not 0 <= rank < world:
-        raise SystemExit(f"hostir dump: --rank {rank} is out of range for --world-size {world}")
+        raise CommandLineError(f"hostir dump: --rank {rank} is out of range for --world-size {world}")
     names = _pass_names()
     if args.pass_name is not None and args.pass_name not in names:
-        raise SystemExit(f"hostir dump: unknown pass {args.pass_name!r}; passes in order: {', '.join(names)}")
+        raise CommandLineError(f"hostir dump: unknown pass {args.pass_name!r}; passes in order: {', '.join(names)}")
     found: list[Any] = []
     original = FusionDefinition.execute
 
@@ -125,11 +130,15 @@ def _dump(args: argparse.Namespace) -> int:
             runpy.run_path(args.script, run_name="__main__")
     except _Stop:
         pass
+    except Exception:
+        # A script that caught the stop and failed later still lowered.
+        if not found:
+            raise
     finally:
         FusionDefinition.execute = original  # type: ignore[method-assign]
         sys.argv = argv
     if not found:
-        raise SystemExit(f"hostir dump: {args.script} ran to its end without calling fd.execute")
+        raise CommandLineError(f"hostir dump: {args.script} ran to its end without calling fd.execute")
     title = f"rank {rank} of {world}" + (f", after pass {args.pass_name}" if args.pass_name else "")
     print(f"# {args.script}: host program, {title}")
     print(host_program(found[0], rank, args.pass_name, args.backend), end="")
@@ -175,15 +184,15 @@ def launch_command(launcher: str, nprocs: int, script: str, script_args: Sequenc
         return command + [script, *script_args], exports
     if launcher == "srun":
         return ["srun", "--ntasks", str(nprocs), *program], exports
-    raise SystemExit(f"hostir run: unknown launcher {launcher!r}; expected auto, mpirun, torchrun or srun")
+    raise CommandLineError(f"hostir run: unknown launcher {launcher!r}; expected auto, mpirun, torchrun or srun")
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.nprocs < 1:
-        raise SystemExit(f"hostir run: -n must be at least 1, got {args.nprocs}")
+        raise CommandLineError(f"hostir run: -n must be at least 1, got {args.nprocs}")
     launcher = pick_launcher(args.launcher)
     if launcher != "torchrun" and launcher != "auto" and not shutil.which(launcher):
-        raise SystemExit(f"hostir run: {launcher} is not on PATH")
+        raise CommandLineError(f"hostir run: {launcher} is not on PATH")
     addr = os.environ.get("HOSTIR_MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("HOSTIR_MASTER_PORT") or _free_port())
     command, exports = launch_command(launcher, args.nprocs, args.script, args.script_args, addr, port)
@@ -273,7 +282,7 @@ def _env(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("hostir.plan") is None:
-        raise SystemExit("hostir plan: this hostir has no hostir.plan module")
+        raise CommandLineError("hostir plan: this hostir has no hostir.plan module")
     argv = sys.argv
     sys.argv = ["hostir plan", *args.plan_args]
     try:
@@ -330,6 +339,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
         # Everything after `plan` is hostir.plan's, --help included.
-        return _plan(argparse.Namespace(plan_args=argv[1:]))
+        try:
+            return _plan(argparse.Namespace(plan_args=argv[1:]))
+        except CommandLineError as err:
+            sys.exit(str(err))
     args = parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except CommandLineError as err:
+        sys.exit(str(err))

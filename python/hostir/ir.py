@@ -221,7 +221,7 @@ class DeviceMesh:
         """The hostir mesh of a `torch.distributed.device_mesh.DeviceMesh`:
         the same shape and ranks."""
         if not _is_torch_mesh(mesh):
-            raise TypeError(f"DeviceMesh.from_torch takes a torch DeviceMesh, got {type(mesh).__name__}")
+            raise DefinitionTypeError(f"DeviceMesh.from_torch takes a torch DeviceMesh, got {type(mesh).__name__}")
         return cls(mesh.mesh)
 
     def to_torch(self, device_type: str | None = None) -> Any:

@@ -45,7 +45,9 @@ def _configure_from_env() -> None:
         return
     value = logging.getLevelName(level.upper())
     if not isinstance(value, int):
-        raise ValueError(f"HOSTIR_LOG={level!r}: expected a logging level such as debug, info, warning")
+        from hostir.options import OptionError
+
+        raise OptionError(f"HOSTIR_LOG={level!r}: expected a logging level such as debug, info, warning")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("hostir %(levelname)s %(message)s"))
     logger.addHandler(handler)

@@ -24,6 +24,20 @@ import pathlib
 import sys
 from typing import Any
 
+from hostir.errors import HostIrError
+
+class TraceError(HostIrError, ValueError):
+    """The traces cannot be drawn: none found, no events, no such run."""
+
+
+class TraceNotFoundError(TraceError, FileNotFoundError):
+    """No trace files where a run should have written them."""
+
+
+class PlotUnavailableError(HostIrError, RuntimeError):
+    """matplotlib is not installed."""
+
+
 COLOURS = {
     "compute": "#4c72b0",
     "communication": "#dd8452",
@@ -37,7 +51,7 @@ def load(directory: str | pathlib.Path) -> list[dict[str, Any]]:
     """Every trace of `directory`, rank order."""
     paths = sorted(pathlib.Path(directory).glob("hostir_trace_rank*.json"))
     if not paths:
-        raise FileNotFoundError(f"no hostir_trace_rank*.json in {directory}")
+        raise TraceNotFoundError(f"no hostir_trace_rank*.json in {directory}")
     traces = [json.loads(p.read_text()) for p in paths]
     return sorted(traces, key=lambda t: t["otherData"]["rank"])
 
@@ -52,11 +66,11 @@ def rows(traces: list[dict[str, Any]], run: int | None = None) -> list[tuple[str
             continue
         pick = runs[-1] if run is None else run
         if pick not in runs:
-            raise ValueError(f"rank {trace['otherData']['rank']} has runs {runs}, not {pick}")
+            raise TraceError(f"rank {trace['otherData']['rank']} has runs {runs}, not {pick}")
         names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
         chosen.append((trace["otherData"]["rank"], names, [e for e in events if e["args"].get("run", 0) == pick]))
     if not chosen:
-        raise ValueError("the traces hold no events")
+        raise TraceError("the traces hold no events")
     origin = min(e["ts"] for _, _, events in chosen for e in events)
     out = []
     for rank, names, events in chosen:
@@ -74,7 +88,7 @@ def plot(directory: str | pathlib.Path, output: str | pathlib.Path, run: int | N
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError:
-        raise SystemExit("plot_timeline needs matplotlib: pip install 'hostir[plot]' (or matplotlib)") from None
+        raise PlotUnavailableError("plot_timeline needs matplotlib: pip install 'hostir[plot]' (or matplotlib)") from None
 
     table = rows(load(directory), run)
     height = 1.4 + 0.45 * len(table)
@@ -148,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", type=int, default=None, help="which run of the traces (default: the last)")
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
-    path = plot(args.directory, args.output, args.run, args.title)
+    try:
+        path = plot(args.directory, args.output, args.run, args.title)
+    except HostIrError as err:
+        sys.exit(f"plot_timeline: {err}")
     print(path)
     return 0
 
