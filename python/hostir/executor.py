@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, ir, printer
+from hostir import communicator, ir, printer, schedule
 from hostir.agreement import Offer, RankMismatchError, check, exchange, input_signature
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
@@ -95,6 +95,10 @@ class ExecutorParams:
         protections off: a rank that alone fails its checks, skips a call or
         changes its input shapes then meets the others' collectives out of
         step, and the job ends in a timeout or returns wrong data.
+    schedule: how a device axis walked as a stream axis runs: a
+        `hostir.schedule.Schedule` or its text (`ring:chunks=2`,
+        `collective`, `sequential`, ...); by default `HOSTIR_SCHEDULE`, else
+        the machine model's choice for the inputs' shapes.
     """
 
     number_of_streams: int = 4
@@ -103,6 +107,7 @@ class ExecutorParams:
     backend: str | None = None
     timeout: float | None = None
     check_ranks: str = "always"
+    schedule: object = None
 
     def validate(self) -> None:
         n = self.number_of_streams
@@ -224,6 +229,7 @@ class FusionExecutor:
         self._warn_requires_grad(inputs)
         program, lowered = self._program(inputs, device, params, comm)
         sizes = check_sizes(self.fusion, inputs, program.equal_axes)
+        check_chunks(program.container, sizes)
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
         return _Call(program, inputs, outputs, lowered)
@@ -288,10 +294,12 @@ class FusionExecutor:
         return inputs, outputs
 
     def _program(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> tuple[_Program, bool]:
+        chosen = schedule.for_inputs(self.fusion, inputs, comm, params.schedule)
         key = (
             tuple((t.dtype, t.dim(), t.is_contiguous()) for t in inputs),
             device,
             params.evaluator,
+            None if chosen is None else chosen.key(),
         )
         with self._lock:
             # A program holds the communicator it was lowered for: after a
@@ -305,17 +313,19 @@ class FusionExecutor:
                 logger.debug("program cache hit for %s on %s", _key_text(key), device)
                 return program, False
             logger.debug("program cache miss for %s on %s: lowering", _key_text(key), device)
-            program = self._programs[key] = self._lower(device, comm)
+            program = self._programs[key] = self._lower(device, comm, chosen)
             return program, True
 
-    def _lower(self, device: torch.device, comm=None) -> _Program:
+    def _lower(self, device: torch.device, comm=None, chosen=None) -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
         if comm is None:
             container = lower(self.fusion, dumper)
         else:
-            container = lower(self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend])
+            container = lower(
+                self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend], schedule=chosen
+            )
         dumper.emit("host_ir", "Host program:", str(container))
         self.lowerings += 1
         streams = self._streams.get(device)
@@ -433,12 +443,12 @@ def _exclusive(comm):
 
 
 def _key_text(key: tuple) -> str:
-    inputs, _, evaluator = key
+    inputs, _, evaluator, chosen = key
     parts = ", ".join(
         f"{str(dtype).removeprefix('torch.')}/{ndim}d{'' if contiguous else ' strided'}"
         for dtype, ndim, contiguous in inputs
     )
-    return f"inputs ({parts}), evaluator {evaluator}"
+    return f"inputs ({parts}), evaluator {evaluator}" + ("" if chosen is None else f", schedule {chosen}")
 
 
 def _as_list(values, what: str) -> list:
@@ -615,6 +625,17 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
                     size *= leaf.extent.value
             sizes.setdefault(d.extent, size)
     return sizes
+
+
+def check_chunks(container: HostIrContainer, sizes: dict) -> None:
+    """Raise unless every axis a decomposition splits into chunks divides."""
+    for extent, parts, where in container.chunked:
+        size = sizes.get(extent)
+        if size is not None and size % parts:
+            raise schedule.ScheduleError(
+                f"{where}: extent {size} does not split into {parts} chunks per peer; pick a chunk count "
+                f"that divides it (schedule chunks=)"
+            )
 
 
 def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device: torch.device, tvs=None) -> None:
