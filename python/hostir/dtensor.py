@@ -212,6 +212,15 @@ class Adapter:
             )
 
     # -- outputs
+    def check_outputs(self) -> None:
+        """Raise, before any work, if an output has no mesh to be a DTensor on."""
+        for tv in self._output_tvs():
+            if tv.mesh is None:
+                raise DTensorPlacementError(
+                    f"output T{tv.name} is on no mesh, so it cannot be a DTensor; place the fusion's "
+                    f"tensors on a DeviceMesh (or pass return_dtensors=False)"
+                )
+
     def wrap_outputs(self, results: Sequence[Any]) -> list[Any]:
         """Each local result as a DTensor on its output's mesh, placed as its
         sharding says (None stays None: this rank does not hold it)."""

@@ -149,6 +149,8 @@ class FusionDefinition:
             inputs = self._dtensors().local_inputs(inputs)
             if outputs is not None:
                 outputs = [o.to_local() if is_dtensor(o) else o for o in outputs]
+        if wrap:
+            self._dtensors().check_outputs()
         if trace is None:
             results = self.executor.execute(inputs, outputs, params, **kwargs)
         else:

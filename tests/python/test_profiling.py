@@ -135,3 +135,4 @@ def test_plot_timeline_draws_a_png(tmp_path):
 def test_plot_timeline_without_traces_says_so(tmp_path):
     with pytest.raises(FileNotFoundError, match="no hostir_trace_rank"):
         timeline.load(tmp_path)
+
