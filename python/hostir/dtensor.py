@@ -195,6 +195,9 @@ class Adapter:
 
         if tv.mesh != mesh:
             raise mismatch(f"the input lives on {tv.mesh!r}")
+        if _has_mesh_y(tv):
+            raise mismatch("the input is sharded along the mesh's dimension before the last (mesh_y), "
+                           "which the DTensor adapter does not map yet")
         sharded = _sharded_logical_axis(tv)
         if sharded is None:
             if axis is not None:
@@ -237,6 +240,11 @@ class Adapter:
                     f"output T{tv.name} is on no mesh, so it cannot be a DTensor; place the fusion's "
                     f"tensors on a DeviceMesh (or pass return_dtensors=False)"
                 )
+            if _has_mesh_y(tv):
+                raise DTensorPlacementError(
+                    f"output T{tv.name} is sharded along its mesh's dimension before the last (mesh_y), "
+                    f"which the DTensor adapter does not map yet; pass return_dtensors=False"
+                )
             torch_mesh = self._torch_mesh(mesh, local.device.type)
             placements: list[Any] = [Replicate()] * mesh.ndim
             sharded = _sharded_logical_axis(tv)
@@ -269,6 +277,10 @@ def _sharded_logical_axis(tv: ir.TensorView) -> tuple[int, bool] | None:
     for index, d in enumerate(tv.logical_runtime()):
         leaves = d.loop_leaves()
         for at, leaf in enumerate(leaves):
-            if leaf.is_device_parallel:
+            if leaf.parallel_type is ir.ParallelType.mesh_x:
                 return index, at == 0
     return None
+
+
+def _has_mesh_y(tv: ir.TensorView) -> bool:
+    return any(d.parallel_type is ir.ParallelType.mesh_y for d in tv.domain)
