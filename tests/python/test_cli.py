@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from hostir import cli, communicator
-from test_multidevice_mpirun import mpirun_env, requires_mpirun
+from launchers import job_env as mpirun_env
+from test_multidevice_mpirun import requires_mpirun
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "examples" / "sequence_parallel_matmul.py")

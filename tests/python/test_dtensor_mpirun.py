@@ -13,7 +13,8 @@ import pytest
 
 from hostir.profiling import trace_path
 from spawn import free_port
-from test_multidevice_mpirun import mpirun_command, requires_mpirun, run_job
+from launchers import run_job
+from test_multidevice_mpirun import mpirun_command, requires_mpirun
 
 SCRIPT = "tests/python/scripts/dtensor_user_init.py"
 
