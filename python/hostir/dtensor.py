@@ -77,9 +77,7 @@ def _placement_text(placements: Sequence[Any]) -> str:
 
 
 def _sharding_text(tv: ir.TensorView) -> str:
-    from hostir import printer
-
-    return printer.format_tv(tv)
+    return ir.format_tv(tv)
 
 
 class Adapter:

@@ -15,7 +15,11 @@
    differ; then they create the process groups the program needs. Nothing
    to do for one rank;
 5. bind the inputs and outputs (a rank's pieces viewed with loop axes);
-6. run with the evaluator, in a frame of its own, without autograd;
+6. run with the evaluator, in a frame of its own, without autograd: the
+   Python reference (`HostIrEvaluator`) or the C++ executor (`hostir.cpp`),
+   both built from the same lowered container; with `cuda_graph=True` the
+   run is captured once per exact input signature and replayed
+   (`hostir.graphs`);
 7. convert the results back to the fusion's logical axes.
 
 A failure in steps 1-3 on one rank of a multi-device fusion is carried by
@@ -34,17 +38,17 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, ir, printer, schedule
+from hostir import communicator, cpp, flat, ir, printer, schedule
 from hostir.agreement import Offer, RankMismatchError, check, exchange, input_signature
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.evaluator import HostIrEvaluator
+from hostir.graphs import CudaGraphs
 from hostir.log import logger
 from hostir.lower import RESHARDING_MODES, lower
-from hostir.options import Dumper
+from hostir.options import EVALUATORS, Dumper, evaluator_choice
 from hostir.streams import streams_for
 
-EVALUATORS = ("python",)
 CHECK_RANKS = ("always", "first")
 
 __all__ = [
@@ -77,7 +81,14 @@ class ExecutorParams:
 
     number_of_streams: worker streams a stream-parallel loop cycles through
         (`numberOfStreams` in the dump); at least 1.
-    evaluator: "python", the reference interpreter.
+    evaluator: "python" (the reference interpreter), "cpp" (the C++
+        executor, an error if it is not built) or "auto" (C++ when built);
+        by default HOSTIR_EVALUATOR, else "auto".
+    cuda_graph: capture the run as a CUDA graph on first use for each exact
+        input signature (sizes included) and replay it after; CUDA and NCCL
+        only. Outputs of a replay are the graph's own tensors (or the
+        caller's preallocated ones); inputs are copied into the graph's
+        buffers unless the caller passes those buffers.
     device: where to run; by default, for a multi-device program, the
         communicator's (cuda:local_rank or cpu), else the device of the
         first input on a GPU, else that of input 0. CPU inputs of a program
@@ -107,24 +118,41 @@ class ExecutorParams:
     """
 
     number_of_streams: int = 4
-    evaluator: str = "python"
+    evaluator: str | None = None
     device: torch.device | str | None = None
     backend: str | None = None
     timeout: float | None = None
     check_ranks: str = "always"
     resharding: str = "auto"
     schedule: object = None
+    cuda_graph: bool = False
 
     def validate(self) -> None:
         n = self.number_of_streams
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ExecuteArgumentError(f"number_of_streams must be an integer >= 1, got {n!r}")
-        if self.evaluator not in EVALUATORS:
+        if self.evaluator is not None and self.evaluator not in EVALUATORS:
             raise ExecuteArgumentError(f"unknown evaluator {self.evaluator!r}; expected one of {list(EVALUATORS)}")
+        if not isinstance(self.cuda_graph, bool):
+            raise InputTypeError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
         if self.check_ranks not in CHECK_RANKS:
             raise ExecuteArgumentError(f"check_ranks must be one of {list(CHECK_RANKS)}, got {self.check_ranks!r}")
         if self.resharding not in RESHARDING_MODES:
             raise ExecuteArgumentError(f"resharding must be one of {list(RESHARDING_MODES)}, got {self.resharding!r}")
+
+    def evaluator_name(self) -> str:
+        """"python" or "cpp": the evaluator this run uses."""
+        choice = self.evaluator if self.evaluator is not None else evaluator_choice()
+        if choice == "python":
+            return "python"
+        if cpp.available():
+            return "cpp"
+        if choice == "cpp":
+            raise ExecuteArgumentError(
+                f"evaluator='cpp' was requested but the C++ executor is unavailable: {cpp.reason()}"
+            )
+        cpp.warn_unavailable()
+        return "python"
 
     @classmethod
     def from_arguments(cls, params: ExecutorParams | None, kwargs: dict) -> ExecutorParams:
@@ -145,7 +173,7 @@ class ExecutorParams:
 @dataclasses.dataclass
 class _Program:
     container: HostIrContainer
-    evaluator: HostIrEvaluator
+    evaluator: HostIrEvaluator | cpp.CppEvaluator
     # Input axes that ops iterate together: their sizes must be equal.
     equal_axes: list[list[tuple[int, int]]]
 
@@ -179,6 +207,7 @@ class FusionExecutor:
         # (communicator, this fusion's number on it, calls made so far)
         self._sequence: tuple[object, int, int] | None = None
         self._warned: set[str] = set()
+        self._graphs = CudaGraphs()
 
     @property
     def num_programs(self) -> int:
@@ -307,11 +336,12 @@ class FusionExecutor:
         return inputs, outputs
 
     def _program(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> tuple[_Program, bool]:
+        evaluator = params.evaluator_name()
         chosen = schedule.for_inputs(self.fusion, inputs, comm, params.schedule)
         key = (
             tuple((t.dtype, t.dim(), t.is_contiguous()) for t in inputs),
             device,
-            params.evaluator,
+            evaluator,
             params.resharding,
             None if chosen is None else chosen.key(),
         )
@@ -327,10 +357,13 @@ class FusionExecutor:
                 logger.debug("program cache hit for %s on %s", _key_text(key), device)
                 return program, False
             logger.debug("program cache miss for %s on %s: lowering", _key_text(key), device)
-            program = self._programs[key] = self._lower(device, comm, chosen, params.resharding)
+            strict = (params.evaluator or evaluator_choice()) == "cpp"
+            program = self._programs[key] = self._lower(device, evaluator, comm, chosen, params.resharding, strict)
             return program, True
 
-    def _lower(self, device: torch.device, comm=None, chosen=None, resharding: str = "auto") -> _Program:
+    def _lower(
+        self, device: torch.device, evaluator: str, comm=None, chosen=None, resharding: str = "auto", strict=False
+    ) -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
@@ -350,7 +383,12 @@ class FusionExecutor:
         streams = self._streams.get(device)
         if streams is None:
             streams = self._streams[device] = streams_for(device)
-        evaluator = HostIrEvaluator(container, streams=streams, device=device, communicator=comm, dumper=dumper)
+        if evaluator == "cpp" and not strict and flat.unsupported(container) is not None:
+            # "auto": a program with ops the C++ executor lacks (a copy-engine
+            # transport, chunked views) runs on the Python evaluator.
+            evaluator = "python"
+        make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
+        run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper)
         if logger.isEnabledFor(logging.INFO):
             exprs = list(container.walk())
             comms = sum(isinstance(e, ir.Communication) for e in exprs)
@@ -358,9 +396,9 @@ class FusionExecutor:
                 "lowered fusion %s to a host program of %d ops (%d communications), digest %s; "
                 "evaluator %s on %s with %s",
                 signature(self.fusion), len(exprs), comms, (getattr(container, "digest", None) or "")[:12],
-                type(evaluator).__name__, device, type(streams).__name__,
+                type(run).__name__, device, type(streams).__name__,
             )
-        return _Program(container, evaluator, _equal_input_axes(self.fusion))
+        return _Program(container, run, _equal_input_axes(self.fusion))
 
     # -- 4: agree and make groups
     def _communicator(self, params, kwargs):
@@ -430,12 +468,22 @@ class FusionExecutor:
                 bindings[tv] = to_loop(tv, t)
         try:
             with torch.no_grad():
-                results = call.program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
+                if params.cuda_graph:
+                    device = comm.device if comm is not None else _device_of(call.inputs)
+                    backend = comm.backend if comm is not None else None
+                    results = self._graphs.run(call.program, bindings, params.number_of_streams, device, backend)
+                else:
+                    results = call.program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
         except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
             if comm is not None:
                 comm.failure = f"{type(err).__name__}: {err}"
             raise
         return [None if r is None else to_logical(tv, r) for tv, r in zip(container.outputs, results)]
+
+
+def _device_of(inputs: list) -> torch.device:
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _agrees_first_only(params) -> bool:

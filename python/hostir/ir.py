@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import sys
 from typing import Any, Iterator, Sequence
 
@@ -133,9 +134,14 @@ class Scalar:
     def __rsub__(self, other: int) -> ScalarExpr:
         return ScalarExpr("-", _scalar(other), self)
 
-    def __repr__(self) -> str:
-        from hostir.printer import format_scalar
+    def key(self) -> tuple:
+        """What makes two scalars the same value: a constant's value, a
+        named leaf's name, an expression's op and operands' keys."""
+        if self.label is not None:
+            return ("name", self.label)
+        return ("constant", type(self.value).__name__, self.value)
 
+    def __repr__(self) -> str:
         return format_scalar(self)
 
 
@@ -161,6 +167,9 @@ class ScalarExpr(Scalar):
     @property
     def is_constant(self) -> bool:
         return False
+
+    def key(self) -> tuple:
+        return (self.op, self.lhs.key(), self.rhs.key())
 
 
 def _scalar(v) -> Scalar:
@@ -396,8 +405,6 @@ class IterDomain:
         return self
 
     def __repr__(self) -> str:
-        from hostir.printer import format_id
-
         return format_id(self)
 
 
@@ -541,8 +548,6 @@ class TensorView:
         return [1 if d.is_device_parallel else s for d, s in zip(self.runtime_domain(), sizes)]
 
     def __repr__(self) -> str:
-        from hostir.printer import format_tv
-
         return format_tv(self)
 
 
@@ -559,9 +564,46 @@ class Stream:
         self.index = index
 
     def __repr__(self) -> str:
-        from hostir.printer import format_stream
-
         return format_stream(self)
+
+
+# ---------------------------------------------------------------- text of values
+#
+# Values format themselves (nvFuser's spelling); printer.py builds the dump
+# of ops and programs on top and depends on this module, never the reverse.
+
+
+def format_scalar(s: Scalar) -> str:
+    if isinstance(s, ScalarExpr):
+        return f"( {format_scalar(s.lhs)} {s.op} {format_scalar(s.rhs)} )"
+    if s.label is not None:
+        return s.label
+    v = s.value
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "-inf" if v < 0 else "inf"
+        return repr(v)
+    return str(v)
+
+
+def format_id(d: IterDomain) -> str:
+    return f"{d.iter_type.value}{d.parallel_type.value}{d.name}{{{format_scalar(d.extent)}}}"
+
+
+def format_tv(tv: TensorView) -> str:
+    axes = ", ".join(format_id(d) for d in tv.domain)
+    text = f"T{tv.name}_{tv.memory_type.value}_{dtype_name(tv.dtype)}[{axes}]"
+    if tv.mesh is not None:
+        text += f" ({tv.mesh!r})"
+    return text
+
+
+def format_stream(s: Stream) -> str:
+    if s.index is not None:
+        return f"Stream {format_scalar(s.index)}"
+    return f"Stream {s.name}"
 
 
 # ---------------------------------------------------------------- exprs
@@ -593,9 +635,14 @@ class Expr:
         return iter(())
 
     def __repr__(self) -> str:
-        from hostir.printer import format_expr
-
-        return format_expr(self).strip()
+        # The dump line lives in printer.py, which depends on this module;
+        # a repr names the op and its fields' values.
+        parts = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            text = f"[{len(v)} exprs]" if f.name == "body" else repr(v)
+            parts.append(f"{f.name}={text}")
+        return f"{type(self).__name__}({', '.join(parts)})"
 
 
 def _op(cls):

@@ -8,45 +8,11 @@ two spaces, and an `Aliases:{...}` block when the alias map is not empty.
 
 from __future__ import annotations
 
-import math
-
 from hostir import ir
+from hostir.ir import format_id, format_scalar, format_stream, format_tv
 from hostir.errors import DefinitionTypeError
 
 INDENT = "  "
-
-
-def format_scalar(s: ir.Scalar) -> str:
-    if isinstance(s, ir.ScalarExpr):
-        return f"( {format_scalar(s.lhs)} {s.op} {format_scalar(s.rhs)} )"
-    if s.label is not None:
-        return s.label
-    v = s.value
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        if math.isinf(v):
-            return "-inf" if v < 0 else "inf"
-        return repr(v)
-    return str(v)
-
-
-def format_id(d: ir.IterDomain) -> str:
-    return f"{d.iter_type.value}{d.parallel_type.value}{d.name}{{{format_scalar(d.extent)}}}"
-
-
-def format_tv(tv: ir.TensorView) -> str:
-    axes = ", ".join(format_id(d) for d in tv.domain)
-    text = f"T{tv.name}_{tv.memory_type.value}_{ir.dtype_name(tv.dtype)}[{axes}]"
-    if tv.mesh is not None:
-        text += f" ({tv.mesh!r})"
-    return text
-
-
-def format_stream(s: ir.Stream) -> str:
-    if s.index is not None:
-        return f"Stream {format_scalar(s.index)}"
-    return f"Stream {s.name}"
 
 
 def format_val(v) -> str:

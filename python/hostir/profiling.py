@@ -105,7 +105,7 @@ def op_name(e: ir.Expr) -> str:
 
 
 def _stream(s: ir.Stream) -> str:
-    from hostir.printer import format_stream
+    from hostir.ir import format_stream
 
     return format_stream(s)
 

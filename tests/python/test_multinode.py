@@ -50,7 +50,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from test_multidevice_mpirun import MPIRUN, mpirun_env, summaries
+from launchers import MPIRUN
+from launchers import job_env as launcher_env
+from test_multidevice_mpirun import summaries
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "python" / "multinode_worker.py"
@@ -218,8 +220,10 @@ def nodes():
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    env = mpirun_env()
+    env = launcher_env()
     env.pop("GLOO_SOCKET_IFNAME", None)
+    # Open MPI 5 refuses to run as root without these.
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.update(extra)
     return env
 
