@@ -8,6 +8,7 @@ shard axes with `ParallelType.mesh_x` and pipeline them with
 mpirun or torchrun), and read the lowered host program with `fd.host_ir()`.
 """
 
+from hostir._version import __version__
 from hostir.communicator import (
     CommunicatorError,
     CommunicatorTimeout,
@@ -18,6 +19,7 @@ from hostir.communicator import (
     world_size,
 )
 from hostir.container import AliasError, HostIrContainer
+from hostir.dtensor import DTensorPlacementError
 from hostir.errors import DefinitionError, HostIrError, UsageError
 from hostir.evaluator import HostIrEvaluator, HostIrRuntimeError
 from hostir.executor import ExecutorParams, InputError, InputTypeError, RankMismatchError
@@ -30,6 +32,7 @@ __all__ = [
     "AliasError",
     "CommunicatorError",
     "CommunicatorTimeout",
+    "DTensorPlacementError",
     "DefinitionError",
     "HostIrError",
     "InputError",
@@ -53,5 +56,5 @@ __all__ = [
     "MemoryType",
     "OptionError",
     "ParallelType",
+    "__version__",
 ]
-__version__ = "0.2.0"

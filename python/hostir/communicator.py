@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from hostir.errors import HostIrError
 from hostir.network import GLOO_IFNAME, GlooInterface, InterfaceError, choose_gloo_interface
+from hostir.log import logger
 
 __all__ = [
     "LAUNCHER_VARIABLES",
@@ -606,7 +607,9 @@ class Communicator:
         master_addr: str | None = None,
         master_port: int | None = None,
     ) -> None:
-        self.launch = discover() if launch is None else launch
+        if launch is None:
+            launch = _from_default_group() if dist.is_available() and dist.is_initialized() else discover()
+        self.launch = launch
         self.backend = _resolve_backend(backend)
         self.timeout = _resolve_timeout(timeout)
         self.master_addr, self.master_port = _resolve_rendezvous(master_addr, master_port, self.launch)
@@ -651,6 +654,11 @@ class Communicator:
         except BaseException:
             self.shutdown()
             raise
+        logger.info(
+            "communicator: rank %d of %d (%s), transport %s on %s, timeout %g s, %s",
+            self.rank, self.world_size, self.launch.source, self.backend, self.device, self.timeout,
+            "default group created" if self._owns_default else "reusing the program's default group",
+        )
 
     def _check_gpus_distinct(self) -> None:
         """Every rank must drive a GPU of its own: NCCL cannot run two ranks
@@ -894,9 +902,24 @@ def shutdown() -> None:
         _instance = None
 
 
+def _from_default_group() -> LaunchInfo:
+    """Which process this is when the program initialized torch.distributed
+    itself: the default group's rank and size, with the launcher's local rank
+    where its variables agree (else the rank modulo the visible GPUs)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    launch = discover()
+    if (launch.rank, launch.world_size) == (rank, size) or launch.world_size > 1:
+        # A launcher that disagrees is reported by _check_default_group.
+        return launch
+    gpus = torch.cuda.device_count()
+    return LaunchInfo(rank, size, rank % gpus if gpus else rank, None, "torch.distributed")
+
+
 def _current() -> LaunchInfo:
     if _instance is not None and not _instance._closed:
         return _instance.launch
+    if dist.is_available() and dist.is_initialized():
+        return _from_default_group()
     return discover()
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from hostir import ir, printer, transports
+from hostir import ir, printer, profiling, transports
 from hostir.communicator import CommunicatorTimeout, PeerLostError
 from hostir.container import AliasError, HostIrContainer
 from hostir.errors import HostIrError
@@ -138,6 +138,8 @@ class HostIrEvaluator:
                 frame.bind_extents(val, value)
             frame.bind(val, value)
         caller = self.streams.current()
+        rank = self.communicator.rank if self.communicator is not None else 0
+        frame.observer = profiling.observer_for(self.container, self.streams, rank)
         try:
             frame.run_scope(self.container.exprs)
             frame.complete_pending()
@@ -146,6 +148,8 @@ class HostIrEvaluator:
             for stream in frame.used_streams:
                 self.streams.wait(caller, stream)
             self.streams.set_current(caller)
+            if frame.observer is not None:
+                frame.observer.finish()
 
     def _find_body_locals(self, container: HostIrContainer) -> dict[int, list]:
         """For each loop, the buffers first defined in its body (unbound at
@@ -193,7 +197,7 @@ class Frame:
 
     __slots__ = (
         "evaluator", "streams", "device", "communicator", "dumper", "values", "loops", "used_streams", "works",
-        "coalescing", "call_parity",
+        "coalescing", "call_parity", "observer",
     )
 
     def __init__(self, evaluator: HostIrEvaluator):
@@ -212,6 +216,8 @@ class Frame:
         # Buffers that peers write alternate between two copies by the
         # parity of the run (the transports' double buffering).
         self.call_parity = next(evaluator.calls) % 2
+        # Profiler ranges and trace events of this run, or None (the usual case).
+        self.observer: profiling.Observer | None = None
 
     # -- the two accessors
     def get(self, val, default=_REQUIRED):
@@ -254,9 +260,13 @@ class Frame:
 
     def run_scope(self, exprs) -> None:
         listeners = self.evaluator.listeners
+        observer = self.observer
         for e in exprs:
             try:
-                _HANDLERS[type(e)](self, e)
+                if observer is None:
+                    _HANDLERS[type(e)](self, e)
+                else:
+                    observer.run(self, e, _HANDLERS[type(e)])
             except HostIrRuntimeError:
                 raise
             except (CommunicatorTimeout, PeerLostError) as err:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import warnings
 from typing import Sequence
@@ -43,6 +44,7 @@ from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.evaluator import HostIrEvaluator
 from hostir.graphs import CudaGraphs
+from hostir.log import logger
 from hostir.lower import RESHARDING_MODES, lower
 from hostir.options import EVALUATORS, Dumper, evaluator_choice
 from hostir.streams import streams_for
@@ -352,7 +354,9 @@ class FusionExecutor:
                 self._comm = comm
             program = self._programs.get(key)
             if program is not None:
+                logger.debug("program cache hit for %s on %s", _key_text(key), device)
                 return program, False
+            logger.debug("program cache miss for %s on %s: lowering", _key_text(key), device)
             strict = (params.evaluator or evaluator_choice()) == "cpp"
             program = self._programs[key] = self._lower(device, evaluator, comm, chosen, params.resharding, strict)
             return program, True
@@ -385,6 +389,15 @@ class FusionExecutor:
             evaluator = "python"
         make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
         run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper)
+        if logger.isEnabledFor(logging.INFO):
+            exprs = list(container.walk())
+            comms = sum(isinstance(e, ir.Communication) for e in exprs)
+            logger.info(
+                "lowered fusion %s to a host program of %d ops (%d communications), digest %s; "
+                "evaluator %s on %s with %s",
+                signature(self.fusion), len(exprs), comms, (getattr(container, "digest", None) or "")[:12],
+                type(run).__name__, device, type(streams).__name__,
+            )
         return _Program(container, run, _equal_input_axes(self.fusion))
 
     # -- 4: agree and make groups
@@ -494,6 +507,16 @@ def _exclusive(comm):
         yield
     finally:
         comm.busy.release()
+
+
+def _key_text(key: tuple) -> str:
+    inputs, _, evaluator, resharding, chosen = key
+    parts = ", ".join(
+        f"{str(dtype).removeprefix('torch.')}/{ndim}d{'' if contiguous else ' strided'}"
+        for dtype, ndim, contiguous in inputs
+    )
+    text = f"inputs ({parts}), evaluator {evaluator}, resharding {resharding}"
+    return text + ("" if chosen is None else f", schedule {chosen}")
 
 
 def _as_list(values, what: str) -> list:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Iterator, Sequence
+import sys
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -204,19 +205,29 @@ def product(extents: Sequence[Scalar]) -> Scalar:
 # ---------------------------------------------------------------- domains
 
 
+def _is_torch_mesh(value) -> bool:
+    # Only a program that imported torch's device_mesh can hold one.
+    module = sys.modules.get("torch.distributed.device_mesh")
+    return module is not None and isinstance(value, module.DeviceMesh)
+
+
 class DeviceMesh:
     """The ranks a tensor lives on. A 1-D mesh is a list of ranks; an n-D
     mesh (a nested list or an n-D tensor) is accepted too, and `mesh_x` then
     shards along its last dimension (each row of that dimension is one
     team), `mesh_y` along the one before it (each column is one team).
-    A mesh is a value: two meshes with the same shape and ranks are equal."""
+    A mesh is a value: two meshes with the same shape and ranks are equal.
+    A torch `DeviceMesh` is accepted wherever a mesh is, with its shape and
+    ranks (`DeviceMesh.from_torch`, `to_torch` convert explicitly)."""
 
     __slots__ = ("shape", "devices")
 
-    def __init__(self, devices):
+    def __init__(self, devices: object) -> None:
         if isinstance(devices, DeviceMesh):
             self.shape, self.devices = devices.shape, devices.devices
             return
+        if _is_torch_mesh(devices):
+            devices = devices.mesh
         if isinstance(devices, range):
             devices = list(devices)
         if isinstance(devices, (list, tuple)) and not devices:
@@ -240,6 +251,23 @@ class DeviceMesh:
             raise DefinitionError(f"DeviceMesh ranks must be unique; {dup} appear more than once")
         self.shape = tuple(t.shape)
         self.devices = tuple(flat)
+
+    @classmethod
+    def from_torch(cls, mesh: object) -> DeviceMesh:
+        """The hostir mesh of a `torch.distributed.device_mesh.DeviceMesh`:
+        the same shape and ranks."""
+        if not _is_torch_mesh(mesh):
+            raise DefinitionTypeError(f"DeviceMesh.from_torch takes a torch DeviceMesh, got {type(mesh).__name__}")
+        return cls(mesh.mesh)
+
+    def to_torch(self, device_type: str | None = None) -> Any:
+        """A `torch.distributed.device_mesh.DeviceMesh` of the same shape
+        and ranks, on `device_type` ("cuda" where CUDA is available, else
+        "cpu"). Every rank calls it (torch may create process groups);
+        torch.distributed is initialized first if it is not yet."""
+        from hostir.dtensor import to_torch_mesh
+
+        return to_torch_mesh(self, device_type)
 
     @property
     def size(self) -> int:
@@ -458,7 +486,10 @@ class TensorView:
 
     # -- scheduling
     def set_device_mesh(self, mesh: DeviceMesh) -> TensorView:
-        """Place this tensor on `mesh` (replicated until an axis is `mesh_x`)."""
+        """Place this tensor on `mesh` (replicated until an axis is `mesh_x`);
+        a torch DeviceMesh is taken as its hostir equivalent."""
+        if _is_torch_mesh(mesh):
+            mesh = DeviceMesh(mesh)
         if not isinstance(mesh, DeviceMesh):
             raise DefinitionTypeError(f"set_device_mesh takes a DeviceMesh, got {type(mesh).__name__}")
         self.mesh = mesh
