@@ -666,7 +666,7 @@ class Communicator:
         CUDA_VISIBLE_DEVICES repeat on a node would share one; the GPUs'
         UUIDs show it on every rank at once, before any collective."""
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
-        shared = shared_gpus(self.all_gather_object(uuid))
+        shared = shared_gpus([u.decode() for u in self.all_gather_bytes(uuid.encode(), 64)])
         if shared:
             groups = "; ".join(f"ranks {', '.join(map(str, ranks))} on GPU {gpu}" for gpu, ranks in shared.items())
             raise LaunchError(
@@ -804,6 +804,19 @@ class Communicator:
         except Exception as exc:
             raise classify_error(exc, "the ranks' agreement (all-gather)", rank=self.rank, timeout=self.timeout)
         return gathered
+
+    def all_gather_bytes(self, data: bytes, capacity: int) -> list[bytes]:
+        """Every rank's `data` (at most `capacity` bytes), in rank order: a
+        length word and the bytes padded to `capacity`, gathered as int64
+        words with `all_gather_words`, so ranks exchange raw bytes and never
+        unpickle a peer's objects."""
+        if len(data) > capacity:
+            raise CommunicatorArgumentError(f"{len(data)} bytes do not fit the {capacity}-byte record")
+        words = -(-capacity // 8)
+        padded = bytearray(data.ljust(words * 8, b"\0"))
+        record = torch.cat([torch.tensor([len(data)]), torch.frombuffer(padded, dtype=torch.int64)])
+        rows = self.all_gather_words(record)
+        return [bytes(row[1:].contiguous().view(torch.uint8).tolist())[: int(row[0])] for row in rows]
 
     def next_fusion_number(self) -> int:
         """A number for a fusion that runs on this communicator for the first
