@@ -54,9 +54,17 @@ class HostIrEvaluator:
 
     `streams` is a `CudaStreams` for a CUDA device or `NullStreams` (the
     default) for the CPU; `device` is where `Allocate` puts new buffers.
+    `listener`, if given, is told about every op: `before_op(ev, e)` and
+    `after_op(ev, e)` (the dry run's memory plan and op counts read the
+    program's values there, through `get` and `bound_tensors`). A
+    communicator with a `post(e, input, out)` method is a transport that
+    takes each communication whole (the dry run's recorder); otherwise
+    communications post through `torch.distributed`.
     """
 
-    def __init__(self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None):
+    def __init__(
+        self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None, listener=None
+    ):
         for tv in container.inputs:
             if container.aliases.is_alias(tv):
                 raise AliasError(f"Inputs cannot be aliased: T{tv.name} is an alias")
@@ -68,6 +76,7 @@ class HostIrEvaluator:
         self.device = torch.device(device)
         self.communicator = communicator
         self.dumper = dumper
+        self.listener = listener
         needs = [e for e in container.walk() if isinstance(e, ir.COMMUNICATION_OPS)]
         if needs and communicator is None:
             raise ValueError(
@@ -209,10 +218,23 @@ class HostIrEvaluator:
         """This rank's runtime sizes of `tv` (1 on a mesh_x axis)."""
         return tv.local_sizes(self.full_sizes(tv))
 
+    def bound_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the program holds now (inputs, buffers, slices)."""
+        return [v for v in self._values.values() if isinstance(v, torch.Tensor)]
+
+    def loop_indices(self) -> list[tuple[ir.Scalar, int]]:
+        """The enclosing loops' indices and their values, outermost first."""
+        return [(i, v) for i, v in self._loops]
+
     def _run_scope(self, exprs) -> None:
+        listener = self.listener
         for e in exprs:
             try:
+                if listener is not None:
+                    listener.before_op(self, e)
                 _HANDLERS[type(e)](self, e)
+                if listener is not None:
+                    listener.after_op(self, e)
             except HostIrRuntimeError:
                 raise
             except (CommunicatorTimeout, PeerLostError) as err:
@@ -325,8 +347,9 @@ def _binary(ev: HostIrEvaluator, e: ir.BinaryOp) -> None:
     lhs, rhs = ev.get(e.lhs), ev.get(e.rhs)
     if not isinstance(lhs, torch.Tensor):
         # torch takes a number only on the right; a 0-d tensor of the
-        # number's default dtype promotes the same way.
-        lhs = torch.tensor(lhs)
+        # number's default dtype promotes the same way. (A meta operand, in a
+        # dry run, cannot mix with a CPU tensor.)
+        lhs = torch.tensor(lhs, device="meta" if rhs.device.type == "meta" else None)
     out = ev.get(e.out, None)
     if out is None:
         ev.bind(e.out, fn(lhs, rhs))
@@ -612,8 +635,12 @@ def _communication(ev: HostIrEvaluator, e: ir.Communication) -> None:
     comm = ev.communicator
     if comm.rank not in e.team:
         return
-    group = comm.group(e.team)
     _log_posting(ev, e)
+    post = getattr(comm, "post", None)
+    if post is not None:
+        ev._works[e] = _Posted([post(e, ev.get(e.input, None), ev.get(e.out, None))])
+        return
+    group = comm.group(e.team)
     try:
         ev._works[e] = _POST[e.type](ev, e, group)
     except Exception as err:
@@ -629,6 +656,14 @@ def _p2p(ev: HostIrEvaluator, e: ir.P2PCommunication) -> None:
     buf = ev.get(e.buffer)
     if not buf.is_contiguous():
         raise ValueError(f"the buffer of a P2P communication must be contiguous (strides {list(buf.stride())})")
+    post = getattr(comm, "post", None)
+    if post is not None:
+        work = post(e, buf if e.type == "send" else None, buf if e.type == "recv" else None, peer=peer)
+        if ev._coalescing is not None:
+            ev._coalescing.append(work)
+            work = _NoWork()
+        ev._works[e] = _Posted([work])
+        return
     if ev._coalescing is not None:
         fn = dist.isend if e.type == "send" else dist.irecv
         ev._coalescing.append(dist.P2POp(fn, buf, peer))
@@ -650,6 +685,10 @@ def _end_coalescing(ev: HostIrEvaluator, e: ir.EndCoalescing) -> None:
     if ev._coalescing is None:
         raise RuntimeError("EndCoalescing without StartCoalescing")
     ops, ev._coalescing = ev._coalescing, None
+    if getattr(ev.communicator, "post", None) is not None:
+        # A transport's works, posted one by one: the group completes them.
+        ev._works[e] = _Posted(ops)
+        return
     works = dist.batch_isend_irecv(ops) if ops else []
     ev._works[e] = _Posted(list(works))
 

@@ -2,9 +2,16 @@
 
 `FusionExecutor.execute` validates every input and preallocated output
 against the fusion before any work starts, looks up the lowered program for
-the inputs' signature (dtypes, ranks, device, contiguity — not sizes: extents
-are symbolic, so one program serves every shape), lowers it on a miss, and
-runs it with the chosen evaluator under `torch.no_grad()`.
+the inputs' signature (dtypes, ranks, device, contiguity, and the sizes of
+the axes marked static — no other sizes: extents are symbolic, so one
+program serves every shape), lowers it on a miss, and runs it with the
+chosen evaluator under `torch.no_grad()`.
+
+`HOSTIR_FAKE` (see `hostir.options`) adds the dry run: with `auto` each new
+input shape of a program is dry-run once (every rank of a multi-device
+program) before its first real run, so its errors come before any data
+moves; with `1` execute returns the dry run's meta tensors and runs nothing.
+A dry-run report depends on every size, so it is kept per exact input shape.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from hostir import communicator, ir, printer
 from hostir.container import HostIrContainer
 from hostir.evaluator import HostIrEvaluator
 from hostir.lower import lower
-from hostir.options import Dumper
+from hostir.options import Dumper, fake_mode
 from hostir.streams import streams_for
 
 EVALUATORS = ("python",)
@@ -74,6 +81,15 @@ class _Program:
     evaluator: HostIrEvaluator
     # Input axes that ops iterate together: their sizes must be equal.
     equal_axes: list[list[tuple[int, int]]]
+    # (input, axis, size) of every static axis: the sizes this program was
+    # made for, part of its key.
+    static_sizes: tuple = ()
+    # Dry-run reports of this program, per exact input shapes (and number
+    # of streams): a report holds every size, so it serves no other.
+    reports: dict = dataclasses.field(default_factory=dict)
+
+
+_MAX_REPORTS = 64
 
 
 class FusionExecutor:
@@ -85,19 +101,25 @@ class FusionExecutor:
         self.lowerings = 0
         self._multi_device_at: int | None = None
         self._is_multi_device = False
+        self.dry_runs = 0
+        self._fake_reports: dict = {}
 
     @property
     def num_programs(self) -> int:
         return len(self._programs)
 
-    def host_ir(self) -> str:
-        """The dump of the program the fusion lowers to now (for a
-        multi-device fusion, this rank's program)."""
+    def host_program(self) -> HostIrContainer:
+        """The program the fusion lowers to now (for a multi-device fusion,
+        this rank's program)."""
         if is_multi_device(self.fusion):
             rank = communicator.rank()
             backend = _BACKEND_NAMES["nccl" if torch.cuda.is_available() else "gloo"]
-            return str(lower(self.fusion, rank=rank, backend=backend))
-        return str(lower(self.fusion))
+            return lower(self.fusion, rank=rank, backend=backend)
+        return lower(self.fusion)
+
+    def host_ir(self) -> str:
+        """The dump of `host_program()`."""
+        return str(self.host_program())
 
     def execute(
         self,
@@ -106,13 +128,18 @@ class FusionExecutor:
         params: ExecutorParams | None = None,
     ) -> list[torch.Tensor]:
         params = params or ExecutorParams()
+        mode = fake_mode()
+        if mode == "1":
+            return self._execute_fake(inputs, outputs, params)
         if self._multi_device():
-            return self._execute_multi_device(inputs, outputs, params)
+            return self._execute_multi_device(inputs, outputs, params, mode)
         params.validate()
         inputs, outputs = self._as_lists(inputs, outputs)
         device = check_inputs(self.fusion, inputs, params.device)
         program = self._program(inputs, device, params)
         sizes = check_sizes(self.fusion, inputs, program.equal_axes)
+        if mode == "auto":
+            self._dry_run(program, inputs, params, world_size=1)
         bindings = dict(zip(program.container.inputs, inputs))
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device)
@@ -120,7 +147,60 @@ class FusionExecutor:
         with torch.no_grad():
             return program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
 
-    def _execute_multi_device(self, inputs, outputs, params: ExecutorParams) -> list[torch.Tensor]:
+    def _execute_fake(self, inputs, outputs, params: ExecutorParams) -> list[torch.Tensor]:
+        """HOSTIR_FAKE=1: this rank's outputs as meta tensors, from a dry run
+        of every rank; nothing runs and no process group is made. Without a
+        launcher, this process plays rank 0 of as many ranks as the
+        fusion's meshes name."""
+        from hostir.dry_run import dry_run
+
+        params.validate()
+        inputs, outputs = self._as_lists(inputs, outputs)
+        rank, world = 0, 1
+        if self._multi_device():
+            launch = communicator.discover()
+            rank, world = launch.rank, launch.world_size
+            needed = _ranks_needed(self.fusion)
+            if world == 1 and needed > 1:
+                world = needed
+        if self.fusion.version != self._version:
+            self._programs.clear()
+            self._fake_reports.clear()
+            self._version = self.fusion.version
+        key = (input_key(inputs), world, params.number_of_streams)
+        report = self._fake_reports.get(key)
+        if report is None:
+            report = dry_run(self.fusion, inputs, world_size=world, number_of_streams=params.number_of_streams)
+            self.dry_runs += 1
+            if len(self._fake_reports) >= _MAX_REPORTS:
+                self._fake_reports.pop(next(iter(self._fake_reports)))
+            self._fake_reports[key] = report
+        results = []
+        for tv, (_, shape, _) in zip(self.fusion.outputs, report[rank].outputs):
+            results.append(None if shape is None else torch.empty(shape, dtype=tv.dtype, device="meta"))
+        return results
+
+    def _dry_run(self, program: _Program, inputs, params: ExecutorParams, world_size: int, rank: int = 0):
+        """Dry-run `program` once per exact input shape; raise its error."""
+        from hostir.dry_run import dry_run, run_rank
+
+        key = (input_key(inputs), params.number_of_streams)
+        report = program.reports.get(key)
+        if report is not None:
+            return report
+        if world_size == 1:
+            report = run_rank(
+                self.fusion, inputs, 0, 1, params.number_of_streams, multi=False, container=program.container
+            )
+        else:
+            report = dry_run(self.fusion, inputs, world_size=world_size, number_of_streams=params.number_of_streams)
+        self.dry_runs += 1
+        if len(program.reports) >= _MAX_REPORTS:
+            program.reports.pop(next(iter(program.reports)))
+        program.reports[key] = report
+        return report
+
+    def _execute_multi_device(self, inputs, outputs, params: ExecutorParams, mode: str = "auto") -> list[torch.Tensor]:
         """Check locally, agree across ranks, then run. Every local failure
         is shared with the other ranks first, so that all raise together
         instead of one raising and the others waiting in a collective."""
@@ -149,6 +229,8 @@ class FusionExecutor:
             sizes = check_sizes(self.fusion, inputs, program.equal_axes)
             if outputs is not None:
                 check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
+            if mode == "auto":
+                self._dry_run(program, inputs, params, comm.world_size, comm.rank)
         except Exception as err:
             # Any failure before the program's first collective is shared
             # with the other ranks, which would otherwise wait in it.
@@ -198,14 +280,19 @@ class FusionExecutor:
         if self.fusion.version != self._version:
             self._programs.clear()
             self._version = self.fusion.version
+        static = tuple(
+            (i, axis, inputs[i].shape[axis]) for i, tv in enumerate(self.fusion.inputs) for axis in tv.static_dims
+        )
         key = (
             tuple((t.dtype, t.dim(), t.is_contiguous()) for t in inputs),
             device,
             params.evaluator,
+            static,
         )
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._lower(device, comm)
+            program.static_sizes = static
         return program
 
     def _lower(self, device: torch.device, comm=None) -> _Program:
@@ -223,6 +310,17 @@ class FusionExecutor:
             streams = self._streams[device] = streams_for(device)
         evaluator = HostIrEvaluator(container, streams=streams, device=device, communicator=comm, dumper=dumper)
         return _Program(container, evaluator, _equal_input_axes(self.fusion))
+
+
+def input_key(inputs: list) -> tuple:
+    """Exact shapes and dtypes of the inputs: the key of size-dependent
+    artifacts such as a dry-run report."""
+    return tuple((tuple(t.shape), t.dtype) for t in inputs)
+
+
+def _ranks_needed(fusion: ir.Fusion) -> int:
+    tvs = list(fusion.inputs) + [v for e in fusion.exprs for v in e.outputs()]
+    return max((max(tv.mesh.devices) + 1 for tv in tvs if tv.mesh is not None), default=1)
 
 
 def _communicator_for(params: ExecutorParams):

@@ -146,6 +146,25 @@ class FusionDefinition:
         """The lowered host program, in the dump format."""
         return self.executor.host_ir()
 
+    def host_program(self):
+        """This rank's lowered `HostIrContainer` (for `hostir.check_races`)."""
+        return self.executor.host_program()
+
+    def dry_run(self, inputs, world_size: int | None = None, **kwargs):
+        """`hostir.dry_run(self, inputs, world_size, ...)`: every rank's
+        program on meta tensors, without running anything."""
+        from hostir.dry_run import dry_run
+
+        if self._state != "defined":
+            raise RuntimeError("dry-run the fusion after its `with FusionDefinition() as fd:` block")
+        return dry_run(self, inputs, world_size=world_size, **kwargs)
+
+    @property
+    def num_programs(self) -> int:
+        """How many lowered programs are cached (one per input signature and
+        per set of static sizes)."""
+        return self.executor.num_programs
+
     def __repr__(self) -> str:
         return printer.print_fusion(self.fusion)
 
