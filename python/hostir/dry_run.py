@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
@@ -455,7 +456,6 @@ def run_rank(
     """One rank's part of a dry run (`container`: that rank's lowered
     program, if the caller has it)."""
     from hostir import executor
-    from hostir.evaluator import HostIrEvaluator
     from hostir.lower import lower
 
     multi = executor.is_multi_device(fusion) if multi is None else multi
@@ -469,22 +469,43 @@ def run_rank(
         executor.check_sizes(fusion, metas, executor._equal_input_axes(fusion))
     except Exception as err:
         raise DryRunError(f"rank {rank}: {type(err).__name__}: {err}") from err
-    comm = RecordingCommunicator(rank, world_size) if multi else None
-    recorder = _Recorder(comm)
-    ev = HostIrEvaluator(container, streams=RecordingStreams(), device="meta", communicator=comm, listener=recorder)
     bindings = {tv: executor.to_loop(tv, t) for tv, t in zip(container.inputs, metas)}
+    report = _run_container(container, bindings, rank, world_size if multi else None, number_of_streams)
+    report.inputs = [(f"T{tv.name}", list(t.shape), _dtype(t.dtype)) for tv, t in zip(fusion.inputs, metas)]
+    report.outputs = [
+        (name, None if shape is None else list(executor.to_logical(tv, _shaped(shape)).shape), dtype)
+        for tv, (name, shape, dtype) in zip(container.outputs, report.outputs)
+    ]
+    return report
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _shaped(shape) -> torch.Tensor:
+    return torch.empty(shape, device="meta")
+
+
+def _run_container(container, bindings: dict, rank: int, world_size: int | None, number_of_streams: int) -> RankReport:
+    """Run one rank's program on the meta tensors of `bindings`; with a
+    `world_size`, through a recording communicator."""
+    from hostir.evaluator import HostIrEvaluator
+
+    comm = RecordingCommunicator(rank, world_size) if world_size is not None else None
+    recorder = _Recorder(comm)
     try:
+        ev = HostIrEvaluator(container, streams=RecordingStreams(), device="meta", communicator=comm, listener=recorder)
         results = ev.run(bindings, number_of_streams=number_of_streams)
     except Exception as err:
         raise DryRunError(f"rank {rank}: {err}") from err
-    outputs = []
-    for tv, r in zip(container.outputs, results):
-        shape = None if r is None else list(executor.to_logical(tv, r).shape)
-        outputs.append((f"T{tv.name}", shape, str(tv.dtype).removeprefix("torch.")))
     return RankReport(
         rank=rank,
-        inputs=[(f"T{tv.name}", list(t.shape), str(t.dtype).removeprefix("torch.")) for tv, t in zip(fusion.inputs, metas)],
-        outputs=outputs,
+        inputs=[(f"T{tv.name}", list(t.shape), _dtype(t.dtype)) for tv, t in bindings.items() if tv in container.inputs],
+        outputs=[
+            (f"T{tv.name}", None if r is None else list(r.shape), _dtype(tv.dtype))
+            for tv, r in zip(container.outputs, results)
+        ],
         buffers=recorder.buffers,
         peak_bytes=recorder.peak,
         peak_at=recorder.peak_at,
@@ -492,6 +513,34 @@ def run_rank(
         communications=comm.transfers if comm is not None else [],
         ops_executed=dict(recorder.ops),
     )
+
+
+def dry_run_programs(
+    programs: Mapping[int, Any],
+    inputs: Sequence | Mapping[int, Sequence],
+    world_size: int | None = None,
+    number_of_streams: int = 4,
+    check: bool = True,
+) -> DryRunReport:
+    """The dry run of hand-built host programs: `programs` maps each rank to
+    its `HostIrContainer`, `inputs` gives tensors or shapes for each
+    container input (the same for every rank, or per rank)."""
+    world_size = len(programs) if world_size is None else world_size
+    missing = [r for r in range(world_size) if r not in programs]
+    if missing:
+        raise ValueError(f"dry_run_programs: no program for ranks {missing} of {world_size}")
+    ranks = []
+    for r in range(world_size):
+        container = programs[r]
+        given = _inputs_of(inputs, r)
+        if len(given) != len(container.inputs):
+            raise DryRunError(f"rank {r}: the program takes {len(container.inputs)} inputs, got {len(given)}")
+        bindings = {tv: _as_meta(tv, t, i) for i, (tv, t) in enumerate(zip(container.inputs, given))}
+        ranks.append(_run_container(container, bindings, r, world_size, number_of_streams))
+    report = DryRunReport(world_size, number_of_streams, ranks)
+    if check:
+        match_ranks(report)
+    return report
 
 
 # ---------------------------------------------------------------- matching
@@ -621,10 +670,18 @@ def _team(team) -> str:
 # ---------------------------------------------------------------- printing
 
 
+_TENSOR = re.compile(r"(T\d+)_[gl]_\w+\[[^\]]*\](?: \(DeviceMesh\{[^()]*\}\))?")
+
+
+def short(line: str) -> str:
+    """A dump line with each tensor written by its name alone."""
+    return " ".join(_TENSOR.sub(r"\1", line).split())
+
+
 def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20)):
         if n >= size:
-            return f"{n} B ({n / size:.1f} {unit})"
+            return f"{n / size:.1f} {unit} ({n} B)"
     return f"{n} B"
 
 
@@ -641,7 +698,7 @@ def _rank_body(r: RankReport) -> list[str]:
     lines = []
     outs = ", ".join(f"{n} {d}{s}" if s is not None else f"{n} (not held)" for n, s, d in r.outputs)
     lines.append(f"  outputs: {outs}")
-    lines.append(f"  memory: peak {_bytes(r.peak_bytes)} at {r.peak_at}")
+    lines.append(f"  memory: peak {_bytes(r.peak_bytes)} after {short(r.peak_at)}")
     if r.peak_by_stream:
         per = ", ".join(f"{s} {_bytes(n)}" for s, n in sorted(r.peak_by_stream.items()))
         lines.append(f"    peak per stream: {per}")
@@ -659,7 +716,8 @@ def _rank_body(r: RankReport) -> list[str]:
     for t in r.communications:
         loops = "".join(f" [{n}={v}]" for n, v in t.loops)
         traffic = "; ".join(x for x in (_per_peer(t.sent, "sends", "to"), _per_peer(t.received, "receives", "from")) if x)
-        lines.append(f"    {t.kind} team={_team(t.team)}{loops} on {t.stream}: {traffic or 'no traffic'}")
+        sizes = f"input {_bytes(t.input_bytes)}, output {_bytes(t.output_bytes)}"
+        lines.append(f"    {t.kind} team={_team(t.team)}{loops} on {t.stream} ({sizes}): {traffic or 'no traffic'}")
     sent, received = sum(r.bytes_sent().values()), sum(r.bytes_received().values())
     lines.append(f"    total: sends {_bytes(sent)}, receives {_bytes(received)}")
     ops = ", ".join(f"{k} {v}" for k, v in sorted(r.ops_executed.items()))
