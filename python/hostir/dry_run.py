@@ -608,10 +608,10 @@ def _match_teams(report: DryRunReport) -> None:
 
 def _differ(a: Transfer, b: Transfer) -> str:
     for field in ("kind", "root", "red_op", "dtype"):
-        if getattr(a, field) != getattr(b, field) and getattr(a, field) and getattr(b, field):
-            return f"{field} {getattr(a, field)} vs {getattr(b, field)}"
-    if a.kind != b.kind:
-        return f"kind {a.kind} vs {b.kind}"
+        x, y = getattr(a, field), getattr(b, field)
+        # A rank that holds neither buffer of a communication has no dtype.
+        if x != y and not (field == "dtype" and "" in (x, y)):
+            return f"{field} {x} vs {y}"
     symmetric = ("Allgather", "Allreduce", "ReduceScatter")
     if a.kind in symmetric and (a.input_bytes, a.output_bytes) != (b.input_bytes, b.output_bytes):
         return (
