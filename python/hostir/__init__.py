@@ -17,14 +17,14 @@ from hostir.communicator import (
     world_size,
 )
 from hostir.container import AliasError, HostIrContainer
-from hostir.dry_run import CommunicationMismatchError, DryRunError, DryRunReport, dry_run
+from hostir.analysis.dry_run import CommunicationMismatchError, DryRunError, DryRunReport, dry_run
 from hostir.evaluator import HostIrEvaluator, HostIrRuntimeError
 from hostir.executor import ExecutorParams, RankMismatchError
 from hostir.frontend import FusionDefinition, shard_tensor
 from hostir.ir import DeviceMesh, IterType, MemoryType, ParallelType
 from hostir.lower import LoweringError
 from hostir.options import OptionError
-from hostir.races import Race, check_races
+from hostir.analysis.races import Race, check_races
 
 __all__ = [
     "AliasError",

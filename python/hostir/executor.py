@@ -106,7 +106,8 @@ class FusionExecutor:
 
     @property
     def num_programs(self) -> int:
-        return len(self._programs)
+        """Programs cached for the fusion as it is now."""
+        return len(self._programs) if self._version == self.fusion.version else 0
 
     def host_program(self) -> HostIrContainer:
         """The program the fusion lowers to now (for a multi-device fusion,
@@ -152,7 +153,7 @@ class FusionExecutor:
         of every rank; nothing runs and no process group is made. Without a
         launcher, this process plays rank 0 of as many ranks as the
         fusion's meshes name."""
-        from hostir.dry_run import dry_run
+        from hostir.analysis.dry_run import dry_run
 
         params.validate()
         inputs, outputs = self._as_lists(inputs, outputs)
@@ -182,16 +183,17 @@ class FusionExecutor:
 
     def _dry_run(self, program: _Program, inputs, params: ExecutorParams, world_size: int, rank: int = 0):
         """Dry-run `program` once per exact input shape; raise its error."""
-        from hostir.dry_run import dry_run, run_rank
+        from hostir.analysis.dry_run import DryRunReport, dry_run, run_rank
 
         key = (input_key(inputs), params.number_of_streams)
         report = program.reports.get(key)
         if report is not None:
             return report
         if world_size == 1:
-            report = run_rank(
+            only = run_rank(
                 self.fusion, inputs, 0, 1, params.number_of_streams, multi=False, container=program.container
             )
+            report = DryRunReport(1, params.number_of_streams, [only])
         else:
             report = dry_run(self.fusion, inputs, world_size=world_size, number_of_streams=params.number_of_streams)
         self.dry_runs += 1

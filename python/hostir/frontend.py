@@ -153,7 +153,7 @@ class FusionDefinition:
     def dry_run(self, inputs, world_size: int | None = None, **kwargs):
         """`hostir.dry_run(self, inputs, world_size, ...)`: every rank's
         program on meta tensors, without running anything."""
-        from hostir.dry_run import dry_run
+        from hostir.analysis.dry_run import dry_run
 
         if self._state != "defined":
             raise RuntimeError("dry-run the fusion after its `with FusionDefinition() as fd:` block")

@@ -20,7 +20,7 @@ import sys
 import unittest.mock
 
 from hostir.communicator import LAUNCHER_VARIABLES
-from hostir.dry_run import CommunicationMismatchError, DryRunError, dry_run
+from hostir.analysis.dry_run import CommunicationMismatchError, DryRunError, dry_run
 from hostir.executor import ExecutorParams, FusionExecutor
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from hostir import ir, printer
 from hostir.container import HostIrContainer
-from hostir.races import check_races
+from hostir.analysis.races import check_races
 
 _MEMORY_OPS = ir.FUSION_OPS + (ir.Allocate, ir.Deallocate, ir.Communication, ir.P2PCommunication)
 

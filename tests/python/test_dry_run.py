@@ -18,7 +18,7 @@ import torch
 import hostir
 from hostir import DeviceMesh, FusionDefinition, ParallelType, ir
 from hostir.container import HostIrContainer
-from hostir.dry_run import CommunicationMismatchError, DryRunError, dry_run_programs
+from hostir.analysis.dry_run import CommunicationMismatchError, DryRunError, dry_run_programs
 from hostir.lower import lower
 
 F32 = 4

@@ -76,7 +76,7 @@ def _run_one(p, program, dumper: Dumper | None):
     if dumper is not None:
         dumper.emit("host_ir_lowering", f"Host program after pass {name}:", str(result))
     if "races" in check_options():
-        from hostir.races import check_races
+        from hostir.analysis.races import check_races
 
         races = check_races(result)
         if races:

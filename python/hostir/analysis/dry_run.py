@@ -685,12 +685,17 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _per_peer(counts: dict, verb: str, prep: str) -> str:
+def _per_peer(t: Transfer, counts: dict, verb: str, prep: str) -> str:
     if not counts:
         return ""
     sizes = set(counts.values())
+    others = set(t.team) - {t.rank}
     if len(sizes) == 1 and len(counts) > 1:
         return f"{verb} {_bytes(sizes.pop())} {prep} each of {len(counts)} peers"
+    if len(sizes) == 1 and set(counts) == others:
+        # Written without the peer's number, so ranks that differ only in
+        # it print as one group.
+        return f"{verb} {_bytes(sizes.pop())} {prep} the other team member"
     return f"{verb} " + ", ".join(f"{_bytes(n)} {prep} rank {p}" for p, n in sorted(counts.items()))
 
 
@@ -715,7 +720,9 @@ def _rank_body(r: RankReport) -> list[str]:
     lines.append(f"  communications: {len(r.communications)}")
     for t in r.communications:
         loops = "".join(f" [{n}={v}]" for n, v in t.loops)
-        traffic = "; ".join(x for x in (_per_peer(t.sent, "sends", "to"), _per_peer(t.received, "receives", "from")) if x)
+        traffic = "; ".join(
+            x for x in (_per_peer(t, t.sent, "sends", "to"), _per_peer(t, t.received, "receives", "from")) if x
+        )
         sizes = f"input {_bytes(t.input_bytes)}, output {_bytes(t.output_bytes)}"
         lines.append(f"    {t.kind} team={_team(t.team)}{loops} on {t.stream} ({sizes}): {traffic or 'no traffic'}")
     sent, received = sum(r.bytes_sent().values()), sum(r.bytes_received().values())
