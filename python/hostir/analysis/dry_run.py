@@ -713,10 +713,12 @@ def _rank_body(r: RankReport) -> list[str]:
         key = (b.name, b.bytes, b.stream if not b.loops else "", b.line)
         seen[key] += 1
         first.setdefault(key, b)
+    if seen:
+        lines.append("    buffers:")
     for key, count in seen.items():
         b = first[key]
         times = f" x{count} (one per iteration)" if count > 1 else ""
-        lines.append(f"    {b.name} {b.dtype}{b.shape} {_bytes(b.bytes)} on {b.stream}{times}")
+        lines.append(f"      {b.name} {b.dtype}{b.shape} {_bytes(b.bytes)} on {b.stream}{times}")
     lines.append(f"  communications: {len(r.communications)}")
     for t in r.communications:
         loops = "".join(f" [{n}={v}]" for n, v in t.loops)
