@@ -9,6 +9,7 @@ mpirun or torchrun), and read the lowered host program with `fd.host_ir()`.
 """
 
 from hostir.communicator import (
+    CommunicatorError,
     CommunicatorTimeout,
     LaunchError,
     PeerLostError,
@@ -18,8 +19,9 @@ from hostir.communicator import (
 )
 from hostir.container import AliasError, HostIrContainer
 from hostir.analysis.dry_run import CommunicationMismatchError, DryRunError, DryRunReport, dry_run
+from hostir.errors import DefinitionError, HostIrError, UsageError
 from hostir.evaluator import HostIrEvaluator, HostIrRuntimeError
-from hostir.executor import ExecutorParams, RankMismatchError
+from hostir.executor import ExecutorParams, InputError, InputTypeError, RankMismatchError
 from hostir.frontend import FusionDefinition, shard_tensor
 from hostir.ir import DeviceMesh, IterType, MemoryType, ParallelType
 from hostir.lower import LoweringError
@@ -34,7 +36,13 @@ __all__ = [
     "Race",
     "check_races",
     "dry_run",
+    "CommunicatorError",
     "CommunicatorTimeout",
+    "DefinitionError",
+    "HostIrError",
+    "InputError",
+    "InputTypeError",
+    "UsageError",
     "DeviceMesh",
     "LaunchError",
     "PeerLostError",

@@ -14,13 +14,13 @@ whenever the definition or the inputs' signature changes.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import torch
 
 from hostir import ir, printer
-from hostir.executor import ExecutorParams, FusionExecutor
+from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
+from hostir.executor import ExecutorParams, FusionExecutor, InputError, InputTypeError
 
 
 class Ops:
@@ -33,7 +33,7 @@ class Ops:
         self._fd._require_defining("an op")
         for v in operands:
             if isinstance(v, ir.TensorView) and v.owner is not self._fd.fusion:
-                raise ValueError(f"T{v.name} belongs to another FusionDefinition")
+                raise DefinitionError(f"T{v.name} belongs to another FusionDefinition")
 
     def set(self, x: ir.TensorView) -> ir.TensorView:
         """A copy of `x`."""
@@ -90,27 +90,27 @@ class FusionDefinition:
 
     def __enter__(self) -> FusionDefinition:
         if self._state != "new":
-            raise RuntimeError("a FusionDefinition is defined once; create a new one")
+            raise UsageError("a FusionDefinition is defined once; create a new one")
         self._state = "defining"
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._state = "defined"
         if exc_type is None and not self.fusion.outputs:
-            raise ValueError("the fusion has no outputs; call fd.add_output inside the with block")
+            raise DefinitionError("the fusion has no outputs; call fd.add_output inside the with block")
 
     def _require_defining(self, what: str) -> None:
         if self._state != "defining":
-            raise RuntimeError(f"{what} must be defined inside `with FusionDefinition() as fd:`")
+            raise UsageError(f"{what} must be defined inside `with FusionDefinition() as fd:`")
 
     def define_tensor(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> ir.TensorView:
         """An input of the fusion. In `shape`, -1 is a symbolic extent (any
         size), 1 a broadcast axis, and any other size a fixed extent."""
         self._require_defining("define_tensor")
         if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+            raise DefinitionTypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         if isinstance(shape, (int, torch.Tensor)) or not isinstance(shape, Sequence):
-            raise TypeError(f"shape must be a list of ints, got {shape!r}")
+            raise DefinitionTypeError(f"shape must be a list of ints, got {shape!r}")
         return self.fusion.new_tensor(list(shape), dtype)
 
     def add_output(self, tv: ir.TensorView) -> None:
@@ -128,19 +128,11 @@ class FusionDefinition:
         """Run the fusion on `inputs` and return its outputs. With
         `outputs`, write into those tensors (all or none) and return them.
         Keyword arguments are fields of ExecutorParams (number_of_streams,
-        evaluator, device). Runs without autograd: outputs never require
-        grad."""
+        evaluator, device, ...). Runs without autograd: outputs never
+        require grad (inputs that require grad get one warning)."""
         if self._state != "defined":
-            raise RuntimeError("execute the fusion after its `with FusionDefinition() as fd:` block")
-        if params is not None and kwargs:
-            raise TypeError("pass either params or keyword arguments, not both")
-        if params is None:
-            fields = {f.name for f in dataclasses.fields(ExecutorParams)}
-            unknown = sorted(set(kwargs) - fields)
-            if unknown:
-                raise TypeError(f"unknown execution parameters {unknown}; expected some of {sorted(fields)}")
-            params = ExecutorParams(**kwargs)
-        return self.executor.execute(inputs, outputs, params)
+            raise UsageError("execute the fusion after its `with FusionDefinition() as fd:` block")
+        return self.executor.execute(inputs, outputs, params, **kwargs)
 
     def host_ir(self) -> str:
         """The lowered host program, in the dump format."""
@@ -156,7 +148,7 @@ class FusionDefinition:
         from hostir.analysis.dry_run import dry_run
 
         if self._state != "defined":
-            raise RuntimeError("dry-run the fusion after its `with FusionDefinition() as fd:` block")
+            raise UsageError("dry-run the fusion after its `with FusionDefinition() as fd:` block")
         return dry_run(self, inputs, world_size=world_size, **kwargs)
 
     @property
@@ -178,18 +170,18 @@ def shard_tensor(t: torch.Tensor, tv: ir.TensorView, rank: int | None = None) ->
     from hostir import communicator
 
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"shard_tensor takes a torch.Tensor, got {type(t).__name__}")
+        raise InputTypeError(f"shard_tensor takes a torch.Tensor, got {type(t).__name__}")
     logical = tv.logical_runtime()
     if t.dim() != len(logical):
-        raise ValueError(f"T{tv.name} has {len(logical)} axes but the tensor has shape {list(t.shape)}")
+        raise InputError(f"T{tv.name} has {len(logical)} axes but the tensor has shape {list(t.shape)}")
     if not tv.device_axes():
         return t
     mesh = tv.mesh
     if mesh is None:
-        raise ValueError(f"T{tv.name} has a mesh_x axis but no mesh; call set_device_mesh")
+        raise InputError(f"T{tv.name} has a mesh_x axis but no mesh; call set_device_mesh")
     rank = communicator.rank() if rank is None else rank
     if rank not in mesh:
-        raise ValueError(f"rank {rank} is not in {mesh!r}, which T{tv.name} lives on")
+        raise InputError(f"rank {rank} is not in {mesh!r}, which T{tv.name} lives on")
     n, index = mesh.x_size, mesh.x_index(rank)
     for axis, d in enumerate(logical):
         leaves = d.loop_leaves()
@@ -198,10 +190,10 @@ def shard_tensor(t: torch.Tensor, tv: ir.TensorView, rank: int | None = None) ->
         size = t.shape[axis]
         if d.leaves is None:
             if size != n:
-                raise ValueError(f"axis {axis} of T{tv.name}: extent {size} differs from mesh size {n}")
+                raise InputError(f"axis {axis} of T{tv.name}: extent {size} differs from mesh size {n}")
             return t.narrow(axis, index, 1)
         if size % n:
-            raise ValueError(f"axis {axis} of T{tv.name}: extent {size} not divisible by mesh size {n}")
+            raise InputError(f"axis {axis} of T{tv.name}: extent {size} not divisible by mesh size {n}")
         pieces = _leaf_sizes(leaves, size)
         at = next(i for i, x in enumerate(leaves) if x.is_device_parallel)
         view = t.reshape(list(t.shape[:axis]) + pieces + list(t.shape[axis + 1 :]))
@@ -216,5 +208,5 @@ def _leaf_sizes(leaves: list[ir.IterDomain], size: int) -> list[int]:
     for v in known:
         prod *= v or 1
     if size % prod:
-        raise ValueError(f"extent {size} not divisible by {prod}")
+        raise InputError(f"extent {size} not divisible by {prod}")
     return [size // prod if v is None else v for v in known]

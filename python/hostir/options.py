@@ -17,6 +17,10 @@
 (meta) results without running, `auto` (the default) dry-runs each new
 input signature once before its first real run, `0` never dry-runs. Any
 other value is warned about and read as `auto`.
+
+An unknown option in `HOSTIR_DUMP` is an error; in `NVFUSER_DUMP`, which a
+user of both nvFuser and hostir may set for nvFuser, it is ignored with one
+warning.
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ import re
 import sys
 import warnings
 
+from hostir.errors import HostIrError
+
 DUMP_OPTIONS = {
     "host_ir": "print the lowered host program when it is first executed",
     "host_ir_lowering": "print the host program after every lowering pass",
     "fusion_ir": "print the fusion before lowering",
     "communication": "log every posted collective",
 }
-DUMP_VARIABLES = ("HOSTIR_DUMP", "NVFUSER_DUMP")
 
 _NAME = re.compile(r"^[a-z_]+$")
 
@@ -43,7 +48,9 @@ CHECK_OPTIONS = {
 FAKE_MODES = ("auto", "1", "0")
 
 
-class OptionError(ValueError):
+class OptionError(HostIrError, ValueError):
+    """A dump option hostir does not know, or a malformed option list."""
+
     pass
 
 
@@ -68,10 +75,26 @@ def parse_dump(text: str, variable: str = "HOSTIR_DUMP", options: dict | None = 
 
 
 def dump_options(environ=None) -> frozenset[str]:
+    """The options chosen in HOSTIR_DUMP (strict: a bad one is an error)
+    and NVFUSER_DUMP (lenient: a user who has nvFuser too may set options
+    only nvFuser knows; those are ignored with one warning)."""
     env = os.environ if environ is None else environ
-    chosen: set[str] = set()
-    for var in DUMP_VARIABLES:
-        chosen |= parse_dump(env.get(var, ""), var)
+    chosen = set(parse_dump(env.get("HOSTIR_DUMP", ""), "HOSTIR_DUMP"))
+    text = env.get("NVFUSER_DUMP", "")
+    ignored = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if item in DUMP_OPTIONS:
+            chosen.add(item)
+        elif item:
+            ignored.append(item)
+    if ignored and text not in _warned_nvfuser:
+        _warned_nvfuser.add(text)
+        warnings.warn(
+            f"NVFUSER_DUMP={text!r}: hostir ignores {', '.join(map(repr, ignored))} (options it does not know; "
+            f"it reads {', '.join(DUMP_OPTIONS)})",
+            stacklevel=2,
+        )
     return frozenset(chosen)
 
 
@@ -91,6 +114,9 @@ def fake_mode(environ=None) -> str:
         f"HOSTIR_FAKE={text!r} is not one of auto, 1, 0; using auto", RuntimeWarning, stacklevel=3
     )
     return "auto"
+
+
+_warned_nvfuser: set[str] = set()
 
 
 def dump_ranks(environ=None) -> str | frozenset[int]:

@@ -5,39 +5,53 @@ torchrun). It runs here once, as rank 0 (or `--rank`) of `--world-size`
 ranks, with `HOSTIR_FAKE=1` so that nothing reaches a device or a process
 group; its first `fd.execute` stops it, and the dry run of that fusion on
 those inputs, for every rank, is printed (`--json` for JSON). Code after
-that call (result checks on real data) does not run; arguments after `--`
-go to the script. Exit status 1 when the
-dry run finds an error (it is printed), 2 for a script that never executes
-a fusion.
+that call (result checks on real data) does not run: the call raises
+`ScriptStopped`. Arguments after `--` go to the script. Exit status 1 when
+the dry run finds an error (it is printed), 2 for a script that never
+executes a fusion.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import runpy
 import sys
 import unittest.mock
 
 from hostir.communicator import LAUNCHER_VARIABLES
+from hostir.errors import HostIrError
 from hostir.analysis.dry_run import CommunicationMismatchError, DryRunError, dry_run
 from hostir.executor import ExecutorParams, FusionExecutor
 
 
-class _Captured(BaseException):
-    """Raised out of the script by its first execute (a BaseException, so a
-    script's own `except Exception` does not swallow it)."""
+@dataclasses.dataclass
+class Captured:
+    """The first execute of a script: its fusion's executor, inputs and
+    parameters."""
 
-    def __init__(self, executor: FusionExecutor, inputs, params: ExecutorParams | None):
-        self.executor, self.inputs, self.params = executor, inputs, params
-
-
-def _capture(executor, inputs, outputs=None, params=None):
-    raise _Captured(executor, inputs, params)
+    executor: FusionExecutor
+    inputs: list
+    params: ExecutorParams
 
 
-def capture_first_execute(script: str, args: list[str], world_size: int, rank: int) -> _Captured | None:
-    """Run `script` as rank `rank` of `world_size` until its first execute."""
+class ScriptStopped(HostIrError, RuntimeError):
+    """Raised by the execute calls of a planned script: the first one is
+    captured, and the script is not to run further."""
+
+
+def capture_first_execute(script: str, args: list[str], world_size: int, rank: int) -> Captured | None:
+    """Run `script` as rank `rank` of `world_size` until its first execute,
+    which raises `ScriptStopped` (so do later ones, should the script catch
+    it and go on)."""
+    captured: list[Captured] = []
+
+    def capture(executor, inputs, outputs=None, params=None, **kwargs):
+        if not captured:
+            captured.append(Captured(executor, inputs, ExecutorParams.from_arguments(params, kwargs)))
+        raise ScriptStopped("hostir.plan captured the script's first execute")
+
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env.update(
         RANK=str(rank),
@@ -49,12 +63,15 @@ def capture_first_execute(script: str, args: list[str], world_size: int, rank: i
     argv = [script] + list(args)
     with unittest.mock.patch.dict(os.environ, env, clear=True), unittest.mock.patch.object(
         sys, "argv", argv
-    ), unittest.mock.patch.object(FusionExecutor, "execute", _capture):
+    ), unittest.mock.patch.object(FusionExecutor, "execute", capture):
         try:
             runpy.run_path(script, run_name="__main__")
-        except _Captured as captured:
-            return captured
-    return None
+        except (ScriptStopped, SystemExit, Exception):
+            # Whatever the script did once its execute was refused, the
+            # capture is what is planned.
+            if not captured:
+                raise
+    return captured[0] if captured else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if captured is None:
         print(f"{ns.script} finished without executing a fusion; nothing to plan", file=sys.stderr)
         return 2
-    params = captured.params or ExecutorParams()
+    params = captured.params
     fusion = captured.executor.fusion
     from hostir.executor import is_multi_device
 

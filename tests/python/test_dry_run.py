@@ -193,12 +193,12 @@ def test_indivisible_split_names_the_rank_and_the_input():
     x.outer_split(0, 2)
     x.axis(0).parallelize(ParallelType.mesh_x)
     x.split(1, 3)
-    with pytest.raises(DryRunError, match=r"rank 0: ValueError: input 0 \(T0\): axis 0 has size 5, not divisible by 3"):
+    with pytest.raises(DryRunError, match=r"rank 0: InputError: input 0 \(T0\): axis 0 has size 5, not divisible by 3"):
         hostir.dry_run(fd, [(5, 8)], world_size=2)
 
 
 def test_bad_shape_names_the_rank():
-    with pytest.raises(DryRunError, match=r"rank 0: ValueError: input 1 \(T1\): axis 0 must have size 64"):
+    with pytest.raises(DryRunError, match=r"rank 0: InputError: input 1 \(T1\): axis 0 must have size 64"):
         hostir.dry_run(ag_matmul(2), [(4, 1, 3, 64), (63, 5)], world_size=2)
 
 

@@ -40,6 +40,14 @@ class DryRunError(HostIrError, RuntimeError):
     """A rank's program cannot run: the message names the rank and the op."""
 
 
+class DryRunInputError(HostIrError, ValueError):
+    """A bad argument of a dry run (inputs, world size, streams)."""
+
+
+class DryRunTypeError(HostIrError, TypeError):
+    """An argument of a dry run of the wrong type."""
+
+
 class CommunicationMismatchError(HostIrError, RuntimeError):
     """The ranks' communications do not pair up; the message quotes the
     dump lines of both ranks involved."""
@@ -296,9 +304,17 @@ def _count_traffic(e: ir.Communication, t: Transfer, input, out, me: int) -> Non
             t.received[sender] = _nbytes(out)
 
 
+def _bound_tensors(frame) -> list[torch.Tensor]:
+    return [v for v in frame.values.values() if isinstance(v, torch.Tensor)]
+
+
+def _loops(frame) -> list:
+    return [(printer.format_scalar(i), v) for i, v in frame.loops]
+
+
 class _Recorder:
-    """The evaluator's listener in a dry run: counts ops and follows the
-    storages the program holds, before and after every op."""
+    """The evaluator's watcher in a dry run: counts ops and follows the
+    storages the run's frame holds, before and after every op."""
 
     def __init__(self, comm: RecordingCommunicator | None):
         self.comm = comm
@@ -312,24 +328,24 @@ class _Recorder:
         self._started = False
         self._annotated = 0
 
-    def before_op(self, ev, e) -> None:
+    def before_op(self, frame, e) -> None:
         if not self._started:
             self._started = True
-            self.inputs = {t.untyped_storage()._cdata for t in ev.bound_tensors()}
-        self._snapshot(ev, e)
+            self.inputs = {t.untyped_storage()._cdata for t in _bound_tensors(frame)}
+        self._snapshot(frame, e)
 
-    def after_op(self, ev, e) -> None:
+    def after_op(self, frame, e) -> None:
         self.ops[type(e).__name__] += 1
-        self._snapshot(ev, e)
+        self._snapshot(frame, e)
         if self.comm is not None:
             for t in self.comm.transfers[self._annotated :]:
-                t.loops = [(printer.format_scalar(i), v) for i, v in ev.loop_indices()]
-                t.stream = ev.streams.current()
+                t.loops = _loops(frame)
+                t.stream = frame.streams.current()
             self._annotated = len(self.comm.transfers)
 
-    def _snapshot(self, ev, e) -> None:
+    def _snapshot(self, frame, e) -> None:
         now: dict[int, Any] = {}
-        for t in ev.bound_tensors():
+        for t in _bound_tensors(frame):
             storage = t.untyped_storage()
             key = storage._cdata
             if key not in self.inputs:
@@ -340,23 +356,22 @@ class _Recorder:
         for key, (storage, t) in now.items():
             if key in self.live:
                 continue
-            names = [f"T{tv.name}" for tv in defined if ev.get(tv, None) is not None]
+            names = [f"T{tv.name}" for tv in defined if frame.get(tv, None) is not None]
             buf = Buffer(
                 name=names[0] if names else "?",
                 bytes=storage.nbytes(),
                 shape=list(t.shape),
                 dtype=str(t.dtype).removeprefix("torch."),
-                stream=ev.streams.current(),
+                stream=frame.streams.current(),
                 line=printer.format_expr_head(e),
-                loops=[(printer.format_scalar(i), v) for i, v in ev.loop_indices()],
+                loops=_loops(frame),
             )
             self.live[key] = (storage, buf)
             self.buffers.append(buf)
         total = sum(b.bytes for _, b in self.live.values())
         if total > self.peak:
             self.peak = total
-            loops = "".join(f" (in loop {n} = {v})" for n, v in
-                            [(printer.format_scalar(i), v) for i, v in ev.loop_indices()])
+            loops = "".join(f" (in loop {n} = {v})" for n, v in _loops(frame))
             self.peak_at = f"{printer.format_expr_head(e)}{loops}"
         by_stream: Counter = Counter()
         for _, b in self.live.values():
@@ -376,17 +391,17 @@ def _as_meta(tv: ir.TensorView, given, i: int) -> torch.Tensor:
         isinstance(s, int) and not isinstance(s, bool) for s in given
     ):
         return torch.empty(list(given), dtype=tv.dtype, device="meta")
-    raise TypeError(f"{what}: give a tensor (real, meta or fake) or a shape, got {given!r}")
+    raise DryRunTypeError(f"{what}: give a tensor (real, meta or fake) or a shape, got {given!r}")
 
 
 def meta_inputs(fusion: ir.Fusion, inputs: Sequence) -> list[torch.Tensor]:
     """Each input as a meta tensor: shapes take the input's dtype."""
     if isinstance(inputs, torch.Tensor) or not isinstance(inputs, (list, tuple)):
-        raise TypeError(f"inputs must be a list of tensors or shapes, got {type(inputs).__name__}")
+        raise DryRunTypeError(f"inputs must be a list of tensors or shapes, got {type(inputs).__name__}")
     if len(inputs) != len(fusion.inputs):
         from hostir.executor import signature
 
-        raise ValueError(
+        raise DryRunInputError(
             f"Wrong number of inputs: the fusion takes {len(fusion.inputs)} {signature(fusion)}, got {len(inputs)}"
         )
     return [_as_meta(tv, t, i) for i, (tv, t) in enumerate(zip(fusion.inputs, inputs))]
@@ -416,17 +431,17 @@ def dry_run(
 
     fusion = getattr(fd, "fusion", fd)
     if not isinstance(fusion, ir.Fusion):
-        raise TypeError(f"dry_run takes a FusionDefinition, got {type(fd).__name__}")
+        raise DryRunTypeError(f"dry_run takes a FusionDefinition, got {type(fd).__name__}")
     if isinstance(number_of_streams, bool) or not isinstance(number_of_streams, int) or number_of_streams < 1:
-        raise ValueError(f"number_of_streams must be an integer >= 1, got {number_of_streams!r}")
+        raise DryRunInputError(f"number_of_streams must be an integer >= 1, got {number_of_streams!r}")
     multi = executor.is_multi_device(fusion)
     needed = executor._ranks_needed(fusion)
     if world_size is None:
         world_size = needed if multi else 1
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        raise DryRunInputError(f"world_size must be an integer >= 1, got {world_size!r}")
     if not multi and world_size != 1:
-        raise ValueError(f"the fusion is single-device (no mesh); dry-run it with world_size=1, not {world_size}")
+        raise DryRunInputError(f"the fusion is single-device (no mesh); dry-run it with world_size=1, not {world_size}")
     ranks = [run_rank(fusion, _inputs_of(inputs, r), r, world_size, number_of_streams, backend, multi)
              for r in range(world_size)]
     report = DryRunReport(world_size, number_of_streams, ranks)
@@ -452,9 +467,10 @@ def run_rank(
     backend: str = "NCCL",
     multi: bool | None = None,
     container=None,
+    raw_errors: bool = False,
 ) -> RankReport:
     """One rank's part of a dry run (`container`: that rank's lowered
-    program, if the caller has it)."""
+    program, if the caller has it; `raw_errors`: see `_run_container`)."""
     from hostir import executor
     from hostir.lower import lower
 
@@ -470,7 +486,7 @@ def run_rank(
     except Exception as err:
         raise DryRunError(f"rank {rank}: {type(err).__name__}: {err}") from err
     bindings = {tv: executor.to_loop(tv, t) for tv, t in zip(container.inputs, metas)}
-    report = _run_container(container, bindings, rank, world_size if multi else None, number_of_streams)
+    report = _run_container(container, bindings, rank, world_size if multi else None, number_of_streams, raw_errors)
     report.inputs = [(f"T{tv.name}", list(t.shape), _dtype(t.dtype)) for tv, t in zip(fusion.inputs, metas)]
     report.outputs = [
         (name, None if shape is None else list(executor.to_logical(tv, _shaped(shape)).shape), dtype)
@@ -487,18 +503,28 @@ def _shaped(shape) -> torch.Tensor:
     return torch.empty(shape, device="meta")
 
 
-def _run_container(container, bindings: dict, rank: int, world_size: int | None, number_of_streams: int) -> RankReport:
+def _run_container(
+    container, bindings: dict, rank: int, world_size: int | None, number_of_streams: int, raw_errors: bool = False
+) -> RankReport:
     """Run one rank's program on the meta tensors of `bindings`; with a
-    `world_size`, through a recording communicator."""
+    `world_size`, through a recording communicator. A failure is a
+    `DryRunError` naming the rank, or with `raw_errors` the evaluator's own
+    error (what a real run of the program would raise)."""
     from hostir.evaluator import HostIrEvaluator
 
     comm = RecordingCommunicator(rank, world_size) if world_size is not None else None
     recorder = _Recorder(comm)
     try:
-        ev = HostIrEvaluator(container, streams=RecordingStreams(), device="meta", communicator=comm, listener=recorder)
+        ev = HostIrEvaluator(container, streams=RecordingStreams(), device="meta", communicator=comm)
+        ev.watchers.append(recorder)
         results = ev.run(bindings, number_of_streams=number_of_streams)
     except Exception as err:
-        raise DryRunError(f"rank {rank}: {err}") from err
+        if raw_errors:
+            raise
+        # torch's own errors carry the op's dump line as a note.
+        notes = "".join(f"\n{n}" for n in getattr(err, "__notes__", ()))
+        what = "" if isinstance(err, HostIrError) else f"{type(err).__name__}: "
+        raise DryRunError(f"rank {rank}: {what}{err}{notes}") from err
     return RankReport(
         rank=rank,
         inputs=[(f"T{tv.name}", list(t.shape), _dtype(t.dtype)) for tv, t in bindings.items() if tv in container.inputs],
@@ -528,7 +554,7 @@ def dry_run_programs(
     world_size = len(programs) if world_size is None else world_size
     missing = [r for r in range(world_size) if r not in programs]
     if missing:
-        raise ValueError(f"dry_run_programs: no program for ranks {missing} of {world_size}")
+        raise DryRunInputError(f"dry_run_programs: no program for ranks {missing} of {world_size}")
     ranks = []
     for r in range(world_size):
         container = programs[r]

@@ -34,8 +34,17 @@ import itertools
 
 from hostir import ir, printer
 from hostir.container import HostIrContainer
+from hostir.errors import HostIrError
 
 UNROLL = 3
+
+
+class MissingRuleError(HostIrError, NotImplementedError):
+    """The program holds an op the race checker has no rule for."""
+
+
+class RaceCheckTypeError(HostIrError, TypeError):
+    """`check_races` was given something other than a host program."""
 CALLER = "caller"
 
 
@@ -175,7 +184,7 @@ class _Checker:
         for e in exprs:
             handler = _HANDLERS.get(type(e))
             if handler is None:
-                raise NotImplementedError(f"the race checker has no rule for {type(e).__name__}")
+                raise MissingRuleError(f"the race checker has no rule for {type(e).__name__}")
             handler(self, e)
 
     def _find_body_locals(self) -> dict:
@@ -369,5 +378,5 @@ def check_races(container: HostIrContainer) -> list[Race]:
     """Every unordered pair of conflicting accesses from different streams
     in `container` (see the module doc); empty when there is none."""
     if not isinstance(container, HostIrContainer):
-        raise TypeError(f"check_races takes a HostIrContainer, got {type(container).__name__}")
+        raise RaceCheckTypeError(f"check_races takes a HostIrContainer, got {type(container).__name__}")
     return _Checker(container).run()

@@ -13,9 +13,11 @@ names the pass that raised it.
 
 from __future__ import annotations
 
+import hashlib
+
 from hostir import ir
 from hostir.container import HostIrContainer
-import hashlib
+from hostir.errors import HostIrError
 
 from hostir.lower.build_host_program import build_host_program
 from hostir.lower.lower_communications import lower_communications
@@ -34,7 +36,7 @@ RANK_PIPELINE = [
 ]
 
 
-class LoweringError(ValueError):
+class LoweringError(HostIrError, ValueError):
     """A fusion that cannot be lowered; the message names the pass."""
 
 

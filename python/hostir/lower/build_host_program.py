@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from hostir import ir
 from hostir.container import HostIrContainer
+from hostir.errors import DefinitionError
 
 
 def build_host_program(fusion: ir.Fusion) -> HostIrContainer:
@@ -50,7 +51,7 @@ def build_host_program(fusion: ir.Fusion) -> HostIrContainer:
         container.add_input(copy(tv))
     for e in fusion.exprs:
         if len(e.outputs()) != 1:
-            raise ValueError(f"each op must have one output:\n{e!r}")
+            raise DefinitionError(f"each op must have one output:\n{e!r}")
         fields = {f: copy(getattr(e, f)) for f in e.INPUTS + e.OUTPUTS}
         container.push_back(e.replace(**fields))
     for tv in fusion.outputs:

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from hostir import ir, printer
 from hostir.container import HostIrContainer
+from hostir.errors import HostIrError
 
 
-class StreamParallelError(ValueError):
+class StreamParallelError(HostIrError, ValueError):
     pass
 
 
