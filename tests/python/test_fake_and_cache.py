@@ -4,7 +4,6 @@ random call sequences of varying shapes."""
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch

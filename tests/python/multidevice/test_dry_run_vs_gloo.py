@@ -28,7 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hostir
-from hostir import DeviceMesh, FusionDefinition, ParallelType, shard_tensor
+from hostir import DeviceMesh, FusionDefinition, shard_tensor
 
 from multidevice.test_pipelines import ag_matmul_program, matmul_ar_program, matmul_rs_program
 
