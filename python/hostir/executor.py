@@ -300,7 +300,7 @@ class FusionExecutor:
         if self._multi_device():
             launch = communicator.discover()
             rank, world = launch.rank, launch.world_size
-            needed = _ranks_needed(self.fusion)
+            needed = ranks_needed(self.fusion)
             if world == 1 and needed > 1:
                 world = needed
         key = (self.fusion.version, input_key(inputs), world, params.number_of_streams)
@@ -415,7 +415,7 @@ class FusionExecutor:
         if streams is None:
             streams = self._streams[device] = streams_for(device)
         evaluator = HostIrEvaluator(container, streams=streams, device=device, communicator=comm, dumper=dumper)
-        return _Program(container, evaluator, _equal_input_axes(self.fusion))
+        return _Program(container, evaluator, equal_input_axes(self.fusion))
 
     # -- 4: agree and make groups
     def _communicator(self, params, kwargs):
@@ -499,7 +499,8 @@ def input_key(inputs: list) -> tuple:
     return tuple((tuple(t.shape), t.dtype) for t in inputs)
 
 
-def _ranks_needed(fusion: ir.Fusion) -> int:
+def ranks_needed(fusion: ir.Fusion) -> int:
+    """How many ranks the meshes of `fusion` name (1 without a mesh)."""
     tvs = list(fusion.inputs) + [v for e in fusion.exprs for v in e.outputs()]
     return max((max(tv.mesh.devices) + 1 for tv in tvs if tv.mesh is not None), default=1)
 
@@ -663,7 +664,7 @@ def to_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
 _BACKEND_NAMES = {"nccl": "NCCL", "gloo": "gloo"}
 
 
-def _equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
+def equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
     """Groups of (input index, axis) whose sizes ops require to be equal."""
     where = {}
     for i, tv in enumerate(fusion.inputs):

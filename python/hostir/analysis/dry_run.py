@@ -435,7 +435,7 @@ def dry_run(
     if isinstance(number_of_streams, bool) or not isinstance(number_of_streams, int) or number_of_streams < 1:
         raise DryRunInputError(f"number_of_streams must be an integer >= 1, got {number_of_streams!r}")
     multi = executor.is_multi_device(fusion)
-    needed = executor._ranks_needed(fusion)
+    needed = executor.ranks_needed(fusion)
     if world_size is None:
         world_size = needed if multi else 1
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -482,7 +482,7 @@ def run_rank(
         executor.check_inputs(fusion, metas, "meta", sharded=multi)
         if container is None:
             container = lower(fusion, rank=rank, backend=backend) if multi else lower(fusion)
-        executor.check_sizes(fusion, metas, executor._equal_input_axes(fusion))
+        executor.check_sizes(fusion, metas, executor.equal_input_axes(fusion))
     except Exception as err:
         raise DryRunError(f"rank {rank}: {type(err).__name__}: {err}") from err
     bindings = {tv: executor.to_loop(tv, t) for tv, t in zip(container.inputs, metas)}
