@@ -40,7 +40,7 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, ir, printer
+from hostir import communicator, ir, printer, schedule
 from hostir.agreement import Offer, RankMismatchError, check, exchange, input_signature
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
@@ -100,6 +100,10 @@ class ExecutorParams:
         protections off: a rank that alone fails its checks, skips a call or
         changes its input shapes then meets the others' collectives out of
         step, and the job ends in a timeout or returns wrong data.
+    schedule: how a device axis walked as a stream axis runs: a
+        `hostir.schedule.Schedule` or its text (`ring:chunks=2`,
+        `collective`, `sequential`, ...); by default `HOSTIR_SCHEDULE`, else
+        the machine model's choice for the inputs' shapes.
     """
 
     number_of_streams: int = 4
@@ -108,6 +112,7 @@ class ExecutorParams:
     backend: str | None = None
     timeout: float | None = None
     check_ranks: str = "always"
+    schedule: object = None
 
     def validate(self) -> None:
         n = self.number_of_streams
@@ -248,6 +253,7 @@ class FusionExecutor:
         self._warn_requires_grad(inputs)
         program, lowered = self._program(inputs, device, params, comm)
         sizes = check_sizes(self.fusion, inputs, program.equal_axes)
+        check_chunks(program.container, sizes)
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
         if dry_run:
@@ -278,7 +284,14 @@ class FusionExecutor:
             )
             report = DryRunReport(1, params.number_of_streams, [only])
         else:
-            report = dry_run(self.fusion, inputs, world_size=world_size, number_of_streams=params.number_of_streams)
+            report = dry_run(
+                self.fusion,
+                inputs,
+                world_size=world_size,
+                number_of_streams=params.number_of_streams,
+                backend=program.container.backend,
+                schedule=program.container.schedule,
+            )
         self.dry_runs += 1
         with self._lock:
             if len(program.reports) >= _MAX_REPORTS:
@@ -381,11 +394,13 @@ class FusionExecutor:
         static = tuple(
             (i, axis, inputs[i].shape[axis]) for i, tv in enumerate(self.fusion.inputs) for axis in tv.static_dims
         )
+        chosen = schedule.for_inputs(self.fusion, inputs, comm, params.schedule)
         key = (
             tuple((t.dtype, t.dim(), t.is_contiguous()) for t in inputs),
             device,
             params.evaluator,
             static,
+            None if chosen is None else chosen.key(),
         )
         with self._lock:
             # A program holds the communicator it was lowered for: after a
@@ -397,18 +412,20 @@ class FusionExecutor:
             program = self._programs.get(key)
             if program is not None:
                 return program, False
-            program = self._programs[key] = self._lower(device, comm)
+            program = self._programs[key] = self._lower(device, comm, chosen)
             program.static_sizes = static
             return program, True
 
-    def _lower(self, device: torch.device, comm=None) -> _Program:
+    def _lower(self, device: torch.device, comm=None, chosen=None) -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
         if comm is None:
             container = lower(self.fusion, dumper)
         else:
-            container = lower(self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend])
+            container = lower(
+                self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend], schedule=chosen
+            )
         dumper.emit("host_ir", "Host program:", str(container))
         self.lowerings += 1
         streams = self._streams.get(device)
@@ -702,6 +719,17 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
                     size *= leaf.extent.value
             sizes.setdefault(d.extent, size)
     return sizes
+
+
+def check_chunks(container: HostIrContainer, sizes: dict) -> None:
+    """Raise unless every axis a decomposition splits into chunks divides."""
+    for extent, parts, where in container.chunked:
+        size = sizes.get(extent)
+        if size is not None and size % parts:
+            raise schedule.ScheduleError(
+                f"{where}: extent {size} does not split into {parts} chunks per peer; pick a chunk count "
+                f"that divides it (schedule chunks=)"
+            )
 
 
 def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device: torch.device, tvs=None) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from hostir import ir, printer
 from hostir.errors import HostIrError
+from hostir.transports import Posted, Transport
 
 
 class DryRunError(HostIrError, RuntimeError):
@@ -212,47 +213,81 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+class RecordingTransport(Transport):
+    """The transport of a dry run: each posted communication becomes a
+    `Transfer` of its rank, and a work whose `wait` marks it completed.
+    Output buffers keep whatever the program put in them (their shapes are
+    all a dry run needs)."""
+
+    name = "recording"
+
+    def __init__(self, comm: RecordingCommunicator):
+        self.comm = comm
+
+    def post(self, frame, e, group, root: int | None) -> Posted:
+        input, out = frame.get(e.input, None), frame.get(e.out, None)
+        t = self._transfer(e, input, out, tuple(e.team), root)
+        _count_traffic(e, t, input, out, self.comm.rank, root)
+        return Posted([_RecordedWork(t)])
+
+    def post_p2p(self, frame, e, buf, peer: int, ops: list | None) -> Posted:
+        send = e.type == "send"
+        t = self._transfer(e, buf if send else None, None if send else buf, tuple(sorted({self.comm.rank, peer})), None)
+        (t.sent if send else t.received)[peer] = _nbytes(buf)
+        work = _RecordedWork(t)
+        if ops is not None:
+            # Coalesced: the group's Wait completes it.
+            ops.append(work)
+            return Posted([])
+        return Posted([work])
+
+    def end_coalescing(self, frame, ops: list) -> Posted:
+        return Posted(list(ops))
+
+    def allocate(self, frame, tv, shape):
+        return torch.empty(shape, dtype=tv.dtype, device=frame.device)
+
+    def _transfer(self, e, input, out, team: tuple, root: int | None) -> Transfer:
+        src = input if input is not None else out
+        t = Transfer(
+            rank=self.comm.rank,
+            kind=e.type if isinstance(e.type, str) else e.type.value,
+            team=team,
+            root=root,
+            red_op=getattr(e, "red_op", None),
+            line=printer.format_expr_head(e),
+            loops=[],
+            stream="",
+            dtype=_dtype(src.dtype) if src is not None else "",
+            input_bytes=_nbytes(input),
+            output_bytes=_nbytes(out),
+            sent={},
+            received={},
+        )
+        self.comm.transfers.append(t)
+        return t
+
+
 class RecordingCommunicator:
-    """A communicator for one rank of a dry run: it records each posted
-    communication as a `Transfer` and returns a work whose `wait` marks it
-    completed. Output buffers keep whatever the program put in them (their
-    shapes are all a dry run needs)."""
+    """The communicator of one rank of a dry run: no process groups (a
+    team's group is the team itself), and a `RecordingTransport` that takes
+    every communication."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
         self.world_size = world_size
         self.timeout = 0.0
         self.transfers: list[Transfer] = []
+        self.transport = RecordingTransport(self)
+
+    def group(self, team) -> tuple:
+        return tuple(team)
 
     def group_order(self, team) -> tuple:
         return tuple(team)
 
-    def post(self, e, input: torch.Tensor | None, out: torch.Tensor | None, peer: int | None = None):
-        src = input if input is not None else out
-        t = Transfer(
-            rank=self.rank,
-            kind=e.type if isinstance(e.type, str) else e.type.value,
-            team=tuple(e.team) if isinstance(e, ir.Communication) else tuple(sorted({self.rank, peer})),
-            root=getattr(e, "root", None),
-            red_op=getattr(e, "red_op", None),
-            line=printer.format_expr_head(e),
-            loops=[],
-            stream="",
-            dtype=str(src.dtype).removeprefix("torch.") if src is not None else "",
-            input_bytes=_nbytes(input),
-            output_bytes=_nbytes(out),
-            sent={},
-            received={},
-        )
-        if isinstance(e, ir.P2PCommunication):
-            (t.sent if e.type == "send" else t.received)[peer] = _nbytes(src)
-        else:
-            _count_traffic(e, t, input, out, self.rank)
-        self.transfers.append(t)
-        return _RecordedWork(t)
 
-
-def _count_traffic(e: ir.Communication, t: Transfer, input, out, me: int) -> None:
+def _count_traffic(e: ir.Communication, t: Transfer, input, out, me: int, root: int | None) -> None:
     """Per-peer bytes of one collective on rank `me` (see the module doc)."""
     kind = ir.CommunicationType
     others = [p for p in e.team if p != me]
@@ -267,35 +302,35 @@ def _count_traffic(e: ir.Communication, t: Transfer, input, out, me: int) -> Non
             t.sent[p] = t.received[p] = _nbytes(out)
     elif e.type is kind.Broadcast:
         size = _nbytes(out) if out is not None else _nbytes(input)
-        if me == e.root:
+        if me == root:
             t.sent.update({p: size for p in others})
         else:
-            t.received[e.root] = size
+            t.received[root] = size
     elif e.type is kind.Gather:
         senders = [p for p in e.team if p in e.input.mesh]
-        if me == e.root:
+        if me == root:
             piece = _nbytes(out) // max(len(senders), 1)
             t.received.update({p: piece for p in senders if p != me})
         elif input is not None:
-            t.sent[e.root] = _nbytes(input)
+            t.sent[root] = _nbytes(input)
     elif e.type is kind.Scatter:
         receivers = [p for p in e.team if p in e.out.mesh]
-        if me == e.root:
+        if me == root:
             piece = _nbytes(input) // max(len(e.out.mesh.devices), 1)
             t.sent.update({p: piece for p in receivers if p != me})
         elif out is not None:
-            t.received[e.root] = _nbytes(out)
+            t.received[root] = _nbytes(out)
     elif e.type is kind.Reduce:
-        if me == e.root:
+        if me == root:
             piece = _nbytes(out)
             t.received.update({p: piece for p in others})
         else:
             piece = _nbytes(input)
             for d in e.local_reduce:
                 piece //= max(input.shape[d], 1)
-            t.sent[e.root] = piece
+            t.sent[root] = piece
     elif e.type is kind.SendRecv:
-        sender, receiver = e.root, (e.team[-1] if len(e.team) > 1 else e.team[0])
+        sender, receiver = root, (e.team[-1] if len(e.team) > 1 else e.team[0])
         if sender == receiver:
             return
         if me == sender:
@@ -417,6 +452,7 @@ def dry_run(
     number_of_streams: int = 4,
     backend: str = "NCCL",
     check: bool = True,
+    schedule=None,
 ) -> DryRunReport:
     """Run every rank's program of `fd` (a FusionDefinition or a Fusion) on
     meta tensors and return the report.
@@ -424,7 +460,9 @@ def dry_run(
     `inputs` are this rank's pieces, as `fd.execute` takes them (tensors of
     any device, meta or fake tensors, or shapes), the same for every rank,
     or a dict from rank to such a list. `world_size` defaults to the number
-    of ranks the fusion's meshes name (1 for a single-device fusion). With
+    of ranks the fusion's meshes name (1 for a single-device fusion).
+    `backend` and `schedule` are what the programs are lowered with (as
+    `hostir.lower.lower` takes them; an execute passes its own). With
     `check`, the ranks' communications are matched and a mismatch raises
     `CommunicationMismatchError`."""
     from hostir import executor
@@ -442,8 +480,10 @@ def dry_run(
         raise DryRunInputError(f"world_size must be an integer >= 1, got {world_size!r}")
     if not multi and world_size != 1:
         raise DryRunInputError(f"the fusion is single-device (no mesh); dry-run it with world_size=1, not {world_size}")
-    ranks = [run_rank(fusion, _inputs_of(inputs, r), r, world_size, number_of_streams, backend, multi)
-             for r in range(world_size)]
+    ranks = [
+        run_rank(fusion, _inputs_of(inputs, r), r, world_size, number_of_streams, backend, multi, schedule=schedule)
+        for r in range(world_size)
+    ]
     report = DryRunReport(world_size, number_of_streams, ranks)
     if check:
         match_ranks(report)
@@ -468,6 +508,7 @@ def run_rank(
     multi: bool | None = None,
     container=None,
     raw_errors: bool = False,
+    schedule=None,
 ) -> RankReport:
     """One rank's part of a dry run (`container`: that rank's lowered
     program, if the caller has it; `raw_errors`: see `_run_container`)."""
@@ -481,7 +522,7 @@ def run_rank(
             executor.check_world(fusion, world_size)
         executor.check_inputs(fusion, metas, "meta", sharded=multi)
         if container is None:
-            container = lower(fusion, rank=rank, backend=backend) if multi else lower(fusion)
+            container = lower(fusion, rank=rank, backend=backend, schedule=schedule) if multi else lower(fusion)
         executor.check_sizes(fusion, metas, executor.equal_input_axes(fusion))
     except Exception as err:
         raise DryRunError(f"rank {rank}: {type(err).__name__}: {err}") from err

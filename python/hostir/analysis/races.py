@@ -52,7 +52,7 @@ CALLER = "caller"
 class Access:
     kind: str  # "read" or "write"
     buffer: tuple  # (resolved TensorView, generation)
-    where: frozenset  # {(root dim, index)}: the slice accessed
+    where: frozenset  # {(root dim, index or ("chunk", parts, index))}: the part accessed
     timeline: object
     clock: dict
     line: str
@@ -188,14 +188,10 @@ class _Checker:
             handler(self, e)
 
     def _find_body_locals(self) -> dict:
-        resolve = self.resolve
-        keep = {resolve(t) for t in self.container.inputs + self.container.outputs}
-        found = {}
-        for e in self.container.walk():
-            if isinstance(e, ir.ForLoop):
-                local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
-                found[id(e)] = local - keep
-        return found
+        # The same buffers the evaluator unbinds at each iteration.
+        from hostir.evaluator import body_locals
+
+        return body_locals(self.container)
 
 
 _HANDLERS: dict = {}
@@ -259,6 +255,16 @@ def _select(ck: _Checker, e: ir.HirAliasSelect) -> None:
     ck.bound[ck.resolve(e.out)] = _Region(src.buffer, frozenset(where), src.dims[:pos] + src.dims[pos + 1 :])
 
 
+@_rule(ir.HirAliasChunk)
+def _chunk(ck: _Checker, e: ir.HirAliasChunk) -> None:
+    src = ck.region(e.input)
+    if src is None:
+        return
+    root_dim = src.dims[e.input.runtime_position(e.axis)]
+    where = src.where | {(root_dim, ("chunk", e.parts, ck.value(e.index)))}
+    ck.bound[ck.resolve(e.out)] = _Region(src.buffer, frozenset(where), src.dims)
+
+
 @_rule(ir.Allocate)
 def _allocate(ck: _Checker, e: ir.Allocate) -> None:
     r = ck.region(e.buffer)
@@ -308,7 +314,13 @@ def _post(ck: _Checker, e, reads, writes) -> tuple:
 def _communication(ck: _Checker, e: ir.Communication) -> None:
     if not _participates(ck, e):
         return
-    tl = _post(ck, e, [e.input], [e.out])
+    writes = [e.out]
+    if e.type in (ir.CommunicationType.Reduce, ir.CommunicationType.Gather) and ck.container.rank is not None:
+        # Only the root receives.
+        root = ck.value(e.root) if isinstance(e.root, ir.Scalar) else e.root
+        if root is not None and root != ck.container.rank:
+            writes = []
+    tl = _post(ck, e, [e.input], writes)
     ck.posted.setdefault(e, []).append(tl)
 
 
@@ -340,14 +352,30 @@ def _wait(ck: _Checker, e: ir.Wait) -> None:
 
 
 def _overlap(a: Access, b: Access) -> bool:
+    """Whether two accesses of one buffer may touch the same memory: not if
+    on some dimension each selects one index, or one equal-parts chunk, and
+    those differ (anything else is taken to overlap)."""
     if a.buffer != b.buffer:
         return False
-    dims_a = dict(a.where)
-    for dim, index in b.where:
-        other = dims_a.get(dim)
-        if other is not None and index is not None and other != index:
+    on_a, on_b = _by_dim(a.where), _by_dim(b.where)
+    for dim in on_a.keys() & on_b.keys():
+        (x,), (y,) = on_a[dim], on_b[dim]
+        if x is None or y is None:
+            continue
+        chunks = isinstance(x, tuple), isinstance(y, tuple)
+        if chunks == (False, False) and x != y:
+            return False
+        if chunks == (True, True) and x[1] == y[1] and None not in (x[2], y[2]) and x[2] != y[2]:
             return False
     return True
+
+
+def _by_dim(where) -> dict:
+    """Each dimension's constraint, where it has exactly one."""
+    found: dict = {}
+    for dim, key in where:
+        found.setdefault(dim, []).append(key)
+    return {d: keys for d, keys in found.items() if len(keys) == 1}
 
 
 def _ordered(a: Access, b: Access) -> bool:
