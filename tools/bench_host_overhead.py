@@ -1,8 +1,10 @@
-"""Host overhead of the Python host-IR evaluator, per host op.
+"""Host overhead per host op: Python evaluator, C++ executor, CUDA-graph replay.
 
-Measures the host (CPU wall-clock) time the reference evaluator spends per
-host-IR op on programs made of many tiny ops, where the device work is
-negligible and the interpreter's own cost dominates:
+Measures, side by side in one run, the host (CPU wall-clock) time that the
+Python evaluator, the C++ executor (`hostir._C`) and a CUDA-graph replay of
+the C++ executor's run (CUDA only) spend on programs made of many tiny ops,
+where the device work is negligible and the runtime's own cost dominates,
+against the same torch calls written by hand:
 
 * ``hostir stream loop``: an input ``x`` of shape ``[S, W]`` and a chain of
   ``L`` elementwise ops (alternating ``add(y, 1.0)`` / ``mul(y, 1.0001)``),
@@ -21,7 +23,9 @@ the eager loop) after warm-up runs; the median over ``--iters`` runs is
 reported. On CUDA, ``torch.cuda.synchronize()`` is called before each timed
 run but not inside it, so the number is host time (kernel launches are
 asynchronous). Host ops per run are read as the change of the program's
-an ``OpCounter`` listener on the evaluator across one run; compute ops per run (the
+an ``OpCounter`` listener on the Python evaluator, or the C++ executor's own
+``ops_executed``, across one run (a graph replay runs the C++ executor's
+program, so its row counts that program's ops); compute ops per run (the
 torch calls that do arithmetic) are ``S * L`` for the chunked variants and
 ``L`` for the flat ones.
 
@@ -52,6 +56,7 @@ from typing import Callable
 import torch
 
 import hostir
+import hostir.cpp
 from hostir import FusionDefinition, ParallelType
 from hostir.evaluator import OpCounter
 
@@ -183,27 +188,46 @@ def time_runs(fn: Callable[[], object], device: torch.device, iters: int, warmup
 
 
 def bench_hostir(
-    variant: str, fd: FusionDefinition, x: torch.Tensor, compute_ops: int, p: Params, expected: torch.Tensor
+    variant: str,
+    fd: FusionDefinition,
+    x: torch.Tensor,
+    compute_ops: int,
+    p: Params,
+    expected: torch.Tensor,
+    evaluator: str,
+    cuda_graph: bool = False,
+    ops_per_run: int | None = None,
 ) -> Result:
     def run():
-        return fd.execute([x], number_of_streams=p.number_of_streams)
+        return fd.execute([x], number_of_streams=p.number_of_streams, evaluator=evaluator, cuda_graph=cuda_graph)
 
     (out,) = run()
     programs = list(fd.executor._programs.values())
     if len(programs) != 1:
         raise RuntimeError(f"{variant}: expected one lowered program, found {len(programs)}")
-    counter = OpCounter()
-    programs[0].evaluator.listeners.append(counter)
+    ev = programs[0].evaluator
+    if isinstance(ev, hostir.cpp.CppEvaluator):
+        count = lambda: ev.ops_executed  # counted in C++, no callback per op
+    else:
+        counter = OpCounter()
+        ev.listeners.append(counter)
+        count = lambda: counter.count
     _sync(x.device)
     torch.testing.assert_close(out, expected)
+    if cuda_graph:
+        median = time_runs(run, x.device, p.iters, p.warmup)
+        (out,) = run()
+        _sync(x.device)
+        torch.testing.assert_close(out, expected)
+        return Result(variant, ops_per_run, compute_ops, median)
 
-    before = counter.count
+    before = count()
     run()
-    ops = counter.count - before
+    ops = count() - before
 
-    before = counter.count
+    before = count()
     median = time_runs(run, x.device, p.iters, p.warmup)
-    total = counter.count - before
+    total = count() - before
     if total != ops * (p.iters + p.warmup):
         raise RuntimeError(f"{variant}: host ops per run vary ({total} over {p.iters + p.warmup} runs, {ops} in one)")
     if fd.executor.num_programs != 1:
@@ -227,12 +251,53 @@ def run_benchmark(p: Params) -> list[Result]:
     torch.testing.assert_close(eager_chunked(x, p.length, streams), expected)
 
     chunked_ops, flat_ops = p.chunks * p.length, p.length
-    return [
-        bench_hostir("hostir stream loop", build_chain(p.length, True), x, chunked_ops, p, expected),
-        bench_hostir("hostir flat", build_chain(p.length, False), x, flat_ops, p, expected),
-        bench_eager("eager chunked", lambda: eager_chunked(x, p.length, streams), chunked_ops, p, device),
-        bench_eager("eager flat", lambda: eager_flat(x, p.length), flat_ops, p, device),
-    ]
+    results = []
+    for shape, stream_parallel, compute_ops in (("stream loop", True, chunked_ops), ("flat", False, flat_ops)):
+        runs = [
+            bench_hostir(f"python {shape}", build_chain(p.length, stream_parallel), x, compute_ops, p, expected, "python"),
+        ]
+        if hostir.cpp.available():
+            runs.append(
+                bench_hostir(f"cpp {shape}", build_chain(p.length, stream_parallel), x, compute_ops, p, expected, "cpp")
+            )
+            if device.type == "cuda":
+                runs.append(
+                    bench_hostir(
+                        f"cuda graph {shape}",
+                        build_chain(p.length, stream_parallel),
+                        x,
+                        compute_ops,
+                        p,
+                        expected,
+                        "cpp",
+                        cuda_graph=True,
+                        ops_per_run=runs[-1].ops_per_run,
+                    )
+                )
+        if stream_parallel:
+            runs.append(bench_eager("eager chunked", lambda: eager_chunked(x, p.length, streams), compute_ops, p, device))
+        else:
+            runs.append(bench_eager("eager flat", lambda: eager_flat(x, p.length), compute_ops, p, device))
+        results += runs
+    return results
+
+
+def ratios(results: list[Result]) -> list[str]:
+    """The comparisons the targets name, within this run."""
+    by = {r.variant: r for r in results}
+    lines = []
+    for shape, eager in (("stream loop", "eager chunked"), ("flat", "eager flat")):
+        py, cc, graph = by.get(f"python {shape}"), by.get(f"cpp {shape}"), by.get(f"cuda graph {shape}")
+        if cc is None:
+            lines.append(f"- {shape}: the C++ executor is unavailable ({hostir.cpp.reason()})")
+            continue
+        lines.append(
+            f"- {shape}: C++ {cc.us_per_op:.2f} µs per host op = {cc.us_per_op / py.us_per_op:.2f}x Python; "
+            f"per compute op {cc.us_per_compute_op:.2f} µs = {cc.us_per_compute_op / by[eager].us_per_compute_op:.2f}x "
+            f"hand-written eager"
+            + (f"; CUDA-graph replay {graph.median_us:.1f} µs per run" if graph is not None else "")
+        )
+    return lines
 
 
 # ---------------------------------------------------------------- reporting
@@ -249,6 +314,9 @@ def environment(p: Params) -> dict:
         "device": device_name(torch.device(p.device)),
         "device_type": torch.device(p.device).type,
         "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "cpp_executor": hostir.cpp.available(),
         "python": platform.python_version(),
         "hostir": hostir.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -277,12 +345,15 @@ def markdown_report(results: list[Result], env: dict) -> str:
             "",
             markdown_table(results),
             "",
-            "ops/run: host ops executed by the evaluator (counted by a listener) for the hostir rows, torch calls for "
+            *ratios(results),
+            "",
+            "ops/run: host ops executed by the evaluator (a listener on the Python evaluator, the C++ "
+            "executor's own count) for the hostir rows, torch calls for "
             "the eager rows. µs/op = median host time of one run / ops per run. Host time only: the device "
             "is synchronized before each timed run, not inside it.",
             "",
             f"- device: {env['device']}",
-            f"- torch: {env['torch']}",
+            f"- torch: {env['torch']} (CUDA {env['cuda']}, NCCL {env['nccl']})",
             f"- python: {env['python']}",
             f"- hostir: {env['hostir']}",
             f"- date (UTC): {env['date']}",
@@ -347,6 +418,7 @@ def main(argv=None) -> int:
     env = environment(params)
     print(f"device: {env['device']}  torch {env['torch']}  python {env['python']}  hostir {env['hostir']}")
     print(markdown_table(results))
+    print("\n".join(ratios(results)))
     md, js = write_results(results, env, out_dir)
     print(f"wrote {md} and {js}")
     return 0

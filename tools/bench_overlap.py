@@ -17,7 +17,10 @@ one run on the same tensors:
   input ``[S, D, M/S, K]`` sharded on axis 1 (``mesh_x``), a ``set`` that lowers
   to an Allgather per chunk and a ``matmul``, both with axis 0 on
   ``ParallelType.stream`` (S = 1: no stream axis, one all-gather and one
-  matmul), run with a preallocated output and ``number_of_streams=S``.
+  matmul), run with a preallocated output and ``number_of_streams=S``, on the
+  Python evaluator; ``hostir_cpp_S`` runs it on the C++ executor and
+  ``hostir_cuda_graph_S`` replays a CUDA graph of the C++ executor's run
+  (NCCL collectives inside the graph).
 * ``symm_mem``: ``torch.ops.symm_mem.fused_all_gather_matmul`` (PyTorch's
   symmetric-memory op, which pulls peer shards with the copy engine), where
   this torch has it; a failure is recorded, not fatal.
@@ -108,6 +111,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
     import hostir
+import hostir.cpp
 from hostir import DeviceMesh, FusionDefinition, ParallelType, overlap
 from hostir import communicator as hostir_communicator
 from hostir import graphs as hostir_graphs
@@ -303,13 +307,13 @@ def setup_nccl_pipeline(streams: int) -> Setup:
     return setup
 
 
-def setup_hostir(streams: int) -> Setup:
+def setup_hostir(streams: int, evaluator: str = "python", cuda_graph: bool = False) -> Setup:
     def setup(ctx: Context):
         fd = build_hostir(ctx, streams)
         rows = ctx.m // streams
         x_local = ctx.shard.view(streams, 1, rows, ctx.k)  # this rank's piece of [S, D, M/S, K]
         out = nan_buffer(ctx, streams, ctx.world, rows, ctx.n)
-        kwargs = hostir_kwargs(ctx, streams)
+        kwargs = {**hostir_kwargs(ctx, streams), "evaluator": evaluator, "cuda_graph": cuda_graph}
 
         def call():
             fd.execute([x_local, ctx.w], outputs=[out], **kwargs)
@@ -542,6 +546,10 @@ def variants(ctx: Context, names=None) -> list[Variant]:
     for s in HOSTIR_STREAMS:
         skip = f"M={ctx.m} not divisible by S={s}" if ctx.m % s else None
         out.append(Variant(f"hostir_{s}", setup_hostir(s), skip))
+        cpp_skip = skip or (None if hostir.cpp.available() else f"hostir._C unavailable: {hostir.cpp.reason()}")
+        out.append(Variant(f"hostir_cpp_{s}", setup_hostir(s, "cpp"), cpp_skip))
+        graph_skip = cpp_skip or ("--cpu: CUDA graphs need CUDA and NCCL" if ctx.cpu else None)
+        out.append(Variant(f"hostir_cuda_graph_{s}", setup_hostir(s, "cpp", cuda_graph=True), graph_skip))
     out += decomposition_variants(ctx, names)
     skip = "--cpu: needs CUDA" if ctx.cpu else symm_mem_available()
     out.append(Variant("symm_mem", setup_symm_mem, skip, optional=True))

@@ -18,7 +18,11 @@
    differ; then they create the process groups the program needs. Nothing
    to do for one rank;
 5. bind the inputs and outputs (a rank's pieces viewed with loop axes);
-6. run with the evaluator, in a frame of its own, without autograd;
+6. run with the evaluator, in a frame of its own, without autograd: the
+   Python reference (`HostIrEvaluator`) or the C++ executor (`hostir.cpp`),
+   both built from the same lowered container; with `cuda_graph=True` the
+   run is captured once per exact input signature and replayed
+   (`hostir.graphs`);
 7. convert the results back to the fusion's logical axes.
 
 A failure in steps 1-3 on one rank of a multi-device fusion is carried by
@@ -40,16 +44,16 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, ir, printer, schedule
+from hostir import communicator, cpp, flat, ir, printer, schedule
 from hostir.agreement import Offer, RankMismatchError, check, exchange, input_signature
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.evaluator import HostIrEvaluator
-from hostir.lower import lower
-from hostir.options import Dumper, fake_mode
+from hostir.graphs import CudaGraphs
+from hostir.lower import RESHARDING_MODES, lower
+from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
 from hostir.streams import streams_for
 
-EVALUATORS = ("python",)
 CHECK_RANKS = ("always", "first")
 
 __all__ = [
@@ -82,7 +86,14 @@ class ExecutorParams:
 
     number_of_streams: worker streams a stream-parallel loop cycles through
         (`numberOfStreams` in the dump); at least 1.
-    evaluator: "python", the reference interpreter.
+    evaluator: "python" (the reference interpreter), "cpp" (the C++
+        executor, an error if it is not built) or "auto" (C++ when built);
+        by default HOSTIR_EVALUATOR, else "auto".
+    cuda_graph: capture the run as a CUDA graph on first use for each exact
+        input signature (sizes included) and replay it after; CUDA and NCCL
+        only. Outputs of a replay are the graph's own tensors (or the
+        caller's preallocated ones); inputs are copied into the graph's
+        buffers unless the caller passes those buffers.
     device: where to run; by default, for a multi-device program, the
         communicator's (cuda:local_rank or cpu), else the device of the
         first input on a GPU, else that of input 0. CPU inputs of a program
@@ -100,6 +111,11 @@ class ExecutorParams:
         protections off: a rank that alone fails its checks, skips a call or
         changes its input shapes then meets the others' collectives out of
         step, and the job ends in a timeout or returns wrong data.
+    resharding: where an op that would both compute and move data between
+        ranks gets its resharding `set` (lower/insert_reshardings.py):
+        "auto" (default) on the side that moves fewer elements, "before"
+        or "after" the op where possible, or "strict", which refuses such
+        an op and asks for an explicit `fd.ops.set`.
     schedule: how a device axis walked as a stream axis runs: a
         `hostir.schedule.Schedule` or its text (`ring:chunks=2`,
         `collective`, `sequential`, ...); by default `HOSTIR_SCHEDULE`, else
@@ -107,21 +123,41 @@ class ExecutorParams:
     """
 
     number_of_streams: int = 4
-    evaluator: str = "python"
+    evaluator: str | None = None
     device: torch.device | str | None = None
     backend: str | None = None
     timeout: float | None = None
     check_ranks: str = "always"
+    resharding: str = "auto"
     schedule: object = None
+    cuda_graph: bool = False
 
     def validate(self) -> None:
         n = self.number_of_streams
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ExecuteArgumentError(f"number_of_streams must be an integer >= 1, got {n!r}")
-        if self.evaluator not in EVALUATORS:
+        if self.evaluator is not None and self.evaluator not in EVALUATORS:
             raise ExecuteArgumentError(f"unknown evaluator {self.evaluator!r}; expected one of {list(EVALUATORS)}")
+        if not isinstance(self.cuda_graph, bool):
+            raise InputTypeError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
         if self.check_ranks not in CHECK_RANKS:
             raise ExecuteArgumentError(f"check_ranks must be one of {list(CHECK_RANKS)}, got {self.check_ranks!r}")
+        if self.resharding not in RESHARDING_MODES:
+            raise ExecuteArgumentError(f"resharding must be one of {list(RESHARDING_MODES)}, got {self.resharding!r}")
+
+    def evaluator_name(self) -> str:
+        """"python" or "cpp": the evaluator this run uses."""
+        choice = self.evaluator if self.evaluator is not None else evaluator_choice()
+        if choice == "python":
+            return "python"
+        if cpp.available():
+            return "cpp"
+        if choice == "cpp":
+            raise ExecuteArgumentError(
+                f"evaluator='cpp' was requested but the C++ executor is unavailable: {cpp.reason()}"
+            )
+        cpp.warn_unavailable()
+        return "python"
 
     @classmethod
     def from_arguments(cls, params: ExecutorParams | None, kwargs: dict) -> ExecutorParams:
@@ -142,7 +178,7 @@ class ExecutorParams:
 @dataclasses.dataclass
 class _Program:
     container: HostIrContainer
-    evaluator: HostIrEvaluator
+    evaluator: HostIrEvaluator | cpp.CppEvaluator
     # Input axes that ops iterate together: their sizes must be equal.
     equal_axes: list[list[tuple[int, int]]]
     # (input, axis, size) of every static axis: the sizes this program was
@@ -187,24 +223,25 @@ class FusionExecutor:
         self._warned: set[str] = set()
         self.dry_runs = 0
         self._fake_reports: dict = {}
+        self._graphs = CudaGraphs()
 
     @property
     def num_programs(self) -> int:
         """Programs cached for the fusion as it is now."""
         return len(self._programs) if self._version == self.fusion.version else 0
 
-    def host_program(self) -> HostIrContainer:
+    def host_program(self, resharding: str = "auto") -> HostIrContainer:
         """The program the fusion lowers to now (for a multi-device fusion,
-        this rank's program)."""
+        this rank's program), with `resharding` as ExecutorParams takes it."""
         if is_multi_device(self.fusion):
             rank = communicator.rank()
             backend = _BACKEND_NAMES["nccl" if torch.cuda.is_available() else "gloo"]
-            return lower(self.fusion, rank=rank, backend=backend)
-        return lower(self.fusion)
+            return lower(self.fusion, rank=rank, backend=backend, resharding=resharding)
+        return lower(self.fusion, resharding=resharding)
 
-    def host_ir(self) -> str:
-        """The dump of `host_program()`."""
-        return str(self.host_program())
+    def host_ir(self, resharding: str = "auto") -> str:
+        """The dump of `host_program(resharding)`."""
+        return str(self.host_program(resharding))
 
     def execute(
         self,
@@ -253,6 +290,7 @@ class FusionExecutor:
         self._warn_requires_grad(inputs)
         program, lowered = self._program(inputs, device, params, comm)
         sizes = check_sizes(self.fusion, inputs, program.equal_axes)
+        check_reductions(self.fusion, sizes)
         check_chunks(program.container, sizes)
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
@@ -291,6 +329,7 @@ class FusionExecutor:
                 number_of_streams=params.number_of_streams,
                 backend=program.container.backend,
                 schedule=program.container.schedule,
+                resharding=params.resharding,
             )
         self.dry_runs += 1
         with self._lock:
@@ -316,11 +355,17 @@ class FusionExecutor:
             needed = ranks_needed(self.fusion)
             if world == 1 and needed > 1:
                 world = needed
-        key = (self.fusion.version, input_key(inputs), world, params.number_of_streams)
+        key = (self.fusion.version, input_key(inputs), world, params.number_of_streams, params.resharding)
         with self._lock:
             report = self._fake_reports.get(key)
         if report is None:
-            report = dry_run(self.fusion, inputs, world_size=world, number_of_streams=params.number_of_streams)
+            report = dry_run(
+                self.fusion,
+                inputs,
+                world_size=world,
+                number_of_streams=params.number_of_streams,
+                resharding=params.resharding,
+            )
             self.dry_runs += 1
             with self._lock:
                 if len(self._fake_reports) >= _MAX_REPORTS:
@@ -333,7 +378,10 @@ class FusionExecutor:
 
     def _device(self, inputs: list, params: ExecutorParams, comm) -> torch.device:
         if params.device is not None:
-            return torch.device(params.device)
+            device = torch.device(params.device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            return device
         if comm is not None:
             return comm.device
         tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
@@ -394,11 +442,13 @@ class FusionExecutor:
         static = tuple(
             (i, axis, inputs[i].shape[axis]) for i, tv in enumerate(self.fusion.inputs) for axis in tv.static_dims
         )
+        evaluator = params.evaluator_name()
         chosen = schedule.for_inputs(self.fusion, inputs, comm, params.schedule)
         key = (
             tuple((t.dtype, t.dim(), t.is_contiguous()) for t in inputs),
             device,
-            params.evaluator,
+            evaluator,
+            params.resharding,
             static,
             None if chosen is None else chosen.key(),
         )
@@ -412,27 +462,40 @@ class FusionExecutor:
             program = self._programs.get(key)
             if program is not None:
                 return program, False
-            program = self._programs[key] = self._lower(device, comm, chosen)
+            strict = (params.evaluator or evaluator_choice()) == "cpp"
+            program = self._programs[key] = self._lower(device, evaluator, comm, chosen, params.resharding, strict)
             program.static_sizes = static
             return program, True
 
-    def _lower(self, device: torch.device, comm=None, chosen=None) -> _Program:
+    def _lower(
+        self, device: torch.device, evaluator: str, comm=None, chosen=None, resharding: str = "auto", strict=False
+    ) -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
         if comm is None:
-            container = lower(self.fusion, dumper)
+            container = lower(self.fusion, dumper, resharding=resharding)
         else:
             container = lower(
-                self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend], schedule=chosen
+                self.fusion,
+                dumper,
+                rank=comm.rank,
+                backend=_BACKEND_NAMES[comm.backend],
+                schedule=chosen,
+                resharding=resharding,
             )
         dumper.emit("host_ir", "Host program:", str(container))
         self.lowerings += 1
         streams = self._streams.get(device)
         if streams is None:
             streams = self._streams[device] = streams_for(device)
-        evaluator = HostIrEvaluator(container, streams=streams, device=device, communicator=comm, dumper=dumper)
-        return _Program(container, evaluator, equal_input_axes(self.fusion))
+        if evaluator == "cpp" and not strict and flat.unsupported(container) is not None:
+            # "auto": a program with ops the C++ executor lacks (a copy-engine
+            # transport, chunked views) runs on the Python evaluator.
+            evaluator = "python"
+        make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
+        run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper)
+        return _Program(container, run, equal_input_axes(self.fusion))
 
     # -- 4: agree and make groups
     def _communicator(self, params, kwargs):
@@ -502,7 +565,12 @@ class FusionExecutor:
                 bindings[tv] = to_loop(tv, t)
         try:
             with torch.no_grad():
-                results = call.program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
+                if params.cuda_graph:
+                    device = comm.device if comm is not None else _device_of(call.inputs)
+                    backend = comm.backend if comm is not None else None
+                    results = self._graphs.run(call.program, bindings, params.number_of_streams, device, backend)
+                else:
+                    results = call.program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
         except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
             if comm is not None:
                 comm.failure = f"{type(err).__name__}: {err}"
@@ -520,6 +588,11 @@ def ranks_needed(fusion: ir.Fusion) -> int:
     """How many ranks the meshes of `fusion` name (1 without a mesh)."""
     tvs = list(fusion.inputs) + [v for e in fusion.exprs for v in e.outputs()]
     return max((max(tv.mesh.devices) + 1 for tv in tvs if tv.mesh is not None), default=1)
+
+
+def _device_of(inputs: list) -> torch.device:
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _agrees_first_only(params) -> bool:
@@ -588,7 +661,8 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
         for axis, (d, size) in enumerate(zip(tv.logical_runtime(), t.shape)):
             expected = local_extent(tv, d)
             if expected is not None and size != expected:
-                whole = f" (extent {d.extent.value} sharded over {tv.mesh.x_size} ranks)" if expected != d.extent.value else ""
+                ways = d.extent.value // expected if expected else 0
+                whole = f" (extent {d.extent.value} sharded over {ways} ranks)" if expected != d.extent.value else ""
                 raise InputError(f"{what}: axis {axis} must have size {expected}{whole}, got {size}")
             for f in _split_factors(d):
                 if size % f:
@@ -682,43 +756,73 @@ _BACKEND_NAMES = {"nccl": "NCCL", "gloo": "gloo"}
 
 
 def equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
-    """Groups of (input index, axis) whose sizes ops require to be equal."""
-    where = {}
+    """Groups of (input index, axis) whose whole sizes the program makes
+    equal: axes its ops iterate together, through any chain of ops (the
+    extents' classes), whether the axes are split or sharded or not."""
+    classes = ir.ExtentClasses(fusion.exprs)
+    by_class: dict = {}
     for i, tv in enumerate(fusion.inputs):
         for axis, d in enumerate(tv.logical_runtime()):
-            if not d.is_device_parallel and d.leaves is None:
-                where[d] = (i, axis)
-    groups = []
-    for members in ir.IdGraph(fusion.exprs, broadcast=False).groups():
-        found = sorted(where[d] for d in members if d in where)
-        if len(found) > 1:
-            groups.append(found)
-    return groups
+            if d.is_broadcast:
+                continue
+            key = classes.key(d.extent)
+            by_class.setdefault(id(key) if isinstance(key, ir.Scalar) else ("c", key), []).append((i, axis))
+    return [sorted(found) for found in by_class.values() if len(found) > 1]
+
+
+def _whole_size(tv: ir.TensorView, d: ir.IterDomain, size: int) -> int:
+    """The size of logical axis `d` across all ranks, from this rank's."""
+    for leaf in d.loop_leaves():
+        if leaf.is_device_parallel:
+            # A sharded piece's extent is the mesh's size along it (checked
+            # when lowering); a symbolic one takes it from the mesh.
+            if leaf.extent.is_constant:
+                size *= leaf.extent.value
+            elif tv.mesh is not None:
+                size *= tv.mesh.size_along(leaf.parallel_type)
+    return size
 
 
 def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, int]:
-    """Raise if input axes that ops iterate together differ in size; return
-    the size of every symbolic extent."""
+    """Raise if input axes that the program makes equal differ in whole
+    size (this rank's size times the ranks sharing the axis); return the
+    whole size of every symbolic extent."""
     for group in equal_axes:
         (i0, a0), *rest = group
+        t0 = fusion.inputs[i0]
+        s0 = _whole_size(t0, t0.logical_runtime()[a0], inputs[i0].shape[a0])
         for i, a in rest:
-            if inputs[i].shape[a] != inputs[i0].shape[a0]:
-                t0, t = fusion.inputs[i0], fusion.inputs[i]
+            t = fusion.inputs[i]
+            size = _whole_size(t, t.logical_runtime()[a], inputs[i].shape[a])
+            if size != s0:
                 raise InputError(
-                    f"input {i} (T{t.name}) axis {a} has size {inputs[i].shape[a]} but input {i0} "
-                    f"(T{t0.name}) axis {a0} has size {inputs[i0].shape[a0]}; an op of the fusion "
-                    f"needs them equal"
+                    f"input {i} (T{t.name}) axis {a} has size {size} but input {i0} "
+                    f"(T{t0.name}) axis {a0} has size {s0} (whole sizes, across ranks); an op of "
+                    f"the fusion needs them equal"
                 )
     sizes = {}
     for tv, t in zip(fusion.inputs, inputs):
         for d, size in zip(tv.logical_runtime(), t.shape):
             if d.is_device_parallel:
                 continue
-            for leaf in d.loop_leaves():
-                if leaf.is_device_parallel:
-                    size *= leaf.extent.value
-            sizes.setdefault(d.extent, size)
+            sizes.setdefault(d.extent, _whole_size(tv, d, size))
     return sizes
+
+
+def check_reductions(fusion: ir.Fusion, sizes: dict) -> None:
+    """A max or min over an empty axis has no value (torch raises): reject
+    it before any work."""
+    for e in fusion.exprs:
+        if not isinstance(e, ir.ReductionOp) or e.kind == "sum":
+            continue
+        for axis in e.reduced_dims():
+            d = e.out.domain[axis]
+            size = d.extent.value if d.extent.is_constant else sizes.get(d.extent)
+            if size == 0:
+                raise InputError(
+                    f"{e.kind} of T{e.input.name} over axis {axis}, which has size 0 for these inputs: "
+                    f"a {e.kind} over no values is undefined (torch.a{e.kind} raises too)"
+                )
 
 
 def check_chunks(container: HostIrContainer, sizes: dict) -> None:
@@ -780,7 +884,7 @@ def _local_output_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None
         return None
     for leaf in d.loop_leaves():
         if leaf.is_device_parallel:
-            size //= leaf.extent.value
+            size //= tv.mesh.size_along(leaf.parallel_type)
     return size
 
 

@@ -57,6 +57,40 @@ class Ops:
         self._check(lhs, rhs)
         return ir.binary("div", lhs, rhs)
 
+    def _unary(self, kind: str, x: ir.TensorView) -> ir.TensorView:
+        self._check(x)
+        return ir.unary(kind, x)
+
+    def relu(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("relu", x)
+
+    def gelu(self, x: ir.TensorView) -> ir.TensorView:
+        """The exact (erf) gelu, as torch.nn.functional.gelu."""
+        return self._unary("gelu", x)
+
+    def silu(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("silu", x)
+
+    def neg(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("neg", x)
+
+    def abs(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("abs", x)
+
+    def exp(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("exp", x)
+
+    def tanh(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("tanh", x)
+
+    def sigmoid(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("sigmoid", x)
+
+    def cast(self, x: ir.TensorView, dtype: torch.dtype) -> ir.TensorView:
+        """`x` converted to `dtype`, as Tensor.to(dtype)."""
+        self._check(x)
+        return ir.unary("cast", x, dtype)
+
     def sum(self, x: ir.TensorView, dims) -> ir.TensorView:
         """Sum over `dims`; integer inputs sum to int64, as in torch."""
         self._check(x)
@@ -134,13 +168,15 @@ class FusionDefinition:
             raise UsageError("execute the fusion after its `with FusionDefinition() as fd:` block")
         return self.executor.execute(inputs, outputs, params, **kwargs)
 
-    def host_ir(self) -> str:
-        """The lowered host program, in the dump format."""
-        return self.executor.host_ir()
+    def host_ir(self, resharding: str = "auto") -> str:
+        """The lowered host program, in the dump format; `resharding` as
+        `execute` takes it ("auto", "before", "after", "strict")."""
+        return self.executor.host_ir(resharding)
 
-    def host_program(self):
-        """This rank's lowered `HostIrContainer` (for `hostir.check_races`)."""
-        return self.executor.host_program()
+    def host_program(self, resharding: str = "auto"):
+        """This rank's lowered `HostIrContainer` (for `hostir.check_races`);
+        `resharding` as `host_ir` takes it."""
+        return self.executor.host_program(resharding)
 
     def dry_run(self, inputs, world_size: int | None = None, **kwargs):
         """`hostir.dry_run(self, inputs, world_size, ...)`: every rank's
@@ -182,28 +218,37 @@ def shard_tensor(t: torch.Tensor, tv: ir.TensorView, rank: int | None = None) ->
     rank = communicator.rank() if rank is None else rank
     if rank not in mesh:
         raise InputError(f"rank {rank} is not in {mesh!r}, which T{tv.name} lives on")
-    n, index = mesh.x_size, mesh.x_index(rank)
     for axis, d in enumerate(logical):
         leaves = d.loop_leaves()
         if not any(x.is_device_parallel for x in leaves):
             continue
         size = t.shape[axis]
         if d.leaves is None:
+            n = mesh.size_along(d.parallel_type)
             if size != n:
                 raise InputError(f"axis {axis} of T{tv.name}: extent {size} differs from mesh size {n}")
-            return t.narrow(axis, index, 1)
+            t = t.narrow(axis, mesh.index_along(rank, d.parallel_type), 1)
+            continue
+        n = 1
+        for x in leaves:
+            if x.is_device_parallel:
+                n *= mesh.size_along(x.parallel_type)
         if size % n:
             raise InputError(f"axis {axis} of T{tv.name}: extent {size} not divisible by mesh size {n}")
-        pieces = _leaf_sizes(leaves, size)
-        at = next(i for i, x in enumerate(leaves) if x.is_device_parallel)
+        pieces = _leaf_sizes(leaves, size, mesh)
         view = t.reshape(list(t.shape[:axis]) + pieces + list(t.shape[axis + 1 :]))
-        piece = view.narrow(axis + at, index, 1)
-        return piece.reshape(list(t.shape[:axis]) + [size // n] + list(t.shape[axis + 1 :]))
+        for j, x in enumerate(leaves):
+            if x.is_device_parallel:
+                view = view.narrow(axis + j, mesh.index_along(rank, x.parallel_type), 1)
+        t = view.reshape(list(t.shape[:axis]) + [size // n] + list(t.shape[axis + 1 :]))
     return t
 
 
-def _leaf_sizes(leaves: list[ir.IterDomain], size: int) -> list[int]:
-    known = [x.extent.value if x.extent.is_constant else None for x in leaves]
+def _leaf_sizes(leaves: list[ir.IterDomain], size: int, mesh: ir.DeviceMesh) -> list[int]:
+    known = [
+        mesh.size_along(x.parallel_type) if x.is_device_parallel else (x.extent.value if x.extent.is_constant else None)
+        for x in leaves
+    ]
     prod = 1
     for v in known:
         prod *= v or 1

@@ -6,6 +6,7 @@
   host_ir_lowering  print the host program after every lowering pass
   fusion_ir         print the fusion before lowering
   communication     log every posted collective
+  flat_program      print the flat program the C++ executor runs, when compiled
 
 `HOSTIR_DUMP_RANKS` is `all` or a comma list of ranks that print (default 0).
 
@@ -18,6 +19,8 @@
 input signature once before its first real run, `0` never dry-runs. Any
 other value is warned about and read as `auto`.
 
+`HOSTIR_EVALUATOR` (`auto`, `cpp` or `python`) is the evaluator `execute`
+uses when its `evaluator` parameter is not given (default `auto`).
 An unknown option in `HOSTIR_DUMP` is an error; in `NVFUSER_DUMP`, which a
 user of both nvFuser and hostir may set for nvFuser, it is ignored with one
 warning.
@@ -37,7 +40,9 @@ DUMP_OPTIONS = {
     "host_ir_lowering": "print the host program after every lowering pass",
     "fusion_ir": "print the fusion before lowering",
     "communication": "log every posted collective",
+    "flat_program": "print the flat program the C++ executor runs, when compiled",
 }
+EVALUATORS = ("auto", "cpp", "python")
 
 _NAME = re.compile(r"^[a-z_]+$")
 
@@ -128,6 +133,15 @@ def dump_ranks(environ=None) -> str | frozenset[int]:
         return frozenset(int(r) for r in text.split(",") if r.strip())
     except ValueError:
         raise OptionError(f"HOSTIR_DUMP_RANKS={text!r}: expected 'all' or a comma list of ranks") from None
+
+
+def evaluator_choice(environ=None) -> str:
+    """`HOSTIR_EVALUATOR`, checked: the evaluator used by default."""
+    env = os.environ if environ is None else environ
+    text = env.get("HOSTIR_EVALUATOR", "auto").strip() or "auto"
+    if text not in EVALUATORS:
+        raise OptionError(f"HOSTIR_EVALUATOR={text!r}: expected one of {list(EVALUATORS)}")
+    return text
 
 
 class Dumper:

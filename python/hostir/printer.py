@@ -8,45 +8,11 @@ two spaces, and an `Aliases:{...}` block when the alias map is not empty.
 
 from __future__ import annotations
 
-import math
-
 from hostir import ir
+from hostir.ir import format_id, format_scalar, format_stream, format_tv
 from hostir.errors import DefinitionTypeError
 
 INDENT = "  "
-
-
-def format_scalar(s: ir.Scalar) -> str:
-    if isinstance(s, ir.ScalarExpr):
-        return f"( {format_scalar(s.lhs)} {s.op} {format_scalar(s.rhs)} )"
-    if s.label is not None:
-        return s.label
-    v = s.value
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        if math.isinf(v):
-            return "-inf" if v < 0 else "inf"
-        return repr(v)
-    return str(v)
-
-
-def format_id(d: ir.IterDomain) -> str:
-    return f"{d.iter_type.value}{d.parallel_type.value}{d.name}{{{format_scalar(d.extent)}}}"
-
-
-def format_tv(tv: ir.TensorView) -> str:
-    axes = ", ".join(format_id(d) for d in tv.domain)
-    text = f"T{tv.name}_{tv.memory_type.value}_{ir.dtype_name(tv.dtype)}[{axes}]"
-    if tv.mesh is not None:
-        text += f" ({tv.mesh!r})"
-    return text
-
-
-def format_stream(s: ir.Stream) -> str:
-    if s.index is not None:
-        return f"Stream {format_scalar(s.index)}"
-    return f"Stream {s.name}"
 
 
 def format_val(v) -> str:
@@ -85,6 +51,10 @@ def _binary(e: ir.BinaryOp, pad):
     ]
 
 
+def _unary(e: ir.UnaryOp, pad):
+    return _assign(pad, e.out, f"{e.kind}( {format_tv(e.input)} )")
+
+
 _INIT = {"sum": "0", "max": "-inf", "min": "inf"}
 
 
@@ -98,13 +68,17 @@ def _reduction(e: ir.ReductionOp, pad):
     )
 
 
+def _partial(e) -> str:
+    return "" if e.partial is None else f", partial = {format_id(e.partial)}"
+
+
 def _matmul(e: ir.MatmulOp, pad):
-    return _assign(pad, e.out, f"matmul( {format_tv(e.a)}, {format_tv(e.b)} )")
+    return _assign(pad, e.out, f"matmul( {format_tv(e.a)}, {format_tv(e.b)}{_partial(e)} )")
 
 
 def _linear(e: ir.LinearOp, pad):
     args = [e.input, e.weight] + ([e.bias] if e.bias is not None else [])
-    return _assign(pad, e.out, f"linear( {', '.join(format_tv(a) for a in args)} )")
+    return _assign(pad, e.out, f"linear( {', '.join(format_tv(a) for a in args)}{_partial(e)} )")
 
 
 def _get_stream(e: ir.GetCurrentStream, pad):
@@ -164,6 +138,8 @@ def _deallocate(e: ir.Deallocate, pad):
 
 def _communication(e: ir.Communication, pad):
     fields = [f"type={e.type.value}", "team=(" + " ".join(map(str, e.team)) + ")"]
+    if e.parallel_type is not ir.ParallelType.mesh_x:
+        fields.append(f"along={e.parallel_type.name}")
     if e.root is not None:
         root = format_scalar(e.root) if isinstance(e.root, ir.Scalar) else e.root
         fields.append(f"root={root}")
@@ -199,6 +175,7 @@ def _wait(e: ir.Wait, pad):
 
 _FORMATS = {
     ir.Set: _set,
+    ir.UnaryOp: _unary,
     ir.BinaryOp: _binary,
     ir.ReductionOp: _reduction,
     ir.MatmulOp: _matmul,

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
+from launchers import job_env, run_job
 from spawn import free_port
-from test_multidevice_mpirun import mpirun_command, mpirun_env, requires_mpirun, run_job, summaries
+from test_multidevice_mpirun import mpirun_command, requires_mpirun, summaries
 
 TEST = "tests/python/multidevice/test_dry_run_vs_gloo.py"
 
@@ -23,7 +24,7 @@ def test_dry_run_against_gloo_under_mpirun(nprocs, limit):
     exports = {
         "HOSTIR_TIMEOUT": "30",
         "HOSTIR_MASTER_PORT": str(free_port()),
-        "PYTHONPATH": mpirun_env()["PYTHONPATH"],
+        "PYTHONPATH": job_env()["PYTHONPATH"],
     }
     program = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no", TEST, "--timeout=240"]
     returncode, output, elapsed = run_job(mpirun_command(nprocs, program, exports), limit)

@@ -1,5 +1,6 @@
-"""HostIrEvaluator: each op against eager torch, preallocated outputs,
-bindings, error reports, and (on a GPU) streams."""
+"""The evaluators: each op against eager torch, preallocated outputs,
+bindings, error reports, and (on a GPU) streams. Every test runs on the
+Python evaluator and on the C++ executor (the `evaluator` fixture)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from hostir import FusionDefinition, HostIrRuntimeError, ParallelType, ir
 from hostir.container import HostIrContainer
 from hostir.evaluator import HostIrEvaluator
 from hostir.streams import CudaStreams
+
+pytestmark = pytest.mark.usefixtures("evaluator")
 
 
 def _run(build, inputs, **params):
@@ -155,19 +158,19 @@ def _hand_built(extent_of_out=None):
     return c, t0
 
 
-def test_number_of_streams_is_bound_each_run():
+def test_number_of_streams_is_bound_each_run(evaluator_class):
     c, t0 = _hand_built()
     n = c.named_scalar("numberOfStreams")
     buf = ir.TensorView(c, [ir.IterDomain(c, n)], torch.float32, ir.MemoryType.global_)
     c.push_back(ir.Allocate(buf, zero_init=True))
     c.add_output(buf)
-    ev = HostIrEvaluator(c)
+    ev = evaluator_class(c)
     for n_streams in (1, 3, 8):
         (out,) = ev.run({t0: torch.randn(2)}, number_of_streams=n_streams)
         assert out.shape == (n_streams,)
 
 
-def test_unbound_value_names_itself_and_the_op():
+def test_unbound_value_names_itself_and_the_op(evaluator_class):
     c = HostIrContainer()
     domain = [ir.IterDomain(c, ir.Scalar.symbolic(c))]
     t0 = ir.TensorView(c, domain, torch.float32, ir.MemoryType.global_)
@@ -175,13 +178,13 @@ def test_unbound_value_names_itself_and_the_op():
     c.push_back(ir.Set(t1, t0))
     c.add_output(t1)
     with pytest.raises(HostIrRuntimeError) as err:
-        HostIrEvaluator(c).run({})
+        evaluator_class(c).run({})
     message = str(err.value)
     assert "value T0_g_float[iS0{i0}] is not bound" in message
     assert "While executing:\nT1_g_float[iS1{i0}]\n= Set( T0_g_float[iS0{i0}], cache_op=Streaming )" in message
 
 
-def test_failure_in_a_loop_reports_the_index():
+def test_failure_in_a_loop_reports_the_index(evaluator_class):
     c, t0 = _hand_built()
     index = ir.Scalar(label="i")
     piece = ir.TensorView(c, [], torch.float32)
@@ -191,7 +194,7 @@ def test_failure_in_a_loop_reports_the_index():
     c.push_back(ir.ForLoop(index, ir.Scalar.constant(0), stop, body))
     c.add_output(t0)
     with pytest.raises(IndexError) as err:  # torch's own error keeps its type
-        HostIrEvaluator(c).run({t0: torch.randn(2)})
+        evaluator_class(c).run({t0: torch.randn(2)})
     (note,) = err.value.__notes__
     assert re.search(r"(?s)^While executing:\n.*HirAliasSelect.*in loop i = 2$", note), note
 
@@ -229,20 +232,20 @@ def test_each_iteration_writes_a_fresh_buffer():
     torch.testing.assert_close(torch.stack(seen), x * 2)
 
 
-def test_allocate_keeps_a_bound_buffer_and_deallocate_unbinds():
+def test_allocate_keeps_a_bound_buffer_and_deallocate_unbinds(evaluator_class):
     c, t0 = _hand_built()
     buf = ir.TensorView(c, [t0.domain[0].clone(c)], torch.float32, ir.MemoryType.global_)
     c.push_back(ir.Allocate(buf))
     c.push_back(ir.Set(buf, t0))
     c.add_output(buf)
     x, given = torch.randn(5), torch.empty(5)
-    (out,) = HostIrEvaluator(c).run({t0: x, buf: given})
+    (out,) = evaluator_class(c).run({t0: x, buf: given})
     assert out is given
     torch.testing.assert_close(given, x)
 
     c.push_back(ir.Deallocate(buf))
     with pytest.raises(HostIrRuntimeError, match="is not bound"):
-        HostIrEvaluator(c).run({t0: x})
+        evaluator_class(c).run({t0: x})
 
 
 def test_missing_handler_is_reported_when_the_evaluator_is_built():
@@ -255,13 +258,13 @@ def test_missing_handler_is_reported_when_the_evaluator_is_built():
         HostIrEvaluator(c)
 
 
-def test_inconsistent_bindings_are_rejected():
+def test_inconsistent_bindings_are_rejected(evaluator_class):
     c, t0 = _hand_built()
     t1 = ir.TensorView(c, [ir.IterDomain(c, t0.domain[0].extent)], torch.float32, ir.MemoryType.global_)
     c.add_input(t1)
     c.add_output(t0)
     with pytest.raises(ValueError, match=r"axis 0 of T1_g_float\[iS1\{i0\}\] is 4 but its extent i0 is 3"):
-        HostIrEvaluator(c).run({t0: torch.randn(3), t1: torch.randn(4)})
+        evaluator_class(c).run({t0: torch.randn(3), t1: torch.randn(4)})
 
 
 # ---------------------------------------------------------------- CUDA
@@ -297,9 +300,20 @@ def test_cuda_caller_stream_is_current_again(cuda_device):
 
 
 @pytest.mark.cuda
-def test_cuda_uses_one_stream_per_index_value(cuda_device):
+def test_cuda_uses_one_stream_per_index_value(cuda_device, evaluator):
     fd = _stream_program()
     a, b = _integers(8, 16, 64), _integers(64, 32)
+    if evaluator == "cpp":
+        # The C++ executor's pool is process-wide: stream indices 0..2 are
+        # made once, then reused by every run.
+        from hostir import _C
+
+        fd.execute([a, b], number_of_streams=3)
+        made = _C.stream_pool_size()
+        fd.execute([a, b], number_of_streams=2)
+        fd.execute([a, b], number_of_streams=3)
+        assert _C.stream_pool_size() == made
+        return
     fd.execute([a, b], number_of_streams=3)
     (program,) = fd.executor._programs.values()
     streams = program.evaluator.streams

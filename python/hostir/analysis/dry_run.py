@@ -201,11 +201,16 @@ class RecordingStreams:
 
 
 class _RecordedWork:
-    def __init__(self, transfer: Transfer):
+    def __init__(self, transfer: Transfer, comm: RecordingCommunicator):
         self.transfer = transfer
+        self.comm = comm
 
     def wait(self, *args) -> bool:
-        self.transfer.waited = True
+        # Only a wait of the program's own counts: the evaluator completes
+        # what is still in flight when the run ends, but until then the
+        # buffer of a communication nobody waits for is in use.
+        if self.comm.ops_running > 0:
+            self.transfer.waited = True
         return True
 
 
@@ -228,13 +233,13 @@ class RecordingTransport(Transport):
         input, out = frame.get(e.input, None), frame.get(e.out, None)
         t = self._transfer(e, input, out, tuple(e.team), root)
         _count_traffic(e, t, input, out, self.comm.rank, root)
-        return Posted([_RecordedWork(t)])
+        return Posted([_RecordedWork(t, self.comm)])
 
     def post_p2p(self, frame, e, buf, peer: int, ops: list | None) -> Posted:
         send = e.type == "send"
         t = self._transfer(e, buf if send else None, None if send else buf, tuple(sorted({self.comm.rank, peer})), None)
         (t.sent if send else t.received)[peer] = _nbytes(buf)
-        work = _RecordedWork(t)
+        work = _RecordedWork(t, self.comm)
         if ops is not None:
             # Coalesced: the group's Wait completes it.
             ops.append(work)
@@ -279,6 +284,9 @@ class RecordingCommunicator:
         self.timeout = 0.0
         self.transfers: list[Transfer] = []
         self.transport = RecordingTransport(self)
+        # How many ops of the program are running (loops nest); 0 once the
+        # program's ops are done.
+        self.ops_running = 0
 
     def group(self, team) -> tuple:
         return tuple(team)
@@ -367,9 +375,13 @@ class _Recorder:
         if not self._started:
             self._started = True
             self.inputs = {t.untyped_storage()._cdata for t in _bound_tensors(frame)}
+        if self.comm is not None:
+            self.comm.ops_running += 1
         self._snapshot(frame, e)
 
     def after_op(self, frame, e) -> None:
+        if self.comm is not None:
+            self.comm.ops_running -= 1
         self.ops[type(e).__name__] += 1
         self._snapshot(frame, e)
         if self.comm is not None:
@@ -453,6 +465,7 @@ def dry_run(
     backend: str = "NCCL",
     check: bool = True,
     schedule=None,
+    resharding: str = "auto",
 ) -> DryRunReport:
     """Run every rank's program of `fd` (a FusionDefinition or a Fusion) on
     meta tensors and return the report.
@@ -461,8 +474,8 @@ def dry_run(
     any device, meta or fake tensors, or shapes), the same for every rank,
     or a dict from rank to such a list. `world_size` defaults to the number
     of ranks the fusion's meshes name (1 for a single-device fusion).
-    `backend` and `schedule` are what the programs are lowered with (as
-    `hostir.lower.lower` takes them; an execute passes its own). With
+    `backend`, `schedule` and `resharding` are what the programs are lowered
+    with (as `hostir.lower.lower` takes them; an execute passes its own). With
     `check`, the ranks' communications are matched and a mismatch raises
     `CommunicationMismatchError`."""
     from hostir import executor
@@ -481,7 +494,17 @@ def dry_run(
     if not multi and world_size != 1:
         raise DryRunInputError(f"the fusion is single-device (no mesh); dry-run it with world_size=1, not {world_size}")
     ranks = [
-        run_rank(fusion, _inputs_of(inputs, r), r, world_size, number_of_streams, backend, multi, schedule=schedule)
+        run_rank(
+            fusion,
+            _inputs_of(inputs, r),
+            r,
+            world_size,
+            number_of_streams,
+            backend,
+            multi,
+            schedule=schedule,
+            resharding=resharding,
+        )
         for r in range(world_size)
     ]
     report = DryRunReport(world_size, number_of_streams, ranks)
@@ -509,6 +532,7 @@ def run_rank(
     container=None,
     raw_errors: bool = False,
     schedule=None,
+    resharding: str = "auto",
 ) -> RankReport:
     """One rank's part of a dry run (`container`: that rank's lowered
     program, if the caller has it; `raw_errors`: see `_run_container`)."""
@@ -522,7 +546,10 @@ def run_rank(
             executor.check_world(fusion, world_size)
         executor.check_inputs(fusion, metas, "meta", sharded=multi)
         if container is None:
-            container = lower(fusion, rank=rank, backend=backend, schedule=schedule) if multi else lower(fusion)
+            if multi:
+                container = lower(fusion, rank=rank, backend=backend, schedule=schedule, resharding=resharding)
+            else:
+                container = lower(fusion, resharding=resharding)
         executor.check_sizes(fusion, metas, executor.equal_input_axes(fusion))
     except Exception as err:
         raise DryRunError(f"rank {rank}: {type(err).__name__}: {err}") from err

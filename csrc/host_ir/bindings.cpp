@@ -1,0 +1,254 @@
+// hostir._C: the Python face of the C++ executor. Builds a Program from the
+// FlatProgram that python/hostir/flat.py compiled, and runs it with the GIL
+// released. The only file that includes pybind11.
+#include "program.h"
+
+#include <torch/csrc/utils/pybind.h>
+#include <torch/extension.h>
+
+namespace py = pybind11;
+
+namespace hostir {
+namespace {
+
+// The order of ir.SUPPORTED_DTYPES.
+const at::ScalarType kDtypes[] = {
+    at::kFloat,
+    at::kDouble,
+    at::kHalf,
+    at::kBFloat16,
+    at::kLong,
+    at::kInt,
+    at::kShort,
+    at::kChar,
+    at::kByte,
+    at::kBool,
+};
+
+template <typename T>
+T field(const py::dict& d, const char* name, T fallback) {
+  if (!d.contains(name)) {
+    return fallback;
+  }
+  return d[name].cast<T>();
+}
+
+ScalarNode scalarNode(const py::tuple& t) {
+  ScalarNode n;
+  auto kind = t[0].cast<std::string>();
+  if (kind == "const") {
+    n.kind = ScalarNode::kConst;
+    n.value = t[1].cast<int64_t>();
+    return n;
+  }
+  if (kind == "slot") {
+    n.kind = ScalarNode::kSlot;
+    n.value = t[1].cast<int64_t>();
+    return n;
+  }
+  n.lhs = t[1].cast<int>();
+  n.rhs = t[2].cast<int>();
+  n.kind = kind == "+" ? ScalarNode::kAdd
+      : kind == "-"    ? ScalarNode::kSub
+      : kind == "*"    ? ScalarNode::kMul
+      : kind == "/"    ? ScalarNode::kDiv
+                       : ScalarNode::kMod;
+  return n;
+}
+
+Operand operand(const py::dict& d) {
+  Operand o;
+  if (d.contains("tensor")) {
+    o.tensor = d["tensor"].cast<int>();
+  } else if (d.contains("scalar")) {
+    o.scalar = d["scalar"].cast<int>();
+  } else {
+    o.is_number = true;
+    auto kind = d["kind"].cast<std::string>();
+    double v = d["number"].cast<double>();
+    o.number = kind == "bool" ? at::Scalar(v != 0.0)
+        : kind == "int"       ? at::Scalar(static_cast<int64_t>(v))
+                              : at::Scalar(v);
+  }
+  return o;
+}
+
+Instr instr(int opcode, const py::dict& f) {
+  Instr i;
+  i.op = static_cast<Opcode>(opcode);
+  i.out = field(f, "out", -1);
+  i.input = field(f, "input", -1);
+  i.a = field(f, "a", -1);
+  i.b = field(f, "b", -1);
+  i.bias = field(f, "bias", -1);
+  i.buffer = field(f, "buffer", -1);
+  i.out_dim = field(f, "out_dim", -1);
+  i.a_dim = field(f, "a_dim", -1);
+  i.b_dim = field(f, "b_dim", -1);
+  i.bias_dim = field(f, "bias_dim", -1);
+  i.start = field(f, "start", -1);
+  i.stop = field(f, "stop", -1);
+  i.end = field(f, "end", -1);
+  i.locals = field(f, "locals", std::vector<int>{});
+  i.stream_index = field(f, "stream_index", -1);
+  i.stream_key = field<int64_t>(f, "stream_key", 0);
+  i.dim = field(f, "dim", 0);
+  i.shape = field(f, "shape", std::vector<int>{});
+  i.zero_init = field(f, "zero_init", false);
+  i.kind = field(f, "kind", std::string());
+  i.dims = field(f, "dims", std::vector<int64_t>{});
+  if (f.contains("dtype")) {
+    i.dtype = kDtypes[f["dtype"].cast<int>()];
+  }
+  if (f.contains("lhs")) {
+    i.lhs = operand(f["lhs"].cast<py::dict>());
+    i.rhs = operand(f["rhs"].cast<py::dict>());
+  }
+  // A loop's index and a select's index are both "index": a loop's is an
+  // int slot, a select's a scalar node.
+  i.index = field(f, "index", -1);
+  // GetCurrentStream names its slot "slot".
+  i.stream_slot = field(f, "stream_slot", field(f, "slot", -1));
+  if (i.op == Opcode::kCommunication) {
+    i.comm_type = static_cast<CommType>(f["type"].cast<int>());
+    i.group = f["group"].cast<int>();
+    i.team_size = f["team_size"].cast<int64_t>();
+    i.is_root = f["is_root"].cast<bool>();
+    i.root = f["root"].cast<int64_t>();
+    i.red_op = f["red_op"].cast<std::string>();
+    i.local_reduce = f["local_reduce"].cast<std::vector<int64_t>>();
+    i.in_shape = f["in_shape"].cast<std::vector<int>>();
+    i.out_shape = f["out_shape"].cast<std::vector<int>>();
+    i.in_full = f["in_full"].cast<std::vector<int>>();
+    i.out_full = f["out_full"].cast<std::vector<int>>();
+    i.dtype_in = kDtypes[f["dtype_in"].cast<int>()];
+    i.dtype_out = kDtypes[f["dtype_out"].cast<int>()];
+    i.in_axis = f["in_axis"].cast<int64_t>();
+    i.out_axis = f["out_axis"].cast<int64_t>();
+    i.in_order = f["in_order"].cast<bool>();
+    i.perm = f["perm"].cast<std::vector<int64_t>>();
+    i.chunks = field<int64_t>(f, "chunks", 0);
+    i.identity = f["identity"].cast<double>();
+    i.peer = f["peer"].cast<int64_t>();
+    i.self_copy = f["self_copy"].cast<bool>();
+  }
+  if (i.op == Opcode::kP2P) {
+    i.send = f["send"].cast<bool>();
+    i.peer = f["peer"].cast<int64_t>();
+    i.world_size = f["world_size"].cast<int64_t>();
+  }
+  i.posted = field(f, "posted", -1);
+  i.text = field(f, "text", std::string());
+  return i;
+}
+
+// A Program from a hostir.flat.FlatProgram, to run on `device`.
+Program program(const py::object& flat, const std::string& device, const std::vector<int>& opcodes) {
+  Program p;
+  p.device = c10::Device(device);
+  auto instrs = flat.attr("instrs").cast<py::list>();
+  for (size_t k = 0; k < instrs.size(); ++k) {
+    p.instrs.push_back(instr(opcodes[k], instrs[k].attr("fields").cast<py::dict>()));
+  }
+  for (auto node : flat.attr("scalars").cast<py::list>()) {
+    p.scalars.push_back(scalarNode(node.cast<py::tuple>()));
+  }
+  p.num_tensors = flat.attr("num_tensors").cast<int>();
+  p.num_ints = flat.attr("num_ints").cast<int>();
+  p.num_streams = flat.attr("num_streams").cast<int>();
+  p.inputs = flat.attr("inputs").cast<std::vector<int>>();
+  p.outputs = flat.attr("outputs").cast<std::vector<int>>();
+  for (auto item : flat.attr("extent_rules").cast<py::dict>()) {
+    std::vector<ExtentRule> rules;
+    for (auto r : item.second.cast<py::list>()) {
+      auto d = r.cast<py::dict>();
+      ExtentRule rule;
+      rule.extent = d["extent"].cast<int>();
+      rule.text = d["text"].cast<std::string>();
+      rule.mesh_size = d["mesh_size"].cast<int64_t>();
+      rule.axis_text = d["axis_text"].cast<std::string>();
+      rule.bind_slot = d["bind_slot"].cast<int>();
+      rule.factor = d["factor"].cast<int64_t>();
+      rule.error = d["error"].cast<std::string>();
+      rules.push_back(std::move(rule));
+    }
+    p.extent_rules.emplace_back(item.first.cast<int>(), std::move(rules));
+  }
+  p.tensor_names = flat.attr("tensor_names").cast<std::vector<std::string>>();
+  p.int_names = flat.attr("int_names").cast<std::vector<std::string>>();
+  p.number_of_streams = flat.attr("number_of_streams").cast<int>();
+  for (auto g : flat.attr("groups").cast<py::list>()) {
+    p.groups.push_back(g.cast<c10::intrusive_ptr<c10d::ProcessGroup>>());
+  }
+  p.world_group = flat.attr("world_group").cast<int>();
+  return p;
+}
+
+py::object runExecutor(
+    const Executor& executor,
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<std::optional<at::Tensor>>& outputs,
+    int64_t number_of_streams) {
+  std::vector<at::Tensor> outs;
+  outs.reserve(outputs.size());
+  for (const auto& o : outputs) {
+    outs.push_back(o ? *o : at::Tensor());
+  }
+  RunResult result;
+  {
+    py::gil_scoped_release release;
+    result = executor.run(inputs, outs, number_of_streams);
+  }
+  py::list values;
+  for (const auto& t : result.outputs) {
+    if (t.defined()) {
+      values.append(py::cast(t));
+    } else {
+      values.append(py::none());
+    }
+  }
+  if (!result.failure) {
+    return py::make_tuple(values, py::none());
+  }
+  const Failure& f = *result.failure;
+  py::list loops;
+  for (const auto& [slot, value] : f.loops) {
+    loops.append(py::make_tuple(slot, value));
+  }
+  return py::make_tuple(values, py::make_tuple(f.instr, loops, f.kind, f.message));
+}
+
+} // namespace
+} // namespace hostir
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "The C++ executor of flat host programs (see python/hostir/flat.py).";
+  // An error before the program runs (binding the inputs) is a BindingError.
+  // The Python evaluator's class, so both evaluators raise the same one.
+  static PyObject* binding_error =
+      py::object(py::module_::import("hostir.evaluator").attr("BindingError")).release().ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) {
+        std::rethrow_exception(p);
+      }
+    } catch (const hostir::Error& e) {
+      PyErr_SetString(binding_error, e.what());
+    }
+  });
+  py::class_<hostir::Executor>(m, "Executor")
+      .def(
+          py::init([](const py::object& flat, const std::string& device, const std::vector<int>& opcodes) {
+            return std::make_unique<hostir::Executor>(hostir::program(flat, device, opcodes));
+          }),
+          py::arg("flat"),
+          py::arg("device"),
+          py::arg("opcodes"))
+      .def("run", &hostir::runExecutor, py::arg("inputs"), py::arg("outputs"), py::arg("number_of_streams"))
+      .def_property_readonly("ops_executed", &hostir::Executor::opsExecuted);
+  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kWait) + 1;
+  m.def(
+      "stream_pool_size",
+      []() { return hostir::streamPool().size(); },
+      "How many worker streams the process-wide pool holds (all devices).");
+}

@@ -1,0 +1,974 @@
+// The executor of flat host programs: the C++ twin of python/hostir/
+// evaluator.py, instruction for instruction, with ATen out= variants,
+// device-generic streams and events (c10), and collectives posted on the
+// c10d::ProcessGroup objects the Python communicator created. A run keeps
+// everything it binds in a Frame, so runs of one Executor may overlap.
+#include "program.h"
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <functional>
+#include <limits>
+#include <utility>
+
+// _allgather_base and _reduce_scatter_base are the names every supported
+// torch has (2.13 deprecates them for all_gather_single and
+// reduce_scatter_single, which 2.11 lacks).
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+namespace hostir {
+
+StreamPool& streamPool() {
+  static StreamPool pool;
+  return pool;
+}
+
+c10::Stream StreamPool::get(c10::Device device, int64_t key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto id = std::make_pair(device.str(), key);
+  auto it = streams_.find(id);
+  if (it != streams_.end()) {
+    return it->second;
+  }
+  c10::impl::VirtualGuardImpl impl(device.type());
+  c10::Stream stream = impl.getStreamFromGlobalPool(device, false);
+  streams_.emplace(id, stream);
+  return stream;
+}
+
+size_t StreamPool::size() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return streams_.size();
+}
+
+namespace {
+
+// A run failed at an instruction; carries the Failure up through loops.
+struct Failed {
+  Failure failure;
+};
+
+// Python's floor division and modulo, so scalars match the evaluator's.
+int64_t floorDiv(int64_t a, int64_t b) {
+  if (b == 0) {
+    throw Error("integer division or modulo by zero", "ZeroDivisionError");
+  }
+  int64_t q = a / b;
+  if ((a % b != 0) && ((a < 0) != (b < 0))) {
+    --q;
+  }
+  return q;
+}
+
+int64_t floorMod(int64_t a, int64_t b) {
+  return a - floorDiv(a, b) * b;
+}
+
+// A posted communication: its works, and what to run once they are done
+// (copy a staging buffer into a non-contiguous or reshaped output).
+struct Posted {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::function<void()> after;
+};
+
+at::Tensor contiguous(const at::Tensor& t) {
+  // Never hand a strided view to a collective: gloo would read or write the
+  // wrong memory.
+  return t.is_contiguous() ? t : t.contiguous();
+}
+
+// A contiguous buffer of `shape` a collective may write, and the copy into
+// `out` afterwards (none if it is `out` itself).
+std::pair<at::Tensor, std::function<void()>> staged(
+    const at::Tensor& out,
+    at::IntArrayRef shape) {
+  if (out.is_contiguous()) {
+    return {out.view(shape), nullptr};
+  }
+  at::Tensor staging = at::empty(shape, out.options());
+  at::Tensor target = out;
+  return {staging, [staging, target]() {
+            target.copy_(staging.view(target.sizes()));
+          }};
+}
+
+bool outermost(const std::vector<int64_t>& shape, int64_t axis) {
+  for (int64_t i = 0; i < axis; ++i) {
+    if (shape[i] != 1) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// 1 where `t` is NaN, for a max or min of floating values; else undefined.
+at::Tensor nanFlags(const at::Tensor& t, const std::string& red_op) {
+  if ((red_op != "max" && red_op != "min") || !at::isFloatingType(t.scalar_type())) {
+    return at::Tensor();
+  }
+  return at::isnan(t).to(at::kFloat);
+}
+
+// Makes a max or min keep NaN, as amax and amin do (gloo and NCCL compare
+// with `<`, so a NaN may lose to any number): `flag_work` reduced 0/1 NaN
+// flags with MAX into `flags_out`; once both are done, `buf` (undefined on a
+// rank that receives nothing) gets NaN wherever a rank had one.
+void withNanFlags(
+    Posted& posted,
+    const at::Tensor& buf,
+    const at::Tensor& flags_out,
+    c10::intrusive_ptr<c10d::Work> flag_work) {
+  posted.works.push_back(std::move(flag_work));
+  auto after = posted.after;
+  at::Tensor target = buf;
+  at::Tensor flags = flags_out;
+  posted.after = [target, flags, after]() mutable {
+    if (target.defined()) {
+      target.masked_fill_(flags.view(target.sizes()) > 0, std::numeric_limits<double>::quiet_NaN());
+    }
+    if (after) {
+      after();
+    }
+  };
+}
+
+c10d::ReduceOp reduceOp(const std::string& name) {
+  if (name == "sum") {
+    return c10d::ReduceOp(c10d::ReduceOp::SUM);
+  }
+  if (name == "max") {
+    return c10d::ReduceOp(c10d::ReduceOp::MAX);
+  }
+  return c10d::ReduceOp(c10d::ReduceOp::MIN);
+}
+
+class Run {
+ public:
+  Run(const Program& program, std::atomic<int64_t>& counter, bool uses_streams)
+      : p_(program),
+        counter_(counter),
+        uses_streams_(uses_streams),
+        tensors_(program.num_tensors),
+        ints_(program.num_ints),
+        bound_(program.num_ints, false),
+        streams_(program.num_streams) {}
+
+  RunResult go(
+      const std::vector<at::Tensor>& inputs,
+      const std::vector<at::Tensor>& outputs,
+      int64_t number_of_streams) {
+    RunResult result;
+    if (number_of_streams < 1) {
+      throw Error(
+          c10::str("number_of_streams must be an integer >= 1, got ", number_of_streams),
+          "BindingError");
+    }
+    if (p_.number_of_streams >= 0) {
+      bindInt(p_.number_of_streams, number_of_streams);
+    }
+    HOSTIR_CHECK(
+        inputs.size() == p_.inputs.size(),
+        "the program takes ",
+        p_.inputs.size(),
+        " inputs, got ",
+        inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      bindTensor(p_.inputs[i], inputs[i]);
+    }
+    if (!outputs.empty()) {
+      HOSTIR_CHECK(
+          outputs.size() == p_.outputs.size(),
+          "the program has ",
+          p_.outputs.size(),
+          " outputs, got ",
+          outputs.size());
+      for (size_t i = 0; i < outputs.size(); ++i) {
+        if (p_.outputs[i] >= 0 && outputs[i].defined()) {
+          bindTensor(p_.outputs[i], outputs[i]);
+        }
+      }
+    }
+    if (uses_streams_) {
+      caller_ = guard().getStream(p_.device);
+    }
+    try {
+      scope(0, static_cast<int>(p_.instrs.size()));
+      for (size_t i = 0; i < p_.outputs.size(); ++i) {
+        int slot = p_.outputs[i];
+        if (slot < 0) {
+          result.outputs.emplace_back();
+          continue;
+        }
+        // Undefined if unbound: the caller reports it, naming the output.
+        result.outputs.push_back(tensors_[slot]);
+      }
+    } catch (Failed& failed) {
+      result.failure = std::move(failed.failure);
+    }
+    join();
+    return result;
+  }
+
+ private:
+  // -- the accessors: every read and write of a slot goes through these
+  std::optional<int64_t> eval(int node) {
+    const ScalarNode& n = p_.scalars[node];
+    switch (n.kind) {
+      case ScalarNode::kConst:
+        return n.value;
+      case ScalarNode::kSlot:
+        if (!bound_[n.value]) {
+          return std::nullopt;
+        }
+        return ints_[n.value];
+      default:
+        break;
+    }
+    auto lhs = eval(n.lhs);
+    auto rhs = eval(n.rhs);
+    if (!lhs || !rhs) {
+      return std::nullopt;
+    }
+    switch (n.kind) {
+      case ScalarNode::kAdd:
+        return *lhs + *rhs;
+      case ScalarNode::kSub:
+        return *lhs - *rhs;
+      case ScalarNode::kMul:
+        return *lhs * *rhs;
+      case ScalarNode::kDiv:
+        return floorDiv(*lhs, *rhs);
+      default:
+        return floorMod(*lhs, *rhs);
+    }
+  }
+
+  int64_t get(int node) {
+    auto v = eval(node);
+    if (!v) {
+      throw Error(c10::str("value ", scalarText(node), " is not bound"), "UnboundValueError");
+    }
+    return *v;
+  }
+
+  std::string scalarText(int node) {
+    const ScalarNode& n = p_.scalars[node];
+    if (n.kind == ScalarNode::kConst) {
+      return std::to_string(n.value);
+    }
+    if (n.kind == ScalarNode::kSlot) {
+      return p_.int_names[n.value];
+    }
+    static const char* ops[] = {"", "", "+", "-", "*", "/", "%"};
+    return c10::str("( ", scalarText(n.lhs), " ", ops[n.kind], " ", scalarText(n.rhs), " )");
+  }
+
+  void bindInt(int slot, int64_t value) {
+    ints_[slot] = value;
+    bound_[slot] = true;
+  }
+
+  const at::Tensor& tensor(int slot) {
+    const at::Tensor& t = tensors_[slot];
+    if (!t.defined()) {
+      throw Error(c10::str("value ", p_.tensor_names[slot], " is not bound"), "UnboundValueError");
+    }
+    return t;
+  }
+
+  const at::Tensor* maybeTensor(int slot) {
+    const at::Tensor& t = tensors_[slot];
+    return t.defined() ? &t : nullptr;
+  }
+
+  void bind(int slot, at::Tensor value) {
+    tensors_[slot] = std::move(value);
+  }
+
+  // A caller's tensor: bind the extents its sizes give, check the rest.
+  void bindTensor(int slot, const at::Tensor& value) {
+    for (const auto& [rule_slot, rules] : p_.extent_rules) {
+      if (rule_slot == slot) {
+        bindExtents(slot, value, rules);
+        break;
+      }
+    }
+    bind(slot, value);
+  }
+
+  void bindExtents(int slot, const at::Tensor& value, const std::vector<ExtentRule>& rules) {
+    const std::string& name = p_.tensor_names[slot];
+    if (value.dim() != static_cast<int64_t>(rules.size())) {
+      throw Error(
+          c10::str(name, " has ", rules.size(), " dims but its tensor has shape ", value.sizes()),
+          "BindingError");
+    }
+    for (size_t i = 0; i < rules.size(); ++i) {
+      const ExtentRule& r = rules[i];
+      int64_t size = value.size(static_cast<int64_t>(i));
+      if (r.mesh_size > 0) {
+        if (size != 1) {
+          throw Error(
+              c10::str(
+                  "axis ", i, " of ", name, " is sharded (", r.axis_text,
+                  "): each rank holds size 1 of it, got ", size),
+              "BindingError");
+        }
+        size = r.mesh_size;
+      }
+      auto known = eval(r.extent);
+      if (!known) {
+        if (!r.error.empty()) {
+          throw Error(r.error, "BindingError");
+        }
+        bindInt(r.bind_slot, size * r.factor);
+      } else if (*known != size) {
+        throw Error(
+            c10::str("axis ", i, " of ", name, " is ", size, " but its extent ", r.text, " is ", *known),
+            "BindingError");
+      }
+    }
+  }
+
+  // -- streams (no-ops on the CPU)
+  c10::impl::VirtualGuardImpl guard() const {
+    return c10::impl::VirtualGuardImpl(p_.device.type());
+  }
+
+  c10::Stream stream(const Instr& ins) {
+    if (ins.stream_index >= 0) {
+      return streamPool().get(p_.device, get(ins.stream_index));
+    }
+    if (ins.stream_slot >= 0 && streams_[ins.stream_slot]) {
+      return *streams_[ins.stream_slot];
+    }
+    return streamPool().get(p_.device, ins.stream_key);
+  }
+
+  void wait(const c10::Stream& waiter, const c10::Stream& target) {
+    if (waiter == target) {
+      return;
+    }
+    c10::Event event(p_.device.type());
+    event.record(target);
+    event.block(waiter);
+  }
+
+  void join() {
+    if (!uses_streams_) {
+      return;
+    }
+    for (const auto& s : used_) {
+      wait(*caller_, s);
+    }
+    guard().exchangeStream(*caller_);
+  }
+
+  // -- running
+  void scope(int begin, int end) {
+    int i = begin;
+    while (i < end) {
+      const Instr& ins = p_.instrs[i];
+      try {
+        if (ins.op == Opcode::kFor) {
+          runFor(ins);
+        } else {
+          exec(ins);
+        }
+      } catch (Failed&) {
+        throw;
+      } catch (const Error& e) {
+        fail(i, e.kind(), e.what());
+      } catch (const c10::Error& e) {
+        fail(i, kindOf(e), e.what_without_backtrace());
+      } catch (const std::exception& e) {
+        fail(i, "RuntimeError", e.what());
+      }
+      counter_.fetch_add(1, std::memory_order_relaxed);
+      i = ins.op == Opcode::kFor ? ins.end : i + 1;
+    }
+  }
+
+  static std::string kindOf(const c10::Error& e) {
+    if (dynamic_cast<const c10::DistNetworkError*>(&e)) {
+      return "DistNetworkError";
+    }
+    if (dynamic_cast<const c10::DistBackendError*>(&e)) {
+      return "DistBackendError";
+    }
+    if (dynamic_cast<const c10::DistError*>(&e)) {
+      return "DistError";
+    }
+    if (dynamic_cast<const c10::ValueError*>(&e)) {
+      return "ValueError";
+    }
+    if (dynamic_cast<const c10::TypeError*>(&e)) {
+      return "TypeError";
+    }
+    if (dynamic_cast<const c10::IndexError*>(&e)) {
+      return "IndexError";
+    }
+    if (dynamic_cast<const c10::NotImplementedError*>(&e)) {
+      return "NotImplementedError";
+    }
+    if (dynamic_cast<const c10::OutOfMemoryError*>(&e)) {
+      return "OutOfMemoryError";
+    }
+    return "RuntimeError";
+  }
+
+  [[noreturn]] void fail(int instr, const std::string& kind, const std::string& message) {
+    throw Failed{Failure{instr, loops_, kind, message}};
+  }
+
+  void runFor(const Instr& ins) {
+    int64_t start = get(ins.start);
+    int64_t stop = get(ins.stop);
+    int body = static_cast<int>(&ins - p_.instrs.data()) + 1;
+    loops_.emplace_back(ins.index, start);
+    for (int64_t i = start; i < stop; ++i) {
+      for (int slot : ins.locals) {
+        tensors_[slot] = at::Tensor();
+      }
+      loops_.back().second = i;
+      bindInt(ins.index, i);
+      scope(body, ins.end);
+    }
+    loops_.pop_back();
+  }
+
+  at::Tensor fullRank(const at::Tensor& t, int dim) {
+    return dim < 0 ? t : t.unsqueeze(dim);
+  }
+
+  std::vector<int64_t> sizes(const std::vector<int>& nodes) {
+    std::vector<int64_t> out;
+    out.reserve(nodes.size());
+    for (int n : nodes) {
+      out.push_back(get(n));
+    }
+    return out;
+  }
+
+  at::Tensor operandTensor(const Operand& o) {
+    if (o.tensor >= 0) {
+      return tensor(o.tensor);
+    }
+    // torch takes a number only on the right; the evaluator makes the left
+    // one a 0-d CPU tensor of the number's default dtype.
+    at::Scalar s = o.is_number ? o.number : at::Scalar(get(o.scalar));
+    at::ScalarType dtype = s.isBoolean() ? at::kBool
+        : s.isIntegral(false)            ? at::kLong
+                                         : c10::typeMetaToScalarType(c10::get_default_dtype());
+    return at::scalar_tensor(s, at::TensorOptions().dtype(dtype));
+  }
+
+  at::Tensor operandOther(const Operand& o) {
+    if (o.tensor >= 0) {
+      return tensor(o.tensor);
+    }
+    at::Scalar s = o.is_number ? o.number : at::Scalar(get(o.scalar));
+    at::Tensor t = c10::scalar_to_tensor(s);
+    t.unsafeGetTensorImpl()->set_wrapped_number(true);
+    return t;
+  }
+
+  void exec(const Instr& ins) {
+    switch (ins.op) {
+      case Opcode::kFor:
+        break;
+      case Opcode::kGetStream:
+        if (uses_streams_) {
+          streams_[ins.stream_slot] = guard().getStream(p_.device);
+        }
+        break;
+      case Opcode::kSetStream: {
+        if (!uses_streams_) {
+          if (ins.stream_index >= 0) {
+            get(ins.stream_index);
+          }
+          break;
+        }
+        c10::Stream s = stream(ins);
+        guard().exchangeStream(s);
+        bool seen = false;
+        for (const auto& u : used_) {
+          seen = seen || u == s;
+        }
+        if (!seen) {
+          used_.push_back(s);
+        }
+        break;
+      }
+      case Opcode::kSynchronize:
+        if (!uses_streams_) {
+          if (ins.stream_index >= 0) {
+            get(ins.stream_index);
+          }
+          break;
+        }
+        wait(guard().getStream(p_.device), stream(ins));
+        break;
+      case Opcode::kSelect: {
+        const at::Tensor& src = tensor(ins.input);
+        int64_t index = ins.index < 0 ? 0 : get(ins.index);
+        bind(ins.out, src.select(ins.dim, index));
+        break;
+      }
+      case Opcode::kAllocate: {
+        if (maybeTensor(ins.out) != nullptr) {
+          break;
+        }
+        auto options = at::TensorOptions().dtype(ins.dtype).device(p_.device);
+        auto shape = sizes(ins.shape);
+        bind(ins.out, ins.zero_init ? at::zeros(shape, options) : at::empty(shape, options));
+        break;
+      }
+      case Opcode::kDeallocate:
+        tensor(ins.out);
+        bind(ins.out, at::Tensor());
+        break;
+      case Opcode::kSet: {
+        const at::Tensor& src = tensor(ins.input);
+        const at::Tensor* out = maybeTensor(ins.out);
+        if (out == nullptr) {
+          bind(ins.out, src.clone(at::MemoryFormat::Contiguous));
+        } else {
+          const_cast<at::Tensor*>(out)->copy_(src);
+        }
+        break;
+      }
+      case Opcode::kBinary:
+        binary(ins);
+        break;
+      case Opcode::kReduction:
+        reduction(ins);
+        break;
+      case Opcode::kMatmul:
+      case Opcode::kLinear:
+        matmulOrLinear(ins);
+        break;
+      case Opcode::kCommunication:
+        try {
+          posted_[&ins - p_.instrs.data()] = communication(ins);
+        } catch (const c10::Error& e) {
+          throw Error(e.what_without_backtrace(), "Communication:" + kindOf(e));
+        } catch (const Error& e) {
+          throw;
+        } catch (const std::exception& e) {
+          throw Error(e.what(), "Communication:RuntimeError");
+        }
+        break;
+      case Opcode::kP2P:
+        p2p(ins);
+        break;
+      case Opcode::kStartCoalescing:
+        if (coalescing_) {
+          throw Error("StartCoalescing inside an open coalescing group", "ProgramError");
+        }
+        coalescing_ = true;
+        coalesced_.clear();
+        if (p_.device.is_cuda()) {
+          worldGroup()->startCoalescing(p_.device.type());
+        }
+        break;
+      case Opcode::kEndCoalescing: {
+        if (!coalescing_) {
+          throw Error("EndCoalescing without StartCoalescing", "ProgramError");
+        }
+        coalescing_ = false;
+        Posted posted;
+        if (p_.device.is_cuda()) {
+          auto work = worldGroup()->endCoalescing(p_.device.type());
+          if (work) {
+            posted.works.push_back(work);
+          }
+        } else {
+          posted.works = std::move(coalesced_);
+        }
+        coalesced_.clear();
+        posted_[&ins - p_.instrs.data()] = std::move(posted);
+        break;
+      }
+      case Opcode::kWait:
+        waitFor(ins);
+        break;
+    }
+  }
+
+  void binary(const Instr& ins) {
+    at::Tensor lhs = operandTensor(ins.lhs);
+    at::Tensor rhs = operandOther(ins.rhs);
+    const at::Tensor* out = maybeTensor(ins.out);
+    const std::string& k = ins.kind;
+    if (out == nullptr) {
+      at::Tensor r = k == "add" ? at::add(lhs, rhs)
+          : k == "sub"          ? at::sub(lhs, rhs)
+          : k == "mul"          ? at::mul(lhs, rhs)
+                                : at::div(lhs, rhs);
+      bind(ins.out, std::move(r));
+      return;
+    }
+    at::Tensor o = *out;
+    if (k == "add") {
+      at::add_out(o, lhs, rhs);
+    } else if (k == "sub") {
+      at::sub_out(o, lhs, rhs);
+    } else if (k == "mul") {
+      at::mul_out(o, lhs, rhs);
+    } else {
+      at::div_out(o, lhs, rhs);
+    }
+  }
+
+  void reduction(const Instr& ins) {
+    const at::Tensor& src = tensor(ins.input);
+    const at::Tensor* out = maybeTensor(ins.out);
+    if (out == nullptr) {
+      at::Tensor r = ins.kind == "sum" ? at::sum(src, ins.dims, false, ins.dtype)
+          : ins.kind == "max"          ? at::amax(src, ins.dims)
+                                       : at::amin(src, ins.dims);
+      bind(ins.out, std::move(r));
+      return;
+    }
+    at::Tensor o = *out;
+    if (ins.kind == "sum") {
+      at::sum_out(o, src, ins.dims, false, ins.dtype);
+    } else if (ins.kind == "max") {
+      at::amax_out(o, src, ins.dims);
+    } else {
+      at::amin_out(o, src, ins.dims);
+    }
+  }
+
+  void matmulOrLinear(const Instr& ins) {
+    at::Tensor a = fullRank(tensor(ins.a), ins.a_dim);
+    at::Tensor b = fullRank(tensor(ins.b), ins.b_dim);
+    std::optional<at::Tensor> bias;
+    if (ins.bias >= 0) {
+      bias = fullRank(tensor(ins.bias), ins.bias_dim);
+    }
+    const at::Tensor* out = maybeTensor(ins.out);
+    bool linear = ins.op == Opcode::kLinear;
+    if (out == nullptr) {
+      at::Tensor r = linear ? at::linear(a, b, bias) : at::matmul(a, b);
+      bind(ins.out, ins.out_dim < 0 ? r : r.squeeze(ins.out_dim));
+      return;
+    }
+    at::Tensor o = fullRank(*out, ins.out_dim);
+    if (linear) {
+      at::linear_out(o, a, b, bias);
+    } else {
+      at::matmul_out(o, a, b);
+    }
+  }
+
+  // -- communications
+  const c10::intrusive_ptr<c10d::ProcessGroup>& worldGroup() {
+    HOSTIR_CHECK(p_.world_group >= 0, "the program has no default process group");
+    return p_.groups[p_.world_group];
+  }
+
+  at::Tensor reducedInput(const Instr& ins) {
+    const at::Tensor& src = tensor(ins.input);
+    if (ins.local_reduce.empty()) {
+      return src;
+    }
+    if (ins.red_op == "sum") {
+      return at::sum(src, ins.local_reduce, true);
+    }
+    return ins.red_op == "max" ? at::amax(src, ins.local_reduce, true)
+                               : at::amin(src, ins.local_reduce, true);
+  }
+
+  Posted communication(const Instr& ins) {
+    auto& group = p_.groups[ins.group];
+    Posted posted;
+    switch (ins.comm_type) {
+      case CommType::kAllgather: {
+        at::Tensor src = contiguous(tensor(ins.input));
+        at::Tensor out = tensor(ins.out);
+        auto full = sizes(ins.in_full);
+        int64_t a = ins.in_axis;
+        at::Tensor flat_src = src.reshape({-1});
+        if (outermost(full, a) && ins.in_order) {
+          auto [buf, after] = staged(out, {-1});
+          posted.works.push_back(group->_allgather_base(buf, flat_src));
+          posted.after = after;
+          break;
+        }
+        // Gather into [n, *local] in the group's order, then put each rank's
+        // piece at its position in the team, on the sharded axis.
+        std::vector<int64_t> shape{ins.team_size};
+        shape.insert(shape.end(), src.sizes().begin(), src.sizes().end());
+        at::Tensor staging = at::empty(shape, src.options());
+        at::Tensor flat = staging.view({-1});
+        posted.works.push_back(group->_allgather_base(flat, flat_src));
+        at::Tensor index = at::tensor(ins.perm, at::TensorOptions().dtype(at::kLong)).to(src.device());
+        posted.after = [staging, index, a, out]() mutable {
+          at::Tensor moved = staging.index_select(0, index).squeeze(a + 1).movedim(0, a);
+          out.copy_(moved.reshape(out.sizes()));
+        };
+        break;
+      }
+      case CommType::kAllreduce: {
+        at::Tensor src = reducedInput(ins);
+        at::Tensor out = tensor(ins.out);
+        auto [buf, after] = staged(out, out.sizes());
+        buf.copy_(src.reshape(out.sizes()));
+        at::Tensor flags = nanFlags(buf, ins.red_op);
+        std::vector<at::Tensor> bufs{buf};
+        c10d::AllreduceOptions opts;
+        opts.reduceOp = reduceOp(ins.red_op);
+        posted.works.push_back(group->allreduce(bufs, opts));
+        posted.after = after;
+        if (flags.defined()) {
+          std::vector<at::Tensor> flag_bufs{flags};
+          c10d::AllreduceOptions flag_opts;
+          flag_opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MAX);
+          withNanFlags(posted, buf, flags, group->allreduce(flag_bufs, flag_opts));
+        }
+        break;
+      }
+      case CommType::kReduceScatter: {
+        at::Tensor src = reducedInput(ins);
+        at::Tensor out = tensor(ins.out);
+        auto full = sizes(ins.out_full);
+        int64_t b = ins.out_axis;
+        at::Tensor whole = src.reshape(full);
+        if (!outermost(full, b)) {
+          whole = whole.movedim(b, 0);
+        }
+        if (!ins.in_order) {
+          at::Tensor index = at::tensor(ins.perm, at::TensorOptions().dtype(at::kLong)).to(src.device());
+          whole = whole.reshape({ins.team_size, -1}).index_select(0, index);
+        }
+        whole = contiguous(whole);
+        auto [buf, after] = staged(out, {-1});
+        at::Tensor flat = whole.reshape({-1});
+        at::Tensor flags = nanFlags(whole, ins.red_op);
+        c10d::ReduceScatterOptions opts;
+        opts.reduceOp = reduceOp(ins.red_op);
+        posted.works.push_back(group->_reduce_scatter_base(buf, flat, opts));
+        posted.after = after;
+        if (flags.defined()) {
+          at::Tensor received = at::empty(buf.sizes(), flags.options());
+          at::Tensor flat_flags = flags.reshape({-1});
+          c10d::ReduceScatterOptions flag_opts;
+          flag_opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MAX);
+          withNanFlags(posted, buf, received, group->_reduce_scatter_base(received, flat_flags, flag_opts));
+        }
+        break;
+      }
+      case CommType::kBroadcast: {
+        c10d::BroadcastOptions opts;
+        opts.rootRank = ins.root;
+        const at::Tensor* outp = ins.out >= 0 ? &tensor(ins.out) : nullptr;
+        if (ins.is_root) {
+          const at::Tensor& src = tensor(ins.input);
+          if (outp == nullptr) {
+            std::vector<at::Tensor> bufs{contiguous(src)};
+            posted.works.push_back(group->broadcast(bufs, opts));
+            break;
+          }
+          at::Tensor(*outp).copy_(src.reshape(outp->sizes()));
+        }
+        HOSTIR_CHECK(outp != nullptr, "value ", p_.tensor_names[ins.out < 0 ? 0 : ins.out], " is not bound");
+        at::Tensor out = *outp;
+        auto [buf, after] = staged(out, out.sizes());
+        std::vector<at::Tensor> bufs{buf};
+        posted.works.push_back(group->broadcast(bufs, opts));
+        posted.after = after;
+        break;
+      }
+      case CommType::kGather: {
+        at::Tensor src = ins.input >= 0
+            ? contiguous(tensor(ins.input))
+            // The root is outside the sender mesh: it sends a dummy piece.
+            : at::empty(sizes(ins.in_shape), at::TensorOptions().dtype(ins.dtype_in).device(p_.device));
+        c10d::GatherOptions opts;
+        opts.rootRank = ins.root;
+        std::vector<at::Tensor> inputs{src};
+        if (!ins.is_root) {
+          std::vector<std::vector<at::Tensor>> none;
+          posted.works.push_back(group->gather(none, inputs, opts));
+          break;
+        }
+        at::Tensor out = tensor(ins.out);
+        std::vector<at::Tensor> pieces;
+        for (int64_t i = 0; i < ins.team_size; ++i) {
+          pieces.push_back(at::empty_like(src));
+        }
+        std::vector<std::vector<at::Tensor>> outputs{pieces};
+        posted.works.push_back(group->gather(outputs, inputs, opts));
+        auto order = ins.perm;
+        int64_t a = ins.in_axis;
+        posted.after = [pieces, order, a, out]() mutable {
+          std::vector<at::Tensor> ordered;
+          for (int64_t j : order) {
+            ordered.push_back(pieces[j]);
+          }
+          out.copy_(at::cat(ordered, a).reshape(out.sizes()));
+        };
+        break;
+      }
+      case CommType::kScatter: {
+        at::Tensor out_buf;
+        std::function<void()> after;
+        if (ins.out < 0) {
+          // The root is outside the receiver mesh: it receives a dummy piece.
+          out_buf = at::empty(sizes(ins.out_shape), at::TensorOptions().dtype(ins.dtype_out).device(p_.device));
+        } else {
+          at::Tensor out = tensor(ins.out);
+          std::tie(out_buf, after) = staged(out, out.sizes());
+        }
+        c10d::ScatterOptions opts;
+        opts.rootRank = ins.root;
+        std::vector<at::Tensor> outputs{out_buf};
+        std::vector<std::vector<at::Tensor>> inputs;
+        if (ins.is_root) {
+          at::Tensor whole = tensor(ins.input).reshape(sizes(ins.out_full));
+          auto chunks = whole.chunk(ins.chunks, ins.out_axis);
+          std::vector<at::Tensor> pieces;
+          for (int64_t j : ins.perm) {
+            pieces.push_back(contiguous(chunks[j]).view(out_buf.sizes()));
+          }
+          inputs.push_back(std::move(pieces));
+        }
+        posted.works.push_back(group->scatter(outputs, inputs, opts));
+        posted.after = after;
+        break;
+      }
+      case CommType::kReduce: {
+        c10d::ReduceOptions opts;
+        opts.rootRank = ins.root;
+        opts.reduceOp = reduceOp(ins.red_op);
+        at::Tensor piece;
+        at::Tensor buf;
+        if (!ins.is_root) {
+          // Every rank posts the output's shape.
+          piece = reducedInput(ins).reshape(sizes(ins.out_shape)).clone(at::MemoryFormat::Contiguous);
+        } else {
+          at::Tensor out = tensor(ins.out);
+          std::tie(buf, posted.after) = staged(out, out.sizes());
+          if (ins.input >= 0) {
+            buf.copy_(reducedInput(ins).reshape(out.sizes()));
+          } else {
+            buf.fill_(ins.identity);
+          }
+          piece = buf;
+        }
+        // The flags are read before the collective may write `piece`.
+        at::Tensor flags = nanFlags(piece, ins.red_op);
+        std::vector<at::Tensor> bufs{piece};
+        posted.works.push_back(group->reduce(bufs, opts));
+        if (flags.defined()) {
+          std::vector<at::Tensor> flag_bufs{flags};
+          c10d::ReduceOptions flag_opts;
+          flag_opts.rootRank = ins.root;
+          flag_opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MAX);
+          withNanFlags(posted, buf, flags, group->reduce(flag_bufs, flag_opts));
+        }
+        break;
+      }
+      case CommType::kSendRecv: {
+        if (ins.self_copy) {
+          at::Tensor out = tensor(ins.out);
+          out.copy_(tensor(ins.input).reshape(out.sizes()));
+          break;
+        }
+        if (ins.is_root) {
+          std::vector<at::Tensor> bufs{contiguous(tensor(ins.input))};
+          posted.works.push_back(group->send(bufs, static_cast<int>(ins.peer), 0));
+          break;
+        }
+        at::Tensor out = tensor(ins.out);
+        auto [buf, after] = staged(out, out.sizes());
+        std::vector<at::Tensor> bufs{buf};
+        posted.works.push_back(group->recv(bufs, static_cast<int>(ins.peer), 0));
+        posted.after = after;
+        break;
+      }
+    }
+    return posted;
+  }
+
+  void p2p(const Instr& ins) {
+    int64_t peer = get(static_cast<int>(ins.peer));
+    if (peer < 0 || peer >= ins.world_size) {
+      throw Error(
+          c10::str("invalid peer ", peer, ": the world has ", ins.world_size, " ranks"), "BindingError");
+    }
+    const at::Tensor& buf = tensor(ins.buffer);
+    if (!buf.is_contiguous()) {
+      throw Error(
+          c10::str("the buffer of a P2P communication must be contiguous (strides ", buf.strides(), ")"),
+          "BindingError");
+    }
+    std::vector<at::Tensor> bufs{buf};
+    auto& group = worldGroup();
+    auto work = ins.send ? group->send(bufs, static_cast<int>(peer), 0)
+                         : group->recv(bufs, static_cast<int>(peer), 0);
+    Posted posted;
+    if (coalescing_) {
+      if (!p_.device.is_cuda() && work) {
+        coalesced_.push_back(work);
+      }
+    } else {
+      posted.works.push_back(work);
+    }
+    posted_[&ins - p_.instrs.data()] = std::move(posted);
+  }
+
+  void waitFor(const Instr& ins) {
+    auto it = posted_.find(ins.posted);
+    if (it == posted_.end()) {
+      throw Error(c10::str("no posted communication to wait for: ", ins.text), "ProgramError");
+    }
+    Posted posted = std::move(it->second);
+    posted_.erase(it);
+    try {
+      for (auto& work : posted.works) {
+        work->wait();
+      }
+    } catch (const c10::Error& e) {
+      throw Error(e.what_without_backtrace(), "Communication:" + kindOf(e));
+    } catch (const std::exception& e) {
+      throw Error(e.what(), "Communication:RuntimeError");
+    }
+    if (posted.after) {
+      posted.after();
+    }
+  }
+
+  const Program& p_;
+  std::atomic<int64_t>& counter_;
+  bool uses_streams_;
+  std::vector<at::Tensor> tensors_;
+  std::vector<int64_t> ints_;
+  std::vector<bool> bound_;
+  std::vector<std::optional<c10::Stream>> streams_;
+  std::vector<std::pair<int, int64_t>> loops_;
+  std::vector<c10::Stream> used_;
+  std::optional<c10::Stream> caller_;
+  std::map<int64_t, Posted> posted_;
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
+};
+
+} // namespace
+
+Executor::Executor(Program program)
+    : program_(std::move(program)), uses_streams_(program_.device.type() != c10::kCPU) {}
+
+RunResult Executor::run(
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<at::Tensor>& outputs,
+    int64_t number_of_streams) const {
+  Run run(program_, ops_executed_, uses_streams_);
+  return run.go(inputs, outputs, number_of_streams);
+}
+
+} // namespace hostir

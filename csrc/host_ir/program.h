@@ -1,0 +1,240 @@
+// The flat host program and the executor that runs it.
+//
+// Python compiles a lowered HostIrContainer into a Program (python/hostir/
+// flat.py): instructions over numbered tensor, integer and stream slots, with
+// aliases and selects resolved and scalar expressions as small trees. An
+// Executor runs a Program any number of times, from any number of threads at
+// once: everything a run binds lives in a Frame on that run's stack, and the
+// Program and the stream pool are shared read-only (the pool behind a mutex).
+// Nothing here includes pybind11: bindings.cpp is the only file that does.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/Stream.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace hostir {
+
+// Throws hostir::Error with the message when `cond` is false.
+#define HOSTIR_CHECK(cond, ...)                                     \
+  do {                                                              \
+    if (!(cond)) {                                                  \
+      throw ::hostir::Error(::c10::str(__VA_ARGS__), "RuntimeError"); \
+    }                                                               \
+  } while (0)
+
+// An error of the executor; `kind` is the Python exception class name it
+// stands for (ValueError, RuntimeError, ...).
+class Error : public std::runtime_error {
+ public:
+  Error(const std::string& message, std::string kind)
+      : std::runtime_error(message), kind_(std::move(kind)) {}
+  const std::string& kind() const {
+    return kind_;
+  }
+
+ private:
+  std::string kind_;
+};
+
+// Shared with python/hostir/flat.py (OPCODES).
+enum class Opcode : int {
+  kFor,
+  kGetStream,
+  kSetStream,
+  kSynchronize,
+  kSelect,
+  kAllocate,
+  kDeallocate,
+  kSet,
+  kBinary,
+  kReduction,
+  kMatmul,
+  kLinear,
+  kCommunication,
+  kP2P,
+  kStartCoalescing,
+  kEndCoalescing,
+  kWait,
+};
+
+// Shared with ir.CommunicationType (in declaration order).
+enum class CommType : int {
+  kAllgather,
+  kAllreduce,
+  kReduceScatter,
+  kBroadcast,
+  kGather,
+  kScatter,
+  kReduce,
+  kSendRecv,
+};
+
+// A node of a scalar expression: a constant, an integer slot, or an
+// operation on two other nodes.
+struct ScalarNode {
+  enum Kind { kConst, kSlot, kAdd, kSub, kMul, kDiv, kMod } kind = kConst;
+  int64_t value = 0;  // kConst: the value; kSlot: the slot
+  int lhs = -1;
+  int rhs = -1;
+};
+
+// An operand of a binary op: a tensor slot, a number, or a scalar node.
+struct Operand {
+  int tensor = -1;
+  int scalar = -1;
+  bool is_number = false;
+  at::Scalar number;
+};
+
+// How one axis of a bound tensor binds or checks its extent.
+struct ExtentRule {
+  int extent = -1;  // scalar node
+  std::string text;  // the extent as the dump prints it
+  int64_t mesh_size = 0;  // > 0: a mesh_x axis (size 1 here, extent mesh_size)
+  std::string axis_text;
+  int bind_slot = -1;
+  int64_t factor = 1;
+  std::string error;  // non-empty: the extent cannot be inferred from a size
+};
+
+struct Instr {
+  Opcode op = Opcode::kFor;
+  // Tensor slots (-1: none).
+  int out = -1;
+  int input = -1;
+  int a = -1;
+  int b = -1;
+  int bias = -1;
+  int buffer = -1;
+  int out_dim = -1;
+  int a_dim = -1;
+  int b_dim = -1;
+  int bias_dim = -1;
+  // Loops: index slot, start/stop nodes, end of body, slots to unbind.
+  int index = -1;
+  int start = -1;
+  int stop = -1;
+  int end = -1;
+  std::vector<int> locals;
+  // Streams: a stream slot (GetCurrentStream) or a pool key.
+  int stream_slot = -1;
+  int stream_index = -1;  // scalar node of an indexed stream
+  int64_t stream_key = 0;
+  // Select.
+  int dim = 0;
+  // Allocate.
+  std::vector<int> shape;
+  at::ScalarType dtype = at::kFloat;
+  bool zero_init = false;
+  // Binary and reductions.
+  std::string kind;
+  Operand lhs, rhs;
+  std::vector<int64_t> dims;
+  // Communications.
+  CommType comm_type = CommType::kAllgather;
+  int group = -1;
+  int64_t team_size = 0;
+  bool is_root = false;
+  int64_t root = -1;  // group rank
+  std::string red_op;
+  std::vector<int64_t> local_reduce;
+  std::vector<int> in_shape, out_shape, in_full, out_full;
+  at::ScalarType dtype_in = at::kFloat;
+  at::ScalarType dtype_out = at::kFloat;
+  int64_t in_axis = -1;
+  int64_t out_axis = -1;
+  bool in_order = true;
+  std::vector<int64_t> perm;
+  int64_t chunks = 0;
+  double identity = 0.0;
+  int64_t peer = -1;  // group rank (SendRecv), else a scalar node (P2P)
+  bool self_copy = false;
+  bool send = false;
+  int64_t world_size = 0;
+  int posted = -1;  // Wait: the posting instruction
+  std::string text;  // Wait: the dump line of what it waits for
+};
+
+struct Program {
+  std::vector<Instr> instrs;
+  std::vector<ScalarNode> scalars;
+  int num_tensors = 0;
+  int num_ints = 0;
+  int num_streams = 0;
+  std::vector<int> inputs;
+  std::vector<int> outputs;  // -1: this rank does not hold the output
+  std::vector<std::pair<int, std::vector<ExtentRule>>> extent_rules;
+  std::vector<std::string> tensor_names;
+  std::vector<std::string> int_names;
+  int number_of_streams = -1;  // int slot
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups;
+  int world_group = -1;
+  c10::Device device = c10::Device(c10::kCPU);
+};
+
+// Where a run failed: the instruction, the loop indices around it (outer
+// first, as (index slot, value)), the Python class name and the message.
+struct Failure {
+  int instr = -1;
+  std::vector<std::pair<int, int64_t>> loops;
+  std::string kind;
+  std::string message;
+};
+
+struct RunResult {
+  std::vector<at::Tensor> outputs;  // undefined: not held by this rank
+  std::optional<Failure> failure;
+};
+
+// One stream per key and device, created on first use from the device's
+// pool; shared by every program and run in the process.
+class StreamPool {
+ public:
+  c10::Stream get(c10::Device device, int64_t key);
+  size_t size();
+
+ private:
+  std::mutex mutex_;
+  std::map<std::pair<std::string, int64_t>, c10::Stream> streams_;
+};
+
+class Executor {
+ public:
+  explicit Executor(Program program);
+
+  // Binds `inputs` (and `outputs` to write into, if not empty), runs the
+  // program and returns one tensor per program output, or the failure. The
+  // caller's current stream is current again at the end and has waited for
+  // every stream the run used.
+  RunResult run(
+      const std::vector<at::Tensor>& inputs,
+      const std::vector<at::Tensor>& outputs,
+      int64_t number_of_streams) const;
+
+  const Program& program() const {
+    return program_;
+  }
+  int64_t opsExecuted() const {
+    return ops_executed_.load(std::memory_order_relaxed);
+  }
+
+ private:
+  Program program_;
+  bool uses_streams_;
+  mutable std::atomic<int64_t> ops_executed_{0};
+};
+
+// The process-wide pool of worker streams.
+StreamPool& streamPool();
+
+} // namespace hostir

@@ -1,0 +1,175 @@
+"""The C++ executor (`hostir._C`) behind the evaluator interface.
+
+`CppEvaluator` takes the same container as `HostIrEvaluator` and has the same
+`run(bindings, number_of_streams)`: it compiles the container into a flat
+program (`hostir.flat`) on first use — after the process groups of a
+multi-device program exist — and runs it in C++. A failure comes back as the
+failing instruction and its loop indices and is raised exactly as the Python
+evaluator raises it: hostir's errors as a `HostIrRuntimeError` quoting the
+op's dump line and the loop indices, torch's own errors with their type and
+that text as a note, a timeout or lost peer keeping its type.
+
+If the extension was not built or fails to import, `available()` is False,
+`reason()` says why, and hostir runs on the Python evaluator (it says so once,
+on stderr, when the C++ executor is first wanted).
+"""
+
+from __future__ import annotations
+
+import builtins
+import sys
+import threading
+from typing import Any, Mapping
+
+import torch
+
+from hostir import ir, printer
+from hostir.communicator import CommunicatorTimeout, PeerLostError, classify_error
+from hostir.container import HostIrContainer
+from hostir.errors import HostIrError
+from hostir.evaluator import BindingError, HostIrRuntimeError
+from hostir.flat import OPCODES, FlatProgram, compile_program
+
+try:
+    from hostir import _C
+except Exception as err:  # noqa: BLE001 - any failure to load means "not built"
+    _C = None
+    _REASON = f"{type(err).__name__}: {err}"
+else:
+    _REASON = None
+    if _C.OPCODE_COUNT != len(OPCODES):
+        _REASON = (
+            f"hostir._C knows {_C.OPCODE_COUNT} opcodes but hostir.flat has {len(OPCODES)}: "
+            f"rebuild the extension (pip install --no-build-isolation -e .)"
+        )
+        _C = None
+
+_warned = False
+_warn_lock = threading.Lock()
+
+
+class CppUnavailableError(HostIrError, RuntimeError):
+    """The C++ executor was asked for but is not built or does not load."""
+
+
+def available() -> bool:
+    """Whether the C++ executor is built and loads."""
+    return _C is not None
+
+
+def reason() -> str | None:
+    """Why the C++ executor is unavailable (None if it is available)."""
+    return _REASON
+
+
+def warn_unavailable() -> None:
+    """Say once per process that programs run on the Python evaluator, and why."""
+    global _warned
+    with _warn_lock:
+        if _warned:
+            return
+        _warned = True
+    sys.stderr.write(f"hostir: the C++ executor is unavailable ({_REASON}); running on the Python evaluator\n")
+
+
+class CppEvaluator:
+    """Runs one host program with the C++ executor, any number of times and
+    from several threads at once (each run has its own frame in C++)."""
+
+    def __init__(self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None):
+        if _C is None:
+            raise CppUnavailableError(f"the C++ executor is unavailable: {_REASON}")
+        self.container = container
+        self.device = torch.device(device)
+        self.communicator = communicator
+        self.dumper = dumper
+        self._lock = threading.Lock()
+        self._flat: FlatProgram | None = None
+        self._executor = None
+        if communicator is None:
+            # Without process groups to wait for, compile now: errors such
+            # as a missing communicator surface when the program is made.
+            self._compile()
+
+    def _compile(self):
+        with self._lock:
+            if self._executor is None:
+                flat = compile_program(self.container, self.communicator)
+                if self.dumper is not None:
+                    self.dumper.emit("flat_program", "Flat program:", flat.dump())
+                opcodes = [OPCODES.index(i.op) for i in flat.instrs]
+                self._executor = _C.Executor(flat, str(self.device), opcodes)
+                self._flat = flat
+        return self._executor
+
+    @property
+    def flat(self) -> FlatProgram:
+        self._compile()
+        return self._flat
+
+    @property
+    def ops_executed(self) -> int:
+        return 0 if self._executor is None else self._executor.ops_executed
+
+    def run(self, bindings: Mapping[Any, Any], number_of_streams: int = 4) -> list:
+        """As `HostIrEvaluator.run`."""
+        if isinstance(number_of_streams, bool) or not isinstance(number_of_streams, int) or number_of_streams < 1:
+            raise BindingError(f"number_of_streams must be an integer >= 1, got {number_of_streams!r}")
+        executor = self._executor or self._compile()
+        c = self.container
+        inputs = []
+        for tv in c.inputs:
+            value = bindings[tv]
+            if not isinstance(value, torch.Tensor):
+                raise BindingError(
+                    f"{printer.format_tv(tv)} must be bound to a torch.Tensor, got {type(value).__name__}"
+                )
+            inputs.append(value)
+        outputs = [bindings.get(tv) for tv in c.outputs] if len(bindings) > len(c.inputs) else []
+        # A bad binding raises the evaluator's BindingError from C++.
+        values, failure = executor.run(inputs, outputs, number_of_streams)
+        if failure is not None:
+            raise self._error(*failure)
+        flat = self._flat
+        for tv, slot, value in zip(c.outputs, flat.outputs, values):
+            if slot >= 0 and value is None:
+                raise HostIrRuntimeError(f"output {printer.format_tv(tv)} is not bound at the end of the program")
+        return values
+
+    def _error(self, instr: int, loops: list, kind: str, message: str) -> Exception:
+        flat = self._flat
+        expr = flat.instrs[instr].expr
+        where = printer.format_expr_head(expr) + "".join(
+            f"\n  in loop {flat.int_names[slot]} = {value}" for slot, value in loops
+        )
+        if kind.startswith("Communication:"):
+            kind = kind.split(":", 1)[1]
+            target = expr.communication if isinstance(expr, ir.Wait) else expr
+            comm = self.communicator
+            err = classify_error(
+                RuntimeError(message), printer.format_expr_head(target), rank=comm.rank, timeout=comm.timeout
+            )
+            if isinstance(err, (CommunicatorTimeout, PeerLostError)):
+                return type(err)(f"{err}\nWhile executing:\n{where}")
+        if kind in _HOSTIR_KINDS:
+            return HostIrRuntimeError(f"{kind}: {message}\nWhile executing:\n{where}")
+        # torch's own error keeps its type; a note names the op (PEP 678).
+        err = _torch_error(kind)(message)
+        err.add_note(f"While executing:\n{where}")
+        return err
+
+
+# Errors of hostir's own that the executor reports by name (the Python
+# evaluator raises these classes; both wrap them in HostIrRuntimeError).
+_HOSTIR_KINDS = {"UnboundValueError", "BindingError", "ProgramError"}
+
+
+def _torch_error(kind: str) -> type:
+    """The Python class of an error torch raised in C++ (as torch's own
+    bindings translate it)."""
+    import torch.distributed as dist
+
+    found = getattr(builtins, kind, None) or getattr(torch, kind, None) or getattr(dist, kind, None)
+    if isinstance(found, type) and issubclass(found, Exception):
+        return found
+    return RuntimeError

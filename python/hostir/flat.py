@@ -1,0 +1,625 @@
+"""Compile a lowered `HostIrContainer` into a flat program for the C++ executor.
+
+The flat program is the container with every name resolved: each buffer
+(an alias already replaced by its original) is a numbered tensor slot `%t<n>`,
+each symbolic scalar an integer slot `$<n>`, each `Stream` value a stream slot
+`%s<n>` or a key of the device's stream pool; `HirAliasSelect` knows the dim it
+selects, matmul and linear the dims a select removed, a communication its
+process group, its roots as group ranks and its permutations in the group's
+order. Loops stay structured (an instruction with the index of its body's
+end) and scalar expressions (`( StreamIdx % numberOfStreams )`, extents, the
+rank) are small trees over integer slots, so `hostir._C` runs the whole
+program without calling back into Python. The Python evaluator stays the
+reference; both run from the same container.
+
+`HOSTIR_DUMP=flat_program` prints `FlatProgram.dump()` when the C++ executor
+first runs a program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hostir import ir, printer
+from hostir.container import AliasError, HostIrContainer
+from hostir.evaluator import BindingError, MissingHandlerError, ProgramError
+
+# Opcodes shared with csrc/host_ir/program.h (enum class Opcode).
+OPCODES = (
+    "for",
+    "get_stream",
+    "set_stream",
+    "synchronize",
+    "select",
+    "allocate",
+    "deallocate",
+    "set",
+    "binary",
+    "reduction",
+    "matmul",
+    "linear",
+    "communication",
+    "p2p",
+    "start_coalescing",
+    "end_coalescing",
+    "wait",
+)
+_CODE = {name: i for i, name in enumerate(OPCODES)}
+# Shared with csrc/host_ir/program.h (enum class CommType), in this order.
+COMMUNICATION_TYPES = ("Allgather", "Allreduce", "ReduceScatter", "Broadcast", "Gather", "Scatter", "Reduce", "SendRecv")
+
+_DTYPES = {dtype: i for i, dtype in enumerate(ir.SUPPORTED_DTYPES)}
+
+
+
+@dataclasses.dataclass
+class Instr:
+    """One instruction: its opcode, its fields (slots, scalar nodes, flags)
+    and the host op it came from (for dumps and error messages)."""
+
+    op: str
+    fields: dict[str, Any]
+    expr: ir.Expr
+
+
+@dataclasses.dataclass
+class FlatProgram:
+    """A compiled host program. `scalars` are the scalar-expression nodes:
+    ("const", v), ("slot", n) or (op, lhs node, rhs node)."""
+
+    instrs: list[Instr]
+    scalars: list[tuple]
+    num_tensors: int
+    num_ints: int
+    num_streams: int
+    inputs: list[int]
+    outputs: list[int]  # -1: this rank does not hold the output
+    # Per bound tensor slot, how its sizes bind or check extents.
+    extent_rules: dict[int, list[dict]]
+    tensor_names: list[str]
+    int_names: list[str]
+    number_of_streams: int  # int slot of numberOfStreams, or -1
+    groups: list  # ProcessGroup objects, indexed by the instructions
+    world_group: int  # index in groups of the default group, or -1
+    container: HostIrContainer
+
+    def dump(self) -> str:
+        return _dump(self)
+
+
+class _Compiler:
+    def __init__(self, container: HostIrContainer, communicator):
+        self.container = container
+        self.comm = communicator
+        self.alias = container.aliases.resolved()
+        self.tensors: dict[ir.TensorView, int] = {}
+        self.tensor_names: list[str] = []
+        self.ints: dict[ir.Scalar, int] = {}
+        self.int_names: list[str] = []
+        self.scalars: list[tuple] = []
+        self.scalar_nodes: dict[tuple, int] = {}
+        self.streams: dict[ir.Stream, int] = {}
+        self.stream_keys: dict[ir.Stream, int] = {}
+        self.groups: list = []
+        self.group_index: dict[tuple, int] = {}
+        self.slice_dim = {e.out: e.input.runtime_position(e.axis) for e in container.walk() if isinstance(e, ir.HirAliasSelect)}
+        self.instrs: list[Instr] = []
+
+    # -- slots
+    def tensor(self, tv: ir.TensorView) -> int:
+        tv = self.alias.get(tv, tv)
+        slot = self.tensors.get(tv)
+        if slot is None:
+            slot = self.tensors[tv] = len(self.tensor_names)
+            self.tensor_names.append(printer.format_tv(tv))
+        return slot
+
+    def int_slot(self, s: ir.Scalar) -> int:
+        slot = self.ints.get(s)
+        if slot is None:
+            slot = self.ints[s] = len(self.int_names)
+            self.int_names.append(printer.format_scalar(s))
+        return slot
+
+    def scalar(self, s: ir.Scalar) -> int:
+        """The node of scalar `s` (constants fold to a "const" node)."""
+        if isinstance(s, ir.ScalarExpr):
+            node = (s.op, self.scalar(s.lhs), self.scalar(s.rhs))
+        elif s.is_constant:
+            node = ("const", int(s.value))
+        elif s.label == "rank" and self.comm is not None:
+            node = ("const", int(self.comm.rank))
+        else:
+            node = ("slot", self.int_slot(s))
+        index = self.scalar_nodes.get(node)
+        if index is None:
+            index = self.scalar_nodes[node] = len(self.scalars)
+            self.scalars.append(node)
+        return index
+
+    def stream(self, s: ir.Stream) -> dict:
+        if s.index is not None:
+            return {"stream_index": self.scalar(s.index), "stream_slot": -1, "stream_key": 0}
+        slot = self.streams.setdefault(s, len(self.streams))
+        # The pool key of a `Stream` without index that no GetCurrentStream
+        # captured: negative, so it never meets an indexed stream's key.
+        return {"stream_index": -1, "stream_slot": slot, "stream_key": -1 - slot}
+
+    def group(self, team) -> int:
+        key = tuple(team)
+        index = self.group_index.get(key)
+        if index is None:
+            index = self.group_index[key] = len(self.groups)
+            self.groups.append(self.comm.group(key))
+        return index
+
+    def emit(self, op: str, expr: ir.Expr, **fields) -> Instr:
+        instr = Instr(op, fields, expr)
+        self.instrs.append(instr)
+        return instr
+
+    def unsqueeze_dim(self, tv: ir.TensorView) -> int:
+        return self.slice_dim.get(tv, -1)
+
+    # -- the program
+    def compile(self) -> FlatProgram:
+        c = self.container
+        for tv in c.inputs:
+            if c.aliases.is_alias(tv):
+                raise AliasError(f"Inputs cannot be aliased: T{tv.name} is an alias")
+        reason = unsupported(c)
+        if reason is not None:
+            raise MissingHandlerError(f"the C++ executor cannot run this program: {reason}")
+        needs = [e for e in c.walk() if isinstance(e, ir.COMMUNICATION_OPS)]
+        if needs and self.comm is None:
+            raise BindingError(
+                f"A communicator must be provided: the program has communications, such as\n"
+                f"{printer.format_expr_head(needs[0])}"
+            )
+        inputs = [self.tensor(tv) for tv in c.inputs]
+        outputs = [self.tensor(tv) if c.holds(tv) else -1 for tv in c.outputs]
+        named = c.named_scalars()
+        nos = named.get("numberOfStreams")
+        number_of_streams = self.int_slot(nos) if nos is not None else -1
+        self.body_locals = self._find_body_locals()
+        self.scope(c.exprs)
+        rules = {}
+        for tv in c.inputs + [t for t in c.outputs if c.holds(t)]:
+            rules[self.tensor(tv)] = self.extent_rules(tv)
+        world = -1
+        if self.comm is not None and any(isinstance(e, ir.P2PCommunication) for e in c.walk()):
+            world = len(self.groups)
+            # P2P communications use the default group, like dist.isend.
+            self.groups.append(dist.group.WORLD)
+        return FlatProgram(
+            instrs=self.instrs,
+            scalars=self.scalars,
+            num_tensors=len(self.tensor_names),
+            num_ints=len(self.int_names),
+            num_streams=len(self.streams),
+            inputs=inputs,
+            outputs=outputs,
+            extent_rules=rules,
+            tensor_names=self.tensor_names,
+            int_names=self.int_names,
+            number_of_streams=number_of_streams,
+            groups=self.groups,
+            world_group=world,
+            container=c,
+        )
+
+    def scope(self, exprs) -> None:
+        for e in exprs:
+            _COMPILERS[type(e)](self, e)
+
+    def _find_body_locals(self) -> dict[int, list[int]]:
+        """For each loop, the slots first defined in its body (unbound at
+        every iteration); program inputs and outputs excepted."""
+        c = self.container
+        resolve = c.aliases.resolve
+        keep = {resolve(t) for t in c.inputs + c.outputs}
+        found = {}
+        for e in c.walk():
+            if isinstance(e, ir.ForLoop):
+                local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
+                # By name, so that slot numbers (and the dump) never depend
+                # on the order of a set.
+                ordered = sorted(local - keep, key=lambda t: t.name)
+                found[id(e)] = sorted(self.tensor(t) for t in ordered)
+        return found
+
+    def extent_rules(self, tv: ir.TensorView) -> list[dict]:
+        """How each runtime axis of a bound tensor binds or checks its extent
+        (the C++ twin of `HostIrEvaluator._bind_extents`)."""
+        rules = []
+        for i, d in enumerate(tv.runtime_domain()):
+            rule = {
+                "extent": self.scalar(d.extent),
+                "text": printer.format_scalar(d.extent),
+                "mesh_size": tv.mesh.x_size if d.is_device_parallel else 0,
+                "axis_text": printer.format_id(d),
+                "bind_slot": -1,
+                "factor": 1,
+                "error": "",
+            }
+            target = d.extent
+            if isinstance(target, ir.ScalarExpr):
+                if target.op == "/" and target.rhs.is_constant and not isinstance(target.lhs, ir.ScalarExpr):
+                    rule["factor"] = int(target.rhs.value)
+                    target = target.lhs
+                else:
+                    rule["error"] = f"cannot infer {printer.format_scalar(target)} from a size"
+                    target = None
+            if target is not None and not target.is_constant:
+                rule["bind_slot"] = self.int_slot(target)
+            rules.append(rule)
+        return rules
+
+
+# ---------------------------------------------------------------- per op
+
+_COMPILERS = {}
+
+
+def _compiles(op_class):
+    def wrap(fn):
+        _COMPILERS[op_class] = fn
+        return fn
+
+    return wrap
+
+
+@_compiles(ir.ForLoop)
+def _for(cc: _Compiler, e: ir.ForLoop) -> None:
+    instr = cc.emit(
+        "for",
+        e,
+        index=cc.int_slot(e.index),
+        start=cc.scalar(e.start),
+        stop=cc.scalar(e.stop),
+        locals=cc.body_locals[id(e)],
+        end=-1,
+    )
+    cc.scope(e.body)
+    instr.fields["end"] = len(cc.instrs)
+
+
+@_compiles(ir.GetCurrentStream)
+def _get_stream(cc, e) -> None:
+    cc.emit("get_stream", e, slot=cc.streams.setdefault(e.stream, len(cc.streams)))
+
+
+@_compiles(ir.SetCurrentStream)
+def _set_stream(cc, e) -> None:
+    cc.emit("set_stream", e, **cc.stream(e.stream))
+
+
+@_compiles(ir.Synchronize)
+def _synchronize(cc, e) -> None:
+    cc.emit("synchronize", e, **cc.stream(e.stream))
+
+
+@_compiles(ir.HirAliasSelect)
+def _select(cc, e) -> None:
+    cc.emit(
+        "select",
+        e,
+        out=cc.tensor(e.out),
+        input=cc.tensor(e.input),
+        dim=cc.slice_dim[e.out],
+        index=-1 if e.axis.is_broadcast else cc.scalar(e.index),
+    )
+
+
+def _local_shape(cc: _Compiler, tv: ir.TensorView) -> list[int]:
+    """Scalar nodes of `tv`'s local loop shape (a constant 1 on mesh_x)."""
+    one = ir.Scalar.constant(1)
+    return [cc.scalar(one if d.is_device_parallel else d.extent) for d in tv.runtime_domain()]
+
+
+@_compiles(ir.Allocate)
+def _allocate(cc, e) -> None:
+    cc.emit(
+        "allocate",
+        e,
+        out=cc.tensor(e.buffer),
+        shape=_local_shape(cc, e.buffer),
+        dtype=_DTYPES[e.buffer.dtype],
+        zero_init=bool(e.zero_init),
+    )
+
+
+@_compiles(ir.Deallocate)
+def _deallocate(cc, e) -> None:
+    cc.emit("deallocate", e, out=cc.tensor(e.buffer))
+
+
+@_compiles(ir.Set)
+def _set(cc, e) -> None:
+    cc.emit("set", e, out=cc.tensor(e.out), input=cc.tensor(e.input))
+
+
+def _operand(cc: _Compiler, v) -> dict:
+    """A tensor slot, a constant number, or an integer scalar node."""
+    if isinstance(v, ir.TensorView):
+        return {"tensor": cc.tensor(v)}
+    if v.is_constant:
+        value = v.value
+        kind = "bool" if isinstance(value, bool) else "int" if isinstance(value, int) else "float"
+        return {"number": float(value), "kind": kind}
+    return {"scalar": cc.scalar(v)}
+
+
+@_compiles(ir.BinaryOp)
+def _binary(cc, e) -> None:
+    cc.emit("binary", e, out=cc.tensor(e.out), kind=e.kind, lhs=_operand(cc, e.lhs), rhs=_operand(cc, e.rhs))
+
+
+@_compiles(ir.ReductionOp)
+def _reduction(cc, e) -> None:
+    cc.emit(
+        "reduction",
+        e,
+        out=cc.tensor(e.out),
+        input=cc.tensor(e.input),
+        kind=e.kind,
+        dims=e.reduced_dims(),
+        dtype=_DTYPES[e.out.dtype],
+    )
+
+
+@_compiles(ir.MatmulOp)
+def _matmul(cc, e) -> None:
+    cc.emit(
+        "matmul",
+        e,
+        out=cc.tensor(e.out),
+        out_dim=cc.unsqueeze_dim(e.out),
+        a=cc.tensor(e.a),
+        a_dim=cc.unsqueeze_dim(e.a),
+        b=cc.tensor(e.b),
+        b_dim=cc.unsqueeze_dim(e.b),
+    )
+
+
+@_compiles(ir.LinearOp)
+def _linear(cc, e) -> None:
+    cc.emit(
+        "linear",
+        e,
+        out=cc.tensor(e.out),
+        out_dim=cc.unsqueeze_dim(e.out),
+        a=cc.tensor(e.input),
+        a_dim=cc.unsqueeze_dim(e.input),
+        b=cc.tensor(e.weight),
+        b_dim=cc.unsqueeze_dim(e.weight),
+        bias=-1 if e.bias is None else cc.tensor(e.bias),
+        bias_dim=-1 if e.bias is None else cc.unsqueeze_dim(e.bias),
+    )
+
+
+# ---------------------------------------------------------------- communications
+
+
+def _mesh_axis(tv: ir.TensorView) -> int:
+    (axis,) = tv.device_axes()
+    return tv.runtime_position(axis)
+
+
+def _identity(dtype: torch.dtype, red_op: str) -> float:
+    if red_op == "sum":
+        return 0.0
+    if dtype.is_floating_point:
+        return float("-inf") if red_op == "max" else float("inf")
+    info = torch.iinfo(dtype)
+    return float(info.min if red_op == "max" else info.max)
+
+
+@_compiles(ir.Communication)
+def _communication(cc: _Compiler, e: ir.Communication) -> None:
+    rank = cc.container.rank if cc.container.rank is not None else cc.comm.rank
+    if rank not in e.team:
+        return
+    order = tuple(cc.comm.group_order(e.team))
+    holds_in = e.input.mesh is None or rank in e.input.mesh
+    holds_out = e.out.mesh is None or rank in e.out.mesh
+    t = e.type
+    f = {
+        "type": COMMUNICATION_TYPES.index(t.value),
+        "group": cc.group(e.team),
+        "team_size": len(e.team),
+        "is_root": e.root is not None and rank == e.root,
+        "root": -1 if e.root is None else order.index(e.root),
+        "red_op": e.red_op or "",
+        "local_reduce": list(e.local_reduce),
+        "input": cc.tensor(e.input) if holds_in else -1,
+        "out": cc.tensor(e.out) if holds_out else -1,
+        "in_shape": _local_shape(cc, e.input),
+        "out_shape": _local_shape(cc, e.out),
+        "in_full": [cc.scalar(d.extent) for d in e.input.runtime_domain()],
+        "out_full": [cc.scalar(d.extent) for d in e.out.runtime_domain()],
+        "dtype_in": _DTYPES[e.input.dtype],
+        "dtype_out": _DTYPES[e.out.dtype],
+        "in_axis": _mesh_axis(e.input) if e.input.device_axes() else -1,
+        "out_axis": _mesh_axis(e.out) if e.out.device_axes() else -1,
+        "in_order": order == tuple(e.team),
+        "perm": [],
+        "identity": _identity(e.out.dtype, e.red_op) if e.red_op else 0.0,
+        "peer": -1,
+        "self_copy": False,
+    }
+    if t is ir.CommunicationType.Allgather:
+        f["perm"] = [order.index(r) for r in e.team]
+    elif t is ir.CommunicationType.ReduceScatter:
+        f["perm"] = [e.team.index(r) for r in order]
+    elif t is ir.CommunicationType.Gather:
+        f["perm"] = [order.index(r) for r in e.team if r in e.input.mesh]
+    elif t is ir.CommunicationType.Scatter:
+        devices = list(e.out.mesh.devices)
+        f["perm"] = [devices.index(r) if r in devices else 0 for r in order]
+        f["chunks"] = len(devices)
+    elif t is ir.CommunicationType.SendRecv:
+        # The receiver is the team's other rank, whichever order the team lists.
+        others = [r for r in e.team if r != e.root]
+        receiver = others[0] if others else e.root
+        f["self_copy"] = receiver == e.root
+        f["peer"] = order.index(receiver) if rank == e.root else order.index(e.root)
+    cc.emit("communication", e, **f)
+
+
+@_compiles(ir.P2PCommunication)
+def _p2p(cc, e) -> None:
+    cc.emit(
+        "p2p",
+        e,
+        send=e.type == "send",
+        buffer=cc.tensor(e.buffer),
+        peer=cc.scalar(e.peer),
+        world_size=cc.comm.world_size,
+    )
+
+
+@_compiles(ir.StartCoalescing)
+def _start(cc, e) -> None:
+    cc.emit("start_coalescing", e)
+
+
+@_compiles(ir.EndCoalescing)
+def _end(cc, e) -> None:
+    cc.emit("end_coalescing", e)
+
+
+@_compiles(ir.Wait)
+def _wait(cc, e) -> None:
+    target = e.communication
+    rank = cc.container.rank if cc.container.rank is not None else cc.comm.rank
+    if isinstance(target, ir.Communication) and rank not in target.team:
+        return
+    # The posting instruction of the target: the last one emitted for it
+    # (it precedes its Wait in program order).
+    posted = [i for i, instr in enumerate(cc.instrs) if instr.expr is target]
+    if not posted:
+        raise ProgramError(f"Wait before its communication is posted: {printer.format_expr_head(target)}")
+    cc.emit("wait", e, posted=posted[-1], text=printer.format_expr_head(target))
+
+
+def unsupported(container: HostIrContainer) -> str | None:
+    """Why the C++ executor cannot run `container`, or None if it can: an op
+    it has no instruction for, or a communication only Python posts (the
+    copy-engine transport, a root chosen at run time, symmetric memory)."""
+    for e in container.walk():
+        if type(e) not in _COMPILERS:
+            return f"it has no instruction for {type(e).__name__}"
+        if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):
+            return f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}"
+        if isinstance(e, ir.Communication) and e.type.value not in COMMUNICATION_TYPES:
+            return f"it has no {e.type.value}: {printer.format_expr_head(e)}"
+        if getattr(e, "partial", None) is not None:
+            return f"it keeps partial sums: {printer.format_expr_head(e)}"
+        if isinstance(e, ir.Communication) and not (e.root is None or isinstance(e.root, int)):
+            return f"its root is chosen at run time: {printer.format_expr_head(e)}"
+        if isinstance(e, ir.P2PCommunication) and getattr(e, "into", None) is not None:
+            return f"it pushes into a peer's buffer: {printer.format_expr_head(e)}"
+        if isinstance(e, ir.Allocate) and e.memory_type.word == "symmetric":
+            return f"it allocates symmetric memory: {printer.format_expr_head(e)}"
+    return None
+
+
+def compile_program(container: HostIrContainer, communicator=None) -> FlatProgram:
+    """The flat program of `container` (for a multi-device program, of the
+    communicator's rank, with its process groups, which must exist)."""
+    return _Compiler(container, communicator).compile()
+
+
+# ---------------------------------------------------------------- dump
+
+
+def _scalar_text(p: FlatProgram, node: int) -> str:
+    kind = p.scalars[node]
+    if kind[0] == "const":
+        return str(kind[1])
+    if kind[0] == "slot":
+        return f"${kind[1]}"
+    return f"( {_scalar_text(p, kind[1])} {kind[0]} {_scalar_text(p, kind[2])} )"
+
+
+def _field_text(p: FlatProgram, name: str, value) -> str:
+    if name in ("start", "stop", "index", "peer", "stream_index") and isinstance(value, int):
+        return "-" if value < 0 else _scalar_text(p, value)
+    if name in ("shape", "in_shape", "out_shape", "in_full", "out_full"):
+        return "(" + ", ".join(_scalar_text(p, n) for n in value) + ")"
+    if name in ("out", "input", "a", "b", "bias", "buffer") and isinstance(value, int):
+        return "-" if value < 0 else f"%t{value}"
+    if name == "locals":
+        return "(" + " ".join(f"%t{v}" for v in value) + ")"
+    if name == "group":
+        return f"g{value}"
+    if name == "slot":
+        return f"%s{value}"
+    if name in ("dtype", "dtype_in", "dtype_out"):
+        return ir.dtype_name(ir.SUPPORTED_DTYPES[value])
+    if name == "type":
+        return COMMUNICATION_TYPES[value]
+    if isinstance(value, dict):
+        if "tensor" in value:
+            return f"%t{value['tensor']}"
+        if "scalar" in value:
+            return _scalar_text(p, value["scalar"])
+        return f"{value['kind']}({value['number']!r})"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "(" + " ".join(map(str, value)) + ")"
+    return str(value)
+
+
+_HIDDEN = {"stream_index", "stream_slot", "stream_key", "text"}
+
+
+def _stream_text(fields: dict) -> str:
+    if fields["stream_index"] >= 0:
+        return None
+    return f"%s{fields['stream_slot']} or pool[{fields['stream_key']}]"
+
+
+def _dump(p: FlatProgram) -> str:
+    head = (
+        f"%FlatProgram {{ ({', '.join(f'%t{i}' for i in p.inputs)}) -> "
+        f"({', '.join('-' if o < 0 else f'%t{o}' for o in p.outputs)}) :"
+    )
+    lines = [head]
+    slots = ", ".join(f"%t{i}={name.split('[')[0]}" for i, name in enumerate(p.tensor_names))
+    lines.append(f"  tensors: {slots}")
+    lines.append("  ints: " + ", ".join(f"${i}={name}" for i, name in enumerate(p.int_names)))
+    for slot, rules in p.extent_rules.items():
+        parts = []
+        for r in rules:
+            if r["mesh_size"]:
+                parts.append(f"1 (mesh {r['mesh_size']})")
+            elif r["bind_slot"] >= 0:
+                parts.append(f"${r['bind_slot']}" + (f" * {r['factor']}" if r["factor"] != 1 else ""))
+            else:
+                parts.append(f"= {_scalar_text(p, r['extent'])}")
+        lines.append(f"  bind %t{slot}: [{', '.join(parts)}]")
+    depth_end: list[int] = []
+    for i, instr in enumerate(p.instrs):
+        while depth_end and depth_end[-1] <= i:
+            depth_end.pop()
+        pad = "  " * (len(depth_end) + 1)
+        fields = []
+        for name, value in instr.fields.items():
+            if name in _HIDDEN:
+                continue
+            fields.append(f"{name}={_field_text(p, name, value)}")
+        if "stream_index" in instr.fields:
+            stream = _stream_text(instr.fields) or f"pool[{_scalar_text(p, instr.fields['stream_index'])}]"
+            fields.insert(0, f"stream={stream}")
+        lines.append(f"{pad}{i}: {instr.op} " + " ".join(fields))
+        if instr.op == "for":
+            depth_end.append(instr.fields["end"])
+    lines.append("} // %FlatProgram")
+    return "\n".join(lines) + "\n"

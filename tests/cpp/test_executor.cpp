@@ -1,0 +1,231 @@
+// GoogleTest tests of the C++ executor on programs built by hand, without
+// Python: loops and scalar expressions, selects into preallocated buffers,
+// the out= variants, extent binding, failures with loop indices, and two
+// threads running one Executor at once.
+#include "../../csrc/host_ir/program.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+namespace hostir {
+namespace {
+
+int addNode(Program& p, ScalarNode n) {
+  p.scalars.push_back(n);
+  return static_cast<int>(p.scalars.size()) - 1;
+}
+
+int constNode(Program& p, int64_t v) {
+  ScalarNode n;
+  n.kind = ScalarNode::kConst;
+  n.value = v;
+  return addNode(p, n);
+}
+
+int slotNode(Program& p, int slot) {
+  ScalarNode n;
+  n.kind = ScalarNode::kSlot;
+  n.value = slot;
+  return addNode(p, n);
+}
+
+// out[i] = in[i] * 2 + i % numberOfStreams for each row i, through a loop
+// of selects: slots %t0 = in [rows, cols], %t1 = out, %t2/%t3 the rows,
+// %t4 a loop-local product; ints $0 = rows, $1 = cols, $2 = i,
+// $3 = numberOfStreams.
+Program rowLoop() {
+  Program p;
+  p.num_tensors = 5;
+  p.num_ints = 4;
+  p.inputs = {0};
+  p.outputs = {1};
+  p.tensor_names = {"T0", "T1", "T2", "T3", "T4"};
+  p.int_names = {"i0", "i1", "i", "numberOfStreams"};
+  p.number_of_streams = 3;
+  int rows = slotNode(p, 0);
+  int cols = slotNode(p, 1);
+  int index = slotNode(p, 2);
+  ScalarNode mod;
+  mod.kind = ScalarNode::kMod;
+  mod.lhs = index;
+  mod.rhs = slotNode(p, 3);
+  int stream = addNode(p, mod);
+  for (int slot : {0, 1}) {
+    std::vector<ExtentRule> rules(2);
+    rules[0].extent = rows;
+    rules[0].bind_slot = 0;
+    rules[0].text = "i0";
+    rules[1].extent = cols;
+    rules[1].bind_slot = 1;
+    rules[1].text = "i1";
+    p.extent_rules.emplace_back(slot, rules);
+  }
+  Instr alloc;
+  alloc.op = Opcode::kAllocate;
+  alloc.out = 1;
+  alloc.shape = {rows, cols};
+  p.instrs.push_back(alloc);
+  Instr loop;
+  loop.op = Opcode::kFor;
+  loop.index = 2;
+  loop.start = constNode(p, 0);
+  loop.stop = rows;
+  loop.locals = {2, 3, 4};
+  loop.end = 6;
+  p.instrs.push_back(loop);
+  Instr in_row;
+  in_row.op = Opcode::kSelect;
+  in_row.out = 2;
+  in_row.input = 0;
+  in_row.index = index;
+  p.instrs.push_back(in_row);
+  Instr out_row = in_row;
+  out_row.out = 3;
+  out_row.input = 1;
+  p.instrs.push_back(out_row);
+  Instr twice;
+  twice.op = Opcode::kBinary;
+  twice.kind = "mul";
+  twice.out = 4;
+  twice.lhs.tensor = 2;
+  twice.rhs.is_number = true;
+  twice.rhs.number = at::Scalar(2.0);
+  p.instrs.push_back(twice);
+  Instr plus;
+  plus.op = Opcode::kBinary;
+  plus.kind = "add";
+  plus.out = 3;
+  plus.lhs.tensor = 4;
+  plus.rhs.scalar = stream;
+  p.instrs.push_back(plus);
+  return p;
+}
+
+at::Tensor expectedRows(const at::Tensor& x, int64_t streams) {
+  at::Tensor out = x * 2;
+  for (int64_t i = 0; i < x.size(0); ++i) {
+    out[i] += i % streams;
+  }
+  return out;
+}
+
+TEST(Executor, LoopOfSelectsWritesEveryRow) {
+  Executor executor(rowLoop());
+  at::Tensor x = at::randn({5, 4});
+  RunResult r = executor.run({x}, {}, 3);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  ASSERT_EQ(r.outputs.size(), 1u);
+  EXPECT_TRUE(at::allclose(r.outputs[0], expectedRows(x, 3)));
+  // Allocate, the loop, and 4 instructions in each of 5 iterations.
+  EXPECT_EQ(executor.opsExecuted(), 2 + 5 * 4);
+}
+
+TEST(Executor, NumberOfStreamsIsBoundEachRun) {
+  Executor executor(rowLoop());
+  at::Tensor x = at::randn({6, 2});
+  for (int64_t n : {1, 2, 4}) {
+    RunResult r = executor.run({x}, {}, n);
+    ASSERT_FALSE(r.failure.has_value());
+    EXPECT_TRUE(at::allclose(r.outputs[0], expectedRows(x, n)));
+  }
+}
+
+TEST(Executor, WritesIntoPreallocatedOutput) {
+  Executor executor(rowLoop());
+  at::Tensor x = at::randn({3, 4});
+  at::Tensor out = at::empty({3, 4});
+  RunResult r = executor.run({x}, {out}, 2);
+  ASSERT_FALSE(r.failure.has_value());
+  EXPECT_TRUE(r.outputs[0].is_same(out));
+  EXPECT_TRUE(at::allclose(out, expectedRows(x, 2)));
+}
+
+TEST(Executor, InconsistentExtentIsABindingError) {
+  Executor executor(rowLoop());
+  try {
+    executor.run({at::randn({3, 4})}, {at::empty({3, 5})}, 2);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), "BindingError");
+    EXPECT_STREQ(e.what(), "axis 1 of T1 is 5 but its extent i1 is 4");
+  }
+}
+
+TEST(Executor, FailureNamesInstructionAndLoopIndex) {
+  Program p = rowLoop();
+  // Select row i + 2: out of range at i = 3 of 5.
+  ScalarNode shifted;
+  shifted.kind = ScalarNode::kAdd;
+  shifted.lhs = p.instrs[2].index;
+  shifted.rhs = constNode(p, 2);
+  p.instrs[2].index = addNode(p, shifted);
+  Executor executor(std::move(p));
+  RunResult r = executor.run({at::randn({5, 4})}, {}, 2);
+  ASSERT_TRUE(r.failure.has_value());
+  EXPECT_EQ(r.failure->instr, 2);
+  ASSERT_EQ(r.failure->loops.size(), 1u);
+  EXPECT_EQ(r.failure->loops[0], std::make_pair(2, int64_t{3}));
+  EXPECT_EQ(r.failure->kind, "IndexError");
+}
+
+TEST(Executor, BadNumberOfStreamsIsABindingError) {
+  Executor executor(rowLoop());
+  try {
+    executor.run({at::randn({2, 2})}, {}, 0);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), "BindingError");
+    EXPECT_STREQ(e.what(), "number_of_streams must be an integer >= 1, got 0");
+  }
+}
+
+TEST(Executor, ScalarsFollowPythonFloorSemantics) {
+  Program p = rowLoop();
+  // Start the loop at -3: ( i % n ) must be Python's modulo (never negative)
+  // and the select index is i + 3.
+  p.instrs[1].start = constNode(p, -3);
+  ScalarNode shifted;
+  shifted.kind = ScalarNode::kAdd;
+  shifted.lhs = p.instrs[2].index;
+  shifted.rhs = constNode(p, 3);
+  int row = addNode(p, shifted);
+  p.instrs[2].index = row;
+  p.instrs[3].index = row;
+  ScalarNode stop;
+  stop.kind = ScalarNode::kSub;
+  stop.lhs = slotNode(p, 0);
+  stop.rhs = constNode(p, 3);
+  p.instrs[1].stop = addNode(p, stop);
+  Executor executor(std::move(p));
+  at::Tensor x = at::randn({4, 2});
+  RunResult r = executor.run({x}, {}, 3);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  at::Tensor expected = x * 2;
+  for (int64_t i = -3; i < 1; ++i) {
+    expected[i + 3] += ((i % 3) + 3) % 3;
+  }
+  EXPECT_TRUE(at::allclose(r.outputs[0], expected));
+}
+
+TEST(Executor, TwoThreadsRunOneExecutorAtOnce) {
+  Executor executor(rowLoop());
+  auto work = [&executor](int64_t streams, bool* ok) {
+    *ok = true;
+    for (int k = 0; k < 50; ++k) {
+      at::Tensor x = at::randn({7, 3});
+      RunResult r = executor.run({x}, {}, streams);
+      *ok = *ok && !r.failure && at::allclose(r.outputs[0], expectedRows(x, streams));
+    }
+  };
+  bool ok1 = false, ok2 = false;
+  std::thread t1(work, 2, &ok1);
+  std::thread t2(work, 5, &ok2);
+  t1.join();
+  t2.join();
+  EXPECT_TRUE(ok1);
+  EXPECT_TRUE(ok2);
+}
+
+} // namespace
+} // namespace hostir
