@@ -19,6 +19,7 @@ from hostir.communicator import (
     world_size,
 )
 from hostir.container import AliasError, HostIrContainer
+from hostir.analysis.dry_run import CommunicationMismatchError, DryRunError, DryRunReport, dry_run
 from hostir.dtensor import DTensorPlacementError
 from hostir.errors import DefinitionError, HostIrError, UsageError
 from hostir.evaluator import HostIrEvaluator, HostIrRuntimeError
@@ -27,9 +28,16 @@ from hostir.frontend import FusionDefinition, shard_tensor
 from hostir.ir import DeviceMesh, IterType, MemoryType, ParallelType
 from hostir.lower import LoweringError
 from hostir.options import OptionError
+from hostir.analysis.races import Race, check_races
 
 __all__ = [
     "AliasError",
+    "CommunicationMismatchError",
+    "DryRunError",
+    "DryRunReport",
+    "Race",
+    "check_races",
+    "dry_run",
     "CommunicatorError",
     "CommunicatorTimeout",
     "DTensorPlacementError",

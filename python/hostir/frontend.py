@@ -204,6 +204,26 @@ class FusionDefinition:
         `execute` takes it ("auto", "before", "after", "strict")."""
         return self.executor.host_ir(resharding)
 
+    def host_program(self, resharding: str = "auto"):
+        """This rank's lowered `HostIrContainer` (for `hostir.check_races`);
+        `resharding` as `host_ir` takes it."""
+        return self.executor.host_program(resharding)
+
+    def dry_run(self, inputs, world_size: int | None = None, **kwargs):
+        """`hostir.dry_run(self, inputs, world_size, ...)`: every rank's
+        program on meta tensors, without running anything."""
+        from hostir.analysis.dry_run import dry_run
+
+        if self._state != "defined":
+            raise UsageError("dry-run the fusion after its `with FusionDefinition() as fd:` block")
+        return dry_run(self, inputs, world_size=world_size, **kwargs)
+
+    @property
+    def num_programs(self) -> int:
+        """How many lowered programs are cached (one per input signature and
+        per set of static sizes)."""
+        return self.executor.num_programs
+
     def __repr__(self) -> str:
         return printer.print_fusion(self.fusion)
 

@@ -418,7 +418,7 @@ class TensorView:
     stay in the domain (printed `r...`) but have no extent in the runtime
     tensor; a `mesh_x` axis has extent 1 in each rank's local tensor."""
 
-    __slots__ = ("name", "logical", "domain", "dtype", "memory_type", "owner", "mesh", "__weakref__")
+    __slots__ = ("name", "logical", "domain", "dtype", "memory_type", "owner", "mesh", "static_dims", "__weakref__")
 
     def __init__(
         self,
@@ -439,6 +439,8 @@ class TensorView:
         self.dtype = dtype
         self.memory_type = memory_type
         self.mesh = mesh
+        # Logical axes whose sizes enter the program cache's key.
+        self.static_dims: tuple[int, ...] = ()
 
     @property
     def ndim(self) -> int:
@@ -485,6 +487,29 @@ class TensorView:
         return len(self.domain) != len(self.logical) or any(d.leaves is not None for d in self.logical)
 
     # -- scheduling
+    def mark_static(self, dims: Sequence[int] | None = None) -> TensorView:
+        """Make the sizes of logical axes `dims` (all if None) of this fusion
+        input part of the program cache's key: a call with other sizes gets
+        a program of its own. Programs are dynamic by default (one lowering
+        serves every size); mark an axis static when something made for a
+        program (a schedule, a captured graph) may depend on its size."""
+        inputs = getattr(self.owner, "inputs", ())
+        if self not in inputs:
+            raise DefinitionError(f"mark_static: T{self.name} is not a fusion input; only inputs' sizes are known at a call")
+        n = self.logical_ndim
+        if dims is None:
+            dims = range(n)
+        elif isinstance(dims, int):
+            dims = [dims]
+        chosen = set()
+        for d in dims:
+            if isinstance(d, bool) or not isinstance(d, int) or not -n <= d < n:
+                raise DefinitionIndexError(f"mark_static: axis {d!r} is out of range for T{self.name}, which has {n} axes")
+            chosen.add(d % n)
+        self.static_dims = tuple(sorted(chosen))
+        self._bump()
+        return self
+
     def set_device_mesh(self, mesh: DeviceMesh) -> TensorView:
         """Place this tensor on `mesh` (replicated until an axis is `mesh_x`);
         a torch DeviceMesh is taken as its hostir equivalent."""
