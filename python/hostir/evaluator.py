@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from hostir import ir, printer
+from hostir import ir, layout, printer
 from hostir.communicator import CommunicatorTimeout, PeerLostError
 from hostir.container import AliasError, HostIrContainer
 from hostir.streams import NullStreams
@@ -78,13 +78,15 @@ class HostIrEvaluator:
         self._alias = container.aliases.resolved()
         self._number_of_streams = container.named_scalars().get("numberOfStreams")
         self._body_locals = self._find_body_locals(container)
-        # For each slice bound by a HirAliasSelect, where the selected axis
-        # was in its source: matmul and linear put it back as a size-1 dim.
-        self._slice_dim = {
-            e.out: e.input.runtime_position(e.axis)
+        # For each slice bound by a HirAliasSelect: the dim of its source it
+        # cuts and whether it selects one index or a chunk of rows.
+        self._slices = {
+            e.out: (layout.position(e.input, e.axis), layout.select_kind(e.input, e.axis))
             for e in container.walk()
             if isinstance(e, ir.HirAliasSelect)
         }
+        # Where a select removed a dim: matmul and linear put it back as size 1.
+        self._slice_dim = {out: dim for out, (dim, kind) in self._slices.items() if kind == "select"}
         self._values: dict = {}
         self._loops: list[list] = []
         self._used_streams: list = []
@@ -170,44 +172,48 @@ class HostIrEvaluator:
         return value if dim is None else value.unsqueeze(dim)
 
     def _bind_extents(self, tv: ir.TensorView, value) -> None:
+        """Bind the symbolic logical extents of `tv` from its runtime-shaped
+        tensor, or check them against those already bound."""
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{printer.format_tv(tv)} must be bound to a torch.Tensor, got {type(value).__name__}")
-        axes = tv.runtime_domain()
-        if value.dim() != len(axes):
-            raise ValueError(f"{printer.format_tv(tv)} has {len(axes)} dims but its tensor has shape {list(value.shape)}")
-        for i, (d, size) in enumerate(zip(axes, value.shape)):
-            if d.is_device_parallel:
+        runtime = layout.dims(tv)
+        if value.dim() != len(runtime):
+            raise ValueError(
+                f"{printer.format_tv(tv)} has {len(runtime)} dims but its tensor has shape {list(value.shape)}"
+            )
+        for i, (dim, size) in enumerate(zip(runtime, value.shape)):
+            first = dim[0]
+            if first.is_device_parallel:
                 if size != 1:
                     raise ValueError(
-                        f"axis {i} of {printer.format_tv(tv)} is sharded ({printer.format_id(d)}): "
+                        f"axis {i} of {printer.format_tv(tv)} is sharded ({printer.format_id(first)}): "
                         f"each rank holds size 1 of it, got {size}"
                     )
-                size = tv.mesh.x_size
-            known = self.get(d.extent, None)
-            if known is None:
-                self._bind_extent(d.extent, size)
-            elif known != size:
-                raise ValueError(
-                    f"axis {i} of {printer.format_tv(tv)} is {size} but its extent "
-                    f"{printer.format_scalar(d.extent)} is {known}"
-                )
+                if first.parent is None:
+                    self._bind_size(tv, i, first.extent, tv.mesh.x_size)
+                continue
+            axis = layout.logical_axis(first)
+            self._bind_size(tv, i, axis.extent, layout.global_extent(axis, size))
 
-    def _bind_extent(self, extent: ir.Scalar, size: int) -> None:
-        """Bind a symbolic extent; for `( i0 / f )` (a split axis) bind i0."""
-        if isinstance(extent, ir.ScalarExpr):
-            if extent.op == "/" and extent.rhs.is_constant and not isinstance(extent.lhs, ir.ScalarExpr):
-                self._bind_extent(extent.lhs, size * extent.rhs.value)
-                return
-            raise ValueError(f"cannot infer {printer.format_scalar(extent)} from a size")
-        self.bind(extent, size)
+    def _bind_size(self, tv: ir.TensorView, i: int, extent: ir.Scalar, size: int) -> None:
+        known = self.get(extent, None)
+        if known is None:
+            if isinstance(extent, ir.ScalarExpr):
+                raise ValueError(f"cannot infer {printer.format_scalar(extent)} from a size")
+            self.bind(extent, size)
+        elif known != size:
+            raise ValueError(
+                f"axis {i} of {printer.format_tv(tv)} is {size} but its extent "
+                f"{printer.format_scalar(extent)} is {known}"
+            )
 
     def full_sizes(self, tv: ir.TensorView) -> list[int]:
         """The runtime sizes of `tv` across all ranks (mesh_x axes whole)."""
-        return [int(self.get(d.extent)) for d in tv.runtime_domain()]
+        return layout.full_shape(tv, self.get)
 
     def local_sizes(self, tv: ir.TensorView) -> list[int]:
         """This rank's runtime sizes of `tv` (1 on a mesh_x axis)."""
-        return tv.local_sizes(self.full_sizes(tv))
+        return layout.local_shape(tv, self.get)
 
     def _run_scope(self, exprs) -> None:
         for e in exprs:
@@ -284,8 +290,13 @@ def _synchronize(ev: HostIrEvaluator, e: ir.Synchronize) -> None:
 @impl(ir.HirAliasSelect)
 def _select(ev: HostIrEvaluator, e: ir.HirAliasSelect) -> None:
     src = ev.get(e.input)
+    dim, kind = ev._slices[e.out]
     index = 0 if e.axis.is_broadcast else int(ev.get(e.index))
-    ev.bind(e.out, src.select(ev._slice_dim[e.out], index))
+    if kind == "select":
+        ev.bind(e.out, src.select(dim, index))
+        return
+    start, length = layout.chunk_bounds(src.shape[dim], int(ev.get(e.axis.extent)), index)
+    ev.bind(e.out, src.narrow(dim, start, length))
 
 
 @impl(ir.Allocate)
@@ -337,7 +348,7 @@ def _binary(ev: HostIrEvaluator, e: ir.BinaryOp) -> None:
 @impl(ir.ReductionOp)
 def _reduction(ev: HostIrEvaluator, e: ir.ReductionOp) -> None:
     src = ev.get(e.input)
-    dims = e.reduced_dims()
+    dims = layout.reduced_dims(e.out)
     out = ev.get(e.out, None)
     extra = {"out": out} if out is not None else {}
     if e.kind == "sum":
@@ -423,7 +434,7 @@ def _staged(out: torch.Tensor, shape) -> tuple[torch.Tensor, Callable[[], None] 
 
 def _mesh_axis(tv: ir.TensorView) -> int:
     (axis,) = tv.device_axes()
-    return tv.runtime_position(axis)
+    return layout.position(tv, axis)
 
 
 def _outermost(shape, axis: int) -> bool:

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, ir, printer
+from hostir import communicator, ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.evaluator import HostIrEvaluator
 from hostir.lower import lower
@@ -113,12 +113,13 @@ class FusionExecutor:
         device = check_inputs(self.fusion, inputs, params.device)
         program = self._program(inputs, device, params)
         sizes = check_sizes(self.fusion, inputs, program.equal_axes)
-        bindings = dict(zip(program.container.inputs, inputs))
+        container = program.container
         if outputs is not None:
-            check_outputs(self.fusion, outputs, inputs, sizes, device)
-            bindings.update(zip(program.container.outputs, outputs))
+            check_outputs(self.fusion, outputs, inputs, sizes, device, container.outputs)
+        bindings = _bindings(container, inputs, outputs)
         with torch.no_grad():
-            return program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
+            results = program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
+        return [layout.to_logical(tv, r) for tv, r in zip(container.outputs, results)]
 
     def _execute_multi_device(self, inputs, outputs, params: ExecutorParams) -> list[torch.Tensor]:
         """Check locally, agree across ranks, then run. Every local failure
@@ -167,17 +168,14 @@ class FusionExecutor:
         if need_groups:
             comm.ensure_groups(teams)
         container = program.container
-        bindings = {tv: to_loop(tv, t) for tv, t in zip(container.inputs, inputs)}
-        if outputs is not None:
-            for tv, t in zip(container.outputs, outputs):
-                bindings[tv] = to_loop(tv, t)
+        bindings = _bindings(container, inputs, outputs)
         try:
             with torch.no_grad():
                 results = program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
         except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
             comm.failure = f"{type(err).__name__}: {err}"
             raise
-        return [None if r is None else to_logical(tv, r) for tv, r in zip(container.outputs, results)]
+        return [None if r is None else layout.to_logical(tv, r) for tv, r in zip(container.outputs, results)]
 
     def _multi_device(self) -> bool:
         """`is_multi_device(fusion)`, computed once per fusion version."""
@@ -280,15 +278,10 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
                 f"the fusion takes {signature(fusion)}"
             )
         for axis, (d, size) in enumerate(zip(tv.logical_runtime(), t.shape)):
-            expected = local_extent(tv, d)
+            expected = layout.local_extent(d)
             if expected is not None and size != expected:
                 whole = f" (extent {d.extent.value} sharded over {tv.mesh.x_size} ranks)" if expected != d.extent.value else ""
                 raise ValueError(f"{what}: axis {axis} must have size {expected}{whole}, got {size}")
-            for f in _split_factors(d):
-                if size % f:
-                    raise ValueError(
-                        f"{what}: axis {axis} has size {size}, not divisible by {f} (it is split by {f})"
-                    )
     expected = torch.device(device) if device is not None else (inputs[0].device if inputs else torch.device("cpu"))
     for i, t in enumerate(inputs):
         if t.device != expected:
@@ -297,31 +290,6 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
                 f"input {i} (T{fusion.inputs[i].name}) is on {t.device} but the fusion runs on {expected}{where}"
             )
     return expected
-
-
-def local_extent(tv: ir.TensorView, d: ir.IterDomain) -> int | None:
-    """This rank's size of logical axis `d` if it is fixed, else None."""
-    if d.is_device_parallel:
-        return 1
-    if not d.extent.is_constant:
-        return None
-    size = d.extent.value
-    for leaf in d.loop_leaves():
-        if leaf.is_device_parallel:
-            size //= leaf.extent.value
-    return size
-
-
-def _split_factors(d: ir.IterDomain) -> list[int]:
-    """Constant extents of the non-sharded pieces of a split symbolic axis:
-    its local size must be divisible by their product."""
-    if d.leaves is None or d.extent.is_constant:
-        return []
-    prod = 1
-    for leaf in d.leaves:
-        if leaf.extent.is_constant and not leaf.is_device_parallel:
-            prod *= leaf.extent.value
-    return [prod] if prod > 1 else []
 
 
 def is_multi_device(fusion: ir.Fusion) -> bool:
@@ -393,33 +361,14 @@ def agree(comm, digest: str | None, inputs_sig: list, error: Exception | None, n
     return any(theirs["need_groups"] for theirs in everyone)
 
 
-def to_loop(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
-    """View a rank's piece `t` (logical axes) with `tv`'s loop axes."""
-    if not tv.is_split:
-        return t
-    shape = []
-    for d, size in zip(tv.logical_runtime(), t.shape):
-        leaves = d.loop_leaves()
-        local = [1 if x.is_device_parallel else (x.extent.value if x.extent.is_constant else None) for x in leaves]
-        known = 1
-        for v in local:
-            known *= v if v is not None else 1
-        shape += [size // known if v is None else v for v in local]
-    return t.view(shape)
-
-
-def to_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
-    """View a loop-shaped result of `tv` with its logical axes."""
-    if not tv.is_split:
-        return t
-    shape, i = [], 0
-    for d in tv.logical_runtime():
-        size = 1
-        for _ in d.loop_leaves():
-            size *= t.shape[i]
-            i += 1
-        shape.append(size)
-    return t.view(shape)
+def _bindings(container, inputs: list, outputs: list | None) -> dict:
+    """The program's inputs (and preallocated outputs) bound to the given
+    tensors, viewed with their runtime dims."""
+    bindings = {tv: layout.to_runtime(tv, t) for tv, t in zip(container.inputs, inputs)}
+    if outputs is not None:
+        for tv, t in zip(container.outputs, outputs):
+            bindings[tv] = layout.to_runtime(tv, t)
+    return bindings
 
 
 _BACKEND_NAMES = {"nccl": "NCCL", "gloo": "gloo"}
@@ -458,10 +407,7 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
         for d, size in zip(tv.logical_runtime(), t.shape):
             if d.is_device_parallel:
                 continue
-            for leaf in d.loop_leaves():
-                if leaf.is_device_parallel:
-                    size *= leaf.extent.value
-            sizes.setdefault(d.extent, size)
+            sizes.setdefault(d.extent, layout.global_extent(d, size))
     return sizes
 
 
@@ -482,7 +428,7 @@ def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device:
         _check_tensor(what, tv, t)
         if t.device != device:
             raise ValueError(f"{what} is on {t.device} but the fusion runs on {device}")
-        shape = [_local_output_size(tv, d, sizes) for d in tv.logical_runtime()]
+        shape = [_local_output_size(d, sizes) for d in tv.logical_runtime()]
         if list(t.shape) != shape:
             raise ValueError(f"{what}: expected shape {shape}, got {list(t.shape)}")
         if not t.is_contiguous():
@@ -491,17 +437,14 @@ def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device:
             raise ValueError(f"{what} shares memory with an input; pass a separate buffer")
 
 
-def _local_output_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None:
-    fixed = local_extent(tv, d)
+def _local_output_size(d: ir.IterDomain, sizes) -> int | None:
+    fixed = layout.local_extent(d)
     if fixed is not None:
         return fixed
     size = sizes.get(d.extent)
     if size is None:
         return None
-    for leaf in d.loop_leaves():
-        if leaf.is_device_parallel:
-            size //= leaf.extent.value
-    return size
+    return size // (layout.global_extent(d, 1))
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

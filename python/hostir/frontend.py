@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from hostir import ir, printer
+from hostir import ir, layout, printer
 from hostir.executor import ExecutorParams, FusionExecutor
 
 
@@ -160,9 +160,8 @@ def shard_tensor(t: torch.Tensor, tv: ir.TensorView, rank: int | None = None) ->
 
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"shard_tensor takes a torch.Tensor, got {type(t).__name__}")
-    logical = tv.logical_runtime()
-    if t.dim() != len(logical):
-        raise ValueError(f"T{tv.name} has {len(logical)} axes but the tensor has shape {list(t.shape)}")
+    if t.dim() != tv.logical_ndim:
+        raise ValueError(f"T{tv.name} has {tv.logical_ndim} axes but the tensor has shape {list(t.shape)}")
     if not tv.device_axes():
         return t
     mesh = tv.mesh
@@ -171,31 +170,4 @@ def shard_tensor(t: torch.Tensor, tv: ir.TensorView, rank: int | None = None) ->
     rank = communicator.rank() if rank is None else rank
     if rank not in mesh:
         raise ValueError(f"rank {rank} is not in {mesh!r}, which T{tv.name} lives on")
-    n, index = mesh.x_size, mesh.x_index(rank)
-    for axis, d in enumerate(logical):
-        leaves = d.loop_leaves()
-        if not any(x.is_device_parallel for x in leaves):
-            continue
-        size = t.shape[axis]
-        if d.leaves is None:
-            if size != n:
-                raise ValueError(f"axis {axis} of T{tv.name}: extent {size} differs from mesh size {n}")
-            return t.narrow(axis, index, 1)
-        if size % n:
-            raise ValueError(f"axis {axis} of T{tv.name}: extent {size} not divisible by mesh size {n}")
-        pieces = _leaf_sizes(leaves, size)
-        at = next(i for i, x in enumerate(leaves) if x.is_device_parallel)
-        view = t.reshape(list(t.shape[:axis]) + pieces + list(t.shape[axis + 1 :]))
-        piece = view.narrow(axis + at, index, 1)
-        return piece.reshape(list(t.shape[:axis]) + [size // n] + list(t.shape[axis + 1 :]))
-    return t
-
-
-def _leaf_sizes(leaves: list[ir.IterDomain], size: int) -> list[int]:
-    known = [x.extent.value if x.extent.is_constant else None for x in leaves]
-    prod = 1
-    for v in known:
-        prod *= v or 1
-    if size % prod:
-        raise ValueError(f"extent {size} not divisible by {prod}")
-    return [size // prod if v is None else v for v in known]
+    return layout.shard(t, tv, mesh.x_index(rank), mesh.x_size)

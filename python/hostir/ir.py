@@ -365,16 +365,6 @@ class TensorView:
     def logical_runtime(self) -> list[IterDomain]:
         return [d for d in self.logical if not d.is_reduction]
 
-    def runtime_position(self, axis: IterDomain) -> int:
-        """Position of `axis` in the runtime tensor's dims."""
-        pos = 0
-        for d in self.domain:
-            if d is axis:
-                return pos
-            if not d.is_reduction:
-                pos += 1
-        raise ValueError(f"{axis} is not an axis of {self}")
-
     def axis(self, i: int) -> IterDomain:
         """The i-th loop axis (negative counts from the end), reduction axes
         included; after a split, the axes it made."""
@@ -446,12 +436,6 @@ class TensorView:
         bump = getattr(self.owner, "bump_version", None)
         if bump is not None:
             bump()
-
-    # -- shapes of a rank's tensors
-    def local_sizes(self, sizes: Sequence[int]) -> list[int]:
-        """The local loop shape, from the loop extents' values `sizes` (one
-        per runtime axis): 1 on a `mesh_x` axis."""
-        return [1 if d.is_device_parallel else s for d, s in zip(self.runtime_domain(), sizes)]
 
     def __repr__(self) -> str:
         from hostir.printer import format_tv
@@ -566,9 +550,6 @@ class ReductionOp(Expr):
     OUTPUTS = ("out",)
     KINDS = {"sum": "add", "max": "max", "min": "min"}
 
-    def reduced_dims(self) -> list[int]:
-        return [i for i, d in enumerate(self.out.domain) if d.is_reduction]
-
     def id_pairs(self):
         return zip(self.out.logical, self.input.logical_runtime())
 
@@ -666,9 +647,13 @@ class ForLoop(Expr):
 
 @_op
 class HirAliasSelect(Expr):
-    """Binds `out` to the view `input.select(axis, index)`: no copy, so an op
-    writing `out` writes `input`'s buffer. On a broadcast axis index 0 is
-    used. `out` is bound, not defined, so it is not an SSA output."""
+    """Binds `out` to a view of `input` at `index` along `axis`: no copy, so
+    an op writing `out` writes `input`'s buffer. When `axis` is a dim of its
+    own this is `input.select(dim, index)` (index 0 on a broadcast axis);
+    when it is the outer piece of a split axis it is the index-th chunk of
+    ceilDiv(size, axis extent) rows of that dim (the last chunks may be
+    shorter or empty). `out` is bound, not defined, so it is not an SSA
+    output. Does not block and enqueues nothing."""
 
     out: TensorView
     input: TensorView
@@ -692,7 +677,14 @@ class Allocate(Expr):
     zero_init: bool = False
 
     def size(self) -> Scalar:
-        return product([d.extent for d in self.buffer.runtime_domain()])
+        from hostir import layout
+
+        extents = []
+        for dim in layout.dims(self.buffer):
+            parent = dim[0].parent
+            whole = parent is not None and len(dim) == len(parent.loop_leaves())
+            extents += [parent.extent] if whole else [d.extent for d in dim]
+        return product(extents)
 
 
 @_op
@@ -847,9 +839,14 @@ def read_vals(e: Expr) -> list:
 
 
 def _same_extent(a: IterDomain, b: IterDomain) -> bool:
-    from hostir.printer import format_scalar
-
-    return a.extent is b.extent or format_scalar(a.extent) == format_scalar(b.extent)
+    """Pieces at the same place of two axes that an op iterates together:
+    equal when both are the same constant, or both derived from their
+    axis's extent (equal axes split alike have equal pieces)."""
+    if a.extent is b.extent:
+        return True
+    if a.extent.is_constant or b.extent.is_constant:
+        return a.extent.is_constant and b.extent.is_constant and a.extent.value == b.extent.value
+    return True
 
 
 def leaf_pairs(e: Expr) -> Iterator[tuple[IterDomain, IterDomain]]:

@@ -54,14 +54,38 @@ def _build(steps, axes, reduce, reduce_stream):
     return fd
 
 
-def _expected_loops(steps, axes, reduce, reduce_stream):
-    """Consecutive stream ops share a loop iff their stream axes map; all
-    the elementwise steps map axis k to axis k, the sum keeps the other."""
+def _propagated(steps, axes, reduce, reduce_stream):
+    """The stream axis of every op's output after `propagate_stream_axes`:
+    an unscheduled output takes its producer's stream axis (unless the sum
+    reduces that axis), an unscheduled producer its consumer's; the inputs
+    take none. The elementwise steps map axis k to axis k, the sum keeps
+    the position of every axis."""
     marks = list(axes)
+    scheduled = [a is not None for a in axes]
     if reduce is not None:
         marks.append(1 - reduce if reduce_stream else None)
+        scheduled.append(reduce_stream)
+    n = len(marks)
+    changed = True
+    while changed:
+        changed = False
+        for i in range(1, n):
+            if not scheduled[i] and marks[i] is None and marks[i - 1] is not None:
+                if i == len(steps) and marks[i - 1] == reduce:
+                    continue
+                marks[i] = marks[i - 1]
+                changed = True
+        for i in reversed(range(1, n)):
+            if marks[i] is not None and not scheduled[i - 1] and marks[i - 1] is None:
+                marks[i - 1] = marks[i]
+                changed = True
+    return marks
+
+
+def _expected_loops(steps, axes, reduce, reduce_stream):
+    """Consecutive stream ops share a loop iff their stream axes map."""
     loops, prev = 0, None
-    for m in marks:
+    for m in _propagated(steps, axes, reduce, reduce_stream):
         if m is not None and m != prev:
             loops += 1
         prev = m

@@ -19,10 +19,12 @@ from hostir.lower.build_host_program import build_host_program
 from hostir.lower.lower_communications import lower_communications
 from hostir.lower.parallelize_streams import parallelize_streams
 from hostir.lower.propagate_shardings import propagate_shardings
+from hostir.lower.propagate_stream_axes import propagate_stream_axes
 from hostir.lower.prune_for_rank import prune_for_rank
 from hostir.options import Dumper
 
 PIPELINE = [
+    propagate_stream_axes,
     propagate_shardings,
     parallelize_streams,
     lower_communications,

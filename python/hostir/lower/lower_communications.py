@@ -27,7 +27,7 @@ rank (its dump is what ranks hash to agree).
 
 from __future__ import annotations
 
-from hostir import ir, printer
+from hostir import ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.lower.propagate_shardings import is_resharding
 
@@ -157,7 +157,7 @@ def _local_reduce_dims(e: ir.ReductionOp) -> tuple[int, ...]:
             continue
         for leaf in i.loop_leaves():
             if not leaf.is_device_parallel and leaf in e.input.domain:
-                dims.append(e.input.runtime_position(leaf))
+                dims.append(layout.position(e.input, leaf))
     return tuple(sorted(dims))
 
 

@@ -1,8 +1,11 @@
 """Wrap every op whose output has a `stream` axis in a for-loop over that axis.
 
-Precondition: top-level ops with at most one output each; no container input
-has a stream axis; an op's output has at most one stream axis, which is an
-iteration or broadcast axis of its domain.
+Precondition: top-level ops with at most one output each; an op's output
+has at most one stream axis, an iteration or broadcast axis of its domain:
+a logical axis, or the outer piece of an outer split (the loop then walks
+ceilDiv-sized chunks of that axis; `propagate_stream_axes` has split the
+operands alike). A stream axis on a program input only says how the ops in
+a loop cut it.
 
 Postcondition: each run of consecutive stream-parallel ops whose stream axes
 map (through the ops' operands, broadcasts included) is one `ForLoop`
@@ -25,7 +28,7 @@ per-iteration form.
 
 from __future__ import annotations
 
-from hostir import ir, printer
+from hostir import ir, layout, printer
 from hostir.container import HostIrContainer
 
 
@@ -34,12 +37,6 @@ class StreamParallelError(ValueError):
 
 
 def parallelize_streams(container: HostIrContainer) -> HostIrContainer:
-    for tv in container.inputs:
-        if tv.stream_axes():
-            raise StreamParallelError(
-                f"input {printer.format_tv(tv)} has a stream axis; inputs are already materialized, "
-                f"so mark the stream axis on the outputs of the ops that read it"
-            )
     graph = ir.IdGraph(container.exprs, broadcast=True)
 
     grouped: list = []
@@ -138,6 +135,11 @@ class _Slicer:
                 f"{printer.format_id(axes[0])} of {printer.format_tv(tv)}; a stream loop cannot walk a "
                 f"sharded axis (each rank holds one index of it)"
             )
+        if axes:
+            try:
+                layout.select_kind(tv, axes[0])
+            except layout.LayoutError as err:
+                raise StreamParallelError(str(err)) from err
         return axes[0] if axes else None
 
     def slice_body(self, loop: ir.ForLoop) -> list[ir.Expr]:
