@@ -64,7 +64,8 @@ def propagate_stream_axes(container: HostIrContainer) -> HostIrContainer:
     for e in exprs:
         (out,) = e.outputs()
         for axis in out.stream_axes():
-            if axis.parent is None:
+            if axis.parent is None or axis is not axis.parent.leaves[0]:
+                # An inner piece cannot be chunked: parallelize_streams says so.
                 continue
             for o, i in e.id_pairs():
                 if o is axis.parent and i.leaves is None and _can_split(i):
@@ -109,6 +110,8 @@ def _copy_stream_axis(e: ir.Expr, src: ir.TensorView, dst: ir.TensorView, forwar
     False if no axis of `dst` can take it."""
     (axis,) = src.stream_axes()[:1]
     src_logical = axis.parent or axis
+    if axis.parent is not None and axis is not axis.parent.leaves[0]:
+        return False
     for o, i in e.id_pairs():
         mine, theirs = (o, i) if forward else (i, o)
         if theirs is not src_logical or mine not in dst.logical:
