@@ -208,11 +208,19 @@ class HostIrEvaluator:
             )
 
     def full_sizes(self, tv: ir.TensorView) -> list[int]:
-        """The runtime sizes of `tv` across all ranks (mesh_x axes whole)."""
+        """The runtime sizes of `tv` across all ranks (mesh_x axes whole):
+        those of its bound tensor (a chunk may be shorter than its extent
+        says), else from its extents."""
+        value = self.get(tv, None)
+        if isinstance(value, torch.Tensor):
+            return layout.full_from_local(tv, list(value.shape), self.get)
         return layout.full_shape(tv, self.get)
 
     def local_sizes(self, tv: ir.TensorView) -> list[int]:
         """This rank's runtime sizes of `tv` (1 on a mesh_x axis)."""
+        value = self.get(tv, None)
+        if isinstance(value, torch.Tensor):
+            return list(value.shape)
         return layout.local_shape(tv, self.get)
 
     def _run_scope(self, exprs) -> None:
@@ -267,6 +275,10 @@ def _for(ev: HostIrEvaluator, e: ir.ForLoop) -> None:
             ev._run_scope(e.body)
     finally:
         ev._loops.pop()
+    # The last iteration's slices and buffers would otherwise keep their
+    # sources alive past a Deallocate after the loop.
+    for tv in local:
+        ev.bind(tv, None)
 
 
 @impl(ir.GetCurrentStream)
@@ -428,8 +440,8 @@ def _staged(out: torch.Tensor, shape) -> tuple[torch.Tensor, Callable[[], None] 
     copies it into `out` afterwards (nothing if it is `out` itself)."""
     if out.is_contiguous():
         return out.view(shape), None
-    staging = torch.empty(shape, dtype=out.dtype, device=out.device)
-    return staging, lambda: out.copy_(staging.view(out.shape))
+    staging = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    return staging.view(shape), lambda: out.copy_(staging)
 
 
 def _mesh_axis(tv: ir.TensorView) -> int:

@@ -102,6 +102,14 @@ def full_shape(tv: ir.TensorView, extent_of: Callable[[ir.Scalar], int]) -> list
     return [_dim_size(dim, extent_of, local=False) for dim in dims(tv)]
 
 
+def full_from_local(tv: ir.TensorView, local: Sequence[int], extent_of: Callable[[ir.Scalar], int]) -> list[int]:
+    """The runtime shape across all ranks from this rank's runtime shape."""
+    return [
+        int(extent_of(dim[0].extent)) if dim[0].is_device_parallel else size
+        for dim, size in zip(dims(tv), local)
+    ]
+
+
 def to_runtime(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
     """View a rank's piece `t` (logical axes, mesh_x axes of size 1 and split
     axes holding this rank's rows) with `tv`'s runtime dims."""

@@ -92,6 +92,37 @@ def _expected_loops(steps, axes, reduce, reduce_stream):
     return loops
 
 
+def _uses(e) -> set:
+    if isinstance(e, ir.ForLoop):
+        return set().union(*(_uses(b) for b in e.body)) if e.body else set()
+    sources = [e.input] if isinstance(e, ir.HirAliasSelect) else []
+    return {v for v in e.inputs() + e.outputs() + sources if isinstance(v, ir.TensorView)}
+
+
+def _check_deallocations(container) -> None:
+    """Every intermediate top-level buffer is freed once, at the top level
+    (after the loop that uses it, never inside it), and nothing uses it
+    after; inputs and outputs are never freed."""
+    exprs = container.exprs
+    keep = set(container.inputs + container.outputs)
+    sliced = {}
+    for e in ir.walk(exprs):
+        if isinstance(e, ir.HirAliasSelect):
+            sliced[e.out] = e.input
+    assert not any(isinstance(b, ir.Deallocate) for e in exprs if isinstance(e, ir.ForLoop) for b in ir.walk(e.body))
+    freed = [e.buffer for e in exprs if isinstance(e, ir.Deallocate)]
+    assert len(freed) == len(set(freed))
+    assert not keep & set(freed)
+    defined = {t for e in exprs if not isinstance(e, ir.ForLoop) for t in ir.defined_tvs(e)}
+    assert defined - keep == set(freed)
+    for i, e in enumerate(exprs):
+        if not isinstance(e, ir.Deallocate):
+            continue
+        for later in exprs[i + 1 :]:
+            used = {sliced.get(v, v) for v in _uses(later)}
+            assert e.buffer not in used, f"T{e.buffer.name} is used after it is freed"
+
+
 @settings(max_examples=60, deadline=None)
 @given(programs())
 def test_random_programs_lower_and_match_eager(program):
@@ -124,6 +155,8 @@ def test_random_programs_lower_and_match_eager(program):
                 source[inner.out] = inner.input
             elif isinstance(inner, ir.FUSION_OPS):
                 assert source[inner.out] in allocated
+
+    _check_deallocations(container)
 
     x = torch.randn(shape)
     w = torch.rand(shape) + 0.5

@@ -16,6 +16,7 @@ from hostir.container import HostIrContainer
 import hashlib
 
 from hostir.lower.build_host_program import build_host_program
+from hostir.lower.insert_deallocations import insert_deallocations
 from hostir.lower.lower_communications import lower_communications
 from hostir.lower.parallelize_streams import parallelize_streams
 from hostir.lower.propagate_shardings import propagate_shardings
@@ -28,6 +29,7 @@ PIPELINE = [
     propagate_shardings,
     parallelize_streams,
     lower_communications,
+    insert_deallocations,
 ]
 RANK_PIPELINE = [
     prune_for_rank,
