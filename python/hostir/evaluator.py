@@ -407,6 +407,56 @@ def _linear(ev: HostIrEvaluator, e: ir.LinearOp) -> None:
         torch.ops.aten.linear.out(x, w, bias, out=out)
 
 
+def _copy_out(ev: HostIrEvaluator, e, result: torch.Tensor, source: torch.Tensor) -> None:
+    """Write `result` (full rank) into the bound output, or bind a copy of
+    it that shares no memory with `source`."""
+    out, bind_fresh = _full_rank_out(ev, e)
+    if out is not None:
+        out.copy_(result)
+        return
+    if result.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        result = result.clone(memory_format=torch.contiguous_format)
+    bind_fresh(result)
+
+
+@impl(ir.PermuteOp)
+def _permute(ev: HostIrEvaluator, e: ir.PermuteOp) -> None:
+    src = ev.full_rank(e.input, ev.get(e.input))
+    _copy_out(ev, e, src.permute(e.dims), src)
+
+
+@impl(ir.ReshapeOp)
+def _reshape(ev: HostIrEvaluator, e: ir.ReshapeOp) -> None:
+    src = ev.get(e.input)
+    try:
+        result = src.reshape(e.shape)
+    except RuntimeError as err:
+        raise ValueError(f"cannot reshape T{e.input.name} of shape {list(src.shape)} to {list(e.shape)}") from err
+    _copy_out(ev, e, result, src)
+
+
+@impl(ir.SliceOp)
+def _slice(ev: HostIrEvaluator, e: ir.SliceOp) -> None:
+    src = ev.full_rank(e.input, ev.get(e.input))
+    index = []
+    for k, ((start, stop, step), size) in enumerate(zip(e.ranges, src.shape)):
+        if start > size or (stop is not None and stop > size):
+            raise ValueError(
+                f"axis {k} of T{e.input.name} has size {size}; the slice [{start}:{stop}] is out of range"
+            )
+        index.append(slice(start, stop, step))
+    _copy_out(ev, e, src[tuple(index)], src)
+
+
+@impl(ir.SelectOp)
+def _select_op(ev: HostIrEvaluator, e: ir.SelectOp) -> None:
+    src = ev.full_rank(e.input, ev.get(e.input))
+    index, size = int(ev.get(e.index)), src.shape[e.dim]
+    if not -size <= index < size:
+        raise IndexError(f"index {index} is out of range for axis {e.dim} of T{e.input.name} (size {size})")
+    _copy_out(ev, e, src.select(e.dim, index), src)
+
+
 # ---------------------------------------------------------------- communications
 
 _RED_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

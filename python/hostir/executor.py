@@ -197,7 +197,10 @@ class FusionExecutor:
             self._programs.clear()
             self._version = self.fusion.version
         key = (
-            tuple((t.dtype, t.dim(), t.is_contiguous()) for t in inputs),
+            tuple(
+                (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else type(t)
+                for t in inputs
+            ),
             device,
             params.evaluator,
         )
@@ -247,6 +250,9 @@ def signature(fusion: ir.Fusion) -> str:
     """`(T0: float32[?, 8], T1: ...)`: what `execute` expects."""
     parts = []
     for tv in fusion.inputs:
+        if isinstance(tv, ir.InputScalar):
+            parts.append(f"{tv.label}: {str(tv.dtype).removeprefix('torch.')} scalar")
+            continue
         dims = ", ".join("?" if not d.extent.is_constant else str(d.extent.value) for d in tv.runtime_domain())
         parts.append(f"T{tv.name}: {str(tv.dtype).removeprefix('torch.')}[{dims}]")
     return "(" + ", ".join(parts) + ")"
@@ -270,6 +276,13 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
             f"got {len(inputs)}"
         )
     for i, (tv, t) in enumerate(zip(fusion.inputs, inputs)):
+        if isinstance(tv, ir.InputScalar):
+            if not tv.accepts(t):
+                raise TypeError(
+                    f"input {i} (scalar {tv.label}) must be a Python {_PYTHON_TYPES[tv.dtype]}, "
+                    f"got {type(t).__name__} {t!r}"
+                )
+            continue
         what = f"input {i} (T{tv.name})"
         _check_tensor(what, tv, t)
         if t.dim() != tv.logical_ndim:
@@ -282,24 +295,28 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
             if expected is not None and size != expected:
                 whole = f" (extent {d.extent.value} sharded over {tv.mesh.x_size} ranks)" if expected != d.extent.value else ""
                 raise ValueError(f"{what}: axis {axis} must have size {expected}{whole}, got {size}")
-    expected = torch.device(device) if device is not None else (inputs[0].device if inputs else torch.device("cpu"))
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    expected = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
     for i, t in enumerate(inputs):
-        if t.device != expected:
-            where = " (the device of input 0)" if device is None else (" (this rank's device)" if sharded else "")
+        if isinstance(t, torch.Tensor) and t.device != expected:
+            where = " (the device of the first tensor input)" if device is None else (" (this rank's device)" if sharded else "")
             raise ValueError(
                 f"input {i} (T{fusion.inputs[i].name}) is on {t.device} but the fusion runs on {expected}{where}"
             )
     return expected
 
 
+_PYTHON_TYPES = {torch.float64: "float (or int)", torch.int64: "int", torch.bool: "bool"}
+
+
 def is_multi_device(fusion: ir.Fusion) -> bool:
-    tvs = list(fusion.inputs) + list(fusion.outputs) + [v for e in fusion.exprs for v in e.outputs()]
+    tvs = fusion.tensor_inputs() + list(fusion.outputs) + [v for e in fusion.exprs for v in e.outputs()]
     return any(tv.mesh is not None or tv.device_axes() for tv in tvs)
 
 
 def check_world(fusion: ir.Fusion, world_size: int) -> None:
     """A mesh names ranks the world must have."""
-    tvs = list(fusion.inputs) + [v for e in fusion.exprs for v in e.outputs()]
+    tvs = fusion.tensor_inputs() + [v for e in fusion.exprs for v in e.outputs()]
     needed = max((max(tv.mesh.devices) + 1 for tv in tvs if tv.mesh is not None), default=1)
     if needed > world_size:
         hint = ""
@@ -364,7 +381,10 @@ def agree(comm, digest: str | None, inputs_sig: list, error: Exception | None, n
 def _bindings(container, inputs: list, outputs: list | None) -> dict:
     """The program's inputs (and preallocated outputs) bound to the given
     tensors, viewed with their runtime dims."""
-    bindings = {tv: layout.to_runtime(tv, t) for tv, t in zip(container.inputs, inputs)}
+    bindings = {
+        tv: layout.to_runtime(tv, t) if isinstance(tv, ir.TensorView) else t
+        for tv, t in zip(container.inputs, inputs)
+    }
     if outputs is not None:
         for tv, t in zip(container.outputs, outputs):
             bindings[tv] = layout.to_runtime(tv, t)
@@ -378,6 +398,8 @@ def _equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
     """Groups of (input index, axis) whose sizes ops require to be equal."""
     where = {}
     for i, tv in enumerate(fusion.inputs):
+        if not isinstance(tv, ir.TensorView):
+            continue
         for axis, d in enumerate(tv.logical_runtime()):
             if not d.is_device_parallel and d.leaves is None:
                 where[d] = (i, axis)
@@ -404,6 +426,8 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
                 )
     sizes = {}
     for tv, t in zip(fusion.inputs, inputs):
+        if not isinstance(tv, ir.TensorView):
+            continue
         for d, size in zip(tv.logical_runtime(), t.shape):
             if d.is_device_parallel:
                 continue
@@ -433,7 +457,7 @@ def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device:
             raise ValueError(f"{what}: expected shape {shape}, got {list(t.shape)}")
         if not t.is_contiguous():
             raise ValueError(f"{what} must be contiguous (strides {list(t.stride())})")
-        if t.numel() and any(_shares_memory(t, x) for x in inputs):
+        if t.numel() and any(isinstance(x, torch.Tensor) and _shares_memory(t, x) for x in inputs):
             raise ValueError(f"{what} shares memory with an input; pass a separate buffer")
 
 

@@ -150,6 +150,29 @@ class ScalarExpr(Scalar):
         return False
 
 
+class InputScalar(Scalar):
+    """A number the caller passes to `execute`, like a tensor input (from
+    `define_scalar`). Prints as `d<n>` (floating), `i<n>` (integer) or
+    `b<n>` (bool), as nvFuser names scalars."""
+
+    __slots__ = ("dtype",)
+    PREFIX = {torch.float64: "d", torch.int64: "i", torch.bool: "b"}
+
+    def __init__(self, owner: IrContainer, dtype: torch.dtype):
+        if dtype not in self.PREFIX:
+            raise TypeError(f"a scalar input is float64, int64 or bool, got {dtype}")
+        super().__init__(label=f"{self.PREFIX[dtype]}{owner.next_name('scalar')}")
+        self.dtype = dtype
+
+    def accepts(self, value) -> bool:
+        """Whether `value` (a Python number) can be bound to this scalar."""
+        if self.dtype is torch.bool:
+            return isinstance(value, bool)
+        if self.dtype is torch.int64:
+            return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _scalar(v) -> Scalar:
     return v if isinstance(v, Scalar) else Scalar.constant(v)
 
@@ -602,7 +625,74 @@ class LinearOp(Expr):
         yield k, w[1]
 
 
-FUSION_OPS = (Set, BinaryOp, ReductionOp, MatmulOp, LinearOp)
+@_op
+class PermuteOp(Expr):
+    """`out = input.permute(dims)` as a copy: out axis i is input axis
+    dims[i]. Writes into `out` if bound. Runs on the current stream."""
+
+    out: TensorView
+    input: TensorView
+    dims: tuple
+    INPUTS = ("input",)
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        ins = self.input.logical_runtime()
+        for o, d in zip(self.out.logical_runtime(), self.dims):
+            yield o, ins[d]
+
+
+@_op
+class ReshapeOp(Expr):
+    """`out = input.reshape(shape)` as a copy (`shape` as given, -1 for the
+    one inferred size). No axis of `out` iterates with one of `input`, so
+    it cannot be stream-parallel. Writes into `out` if bound."""
+
+    out: TensorView
+    input: TensorView
+    shape: tuple
+    INPUTS = ("input",)
+    OUTPUTS = ("out",)
+
+
+@_op
+class SliceOp(Expr):
+    """`out = input[start:stop:step, ...]` as a copy, one (start, stop,
+    step) per axis (stop None: to the end). An axis taken whole iterates
+    with its input axis; a cut one does not. Writes into `out` if bound."""
+
+    out: TensorView
+    input: TensorView
+    ranges: tuple
+    INPUTS = ("input",)
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        for o, i, r in zip(self.out.logical_runtime(), self.input.logical_runtime(), self.ranges):
+            if r == (0, None, 1):
+                yield o, i
+
+
+@_op
+class SelectOp(Expr):
+    """`out = input.select(dim, index)` as a copy: the axis `dim` goes
+    away; `index` is a constant or a scalar input, negative counting from
+    the end. Writes into `out` if bound."""
+
+    out: TensorView
+    input: TensorView
+    dim: int
+    index: Scalar
+    INPUTS = ("input", "index")
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        ins = [d for k, d in enumerate(self.input.logical_runtime()) if k != self.dim]
+        return zip(self.out.logical_runtime(), ins)
+
+
+SHAPE_OPS = (PermuteOp, ReshapeOp, SliceOp, SelectOp)
+FUSION_OPS = (Set, BinaryOp, ReductionOp, MatmulOp, LinearOp) + SHAPE_OPS
 
 
 @_op
@@ -943,6 +1033,16 @@ class Fusion(IrContainer):
         self.bump_version()
         return tv
 
+    def new_scalar(self, dtype: torch.dtype) -> InputScalar:
+        """A scalar input of the fusion, passed to `execute` as a number."""
+        s = InputScalar(self, dtype)
+        self.inputs.append(s)
+        self.bump_version()
+        return s
+
+    def tensor_inputs(self) -> list[TensorView]:
+        return [v for v in self.inputs if isinstance(v, TensorView)]
+
     def add_output(self, tv: TensorView) -> None:
         self._check_owned(tv, "add_output")
         if tv in self.inputs:
@@ -985,7 +1085,7 @@ def set_(x: TensorView) -> TensorView:
 
 
 def _as_operand(v) -> TensorView | Scalar:
-    if isinstance(v, TensorView):
+    if isinstance(v, (TensorView, InputScalar)):
         return v
     if isinstance(v, (bool, int, float)):
         return Scalar.constant(v)
@@ -996,6 +1096,8 @@ def _probe(v):
     """A value with v's dtype for asking torch about type promotion."""
     if isinstance(v, TensorView):
         return torch.empty(0, dtype=v.dtype)
+    if isinstance(v, InputScalar):
+        return torch.zeros((), dtype=v.dtype)
     return v.value
 
 

@@ -103,6 +103,14 @@ def _stream_axis(e: ir.Expr) -> ir.IterDomain | None:
         raise StreamParallelError(
             f"stream parallelization is not supported for this op:\n{printer.format_expr_head(e)}"
         )
+    if isinstance(e, ir.ReshapeOp) or (
+        isinstance(e, ir.SliceOp) and e.ranges[out.logical.index(axis.parent or axis)] != (0, None, 1)
+    ):
+        raise StreamParallelError(
+            f"stream axis {printer.format_id(axis)} of {printer.format_tv(out)} does not walk an axis of "
+            f"the op's input (a reshape, or a cut axis of a slice), so the op cannot run chunk by chunk:\n"
+            f"{printer.format_expr_head(e)}"
+        )
     if axis.is_reduction:
         raise StreamParallelError(
             f"stream axis {printer.format_id(axis)} of {printer.format_tv(out)} is a reduction axis; "

@@ -78,7 +78,7 @@ def _can_split(d: ir.IterDomain) -> bool:
 
 
 def _all_tvs(exprs, container: HostIrContainer) -> list[ir.TensorView]:
-    found = dict.fromkeys(container.inputs + container.outputs)
+    found = dict.fromkeys(v for v in container.inputs + container.outputs if isinstance(v, ir.TensorView))
     for e in exprs:
         for v in e.inputs() + e.outputs():
             if isinstance(v, ir.TensorView):
