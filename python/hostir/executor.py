@@ -198,7 +198,7 @@ class FusionExecutor:
             self._version = self.fusion.version
         key = (
             tuple(
-                (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else type(t)
+                (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else "scalar"
                 for t in inputs
             ),
             device,

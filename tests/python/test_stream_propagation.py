@@ -33,6 +33,16 @@ def split_output(fd):
     return lambda rows: [torch.randn(rows, 6), torch.randn(rows, 6)], lambda x, w: [(x + w) * 2.0]
 
 
+def split_columns(fd):
+    """Columns split into 3 chunks: each chunk is a strided view."""
+    x = fd.define_tensor([-1, -1])
+    y = fd.ops.sub(x, 1.0)
+    fd.add_output(y)
+    y.outer_split(1, 3)
+    y.axis(1).parallelize(STREAM)
+    return lambda rows: [torch.randn(5, rows)], lambda x: [x - 1.0]
+
+
 def split_input(fd):
     """A stream axis on an input's split rows: the matmul takes it on."""
     x = fd.define_tensor([-1, -1])
@@ -108,6 +118,7 @@ CASES = {
     f.__name__: f
     for f in (
         split_output,
+        split_columns,
         split_input,
         forward_to_consumer,
         backward_to_producer,

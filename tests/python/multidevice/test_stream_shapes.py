@@ -86,3 +86,25 @@ def test_stream_split_of_local_rows_after_allgather(world, device, rows):
     (out,) = fd.execute([shard_tensor(x_full, x), w_full], number_of_streams=2)
     assert out.shape == (D, rows, 4)
     exact(out, x_full @ w_full)
+
+
+def test_scalar_input_and_permute_around_an_allgather(world, device):
+    """A scalar scales each rank's piece, the gathered tensor is permuted:
+    scalar inputs join the ranks' agreement like tensors."""
+    D = world.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[D, -1, 3])
+        a = fd.define_scalar(float)
+        xs = fd.ops.mul(x, a)
+        xg = fd.ops.set(xs)
+        y = fd.ops.permute(xg, [2, 0, 1])
+        fd.add_output(y)
+    mesh = DeviceMesh(range(D))
+    for tv in (x, xs, xg, y):
+        tv.set_device_mesh(mesh)
+    for tv in (x, xs):
+        tv.axis(0).parallelize(ParallelType.mesh_x)
+    full = rand_int([D, 4, 3], device)
+    for scale in (0.5, 3):
+        (out,) = fd.execute([shard_tensor(full, x), scale])
+        exact(out, (full * scale).permute(2, 0, 1))
