@@ -21,7 +21,7 @@ the eager loop) after warm-up runs; the median over ``--iters`` runs is
 reported. On CUDA, ``torch.cuda.synchronize()`` is called before each timed
 run but not inside it, so the number is host time (kernel launches are
 asynchronous). Host ops per run are read as the change of the program's
-``HostIrEvaluator.ops_executed`` across one run; compute ops per run (the
+an ``OpCounter`` listener on the evaluator across one run; compute ops per run (the
 torch calls that do arithmetic) are ``S * L`` for the chunked variants and
 ``L`` for the flat ones.
 
@@ -53,6 +53,7 @@ import torch
 
 import hostir
 from hostir import FusionDefinition, ParallelType
+from hostir.evaluator import OpCounter
 
 ADD_SCALAR = 1.0
 MUL_SCALAR = 1.0001
@@ -191,17 +192,18 @@ def bench_hostir(
     programs = list(fd.executor._programs.values())
     if len(programs) != 1:
         raise RuntimeError(f"{variant}: expected one lowered program, found {len(programs)}")
-    evaluator = programs[0].evaluator
+    counter = OpCounter()
+    programs[0].evaluator.listeners.append(counter)
     _sync(x.device)
     torch.testing.assert_close(out, expected)
 
-    before = evaluator.ops_executed
+    before = counter.count
     run()
-    ops = evaluator.ops_executed - before
+    ops = counter.count - before
 
-    before = evaluator.ops_executed
+    before = counter.count
     median = time_runs(run, x.device, p.iters, p.warmup)
-    total = evaluator.ops_executed - before
+    total = counter.count - before
     if total != ops * (p.iters + p.warmup):
         raise RuntimeError(f"{variant}: host ops per run vary ({total} over {p.iters + p.warmup} runs, {ops} in one)")
     if fd.executor.num_programs != 1:
@@ -275,7 +277,7 @@ def markdown_report(results: list[Result], env: dict) -> str:
             "",
             markdown_table(results),
             "",
-            "ops/run: host ops executed by the evaluator (`ops_executed`) for the hostir rows, torch calls for "
+            "ops/run: host ops executed by the evaluator (counted by a listener) for the hostir rows, torch calls for "
             "the eager rows. µs/op = median host time of one run / ops per run. Host time only: the device "
             "is synchronized before each timed run, not inside it.",
             "",

@@ -9,6 +9,7 @@ mpirun or torchrun), and read the lowered host program with `fd.host_ir()`.
 """
 
 from hostir.communicator import (
+    CommunicatorError,
     CommunicatorTimeout,
     LaunchError,
     PeerLostError,
@@ -17,8 +18,9 @@ from hostir.communicator import (
     world_size,
 )
 from hostir.container import AliasError, HostIrContainer
+from hostir.errors import DefinitionError, HostIrError, UsageError
 from hostir.evaluator import HostIrEvaluator, HostIrRuntimeError
-from hostir.executor import ExecutorParams, RankMismatchError
+from hostir.executor import ExecutorParams, InputError, InputTypeError, RankMismatchError
 from hostir.frontend import FusionDefinition, shard_tensor
 from hostir.ir import DeviceMesh, IterType, MemoryType, ParallelType
 from hostir.lower import LoweringError
@@ -26,7 +28,13 @@ from hostir.options import OptionError
 
 __all__ = [
     "AliasError",
+    "CommunicatorError",
     "CommunicatorTimeout",
+    "DefinitionError",
+    "HostIrError",
+    "InputError",
+    "InputTypeError",
+    "UsageError",
     "DeviceMesh",
     "LaunchError",
     "PeerLostError",

@@ -16,6 +16,7 @@ dies ends in an error on the others, never a hang.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import inspect
 import itertools
 import math
@@ -29,6 +30,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from hostir.errors import HostIrError
 
 __all__ = [
     "LAUNCHER_VARIABLES",
@@ -51,18 +54,28 @@ DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 
 
-class LaunchError(RuntimeError):
+class LaunchError(HostIrError, RuntimeError):
     """The launcher's environment (or the rendezvous it points to) cannot
     describe a consistent set of processes."""
 
 
-class CommunicatorTimeout(RuntimeError):
+class CommunicatorTimeout(HostIrError, RuntimeError):
     """A collective did not complete within the communicator's timeout: some
     rank did not join it."""
 
 
-class PeerLostError(RuntimeError):
+class PeerLostError(HostIrError, RuntimeError):
     """The connection to a peer closed during a collective: the peer exited."""
+
+
+class CommunicatorError(HostIrError, RuntimeError):
+    """The communicator cannot serve a call: it was shut down, an earlier
+    collective failed (the ranks are out of step), another thread is using
+    it, or it was asked for with other settings."""
+
+
+class CommunicatorArgumentError(HostIrError, ValueError):
+    """A bad argument for the communicator (backend, timeout, port, team)."""
 
 
 @dataclass(frozen=True)
@@ -241,9 +254,9 @@ def _positive_seconds(value: object, name: str) -> float:
     try:
         seconds = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+        raise CommunicatorArgumentError(f"{name}={value!r} is not a number of seconds") from None
     if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"{name}={value!r} must be a positive, finite number of seconds")
+        raise CommunicatorArgumentError(f"{name}={value!r} must be a positive, finite number of seconds")
     return seconds
 
 
@@ -271,9 +284,9 @@ def _port(value: object, name: str) -> int:
     try:
         port = int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name}={value!r} is not a port number") from None
+        raise CommunicatorArgumentError(f"{name}={value!r} is not a port number") from None
     if not 0 < port < 65536:
-        raise ValueError(f"{name}={value!r} is not a port number (1..65535)")
+        raise CommunicatorArgumentError(f"{name}={value!r} is not a port number (1..65535)")
     return port
 
 
@@ -281,9 +294,9 @@ def _resolve_backend(backend: str | None) -> str:
     if backend is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("nccl", "gloo"):
-        raise ValueError(f"backend={backend!r}: expected 'nccl' or 'gloo'")
+        raise CommunicatorArgumentError(f"backend={backend!r}: expected 'nccl' or 'gloo'")
     if backend == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("backend='nccl' requested but CUDA unavailable; use backend='gloo'")
+        raise CommunicatorError("backend='nccl' requested but CUDA unavailable; use backend='gloo'")
     return backend
 
 
@@ -301,6 +314,15 @@ def _resolve_device(backend: str, launch: LaunchInfo) -> torch.device:
 
 
 _NEW_GROUP_SORTS = "sort_ranks" in inspect.signature(dist.new_group).parameters
+# torch 2.13 renamed the tensor form of all-gather.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _fingerprint(text: str, count: int) -> torch.Tensor:
+    """`count` and the SHA-256 of `text` as 5 int64 words."""
+    digest = hashlib.sha256(text.encode()).digest()
+    words = [count] + [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
+    return torch.tensor(words, dtype=torch.int64)
 
 # The process-group backend string: with NCCL, gloo serves the CPU tensors of
 # the same group, so metadata and CPU fallbacks need no second group.
@@ -463,6 +485,10 @@ class Communicator:
         self._orders: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._created: list[dist.ProcessGroup] = []
         self._closed = False
+        self._fusion_numbers = itertools.count()
+        # Held by the thread running a multi-device execute: collectives of
+        # two calls on the same groups would pair with the wrong peers' calls.
+        self.busy = threading.Lock()
         # The first timeout or lost peer of a collective, as text: after it
         # the ranks' collectives are out of step and the executor refuses
         # to post more.
@@ -522,7 +548,7 @@ class Communicator:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("the communicator has been shut down")
+            raise CommunicatorError("the communicator has been shut down")
 
     def ensure_groups(self, teams: Iterable[Iterable[int]]) -> None:
         """Create one process group per team not made yet. Collective: every
@@ -533,12 +559,14 @@ class Communicator:
         self._check_open()
         requested = sorted({tuple(team) for team in teams})
         if self.world_size > 1:
-            everyone = self.all_gather_object(requested)
-            differing = [r for r, other in enumerate(everyone) if other != requested]
+            mine = _fingerprint(repr(requested), len(requested))
+            everyone = self.all_gather_words(mine).tolist()
+            differing = [r for r, other in enumerate(everyone) if other != everyone[self.rank]]
             if differing:
-                raise ValueError(
+                raise CommunicatorArgumentError(
                     f"ensure_groups called with different teams across ranks: rank {self.rank} has "
-                    f"{requested}, rank {differing[0]} has {everyone[differing[0]]}"
+                    f"{len(requested)} teams {requested}, rank {differing[0]} has {everyone[differing[0]][0]} "
+                    f"teams, not the same"
                 )
         for team in requested:
             self._validate_team(team)
@@ -559,16 +587,16 @@ class Communicator:
 
     def _validate_team(self, team: tuple) -> None:
         if not team:
-            raise ValueError("team () is empty")
+            raise CommunicatorArgumentError("team () is empty")
         for member in team:
             if isinstance(member, bool) or not isinstance(member, int):
-                raise ValueError(f"team {team}: member {member!r} is not an integer rank")
+                raise CommunicatorArgumentError(f"team {team}: member {member!r} is not an integer rank")
             if not 0 <= member < self.world_size:
-                raise ValueError(
+                raise CommunicatorArgumentError(
                     f"team {team}: rank {member} is out of range for world size {self.world_size}"
                 )
         if len(set(team)) != len(team):
-            raise ValueError(f"team {team}: ranks repeat")
+            raise CommunicatorArgumentError(f"team {team}: ranks repeat")
 
     def group(self, team: Iterable[int]) -> dist.ProcessGroup:
         """The process group of a team made by `ensure_groups`; this rank must
@@ -576,9 +604,9 @@ class Communicator:
         self._check_open()
         key = tuple(team)
         if key not in self._groups:
-            raise KeyError(f"no process group for team {key}: call ensure_groups with it on every rank first")
+            raise CommunicatorError(f"no process group for team {key}: call ensure_groups with it on every rank first")
         if self.rank not in key:
-            raise ValueError(f"rank {self.rank} is not a member of team {key}")
+            raise CommunicatorArgumentError(f"rank {self.rank} is not a member of team {key}")
         return self._groups[key]
 
     def group_order(self, team: Iterable[int]) -> tuple[int, ...]:
@@ -596,18 +624,27 @@ class Communicator:
         process group where torch keeps the team's order (see `group_order`)."""
         key = tuple(team)
         if global_rank not in key:
-            raise ValueError(f"rank {global_rank} is not a member of team {key}")
+            raise CommunicatorArgumentError(f"rank {global_rank} is not a member of team {key}")
         return key.index(global_rank)
 
-    def all_gather_object(self, obj: object) -> list:
-        """Every rank's `obj`, in rank order, over the control group."""
+    def all_gather_words(self, words: torch.Tensor) -> torch.Tensor:
+        """Every rank's int64 tensor `words` (the same size on every rank),
+        stacked in rank order, over the control group: one collective of
+        fixed-size tensors, never pickled objects."""
         self._check_open()
-        gathered: list = [None] * self.world_size
+        words = words.to(torch.int64).contiguous().view(-1)
+        gathered = torch.empty(self.world_size, words.numel(), dtype=torch.int64)
         try:
-            dist.all_gather_object(gathered, obj, group=self._control)
+            _all_gather_tensor(gathered.view(-1), words, group=self._control)
         except Exception as exc:
-            raise classify_error(exc, "all_gather_object", rank=self.rank, timeout=self.timeout)
+            raise classify_error(exc, "the ranks' agreement (all-gather)", rank=self.rank, timeout=self.timeout)
         return gathered
+
+    def next_fusion_number(self) -> int:
+        """A number for a fusion that runs on this communicator for the first
+        time: fusions are numbered in the order they first run, the same
+        on every rank that runs them in the same order."""
+        return next(self._fusion_numbers)
 
     def barrier(self) -> None:
         """Block the host until every rank reaches the barrier (control group)."""
@@ -673,12 +710,12 @@ def get(**kwargs) -> Communicator:
         }
         unknown = set(kwargs) - set(live)
         if unknown:
-            raise TypeError(f"unknown communicator argument(s): {', '.join(sorted(unknown))}")
+            raise CommunicatorArgumentError(f"unknown communicator argument(s): {', '.join(sorted(unknown))}")
         differing = {k: v for k, v in kwargs.items() if v is not None and v != live[k]}
         if differing:
             wanted = ", ".join(f"{k}={v!r}" for k, v in differing.items())
             have = ", ".join(f"{k}={live[k]!r}" for k in differing)
-            raise RuntimeError(
+            raise CommunicatorError(
                 f"a communicator is live with {have}; asked for {wanted}: call shutdown() first"
             )
         return _instance

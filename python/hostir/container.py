@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 from hostir import ir, printer
+from hostir.errors import DefinitionTypeError, HostIrError
 
 
-class AliasError(ValueError):
+class AliasError(HostIrError, ValueError):
     pass
 
 
@@ -31,7 +32,7 @@ class AliasMap:
     def mark(self, original: ir.TensorView, alias: ir.TensorView) -> None:
         for v, role in ((original, "original"), (alias, "alias")):
             if not isinstance(v, ir.TensorView):
-                raise TypeError(f"only TensorViews can be aliased; the {role} is {type(v).__name__}")
+                raise DefinitionTypeError(f"only TensorViews can be aliased; the {role} is {type(v).__name__}")
         if alias is original:
             raise AliasError(f"T{alias.name} cannot be an alias of itself")
         if alias.dtype != original.dtype or alias.ndim != original.ndim:
@@ -71,7 +72,7 @@ class AliasMap:
         return len(self._edges)
 
 
-class VerifyError(ValueError):
+class VerifyError(HostIrError, ValueError):
     pass
 
 

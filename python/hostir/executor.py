@@ -1,21 +1,42 @@
-"""Run a fusion: check the inputs, lower once per input signature, evaluate.
+"""Run a fusion: one path for one rank or many.
 
-`FusionExecutor.execute` validates every input and preallocated output
-against the fusion before any work starts, looks up the lowered program for
-the inputs' signature (dtypes, ranks, device, contiguity — not sizes: extents
-are symbolic, so one program serves every shape), lowers it on a miss, and
-runs it with the chosen evaluator under `torch.no_grad()`.
+`FusionExecutor.execute` takes every call through the same steps:
+
+1. normalize: the parameters, the inputs and outputs as lists, the device
+   to run on (a CPU input of a program that runs on a GPU is copied there);
+2. check: every input and preallocated output against the fusion, before
+   any work starts;
+3. program: the lowered program for the inputs' signature (dtypes, ranks,
+   device, contiguity — not sizes: extents are symbolic, so one program
+   serves every shape), lowered on a miss;
+4. agree and make groups: for a multi-device fusion, the ranks exchange a
+   fixed-size record (`agreement.py`) — the call, the program, the inputs'
+   shapes and any local error — and every rank raises together if they
+   differ; then they create the process groups the program needs. Nothing
+   to do for one rank;
+5. bind the inputs and outputs (a rank's pieces viewed with loop axes);
+6. run with the evaluator, in a frame of its own, without autograd;
+7. convert the results back to the fusion's logical axes.
+
+A failure in steps 1-3 on one rank of a multi-device fusion is carried by
+step 4 to every rank, so all raise the same error instead of one raising and
+the others waiting in a collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
+import warnings
 from typing import Sequence
 
 import torch
 
 from hostir import communicator, ir, layout, printer
+from hostir.agreement import Offer, RankMismatchError, check, exchange, input_signature
 from hostir.container import HostIrContainer
+from hostir.errors import HostIrError
 from hostir.evaluator import HostIrEvaluator
 from hostir.lower import lower
 from hostir.options import Dumper
@@ -24,10 +45,28 @@ from hostir.streams import streams_for
 EVALUATORS = ("python",)
 CHECK_RANKS = ("always", "first")
 
+__all__ = [
+    "CHECK_RANKS",
+    "EVALUATORS",
+    "ExecuteArgumentError",
+    "ExecutorParams",
+    "FusionExecutor",
+    "InputError",
+    "InputTypeError",
+    "RankMismatchError",
+]
 
-class RankMismatchError(ValueError):
-    """Ranks disagree on the program or its inputs, or one rank rejected its
-    inputs; raised on every rank, before any collective of the program."""
+
+class InputError(HostIrError, ValueError):
+    """An input or preallocated output does not fit the fusion."""
+
+
+class InputTypeError(HostIrError, TypeError):
+    """An input, output or parameter of `execute` is of the wrong type or dtype."""
+
+
+class ExecuteArgumentError(HostIrError, ValueError):
+    """A bad execution parameter, or a fusion that needs more ranks than run."""
 
 
 @dataclasses.dataclass
@@ -37,18 +76,23 @@ class ExecutorParams:
     number_of_streams: worker streams a stream-parallel loop cycles through
         (`numberOfStreams` in the dump); at least 1.
     evaluator: "python", the reference interpreter.
-    device: where to run; by default the device of the inputs (for a
-        multi-device program, the communicator's: cuda:local_rank or cpu).
+    device: where to run; by default, for a multi-device program, the
+        communicator's (cuda:local_rank or cpu), else the device of the
+        first input on a GPU, else that of input 0. CPU inputs of a program
+        that runs on a GPU are copied there (with one warning per fusion).
     backend: "nccl" or "gloo" for a multi-device program; by default nccl
         where CUDA is available. Used when the communicator is created.
     timeout: seconds any collective may wait for a peer (default
         HOSTIR_TIMEOUT, else 300). Used when the communicator is created.
-    check_ranks: "always" (default) makes the ranks agree on the program and
-        their inputs' shapes and dtypes before every run of a multi-device
-        program: one small collective on a control group. "first" agrees
-        only when a rank lowers a program, which saves that collective but
-        lets a rank that alone changes its input shapes meet the others'
-        collectives with the wrong sizes.
+    check_ranks: "always" (default) makes the ranks agree before every run
+        of a multi-device program, in one small collective on a control
+        group: on the call (a rank that skipped or repeated an execute of a
+        fusion makes every rank raise), the program, their inputs' shapes
+        and dtypes, and any local error. "first" agrees only when a rank
+        lowers a program; it saves that collective but turns these
+        protections off: a rank that alone fails its checks, skips a call or
+        changes its input shapes then meets the others' collectives out of
+        step, and the job ends in a timeout or returns wrong data.
     """
 
     number_of_streams: int = 4
@@ -61,11 +105,26 @@ class ExecutorParams:
     def validate(self) -> None:
         n = self.number_of_streams
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"number_of_streams must be an integer >= 1, got {n!r}")
+            raise ExecuteArgumentError(f"number_of_streams must be an integer >= 1, got {n!r}")
         if self.evaluator not in EVALUATORS:
-            raise ValueError(f"unknown evaluator {self.evaluator!r}; expected one of {list(EVALUATORS)}")
+            raise ExecuteArgumentError(f"unknown evaluator {self.evaluator!r}; expected one of {list(EVALUATORS)}")
         if self.check_ranks not in CHECK_RANKS:
-            raise ValueError(f"check_ranks must be one of {list(CHECK_RANKS)}, got {self.check_ranks!r}")
+            raise ExecuteArgumentError(f"check_ranks must be one of {list(CHECK_RANKS)}, got {self.check_ranks!r}")
+
+    @classmethod
+    def from_arguments(cls, params: ExecutorParams | None, kwargs: dict) -> ExecutorParams:
+        """`params`, or one made of keyword arguments (not both)."""
+        if params is not None and kwargs:
+            raise InputTypeError("pass either params or keyword arguments, not both")
+        if params is not None:
+            if not isinstance(params, ExecutorParams):
+                raise InputTypeError(f"params must be an ExecutorParams, got {type(params).__name__}")
+            return params
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise InputTypeError(f"unknown execution parameters {unknown}; expected some of {sorted(fields)}")
+        return cls(**kwargs)
 
 
 @dataclasses.dataclass
@@ -76,15 +135,35 @@ class _Program:
     equal_axes: list[list[tuple[int, int]]]
 
 
+@dataclasses.dataclass
+class _Call:
+    """One call, normalized and checked, ready to bind and run."""
+
+    program: _Program
+    inputs: list
+    outputs: list | None
+    lowered: bool
+
+
 class FusionExecutor:
+    """Runs one fusion: its lowered programs (one per input signature) and,
+    for a multi-device fusion, its place in the ranks' call sequence. Safe to
+    call from several threads at once; the runs of a multi-device fusion
+    take the communicator one at a time (a second thread gets a clear error)."""
+
     def __init__(self, fusion: ir.Fusion):
         self.fusion = fusion
         self._programs: dict[tuple, _Program] = {}
         self._version = fusion.version
         self._streams: dict[torch.device, object] = {}
+        self._lock = threading.Lock()
+        self._comm = None
         self.lowerings = 0
         self._multi_device_at: int | None = None
         self._is_multi_device = False
+        # (communicator, this fusion's number on it, calls made so far)
+        self._sequence: tuple[object, int, int] | None = None
+        self._warned: set[str] = set()
 
     @property
     def num_programs(self) -> int:
@@ -104,78 +183,92 @@ class FusionExecutor:
         inputs: Sequence[torch.Tensor],
         outputs: Sequence[torch.Tensor] | None = None,
         params: ExecutorParams | None = None,
-    ) -> list[torch.Tensor]:
-        params = params or ExecutorParams()
-        if self._multi_device():
-            return self._execute_multi_device(inputs, outputs, params)
+        **kwargs,
+    ) -> list[torch.Tensor | None]:
+        """Run the fusion on `inputs` (see the module's docstring for the
+        steps). `params`, or keyword arguments naming its fields."""
+        comm, error = self._communicator(params, kwargs) if self._multi_device() else (None, None)
+        with _exclusive(comm):
+            sequence = self._next_call(comm) if comm is not None else None
+            call = None
+            try:
+                if error is not None:
+                    raise error
+                params = ExecutorParams.from_arguments(params, kwargs)
+                call = self._prepare(inputs, outputs, params, comm)
+            except Exception as err:
+                if comm is None or _agrees_first_only(params):
+                    raise
+                error = err
+            if comm is not None:
+                self._agree(comm, sequence, call, inputs, error, _agrees_first_only(params))
+            return self._run(call, params, comm)
+
+    # -- 1-3: normalize, check, program
+    def _prepare(self, inputs, outputs, params: ExecutorParams, comm) -> _Call:
         params.validate()
         inputs, outputs = self._as_lists(inputs, outputs)
-        device = check_inputs(self.fusion, inputs, params.device)
-        program = self._program(inputs, device, params)
-        sizes = check_sizes(self.fusion, inputs, program.equal_axes)
-        container = program.container
-        if outputs is not None:
-            check_outputs(self.fusion, outputs, inputs, sizes, device, container.outputs)
-        bindings = _bindings(container, inputs, outputs)
-        with torch.no_grad():
-            results = program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
-        return [layout.to_logical(tv, r) for tv, r in zip(container.outputs, results)]
-
-    def _execute_multi_device(self, inputs, outputs, params: ExecutorParams) -> list[torch.Tensor]:
-        """Check locally, agree across ranks, then run. Every local failure
-        is shared with the other ranks first, so that all raise together
-        instead of one raising and the others waiting in a collective."""
-        comm, error = _communicator_for(params)
-        if comm.failure is not None:
-            raise RuntimeError(
-                f"an earlier collective failed on this rank, so the ranks' collectives are out of step: "
-                f"{comm.failure.splitlines()[0]}\nend the job (or call hostir.communicator.shutdown() on "
-                f"every rank and start again)"
-            )
-        program, new = None, False
-        try:
-            if error is not None:
-                raise error
-            params.validate()
-            inputs, outputs = self._as_lists(inputs, outputs)
-            # Never hand a strided view to a collective (gloo would read the
-            # wrong memory): compact first, which also keeps contiguity out of
-            # the program cache's key so that all ranks hit or miss it together.
-            inputs = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs]
+        if comm is not None:
             check_world(self.fusion, comm.world_size)
-            device = check_inputs(self.fusion, inputs, comm.device, sharded=True)
-            before = self.lowerings
-            program = self._program(inputs, device, params, comm)
-            new = self.lowerings != before
-            sizes = check_sizes(self.fusion, inputs, program.equal_axes)
-            if outputs is not None:
-                check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
-        except Exception as err:
-            # Any failure before the program's first collective is shared
-            # with the other ranks, which would otherwise wait in it.
-            if params.check_ranks == "first":
-                raise
-            error = err
-        teams = program.container.all_teams if program is not None else []
-        need_groups = bool(comm.missing_teams(teams))
-        if params.check_ranks != "first" or new:
-            digest = program.container.digest if program is not None else None
-            try:
-                need_groups = agree(comm, digest, input_signature(inputs), error, need_groups)
-            except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
-                comm.failure = f"{type(err).__name__}: {err}"
-                raise
-        if need_groups:
-            comm.ensure_groups(teams)
-        container = program.container
-        bindings = _bindings(container, inputs, outputs)
-        try:
-            with torch.no_grad():
-                results = program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
-        except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
-            comm.failure = f"{type(err).__name__}: {err}"
-            raise
-        return [None if r is None else layout.to_logical(tv, r) for tv, r in zip(container.outputs, results)]
+        device = self._device(inputs, params, comm)
+        inputs = self._place(inputs, device)
+        if comm is not None:
+            # Never hand a strided view to a collective (gloo would read the
+            # wrong memory): compact first, which also keeps contiguity out
+            # of the program cache's key so that all ranks hit or miss it
+            # together.
+            inputs = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs]
+        device = check_inputs(self.fusion, inputs, device, sharded=comm is not None)
+        self._warn_requires_grad(inputs)
+        program, lowered = self._program(inputs, device, params, comm)
+        sizes = check_sizes(self.fusion, inputs, program.equal_axes)
+        if outputs is not None:
+            check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
+        return _Call(program, inputs, outputs, lowered)
+
+    def _device(self, inputs: list, params: ExecutorParams, comm) -> torch.device:
+        if params.device is not None:
+            return torch.device(params.device)
+        if comm is not None:
+            return comm.device
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if t.device.type == "cuda":
+                return t.device
+        return tensors[0].device if tensors else torch.device("cpu")
+
+    def _place(self, inputs: list, device: torch.device) -> list:
+        """Copy CPU inputs to `device` if the program runs elsewhere (one
+        warning per fusion names them and the bytes copied)."""
+        if device.type != "cuda":
+            return inputs
+        moved = [
+            i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+        ]
+        if not moved:
+            return inputs
+        if "copy" not in self._warned:
+            self._warned.add("copy")
+            names = ", ".join(f"{i} (T{self.fusion.inputs[i].name})" for i in moved if i < len(self.fusion.inputs))
+            size = sum(inputs[i].numel() * inputs[i].element_size() for i in moved)
+            warnings.warn(
+                f"inputs {names} are on the CPU but the fusion runs on {device}: copied there "
+                f"({size} bytes this call); pass them on {device} to avoid the copy",
+                stacklevel=5,
+            )
+        return [t.to(device) if i in moved else t for i, t in enumerate(inputs)]
+
+    def _warn_requires_grad(self, inputs: list) -> None:
+        if "grad" in self._warned:
+            return
+        grads = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if grads:
+            self._warned.add("grad")
+            warnings.warn(
+                f"inputs {grads} require grad, but fusions run without autograd: their outputs do not "
+                f"require grad and nothing is recorded for backward",
+                stacklevel=5,
+            )
 
     def _multi_device(self) -> bool:
         """`is_multi_device(fusion)`, computed once per fusion version."""
@@ -192,10 +285,7 @@ class FusionExecutor:
                 outputs = None
         return inputs, outputs
 
-    def _program(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> _Program:
-        if self.fusion.version != self._version:
-            self._programs.clear()
-            self._version = self.fusion.version
+    def _program(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> tuple[_Program, bool]:
         key = (
             tuple(
                 (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else "scalar"
@@ -204,10 +294,18 @@ class FusionExecutor:
             device,
             params.evaluator,
         )
-        program = self._programs.get(key)
-        if program is None:
+        with self._lock:
+            # A program holds the communicator it was lowered for: after a
+            # shutdown and a new communicator, lower again.
+            if self.fusion.version != self._version or comm is not self._comm:
+                self._programs.clear()
+                self._version = self.fusion.version
+                self._comm = comm
+            program = self._programs.get(key)
+            if program is not None:
+                return program, False
             program = self._programs[key] = self._lower(device, comm)
-        return program
+            return program, True
 
     def _lower(self, device: torch.device, comm=None) -> _Program:
         rank = comm.rank if comm is not None else 0
@@ -225,24 +323,111 @@ class FusionExecutor:
         evaluator = HostIrEvaluator(container, streams=streams, device=device, communicator=comm, dumper=dumper)
         return _Program(container, evaluator, _equal_input_axes(self.fusion))
 
+    # -- 4: agree and make groups
+    def _communicator(self, params, kwargs):
+        """The process-wide communicator, and the error of asking for it
+        with parameters that differ from the live one's (shared with the
+        other ranks like any local error); with no live communicator, its
+        creation error is raised here (the launch is broken on this rank)."""
+        backend = kwargs.get("backend", getattr(params, "backend", None))
+        timeout = kwargs.get("timeout", getattr(params, "timeout", None))
+        error = None
+        try:
+            comm = communicator.get(backend=backend, timeout=timeout)
+        except HostIrError as err:
+            comm = communicator.live()
+            if comm is None:
+                raise
+            error = err
+        if comm.failure is not None:
+            raise communicator.CommunicatorError(
+                f"an earlier collective failed on this rank, so the ranks' collectives are out of step: "
+                f"{comm.failure.splitlines()[0]}\nend the job (or call hostir.communicator.shutdown() on "
+                f"every rank and start again)"
+            )
+        return comm, error
 
-def _communicator_for(params: ExecutorParams):
-    """The process-wide communicator, and the error of asking for it with
-    parameters that differ from the live one's (shared with the other ranks
-    like any local error); with no live communicator, its creation error is
-    raised here (the launch is broken on this rank)."""
-    try:
-        return communicator.get(backend=params.backend, timeout=params.timeout), None
-    except (RuntimeError, TypeError, ValueError) as err:
-        live = communicator.live()
-        if live is None:
+    def _next_call(self, comm) -> tuple[int, int]:
+        """This fusion's number on `comm` and the number of this call."""
+        if self._sequence is None or self._sequence[0] is not comm:
+            self._sequence = (comm, comm.next_fusion_number(), 0)
+        _, fusion, calls = self._sequence
+        self._sequence = (comm, fusion, calls + 1)
+        return fusion, calls
+
+    def _agree(self, comm, sequence, call: _Call | None, inputs, error, first_only: bool) -> None:
+        if first_only and not call.lowered:
+            # No agreement: each rank makes the groups it lacks (a
+            # collective of its own, which checks the teams).
+            if comm.missing_teams(call.program.container.all_teams):
+                comm.ensure_groups(call.program.container.all_teams)
+            return
+        teams = call.program.container.all_teams if call is not None else []
+        offer = Offer(
+            fusion=sequence[0],
+            call=sequence[1],
+            digest=call.program.container.digest if call is not None else None,
+            inputs=input_signature(call.inputs if call is not None else inputs),
+            error=None if error is None else f"{type(error).__name__}: {error}",
+            needs_groups=bool(comm.missing_teams(teams)),
+            rank=comm.rank,
+        )
+        try:
+            records = exchange(comm, offer)
+        except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
+            comm.failure = f"{type(err).__name__}: {err}"
+            raise type(err)(
+                f"the ranks' check of the program and its inputs, before running it, failed: {err}"
+            ) from err
+        if check(records, cause=error):
+            comm.ensure_groups(teams)
+
+    # -- 5-7: bind, run, convert back
+    def _run(self, call: _Call, params: ExecutorParams, comm) -> list[torch.Tensor | None]:
+        container = call.program.container
+        bindings = {
+            tv: layout.to_runtime(tv, t) if isinstance(tv, ir.TensorView) else t
+            for tv, t in zip(container.inputs, call.inputs)
+        }
+        if call.outputs is not None:
+            for tv, t in zip(container.outputs, call.outputs):
+                bindings[tv] = layout.to_runtime(tv, t)
+        try:
+            with torch.no_grad():
+                results = call.program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
+        except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
+            if comm is not None:
+                comm.failure = f"{type(err).__name__}: {err}"
             raise
-        return live, err
+        return [None if r is None else layout.to_logical(tv, r) for tv, r in zip(container.outputs, results)]
+
+
+def _agrees_first_only(params) -> bool:
+    return isinstance(params, ExecutorParams) and params.check_ranks == "first"
+
+
+@contextlib.contextmanager
+def _exclusive(comm):
+    """Hold `comm` for one multi-device call; a second thread is refused."""
+    if comm is None:
+        yield
+        return
+    if not comm.busy.acquire(blocking=False):
+        raise communicator.CommunicatorError(
+            f"another thread is running a multi-device execute on this process's communicator "
+            f"(thread {threading.current_thread().name} was refused): two calls' collectives on the same "
+            f"process groups would pair with the wrong calls of the other ranks; run multi-device "
+            f"executes from one thread at a time"
+        )
+    try:
+        yield
+    finally:
+        comm.busy.release()
 
 
 def _as_list(values, what: str) -> list:
     if isinstance(values, torch.Tensor) or not isinstance(values, (list, tuple)):
-        raise TypeError(f"{what} must be a list of torch.Tensors, got {type(values).__name__}")
+        raise InputTypeError(f"{what} must be a list of torch.Tensors, got {type(values).__name__}")
     return list(values)
 
 
@@ -260,9 +445,9 @@ def signature(fusion: ir.Fusion) -> str:
 
 def _check_tensor(what: str, tv: ir.TensorView, t) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        raise InputTypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != tv.dtype:
-        raise TypeError(f"{what}: expected dtype {tv.dtype}, got {t.dtype}")
+        raise InputTypeError(f"{what}: expected dtype {tv.dtype}, got {t.dtype}")
 
 
 def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = False) -> torch.device:
@@ -271,14 +456,14 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
     those of this rank's pieces: 1 on a mesh_x axis, extent / mesh size on
     a split axis sharded by the mesh."""
     if len(inputs) != len(fusion.inputs):
-        raise ValueError(
+        raise InputError(
             f"Wrong number of inputs: the fusion takes {len(fusion.inputs)} {signature(fusion)}, "
             f"got {len(inputs)}"
         )
     for i, (tv, t) in enumerate(zip(fusion.inputs, inputs)):
         if isinstance(tv, ir.InputScalar):
             if not tv.accepts(t):
-                raise TypeError(
+                raise InputTypeError(
                     f"input {i} (scalar {tv.label}) must be a Python {_PYTHON_TYPES[tv.dtype]}, "
                     f"got {type(t).__name__} {t!r}"
                 )
@@ -286,7 +471,7 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
         what = f"input {i} (T{tv.name})"
         _check_tensor(what, tv, t)
         if t.dim() != tv.logical_ndim:
-            raise ValueError(
+            raise InputError(
                 f"{what}: expected {tv.logical_ndim} dims, got {t.dim()} (shape {list(t.shape)}); "
                 f"the fusion takes {signature(fusion)}"
             )
@@ -294,13 +479,13 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
             expected = layout.local_extent(d)
             if expected is not None and size != expected:
                 whole = f" (extent {d.extent.value} sharded over {tv.mesh.x_size} ranks)" if expected != d.extent.value else ""
-                raise ValueError(f"{what}: axis {axis} must have size {expected}{whole}, got {size}")
+                raise InputError(f"{what}: axis {axis} must have size {expected}{whole}, got {size}")
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     expected = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
     for i, t in enumerate(inputs):
         if isinstance(t, torch.Tensor) and t.device != expected:
-            where = " (the device of the first tensor input)" if device is None else (" (this rank's device)" if sharded else "")
-            raise ValueError(
+            where = " (the device of input 0)" if device is None else (" (this rank's device)" if sharded else "")
+            raise InputError(
                 f"input {i} (T{fusion.inputs[i].name}) is on {t.device} but the fusion runs on {expected}{where}"
             )
     return expected
@@ -325,70 +510,7 @@ def check_world(fusion: ir.Fusion, world_size: int) -> None:
                 " (no launcher variables were found: run every rank under mpirun or torchrun, which set "
                 "OMPI_COMM_WORLD_RANK/SIZE or RANK/WORLD_SIZE)"
             )
-        raise ValueError(f"the fusion requests {needed} devices to run, but there are only {world_size} ranks{hint}")
-
-
-def input_signature(inputs: list) -> list[tuple]:
-    """What ranks compare of their inputs: shapes and dtypes (local pieces
-    have the same shape on every rank: shards are even)."""
-    if not isinstance(inputs, (list, tuple)):
-        return [(None, type(inputs).__name__)]
-    return [
-        (list(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else (None, type(t).__name__)
-        for t in inputs
-    ]
-
-
-def agree(comm, digest: str | None, inputs_sig: list, error: Exception | None, need_groups: bool = False) -> bool:
-    """Raise `RankMismatchError` on every rank if any rank failed its local
-    checks, lowered another program, or has inputs of other shapes or
-    dtypes; else return whether any rank still lacks a process group of the
-    program (then all create them together). Runs on the communicator's
-    control group, so a rank that skips it ends in a timeout there rather
-    than in a data collective."""
-    mine = {
-        "digest": digest,
-        "inputs": inputs_sig,
-        "error": None if error is None else f"{type(error).__name__}: {error}",
-        "need_groups": need_groups,
-    }
-    try:
-        everyone = comm.all_gather_object(mine)
-    except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
-        raise type(err)(
-            f"the ranks' check of the program and its inputs, before running it, failed: {err}"
-        ) from err
-    for r, theirs in enumerate(everyone):
-        if theirs["error"] is not None:
-            raise RankMismatchError(f"rank {r} failed before the program ran: {theirs['error']}") from error
-    ref = everyone[0]
-    for r, theirs in enumerate(everyone[1:], start=1):
-        if theirs["digest"] != ref["digest"]:
-            raise RankMismatchError(
-                f"the host program differs across ranks: rank {r} lowered program {theirs['digest'][:12]} "
-                f"but rank 0 lowered {ref['digest'][:12]}; every rank must define and schedule the same "
-                f"fusion (print it with HOSTIR_DUMP=host_ir HOSTIR_DUMP_RANKS=all)"
-            )
-        for i, (a, b) in enumerate(zip(theirs["inputs"], ref["inputs"])):
-            if a != b:
-                raise RankMismatchError(
-                    f"inputs differ across ranks: rank {r} input {i} has shape {a[0]} and dtype {a[1]}, "
-                    f"but rank 0 input {i} has shape {b[0]} and dtype {b[1]}"
-                )
-    return any(theirs["need_groups"] for theirs in everyone)
-
-
-def _bindings(container, inputs: list, outputs: list | None) -> dict:
-    """The program's inputs (and preallocated outputs) bound to the given
-    tensors, viewed with their runtime dims."""
-    bindings = {
-        tv: layout.to_runtime(tv, t) if isinstance(tv, ir.TensorView) else t
-        for tv, t in zip(container.inputs, inputs)
-    }
-    if outputs is not None:
-        for tv, t in zip(container.outputs, outputs):
-            bindings[tv] = layout.to_runtime(tv, t)
-    return bindings
+        raise ExecuteArgumentError(f"the fusion requests {needed} devices to run, but there are only {world_size} ranks{hint}")
 
 
 _BACKEND_NAMES = {"nccl": "NCCL", "gloo": "gloo"}
@@ -419,7 +541,7 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
         for i, a in rest:
             if inputs[i].shape[a] != inputs[i0].shape[a0]:
                 t0, t = fusion.inputs[i0], fusion.inputs[i]
-                raise ValueError(
+                raise InputError(
                     f"input {i} (T{t.name}) axis {a} has size {inputs[i].shape[a]} but input {i0} "
                     f"(T{t0.name}) axis {a0} has size {inputs[i0].shape[a0]}; an op of the fusion "
                     f"needs them equal"
@@ -441,9 +563,9 @@ def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device:
     the lowered program's outputs (which carry propagated shardings)."""
     unset = [i for i, t in enumerate(outputs) if t is None]
     if unset and len(unset) < len(outputs):
-        raise ValueError(f"outputs must be all or none preallocated: outputs {unset} are None")
+        raise InputError(f"outputs must be all or none preallocated: outputs {unset} are None")
     if len(outputs) != len(fusion.outputs):
-        raise ValueError(
+        raise InputError(
             f"outputs must be all or none preallocated: the fusion has {len(fusion.outputs)} "
             f"outputs, got {len(outputs)} tensors"
         )
@@ -451,14 +573,27 @@ def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device:
         what = f"preallocated output {i} (T{tv.name})"
         _check_tensor(what, tv, t)
         if t.device != device:
-            raise ValueError(f"{what} is on {t.device} but the fusion runs on {device}")
+            raise InputError(f"{what} is on {t.device} but the fusion runs on {device}")
         shape = [_local_output_size(d, sizes) for d in tv.logical_runtime()]
         if list(t.shape) != shape:
-            raise ValueError(f"{what}: expected shape {shape}, got {list(t.shape)}")
+            raise InputError(f"{what}: expected shape {shape}, got {list(t.shape)}")
         if not t.is_contiguous():
-            raise ValueError(f"{what} must be contiguous (strides {list(t.stride())})")
-        if t.numel() and any(isinstance(x, torch.Tensor) and _shares_memory(t, x) for x in inputs):
-            raise ValueError(f"{what} shares memory with an input; pass a separate buffer")
+            raise InputError(f"{what} must be contiguous (strides {list(t.stride())})")
+    _check_no_overlap(fusion, outputs, inputs, tvs or fusion.outputs)
+
+
+def _check_no_overlap(fusion: ir.Fusion, outputs: list, inputs: list, tvs) -> None:
+    """A preallocated output may share no memory with another output or
+    an input: the program would read what it already overwrote, or two ops
+    would write one buffer."""
+    named = [(f"input {i} (T{tv.name})", t) for i, (tv, t) in enumerate(zip(fusion.inputs, inputs))]
+    spans = []
+    for i, (tv, t) in enumerate(zip(tvs, outputs)):
+        what = f"preallocated output {i} (T{tv.name})"
+        for other, x in named + spans:
+            if _overlaps(t, x):
+                raise InputError(f"{what} shares memory with {other}; pass separate buffers")
+        spans.append((what, t))
 
 
 def _local_output_size(d: ir.IterDomain, sizes) -> int | None:
@@ -468,10 +603,22 @@ def _local_output_size(d: ir.IterDomain, sizes) -> int | None:
     size = sizes.get(d.extent)
     if size is None:
         return None
-    return size // (layout.global_extent(d, 1))
+    return size // layout.global_extent(d, 1)
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device or a.device.type == "meta" or not b.numel():
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes `t` may touch: [first, last) over its strides."""
+    start = t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if stride > 0)
+    return start, start + (last + 1) * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b) -> bool:
+    """Whether `a` and `b` may touch a common byte (exactly, for the
+    contiguous outputs; by span, for strided inputs)."""
+    if not isinstance(b, torch.Tensor) or a.device != b.device or a.device.type == "meta":
         return False
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    if not a.numel() or not b.numel():
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1

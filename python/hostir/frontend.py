@@ -14,13 +14,13 @@ whenever the definition or the inputs' signature changes.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import torch
 
 from hostir import ir, layout, printer, shape_ops
-from hostir.executor import ExecutorParams, FusionExecutor
+from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
+from hostir.executor import ExecutorParams, FusionExecutor, InputError, InputTypeError
 
 
 class Ops:
@@ -33,9 +33,9 @@ class Ops:
         self._fd._require_defining("an op")
         for v in operands:
             if isinstance(v, ir.TensorView) and v.owner is not self._fd.fusion:
-                raise ValueError(f"T{v.name} belongs to another FusionDefinition")
+                raise DefinitionError(f"T{v.name} belongs to another FusionDefinition")
             if isinstance(v, ir.InputScalar) and not any(v is s for s in self._fd.fusion.inputs):
-                raise ValueError(f"scalar {v!r} belongs to another FusionDefinition")
+                raise DefinitionError(f"scalar {v!r} belongs to another FusionDefinition")
 
     def set(self, x: ir.TensorView) -> ir.TensorView:
         """A copy of `x`."""
@@ -115,27 +115,27 @@ class FusionDefinition:
 
     def __enter__(self) -> FusionDefinition:
         if self._state != "new":
-            raise RuntimeError("a FusionDefinition is defined once; create a new one")
+            raise UsageError("a FusionDefinition is defined once; create a new one")
         self._state = "defining"
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._state = "defined"
         if exc_type is None and not self.fusion.outputs:
-            raise ValueError("the fusion has no outputs; call fd.add_output inside the with block")
+            raise DefinitionError("the fusion has no outputs; call fd.add_output inside the with block")
 
     def _require_defining(self, what: str) -> None:
         if self._state != "defining":
-            raise RuntimeError(f"{what} must be defined inside `with FusionDefinition() as fd:`")
+            raise UsageError(f"{what} must be defined inside `with FusionDefinition() as fd:`")
 
     def define_tensor(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> ir.TensorView:
         """An input of the fusion. In `shape`, -1 is a symbolic extent (any
         size), 1 a broadcast axis, and any other size a fixed extent."""
         self._require_defining("define_tensor")
         if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+            raise DefinitionTypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         if isinstance(shape, (int, torch.Tensor)) or not isinstance(shape, Sequence):
-            raise TypeError(f"shape must be a list of ints, got {shape!r}")
+            raise DefinitionTypeError(f"shape must be a list of ints, got {shape!r}")
         return self.fusion.new_tensor(list(shape), dtype)
 
     def define_scalar(self, dtype: torch.dtype | type = torch.float64) -> ir.InputScalar:
@@ -146,7 +146,7 @@ class FusionDefinition:
         self._require_defining("define_scalar")
         dtype = {float: torch.float64, int: torch.int64, bool: torch.bool}.get(dtype, dtype)
         if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype or float, int or bool, got {dtype!r}")
+            raise DefinitionTypeError(f"dtype must be a torch.dtype or float, int or bool, got {dtype!r}")
         return self.fusion.new_scalar(dtype)
 
     def add_output(self, tv: ir.TensorView) -> None:
@@ -164,19 +164,11 @@ class FusionDefinition:
         """Run the fusion on `inputs` and return its outputs. With
         `outputs`, write into those tensors (all or none) and return them.
         Keyword arguments are fields of ExecutorParams (number_of_streams,
-        evaluator, device). Runs without autograd: outputs never require
-        grad."""
+        evaluator, device, ...). Runs without autograd: outputs never
+        require grad (inputs that require grad get one warning)."""
         if self._state != "defined":
-            raise RuntimeError("execute the fusion after its `with FusionDefinition() as fd:` block")
-        if params is not None and kwargs:
-            raise TypeError("pass either params or keyword arguments, not both")
-        if params is None:
-            fields = {f.name for f in dataclasses.fields(ExecutorParams)}
-            unknown = sorted(set(kwargs) - fields)
-            if unknown:
-                raise TypeError(f"unknown execution parameters {unknown}; expected some of {sorted(fields)}")
-            params = ExecutorParams(**kwargs)
-        return self.executor.execute(inputs, outputs, params)
+            raise UsageError("execute the fusion after its `with FusionDefinition() as fd:` block")
+        return self.executor.execute(inputs, outputs, params, **kwargs)
 
     def host_ir(self) -> str:
         """The lowered host program, in the dump format."""
@@ -195,15 +187,15 @@ def shard_tensor(t: torch.Tensor, tv: ir.TensorView, rank: int | None = None) ->
     from hostir import communicator
 
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"shard_tensor takes a torch.Tensor, got {type(t).__name__}")
+        raise InputTypeError(f"shard_tensor takes a torch.Tensor, got {type(t).__name__}")
     if t.dim() != tv.logical_ndim:
-        raise ValueError(f"T{tv.name} has {tv.logical_ndim} axes but the tensor has shape {list(t.shape)}")
+        raise InputError(f"T{tv.name} has {tv.logical_ndim} axes but the tensor has shape {list(t.shape)}")
     if not tv.device_axes():
         return t
     mesh = tv.mesh
     if mesh is None:
-        raise ValueError(f"T{tv.name} has a mesh_x axis but no mesh; call set_device_mesh")
+        raise InputError(f"T{tv.name} has a mesh_x axis but no mesh; call set_device_mesh")
     rank = communicator.rank() if rank is None else rank
     if rank not in mesh:
-        raise ValueError(f"rank {rank} is not in {mesh!r}, which T{tv.name} lives on")
+        raise InputError(f"rank {rank} is not in {mesh!r}, which T{tv.name} lives on")
     return layout.shard(t, tv, mesh.x_index(rank), mesh.x_size)

@@ -18,6 +18,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from hostir.errors import DefinitionError, DefinitionIndexError, DefinitionTypeError
+
 
 class ParallelType(enum.Enum):
     """How the iterations of one axis are spread."""
@@ -92,7 +94,7 @@ class Scalar:
 
     def __init__(self, label: str | None = None, value: int | float | bool | None = None):
         if (label is None) == (value is None):
-            raise ValueError("a Scalar is either named or constant")
+            raise DefinitionError("a Scalar is either named or constant")
         self.label = label
         self.value = value
 
@@ -140,7 +142,7 @@ class ScalarExpr(Scalar):
 
     def __init__(self, op: str, lhs: Scalar, rhs: Scalar):
         if op not in self.OPS:
-            raise ValueError(f"unknown scalar op {op!r}")
+            raise DefinitionError(f"unknown scalar op {op!r}")
         self.label = None
         self.value = None
         self.op, self.lhs, self.rhs = op, lhs, rhs
@@ -160,7 +162,7 @@ class InputScalar(Scalar):
 
     def __init__(self, owner: IrContainer, dtype: torch.dtype):
         if dtype not in self.PREFIX:
-            raise TypeError(f"a scalar input is float64, int64 or bool, got {dtype}")
+            raise DefinitionTypeError(f"a scalar input is float64, int64 or bool, got {dtype}")
         super().__init__(label=f"{self.PREFIX[dtype]}{owner.next_name('scalar')}")
         self.dtype = dtype
 
@@ -205,24 +207,24 @@ class DeviceMesh:
         if isinstance(devices, range):
             devices = list(devices)
         if isinstance(devices, (list, tuple)) and not devices:
-            raise ValueError("a DeviceMesh needs at least one rank")
+            raise DefinitionError("a DeviceMesh needs at least one rank")
         try:
             t = torch.as_tensor(devices)
         except (TypeError, ValueError, RuntimeError) as e:
-            raise TypeError(f"DeviceMesh takes a list, range or tensor of ranks, got {devices!r}") from e
+            raise DefinitionTypeError(f"DeviceMesh takes a list, range or tensor of ranks, got {devices!r}") from e
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype is torch.bool:
-            raise TypeError(f"DeviceMesh ranks must be integers, got {t.dtype}")
+            raise DefinitionTypeError(f"DeviceMesh ranks must be integers, got {t.dtype}")
         if t.numel() == 0:
-            raise ValueError("a DeviceMesh needs at least one rank")
+            raise DefinitionError("a DeviceMesh needs at least one rank")
         if t.dim() == 0:
             t = t.reshape(1)
         flat = [int(r) for r in t.flatten().tolist()]
         bad = [r for r in flat if r < 0]
         if bad:
-            raise ValueError(f"DeviceMesh ranks must be >= 0, got {bad}")
+            raise DefinitionError(f"DeviceMesh ranks must be >= 0, got {bad}")
         dup = sorted({r for r in flat if flat.count(r) > 1})
         if dup:
-            raise ValueError(f"DeviceMesh ranks must be unique; {dup} appear more than once")
+            raise DefinitionError(f"DeviceMesh ranks must be unique; {dup} appear more than once")
         self.shape = tuple(t.shape)
         self.devices = tuple(flat)
 
@@ -251,7 +253,7 @@ class DeviceMesh:
         for team in self.teams():
             if rank in team:
                 return team
-        raise ValueError(f"rank {rank} is not in {self}")
+        raise DefinitionError(f"rank {rank} is not in {self}")
 
     def x_index(self, rank: int) -> int:
         """The position of `rank` along the last dimension: which shard it holds."""
@@ -261,7 +263,7 @@ class DeviceMesh:
         """`rank`'s piece of `t` cut into `x_size` equal chunks along `axis`."""
         n = self.x_size
         if t.shape[axis] % n:
-            raise ValueError(f"axis {axis}: extent {t.shape[axis]} not divisible by mesh size {n}")
+            raise DefinitionError(f"axis {axis}: extent {t.shape[axis]} not divisible by mesh size {n}")
         return t.chunk(n, axis)[self.x_index(rank)]
 
     def __eq__(self, other) -> bool:
@@ -323,9 +325,9 @@ class IterDomain:
     def parallelize(self, parallel_type: ParallelType) -> IterDomain:
         """Mark this axis `stream`, `mesh_x` or back to `serial`."""
         if not isinstance(parallel_type, ParallelType):
-            raise TypeError(f"parallelize takes a ParallelType, got {parallel_type!r}")
+            raise DefinitionTypeError(f"parallelize takes a ParallelType, got {parallel_type!r}")
         if self.leaves is not None:
-            raise ValueError(
+            raise DefinitionError(
                 f"{self!r} has been split; parallelize one of the axes it was split into"
             )
         self.parallel_type = parallel_type
@@ -363,7 +365,7 @@ class TensorView:
         logical: Sequence[IterDomain] | None = None,
     ):
         if dtype not in _DTYPE_NAMES:
-            raise TypeError(f"dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES)}")
+            raise DefinitionTypeError(f"dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES)}")
         self.owner = owner
         self.name = owner.next_name("tv") if name is None else name
         self.domain = list(domain)
@@ -393,7 +395,7 @@ class TensorView:
         included; after a split, the axes it made."""
         n = len(self.domain)
         if not isinstance(i, int) or not -n <= i < n:
-            raise IndexError(f"axis {i} is out of range for T{self.name}, which has {n} axes")
+            raise DefinitionIndexError(f"axis {i} is out of range for T{self.name}, which has {n} axes")
         return self.domain[i]
 
     def stream_axes(self) -> list[IterDomain]:
@@ -410,7 +412,7 @@ class TensorView:
     def set_device_mesh(self, mesh: DeviceMesh) -> TensorView:
         """Place this tensor on `mesh` (replicated until an axis is `mesh_x`)."""
         if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"set_device_mesh takes a DeviceMesh, got {type(mesh).__name__}")
+            raise DefinitionTypeError(f"set_device_mesh takes a DeviceMesh, got {type(mesh).__name__}")
         self.mesh = mesh
         self._bump()
         return self
@@ -428,13 +430,13 @@ class TensorView:
     def _split(self, axis: int, factor: int, outer: bool) -> TensorView:
         d = self.axis(axis)
         if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
-            raise ValueError(f"split factor must be an integer >= 1, got {factor!r}")
+            raise DefinitionError(f"split factor must be an integer >= 1, got {factor!r}")
         if d.is_broadcast:
-            raise ValueError(f"cannot split broadcast axis {d!r} of T{self.name}")
+            raise DefinitionError(f"cannot split broadcast axis {d!r} of T{self.name}")
         if d.parallel_type is not ParallelType.serial:
-            raise ValueError(f"split {d!r} of T{self.name} before parallelizing it")
+            raise DefinitionError(f"split {d!r} of T{self.name} before parallelizing it")
         if d.extent.is_constant and d.extent.value % factor:
-            raise ValueError(
+            raise DefinitionError(
                 f"axis {axis} of T{self.name}: extent {d.extent.value} not divisible by {factor}"
             )
         if d.extent.is_constant:
@@ -753,7 +755,7 @@ class HirAliasSelect(Expr):
 
     def __post_init__(self):
         if self.axis not in self.input.domain:
-            raise ValueError(f"select axis {self.axis} is not an axis of {self.input}")
+            raise DefinitionError(f"select axis {self.axis} is not an axis of {self.input}")
 
 
 @_op
@@ -837,13 +839,13 @@ class Communication(Expr):
 
     def __post_init__(self):
         if not self.team:
-            raise ValueError("a Communication needs a non-empty team")
+            raise DefinitionError("a Communication needs a non-empty team")
         if self.type.has_root != (self.root is not None):
-            raise ValueError(f"root {self.root} is not expected by {self.type.value}")
+            raise DefinitionError(f"root {self.root} is not expected by {self.type.value}")
         if self.root is not None and self.root not in self.team:
-            raise ValueError(f"root {self.root} is not in team {self.team}")
+            raise DefinitionError(f"root {self.root} is not in team {self.team}")
         if self.type.reduces != (self.red_op is not None):
-            raise ValueError(f"{self.type.value} {'needs' if self.type.reduces else 'takes no'} red_op")
+            raise DefinitionError(f"{self.type.value} {'needs' if self.type.reduces else 'takes no'} red_op")
 
     def id_pairs(self):
         if self.out.ndim == self.input.ndim:
@@ -866,7 +868,7 @@ class P2PCommunication(Expr):
 
     def __post_init__(self):
         if self.type not in ("send", "recv"):
-            raise ValueError(f"P2PCommunication type must be send or recv, got {self.type!r}")
+            raise DefinitionError(f"P2PCommunication type must be send or recv, got {self.type!r}")
 
 
 @_op
@@ -894,7 +896,7 @@ class Wait(Expr):
 
     def __post_init__(self):
         if not isinstance(self.communication, (Communication, P2PCommunication, EndCoalescing)):
-            raise TypeError(
+            raise DefinitionTypeError(
                 f"Wait takes a Communication, a P2PCommunication or an EndCoalescing, "
                 f"got {type(self.communication).__name__}"
             )
@@ -1021,7 +1023,7 @@ class Fusion(IrContainer):
         domain = []
         for i, size in enumerate(shape):
             if isinstance(size, bool) or not isinstance(size, int) or size < -1:
-                raise ValueError(f"shape[{i}] = {size!r}: use -1 for a symbolic extent or a size >= 0")
+                raise DefinitionError(f"shape[{i}] = {size!r}: use -1 for a symbolic extent or a size >= 0")
             if size == -1:
                 domain.append(IterDomain(self, Scalar.symbolic(self)))
             elif size == 1:
@@ -1046,9 +1048,9 @@ class Fusion(IrContainer):
     def add_output(self, tv: TensorView) -> None:
         self._check_owned(tv, "add_output")
         if tv in self.inputs:
-            raise ValueError(f"T{tv.name} is a fusion input; to return it, add_output(fd.ops.set(T{tv.name}))")
+            raise DefinitionError(f"T{tv.name} is a fusion input; to return it, add_output(fd.ops.set(T{tv.name}))")
         if tv in self.outputs:
-            raise ValueError(f"T{tv.name} is already an output")
+            raise DefinitionError(f"T{tv.name} is already an output")
         self.outputs.append(tv)
         self.bump_version()
 
@@ -1058,17 +1060,17 @@ class Fusion(IrContainer):
 
     def _check_owned(self, v, what: str) -> None:
         if not isinstance(v, TensorView):
-            raise TypeError(f"{what} takes a TensorView, got {type(v).__name__}")
+            raise DefinitionTypeError(f"{what} takes a TensorView, got {type(v).__name__}")
         if v.owner is not self:
-            raise ValueError(f"{what}: T{v.name} belongs to another fusion")
+            raise DefinitionError(f"{what}: T{v.name} belongs to another fusion")
 
 
 def _owner(*operands) -> Fusion:
     owners = {id(v.owner): v.owner for v in operands if isinstance(v, TensorView)}
     if not owners:
-        raise TypeError("an op needs at least one TensorView operand")
+        raise DefinitionTypeError("an op needs at least one TensorView operand")
     if len(owners) > 1:
-        raise ValueError("operands belong to different fusions")
+        raise DefinitionError("operands belong to different fusions")
     (fusion,) = owners.values()
     return fusion
 
@@ -1089,7 +1091,7 @@ def _as_operand(v) -> TensorView | Scalar:
         return v
     if isinstance(v, (bool, int, float)):
         return Scalar.constant(v)
-    raise TypeError(f"operand must be a TensorView or a Python number, got {type(v).__name__}")
+    raise DefinitionTypeError(f"operand must be a TensorView or a Python number, got {type(v).__name__}")
 
 
 def _probe(v):
@@ -1103,14 +1105,14 @@ def _probe(v):
 
 def binary(kind: str, lhs, rhs) -> TensorView:
     if kind not in BinaryOp.KINDS:
-        raise ValueError(f"unknown binary op {kind!r}; expected one of {list(BinaryOp.KINDS)}")
+        raise DefinitionError(f"unknown binary op {kind!r}; expected one of {list(BinaryOp.KINDS)}")
     lhs, rhs = _as_operand(lhs), _as_operand(rhs)
     fusion = _owner(lhs, rhs)
     tensors = [v for v in (lhs, rhs) if isinstance(v, TensorView)]
     ranks = {t.logical_ndim for t in tensors}
     if len(ranks) > 1:
         shapes = " and ".join(f"T{t.name} ({t.logical_ndim} axes)" for t in tensors)
-        raise ValueError(f"{kind}: operands must have the same number of axes, got {shapes}")
+        raise DefinitionError(f"{kind}: operands must have the same number of axes, got {shapes}")
     probe = [_probe(v) for v in (lhs, rhs)]
     if not isinstance(probe[0], torch.Tensor):
         probe[0] = torch.tensor(probe[0])
@@ -1121,7 +1123,7 @@ def binary(kind: str, lhs, rhs) -> TensorView:
         src = wide[0] if wide else axes[0]
         for d in wide[1:]:
             if d.extent.is_constant and src.extent.is_constant and d.extent.value != src.extent.value:
-                raise ValueError(f"{kind}: axis sizes {src.extent.value} and {d.extent.value} differ")
+                raise DefinitionError(f"{kind}: axis sizes {src.extent.value} and {d.extent.value} differ")
         domain.append(src.clone(fusion))
     out = TensorView(fusion, domain, dtype)
     return _emit(fusion, BinaryOp(out, kind, lhs, rhs))
@@ -1132,21 +1134,21 @@ def _normalize_dims(x: TensorView, dims, what: str) -> list[int]:
         dims = [dims]
     dims = list(dims)
     if not dims:
-        raise ValueError(f"{what}: give at least one axis to reduce")
+        raise DefinitionError(f"{what}: give at least one axis to reduce")
     n = x.logical_ndim
     norm = []
     for d in dims:
         if not isinstance(d, int) or not -n <= d < n:
-            raise IndexError(f"{what}: axis {d} is out of range for T{x.name}, which has {n} axes")
+            raise DefinitionIndexError(f"{what}: axis {d} is out of range for T{x.name}, which has {n} axes")
         norm.append(d % n)
     if len(set(norm)) != len(norm):
-        raise ValueError(f"{what}: axes {dims} repeat an axis")
+        raise DefinitionError(f"{what}: axes {dims} repeat an axis")
     return sorted(norm)
 
 
 def reduction(kind: str, x: TensorView, dims) -> TensorView:
     if kind not in ReductionOp.KINDS:
-        raise ValueError(f"unknown reduction {kind!r}; expected one of {list(ReductionOp.KINDS)}")
+        raise DefinitionError(f"unknown reduction {kind!r}; expected one of {list(ReductionOp.KINDS)}")
     fusion = _owner(x)
     reduced = _normalize_dims(x, dims, kind)
     dtype = x.dtype
@@ -1164,13 +1166,13 @@ def matmul(a: TensorView, b: TensorView) -> TensorView:
     fusion = _owner(a, b)
     for t in (a, b):
         if not isinstance(t, TensorView):
-            raise TypeError(f"matmul takes TensorViews, got {type(t).__name__}")
+            raise DefinitionTypeError(f"matmul takes TensorViews, got {type(t).__name__}")
         if t.logical_ndim < 2:
-            raise ValueError(f"matmul: T{t.name} must have at least 2 axes, got {t.logical_ndim}")
+            raise DefinitionError(f"matmul: T{t.name} must have at least 2 axes, got {t.logical_ndim}")
     if a.dtype != b.dtype:
-        raise TypeError(f"matmul: dtypes differ, T{a.name} is {a.dtype} and T{b.name} is {b.dtype}")
+        raise DefinitionTypeError(f"matmul: dtypes differ, T{a.name} is {a.dtype} and T{b.name} is {b.dtype}")
     if b.logical_ndim != 2 and b.logical_ndim != a.logical_ndim:
-        raise ValueError(
+        raise DefinitionError(
             f"matmul: T{b.name} must have 2 axes or as many as T{a.name} ({a.logical_ndim}), got {b.logical_ndim}"
         )
     ad, bd = a.logical_runtime(), b.logical_runtime()
@@ -1195,12 +1197,12 @@ def matmul(a: TensorView, b: TensorView) -> TensorView:
 def linear(x: TensorView, weight: TensorView, bias: TensorView | None = None) -> TensorView:
     fusion = _owner(x, weight, bias)
     if x.logical_ndim < 1 or weight.logical_ndim != 2:
-        raise ValueError(f"linear: weight T{weight.name} must have 2 axes [N, K], got {weight.logical_ndim}")
+        raise DefinitionError(f"linear: weight T{weight.name} must have 2 axes [N, K], got {weight.logical_ndim}")
     if bias is not None and bias.logical_ndim != 1:
-        raise ValueError(f"linear: bias T{bias.name} must have 1 axis [N], got {bias.logical_ndim}")
+        raise DefinitionError(f"linear: bias T{bias.name} must have 1 axis [N], got {bias.logical_ndim}")
     for t in (weight, bias):
         if t is not None and t.dtype != x.dtype:
-            raise TypeError(f"linear: T{t.name} is {t.dtype} but T{x.name} is {x.dtype}")
+            raise DefinitionTypeError(f"linear: T{t.name} is {t.dtype} but T{x.name} is {x.dtype}")
     xd, wd = x.logical_runtime(), weight.logical_runtime()
     _check_same_size(xd[-1], wd[1], "linear: K of input and weight")
     if bias is not None:
@@ -1215,4 +1217,4 @@ def linear(x: TensorView, weight: TensorView, bias: TensorView | None = None) ->
 
 def _check_same_size(a: IterDomain, b: IterDomain, what: str) -> None:
     if a.extent.is_constant and b.extent.is_constant and a.extent.value != b.extent.value:
-        raise ValueError(f"{what} differ: {a.extent.value} vs {b.extent.value}")
+        raise DefinitionError(f"{what} differ: {a.extent.value} vs {b.extent.value}")

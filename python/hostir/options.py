@@ -8,6 +8,9 @@
   communication     log every posted collective
 
 `HOSTIR_DUMP_RANKS` is `all` or a comma list of ranks that print (default 0).
+An unknown option in `HOSTIR_DUMP` is an error; in `NVFUSER_DUMP`, which a
+user of both nvFuser and hostir may set for nvFuser, it is ignored with one
+warning.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from __future__ import annotations
 import os
 import re
 import sys
+import warnings
+
+from hostir.errors import HostIrError
 
 DUMP_OPTIONS = {
     "host_ir": "print the lowered host program when it is first executed",
@@ -22,12 +28,13 @@ DUMP_OPTIONS = {
     "fusion_ir": "print the fusion before lowering",
     "communication": "log every posted collective",
 }
-DUMP_VARIABLES = ("HOSTIR_DUMP", "NVFUSER_DUMP")
 
 _NAME = re.compile(r"^[a-z_]+$")
 
 
-class OptionError(ValueError):
+class OptionError(HostIrError, ValueError):
+    """A dump option hostir does not know, or a malformed option list."""
+
     pass
 
 
@@ -51,11 +58,30 @@ def parse_dump(text: str, variable: str = "HOSTIR_DUMP") -> frozenset[str]:
 
 
 def dump_options(environ=None) -> frozenset[str]:
+    """The options chosen in HOSTIR_DUMP (strict: a bad one is an error)
+    and NVFUSER_DUMP (lenient: a user who has nvFuser too may set options
+    only nvFuser knows; those are ignored with one warning)."""
     env = os.environ if environ is None else environ
-    chosen: set[str] = set()
-    for var in DUMP_VARIABLES:
-        chosen |= parse_dump(env.get(var, ""), var)
+    chosen = set(parse_dump(env.get("HOSTIR_DUMP", ""), "HOSTIR_DUMP"))
+    text = env.get("NVFUSER_DUMP", "")
+    ignored = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if item in DUMP_OPTIONS:
+            chosen.add(item)
+        elif item:
+            ignored.append(item)
+    if ignored and text not in _warned_nvfuser:
+        _warned_nvfuser.add(text)
+        warnings.warn(
+            f"NVFUSER_DUMP={text!r}: hostir ignores {', '.join(map(repr, ignored))} (options it does not know; "
+            f"it reads {', '.join(DUMP_OPTIONS)})",
+            stacklevel=2,
+        )
     return frozenset(chosen)
+
+
+_warned_nvfuser: set[str] = set()
 
 
 def dump_ranks(environ=None) -> str | frozenset[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from hostir import ir
+from hostir.errors import DefinitionTypeError
 
 INDENT = "  "
 
@@ -57,7 +58,7 @@ def format_val(v) -> str:
         return format_stream(v)
     if isinstance(v, ir.IterDomain):
         return format_id(v)
-    raise TypeError(f"cannot print {type(v).__name__}")
+    raise DefinitionTypeError(f"cannot print {type(v).__name__}")
 
 
 def _assign(pad: str, out: ir.TensorView, rhs: str) -> list[str]:
@@ -68,7 +69,7 @@ def _lines(e: ir.Expr, pad: str) -> list[str]:
     """The dump lines of one expr (a loop prints its body too)."""
     fmt = _FORMATS.get(type(e))
     if fmt is None:
-        raise TypeError(f"no text format for {type(e).__name__}")
+        raise DefinitionTypeError(f"no text format for {type(e).__name__}")
     return fmt(e, pad)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from hostir.errors import UsageError
+
 
 class NullStreams:
     """Streams of a CPU run: every stream is `None` and waits are no-ops."""
@@ -37,7 +39,7 @@ class CudaStreams:
 
     def __init__(self, device: torch.device):
         if not torch.cuda.is_available():
-            raise RuntimeError("CUDA streams were requested but CUDA is unavailable")
+            raise UsageError("CUDA streams were requested but CUDA is unavailable")
         self.device = torch.device(device)
         self._pool: dict = {}
 

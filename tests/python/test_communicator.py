@@ -15,6 +15,7 @@ import torch.distributed as dist
 from hostir import communicator
 from hostir.communicator import (
     Communicator,
+    CommunicatorError,
     CommunicatorTimeout,
     LaunchError,
     LaunchInfo,
@@ -248,7 +249,7 @@ def test_single_process_runs_a_collective_on_a_one_rank_team(plain_process):
         t = torch.arange(3.0, device=comm.device)
         dist.all_reduce(t, group=comm.group((0,)))
         assert t.tolist() == [0.0, 1.0, 2.0]
-        assert comm.all_gather_object({"x": 1}) == [{"x": 1}]
+        assert comm.all_gather_words(torch.tensor([4, -5])).tolist() == [[4, -5]]
         comm.barrier()
     finally:
         comm.shutdown()
@@ -259,7 +260,7 @@ def test_communicator_is_recreated_after_shutdown(plain_process):
     Communicator(backend="gloo").shutdown()
     comm = Communicator(backend="gloo")
     try:
-        assert comm.all_gather_object(7) == [7]
+        assert comm.all_gather_words(torch.tensor([7])).tolist() == [[7]]
     finally:
         comm.shutdown()
 
@@ -269,14 +270,14 @@ def test_methods_after_shutdown_raise(plain_process):
     comm.shutdown()
     comm.shutdown()
     with pytest.raises(RuntimeError, match="the communicator has been shut down"):
-        comm.all_gather_object(1)
+        comm.all_gather_words(torch.tensor([1]))
     with pytest.raises(RuntimeError, match="the communicator has been shut down"):
         comm.ensure_groups([(0,)])
 
 
 def test_group_before_ensure_groups_names_the_team(plain_process):
     comm = Communicator(backend="gloo")
-    with pytest.raises(KeyError, match=r"team \(0,\): call ensure_groups"):
+    with pytest.raises(CommunicatorError, match=r"team \(0,\): call ensure_groups"):
         comm.group((0,))
 
 
@@ -407,14 +408,14 @@ if mode == "collectives":
     dist.all_reduce(reversed_team, group=comm.group((1, 0)))
     alone = torch.tensor([rank + 5.0])
     dist.all_reduce(alone, group=comm.group((rank,)))
-    gathered = comm.all_gather_object({"rank": rank})
+    gathered = comm.all_gather_words(torch.tensor([rank, 10 * rank])).tolist()
     reversed_rank = dist.get_rank(comm.group((1, 0)))
     comm.shutdown()
     again = Communicator(backend="gloo", timeout=timeout)
     again.ensure_groups([(0, 1)])
     second = torch.tensor([rank + 1.0])
     dist.all_reduce(second, group=again.group((0, 1)))
-    second_gathered = again.all_gather_object(rank)
+    second_gathered = again.all_gather_words(torch.tensor([rank])).tolist()
     again.shutdown()
     report(world=world.item(), reversed_team=reversed_team.item(), alone=alone.item(), gathered=gathered,
            reversed_rank=reversed_rank, group_rank=Communicator.group_rank((1, 0), rank),
@@ -428,7 +429,7 @@ elif mode == "skip":
     else:
         start = time.monotonic()
         try:
-            comm.all_gather_object("metadata")
+            comm.all_gather_words(torch.tensor([rank]))
             report(error=None)
         except Exception as exc:
             report(**error_fields(exc, start))
@@ -440,7 +441,7 @@ elif mode == "exit":
         os._exit(0)
     start = time.monotonic()
     try:
-        comm.all_gather_object("metadata")
+        comm.all_gather_words(torch.tensor([rank]))
         report(error=None)
     except Exception as exc:
         report(**error_fields(exc, start))
@@ -475,10 +476,10 @@ def test_two_processes_create_groups_and_reduce(tmp_path):
         assert report["world"] == 3.0
         assert report["reversed_team"] == 30.0
         assert report["alone"] == r.rank + 5.0
-        assert report["gathered"] == [{"rank": 0}, {"rank": 1}]
+        assert report["gathered"] == [[0, 0], [1, 10]]
         assert report["reversed_rank"] == report["group_rank"] == 1 - r.rank
         assert report["second"] == 3.0
-        assert report["second_gathered"] == [0, 1]
+        assert report["second_gathered"] == [[0], [1]]
 
 
 @pytest.mark.timeout(120)
@@ -487,7 +488,7 @@ def test_skipped_collective_times_out_instead_of_hanging(tmp_path):
     results, reports = _results(tmp_path, "skip", timeout)
     report = reports[0]
     assert report["error"] == "CommunicatorTimeout", report
-    assert re.search(rf"all_gather_object timed out after {timeout} s on rank 0", report["message"])
+    assert re.search(rf"agreement \(all-gather\) timed out after {timeout} s on rank 0", report["message"])
     assert "RuntimeError" in report["cause"]
     assert report["elapsed"] < timeout + 20
     # Shutting the timed-out group down at exit keeps the interpreter from aborting.
@@ -499,7 +500,7 @@ def test_exited_peer_ends_the_collective_in_an_error(tmp_path):
     timeout = 3
     results, reports = _results(tmp_path, "exit", timeout)
     assert reports[0]["error"] in ("PeerLostError", "CommunicatorTimeout"), reports[0]
-    assert "all_gather_object" in reports[0]["message"]
+    assert "agreement (all-gather)" in reports[0]["message"]
     assert reports[0]["elapsed"] < timeout + 20
 
 

@@ -3,6 +3,8 @@ lowering cache, and the dump options."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -193,7 +195,7 @@ def test_bad_preallocated_outputs(make, error, message):
 
 def test_output_sharing_memory_with_an_input():
     x, y = _inputs()
-    with pytest.raises(ValueError, match="shares memory with an input"):
+    with pytest.raises(ValueError, match=r"shares memory with input 0 \(T0\)"):
         _scaled_add().execute([x, y], outputs=[x])
 
 
@@ -223,9 +225,14 @@ def test_bad_input_is_caught_before_any_work():
 def test_inputs_requiring_grad_run_without_autograd():
     fd = _scaled_add()
     x, y = (t.requires_grad_() for t in _inputs())
-    (out,) = fd.execute([x, y])
+    with pytest.warns(UserWarning, match=r"inputs \[0, 1\] require grad, but fusions run without autograd") as seen:
+        (out,) = fd.execute([x, y])
+    assert seen[0].filename == __file__  # points at the caller's line
     assert not out.requires_grad
     torch.testing.assert_close(out, (x + 2 * y).detach())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fd.execute([x, y])  # once per fusion
 
 
 def test_non_contiguous_inputs(device):

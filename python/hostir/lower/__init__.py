@@ -11,9 +11,11 @@ printed under the pass's name. An error names the pass that raised it.
 
 from __future__ import annotations
 
+import hashlib
+
 from hostir import ir
 from hostir.container import HostIrContainer
-import hashlib
+from hostir.errors import HostIrError
 
 from hostir.lower.build_host_program import build_host_program
 from hostir.lower.insert_deallocations import insert_deallocations
@@ -36,7 +38,7 @@ RANK_PIPELINE = [
 ]
 
 
-class LoweringError(ValueError):
+class LoweringError(HostIrError, ValueError):
     """A fusion that cannot be lowered; the message names the pass."""
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from hostir import ir
 from hostir.container import HostIrContainer
+from hostir.errors import DefinitionError
 
 
 def build_host_program(fusion: ir.Fusion) -> HostIrContainer:
@@ -52,7 +53,7 @@ def build_host_program(fusion: ir.Fusion) -> HostIrContainer:
         if isinstance(e, ir.SHAPE_OPS):
             _check_unsharded(e)
         if len(e.outputs()) != 1:
-            raise ValueError(f"each op must have one output:\n{e!r}")
+            raise DefinitionError(f"each op must have one output:\n{e!r}")
         fields = {f: copy(getattr(e, f)) for f in e.INPUTS + e.OUTPUTS}
         container.push_back(e.replace(**fields))
     for tv in fusion.outputs:
@@ -63,7 +64,7 @@ def build_host_program(fusion: ir.Fusion) -> HostIrContainer:
 def _check_unsharded(e: ir.Expr) -> None:
     for v in e.inputs() + e.outputs():
         if isinstance(v, ir.TensorView) and v.device_axes():
-            raise ValueError(
+            raise DefinitionError(
                 f"permute, reshape, slice and select take and give tensors without mesh_x axes; "
                 f"T{v.name} has one (gather it first with a set):\n{e!r}"
             )

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 from hostir import ir, layout, printer
 from hostir.container import HostIrContainer
+from hostir.errors import HostIrError
 from hostir.lower.propagate_shardings import is_resharding
 
 Type = ir.CommunicationType
 
 
-class CommunicationLoweringError(ValueError):
+class CommunicationLoweringError(HostIrError, ValueError):
     pass
 
 

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 from hostir import ir, layout, printer
 from hostir.container import HostIrContainer
+from hostir.errors import HostIrError
 
 
-class StreamParallelError(ValueError):
+class StreamParallelError(HostIrError, ValueError):
     pass
 
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from hostir import ir, printer
 from hostir.container import HostIrContainer
+from hostir.errors import HostIrError
 
 
-class ShardingError(ValueError):
+class ShardingError(HostIrError, ValueError):
     pass
 
 

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 from hostir import ir, printer
 from hostir.container import HostIrContainer
+from hostir.errors import HostIrError
 
 
-class StreamPropagationError(ValueError):
-    pass
+class StreamPropagationError(HostIrError, ValueError):
+    """A stream split that cannot be replayed on a tensor."""
 
 
 def propagate_stream_axes(container: HostIrContainer) -> HostIrContainer:

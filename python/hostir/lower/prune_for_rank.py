@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from hostir import ir
 from hostir.container import HostIrContainer
+from hostir.errors import DefinitionError
 
 _STREAM_OPS = (ir.GetCurrentStream, ir.SetCurrentStream, ir.Synchronize)
 
@@ -23,7 +24,7 @@ _STREAM_OPS = (ir.GetCurrentStream, ir.SetCurrentStream, ir.Synchronize)
 def prune_for_rank(container: HostIrContainer) -> HostIrContainer:
     rank = container.rank
     if rank is None:
-        raise ValueError("prune_for_rank needs the container's rank")
+        raise DefinitionError("prune_for_rank needs the container's rank")
     result = container.derive()
     for e in _prune(container.exprs, rank, kept=set()):
         result.push_back(e)

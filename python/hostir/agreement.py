@@ -1,0 +1,255 @@
+"""What ranks tell each other before a multi-device run, in a fixed binary layout.
+
+Before each run of a multi-device program every rank offers the same record:
+which fusion it is running and which call of that fusion this is, the digest
+of the program it lowered, its inputs' dtypes and shapes, whether it still
+lacks a process group of the program, and the error its local checks raised,
+if any. The records are int64 tensors of one fixed size, gathered with one
+all-gather on the communicator's gloo control group: no pickle (a peer can
+never make this rank unpickle arbitrary data), no numpy, one small
+collective. `check` then raises the same `RankMismatchError` on every rank if
+any rank failed, is at another call, lowered another program or holds inputs
+of other shapes — before any collective of the program.
+
+Layout (version 1; every field an int64 word):
+
+    0       magic and layout version (`MAGIC`)
+    1       sender's rank
+    2       fusion number (the order in which fusions first ran multi-device)
+    3       call number of that fusion on this rank (0, 1, ...)
+    4       flags: has program, needs groups, failed, message cut, inputs cut
+    5..8    program digest (SHA-256, 32 bytes)
+    9..12   inputs digest (SHA-256 of every input's dtype and shape)
+    13      number of inputs
+    14..    per input, for the first MAX_INPUTS: dtype code, ndim, then
+            MAX_DIMS sizes (-1 past ndim; ndim -1 for a value that is not
+            a tensor)
+    then    message length in bytes, then MESSAGE_BYTES of UTF-8 text
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+
+from hostir.errors import HostIrError
+
+VERSION = 1
+MAGIC = 0x4849_5241_0000_0000 | VERSION  # "HIRA" and the layout version
+MAX_INPUTS = 16
+MAX_DIMS = 8
+MESSAGE_BYTES = 1024
+
+_HAS_PROGRAM, _NEEDS_GROUPS, _FAILED, _MESSAGE_CUT, _INPUTS_CUT = 1, 2, 4, 8, 16
+_INPUT_WORDS = 2 + MAX_DIMS
+_INPUTS_AT = 14
+_MESSAGE_AT = _INPUTS_AT + MAX_INPUTS * _INPUT_WORDS
+WORDS = _MESSAGE_AT + 1 + MESSAGE_BYTES // 8
+
+# Codes of the dtypes a record names; any other is OTHER_DTYPE (the inputs
+# digest still tells them apart).
+DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+    torch.complex64, torch.complex128,
+)  # fmt: skip
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
+OTHER_DTYPE = 255
+
+
+class RankMismatchError(HostIrError, ValueError):
+    """Ranks disagree on the call, the program or its inputs, or one rank
+    rejected its inputs; raised on every rank, before any collective of the
+    program."""
+
+
+@dataclasses.dataclass
+class Offer:
+    """One rank's record. `inputs` holds (dtype, shape) per input, or
+    (None, None) for a value that is not a tensor."""
+
+    fusion: int
+    call: int
+    digest: str | None
+    inputs: list[tuple[torch.dtype | None, list[int] | None]]
+    error: str | None = None
+    needs_groups: bool = False
+    rank: int = 0
+
+
+@dataclasses.dataclass
+class Record:
+    """A decoded record: what `check` compares. Input entries past
+    MAX_INPUTS are known only through `inputs_digest`."""
+
+    version: int
+    rank: int
+    fusion: int
+    call: int
+    digest: bytes | None
+    inputs_digest: bytes
+    inputs: list[tuple[int, list[int] | None]]
+    inputs_cut: bool
+    error: str | None
+    needs_groups: bool
+
+
+def input_signature(inputs) -> list[tuple[torch.dtype | None, list[int] | None]]:
+    """What ranks compare of their inputs: dtype and shape (local pieces have
+    the same shape on every rank: shards are even)."""
+    if not isinstance(inputs, (list, tuple)):
+        return [(None, None)]
+    return [(t.dtype, list(t.shape)) if isinstance(t, torch.Tensor) else (None, None) for t in inputs]
+
+
+def _digest_words(data: bytes) -> list[int]:
+    return [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
+
+
+def _bytes_of(words: list[int]) -> bytes:
+    return b"".join(w.to_bytes(8, "little", signed=True) for w in words)
+
+
+def _inputs_digest(inputs) -> bytes:
+    text = ";".join("-" if dtype is None else f"{dtype}{shape}" for dtype, shape in inputs)
+    return hashlib.sha256(text.encode()).digest()
+
+
+def encode(offer: Offer) -> torch.Tensor:
+    """`offer` as a tensor of WORDS int64."""
+    words = [0] * WORDS
+    flags = 0
+    words[0], words[1], words[2], words[3] = MAGIC, offer.rank, offer.fusion, offer.call
+    if offer.digest is not None:
+        flags |= _HAS_PROGRAM
+        words[5:9] = _digest_words(bytes.fromhex(offer.digest)[:32].ljust(32, b"\0"))
+    if offer.needs_groups:
+        flags |= _NEEDS_GROUPS
+    words[9:13] = _digest_words(_inputs_digest(offer.inputs))
+    words[13] = len(offer.inputs)
+    if len(offer.inputs) > MAX_INPUTS:
+        flags |= _INPUTS_CUT
+    for i, (dtype, shape) in enumerate(offer.inputs[:MAX_INPUTS]):
+        at = _INPUTS_AT + i * _INPUT_WORDS
+        if dtype is None:
+            words[at : at + _INPUT_WORDS] = [OTHER_DTYPE, -1] + [-1] * MAX_DIMS
+            continue
+        if len(shape) > MAX_DIMS:
+            flags |= _INPUTS_CUT
+        sizes = shape[:MAX_DIMS]
+        words[at] = _DTYPE_CODE.get(dtype, OTHER_DTYPE)
+        words[at + 1] = len(shape)
+        words[at + 2 : at + 2 + len(sizes)] = sizes
+        words[at + 2 + len(sizes) : at + _INPUT_WORDS] = [-1] * (MAX_DIMS - len(sizes))
+    if offer.error is not None:
+        flags |= _FAILED
+        text = offer.error.encode("utf-8", errors="replace")
+        if len(text) > MESSAGE_BYTES:
+            flags |= _MESSAGE_CUT
+            text = text[:MESSAGE_BYTES].decode("utf-8", errors="ignore").encode()
+        words[_MESSAGE_AT] = len(text)
+        padded = text.ljust(-(-len(text) // 8) * 8, b"\0")
+        words[_MESSAGE_AT + 1 : _MESSAGE_AT + 1 + len(padded) // 8] = [
+            int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, len(padded), 8)
+        ]
+    words[4] = flags
+    return torch.tensor(words, dtype=torch.int64)
+
+
+def decode(words: list[int]) -> Record:
+    """A record from the WORDS int64 values of one rank."""
+    flags = words[4]
+    inputs = []
+    for i in range(min(words[13], MAX_INPUTS)):
+        at = _INPUTS_AT + i * _INPUT_WORDS
+        code, ndim = words[at], words[at + 1]
+        inputs.append((code, None if ndim < 0 else words[at + 2 : at + 2 + min(ndim, MAX_DIMS)]))
+    error = None
+    if flags & _FAILED:
+        length = max(0, min(words[_MESSAGE_AT], MESSAGE_BYTES))
+        raw = _bytes_of(words[_MESSAGE_AT + 1 : _MESSAGE_AT + 1 + -(-length // 8)])[:length]
+        error = raw.decode("utf-8", errors="replace") + (" [...]" if flags & _MESSAGE_CUT else "")
+    return Record(
+        version=words[0] - (MAGIC - VERSION) if words[0] >> 32 == MAGIC >> 32 else -1,
+        rank=words[1],
+        fusion=words[2],
+        call=words[3],
+        digest=_bytes_of(words[5:9]) if flags & _HAS_PROGRAM else None,
+        inputs_digest=_bytes_of(words[9:13]),
+        inputs=inputs,
+        inputs_cut=bool(flags & _INPUTS_CUT) or words[13] > MAX_INPUTS,
+        error=error,
+        needs_groups=bool(flags & _NEEDS_GROUPS),
+    )
+
+
+def exchange(comm, offer: Offer) -> list[Record]:
+    """Every rank's record, in rank order: one all-gather on the control group."""
+    rows = comm.all_gather_words(encode(offer)).tolist()
+    return [decode(row) for row in rows]
+
+
+def _dtype_name(code: int) -> str:
+    return str(DTYPES[code]).removeprefix("torch.") if 0 <= code < len(DTYPES) else "another dtype"
+
+
+def _describe_input(entry) -> str:
+    code, shape = entry
+    if shape is None:
+        return "a value that is not a tensor"
+    return f"shape {shape} and dtype {_dtype_name(code)}"
+
+
+def check(records: list[Record], cause: BaseException | None = None) -> bool:
+    """Raise `RankMismatchError` unless every rank is at the same call of the
+    same fusion, passed its local checks, lowered the same program and holds
+    inputs of the same shapes and dtypes; else return whether any rank lacks
+    a process group of the program (then all create them together)."""
+    ref = records[0]
+    for r, rec in enumerate(records):
+        if rec.version != VERSION:
+            raise RankMismatchError(
+                f"rank {r} sent an agreement record of layout {rec.version if rec.version >= 0 else 'unknown'} "
+                f"but this rank reads layout {VERSION}: every rank must run the same hostir version"
+            )
+    calls = [(rec.fusion, rec.call) for rec in records]
+    if any(c != calls[0] for c in calls):
+        where = ", ".join(f"rank {r} at call {c} of fusion {f}" for r, (f, c) in enumerate(calls))
+        raise RankMismatchError(
+            f"the ranks are out of step: {where}. A rank skipped or repeated an execute: every rank "
+            f"must call execute on the same fusions in the same order (fusions are numbered in the "
+            f"order they first ran, calls from 0)"
+        )
+    failed = [r for r, rec in enumerate(records) if rec.error is not None]
+    if failed:
+        r = failed[0]
+        others = f" (ranks {', '.join(map(str, failed))} failed)" if len(failed) > 1 else ""
+        raise RankMismatchError(
+            f"rank {r} failed before the program ran{others}: {records[r].error}"
+        ) from cause
+    for r, rec in enumerate(records[1:], start=1):
+        if rec.digest != ref.digest:
+            raise RankMismatchError(
+                f"the host program differs across ranks: rank {r} lowered program {_short(rec.digest)} "
+                f"but rank 0 lowered {_short(ref.digest)}; every rank must define and schedule the same "
+                f"fusion (print it with HOSTIR_DUMP=host_ir HOSTIR_DUMP_RANKS=all)"
+            )
+        if rec.inputs_digest == ref.inputs_digest:
+            continue
+        for i, (a, b) in enumerate(zip(rec.inputs, ref.inputs)):
+            if a != b:
+                raise RankMismatchError(
+                    f"inputs differ across ranks: rank {r} input {i} has {_describe_input(a)}, "
+                    f"but rank 0 input {i} has {_describe_input(b)}"
+                )
+        raise RankMismatchError(
+            f"inputs differ across ranks: rank {r}'s inputs differ from rank 0's in number, or beyond the "
+            f"first {MAX_INPUTS} inputs or {MAX_DIMS} dims"
+        )
+    return any(rec.needs_groups for rec in records)
+
+
+def _short(digest: bytes | None) -> str:
+    return "(none: it failed to lower)" if digest is None else digest.hex()[:12]
