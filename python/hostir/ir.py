@@ -138,6 +138,7 @@ class ScalarExpr(Scalar):
         "+": lambda a, b: a + b,
         "-": lambda a, b: a - b,
         "/": lambda a, b: a // b,
+        "ceilDiv": lambda a, b: -(-a // b),
     }
 
     def __init__(self, op: str, lhs: Scalar, rhs: Scalar):
@@ -418,13 +419,13 @@ class TensorView:
         return self
 
     def outer_split(self, axis: int, factor: int) -> TensorView:
-        """Replace loop axis `axis` (extent e) by [factor, e / factor]: the
+        """Replace loop axis `axis` (extent e) by [factor, ceilDiv(e, factor)]: the
         outer axis can then be `mesh_x` (each rank holds e / factor) or
         `stream`."""
         return self._split(axis, factor, outer=True)
 
     def split(self, axis: int, factor: int) -> TensorView:
-        """Replace loop axis `axis` (extent e) by [e / factor, factor]."""
+        """Replace loop axis `axis` (extent e) by [ceilDiv(e, factor), factor]."""
         return self._split(axis, factor, outer=False)
 
     def _split(self, axis: int, factor: int, outer: bool) -> TensorView:
@@ -442,7 +443,9 @@ class TensorView:
         if d.extent.is_constant:
             rest = Scalar.constant(d.extent.value // factor)
         else:
-            rest = ScalarExpr("/", d.extent, Scalar.constant(factor))
+            # nvFuser's split: ceilDiv, so a stream split of an extent the
+            # factor does not divide has a ragged last chunk.
+            rest = ScalarExpr("ceilDiv", d.extent, Scalar.constant(factor))
         f = Scalar.constant(factor)
         outer_ext, inner_ext = (f, rest) if outer else (rest, f)
         root = d.parent or d

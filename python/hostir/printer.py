@@ -18,6 +18,8 @@ INDENT = "  "
 
 def format_scalar(s: ir.Scalar) -> str:
     if isinstance(s, ir.ScalarExpr):
+        if s.op == "ceilDiv":
+            return f"( ceilDiv({format_scalar(s.lhs)}, {format_scalar(s.rhs)}) )"
         return f"( {format_scalar(s.lhs)} {s.op} {format_scalar(s.rhs)} )"
     if s.label is not None:
         return s.label

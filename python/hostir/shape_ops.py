@@ -116,7 +116,7 @@ def slice_(x: ir.TensorView, starts: Sequence[int], stops: Sequence, steps: Sequ
             # ceilDiv(extent - start, step) rows, from the run's extent.
             extent = d.extent - start if start else d.extent
             if step > 1:
-                extent = ir.ScalarExpr("/", extent + (step - 1), ir.Scalar.constant(step))
+                extent = ir.ScalarExpr("ceilDiv", extent, ir.Scalar.constant(step))
             domain.append(ir.IterDomain(fusion, extent))
         ranges.append(rng)
     out = ir.TensorView(fusion, domain, x.dtype)

@@ -20,9 +20,9 @@ Postcondition, in two steps (nvFuser's sharding propagation, for the
    split the same way (no parallel type), so that the stream loop can cut
    the operand into the same chunks.
 
-    T1 = Set( T0 )  T1 scheduled [iStreamIdx3{2}, iS4{( i0 / 2 )}, iS2{i1}]
+    T1 = Set( T0 )  T1 scheduled [iStreamIdx3{2}, iS4{( ceilDiv(i0, 2) )}, iS2{i1}]
     T2 = Set( T1 )  T2 unscheduled [iS5{i0}, iS6{i1}]
-    ->  T0 [iS7{2}, iS8{( i0 / 2 )}, iS1{i1}], T2 [iStreamIdx9{2}, iS10{( i0 / 2 )}, iS6{i1}]
+    ->  T0 [iS7{2}, iS8{( ceilDiv(i0, 2) )}, iS1{i1}], T2 [iStreamIdx9{2}, iS10{( ceilDiv(i0, 2) )}, iS6{i1}]
 """
 
 from __future__ import annotations
