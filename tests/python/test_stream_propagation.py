@@ -192,6 +192,20 @@ def test_stream_on_the_inner_piece_of_a_split_is_an_error():
         fd.host_ir()
 
 
+def test_operand_split_another_way_is_an_error():
+    """The streamed rows come in 2 chunks but the operand is split in 3:
+    refused when lowering, never a wrong or crashing chunk."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.set(x)
+        fd.add_output(y)
+    x.outer_split(0, 3)
+    y.outer_split(0, 2)
+    y.axis(0).parallelize(STREAM)
+    with pytest.raises(LoweringError, match=r"T0_g_float.* is split differently from the stream axis"):
+        fd.host_ir()
+
+
 def test_propagation_leaves_the_users_fusion_unchanged():
     fd, _, _ = _define(forward_to_consumer)
     before = repr(fd)

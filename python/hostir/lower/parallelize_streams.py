@@ -151,9 +151,28 @@ class _Slicer:
                 raise StreamParallelError(str(err)) from err
         return axes[0] if axes else None
 
+    def _check_split_alike(self, e: ir.Expr, loop: ir.ForLoop) -> None:
+        """An operand axis that iterates with a streamed split axis must be
+        split alike, or the loop would hand the op the whole operand."""
+        (out,) = e.outputs()
+        axis = self.mapped_axis(out, loop)
+        if axis is None or axis.parent is None:
+            return
+        for o, i in e.id_pairs():
+            if o is not axis.parent or i.is_broadcast:
+                continue
+            for tv in e.inputs():
+                if isinstance(tv, ir.TensorView) and i in tv.logical and self.mapped_axis(tv, loop) is None:
+                    raise StreamParallelError(
+                        f"{printer.format_tv(tv)} is split differently from the stream axis "
+                        f"{printer.format_id(axis)} it iterates with, so a chunk of it cannot be cut; "
+                        f"split both alike:\n{printer.format_expr_head(e)}"
+                    )
+
     def slice_body(self, loop: ir.ForLoop) -> list[ir.Expr]:
         body: list[ir.Expr] = []
         for e in loop.body:
+            self._check_split_alike(e, loop)
             changes = {}
             for field in e.INPUTS + e.OUTPUTS:
                 tv = getattr(e, field)
