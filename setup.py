@@ -12,5 +12,7 @@ setup(
     install_requires=["torch>=2.11"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+        # tools/bench_overlap.py plots its M sweep when matplotlib is there.
+        "bench": ["matplotlib>=3.7"],
     },
 )

@@ -21,6 +21,23 @@ one run on the same tensors:
 * ``symm_mem``: ``torch.ops.symm_mem.fused_all_gather_matmul`` (PyTorch's
   symmetric-memory op, which pulls peer shards with the copy engine), where
   this torch has it; a failure is recorded, not fatal.
+* ``hostir_<decomposition>`` and ``..._replay``: the canonical overlapped
+  program (``hostir.overlap.allgather_matmul``: the device axis walked as the
+  stream axis) under each forced schedule — ring over NCCL P2P, ring over the
+  copy-engine ``cuda`` transport (1 and 2 chunks per peer, both directions),
+  collective (a broadcast per rank), sequential — and the machine model's own
+  choice (``auto``); ``_replay`` is the same captured in CUDA graphs
+  (``hostir.graphs.capture``) and replayed.
+
+``--problem rs`` measures matmul + reduce-scatter instead (``--m`` is then the
+total rows M, ``--k`` the K of each rank, output ``[M/D, N]`` per rank):
+``gemm_alone`` (the local partial), ``reduce_scatter_alone``, ``sequential``
+(matmul, then ``reduce_scatter_tensor``), ``nccl_pipeline_S``, ``symm_mem``
+(``fused_matmul_reduce_scatter``) and the same ``hostir_*`` variants on
+``hostir.overlap.matmul_reduce_scatter``. ``--sweep M1,M2,...`` (total rows)
+runs the AG+matmul baselines and hostir's auto and ring variants at each M and
+writes ``bench_overlap_<tag>_sweep.{md,json}`` and, where matplotlib is
+installed, a PNG plot of ms and speedup over sequential per variant.
 
 How it is timed: before every iteration each rank synchronizes its GPU and
 all ranks meet at a barrier, so they start together; CUDA events around the
@@ -91,8 +108,9 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
     import hostir
-from hostir import DeviceMesh, FusionDefinition, ParallelType
+from hostir import DeviceMesh, FusionDefinition, ParallelType, overlap
 from hostir import communicator as hostir_communicator
+from hostir import graphs as hostir_graphs
 
 DEFAULT_OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks", "results")
 HOSTIR_STREAMS = (1, 2, 4, 8)
@@ -123,7 +141,15 @@ class Context:
     shard: torch.Tensor  # [M, K], this rank's rows of x_full (own storage)
     w: torch.Tensor  # [K, N]
     ctl: dist.ProcessGroup | None = None  # gloo group for barriers and metadata
-    ref: torch.Tensor | None = None  # [D*M, N], the sequential result
+    ref: torch.Tensor | None = None  # [D*M, N], the sequential result ([M/D, N] for rs)
+    problem: str = "ag"
+    # matmul + reduce-scatter: this rank's a [M, K] and b [K, N] (K its own
+    # columns), hostir's views of them, and the local partial.
+    rs_a_local: torch.Tensor | None = None
+    rs_b_local: torch.Tensor | None = None
+    rs_a: torch.Tensor | None = None
+    rs_b: torch.Tensor | None = None
+    rs_partial: torch.Tensor | None = None
 
     @property
     def tolerances(self) -> dict:
@@ -321,15 +347,175 @@ def setup_symm_mem(ctx: Context):
     return call, (lambda: ctx.ref)
 
 
-def symm_mem_available() -> str | None:
+def symm_mem_available(op: str = "fused_all_gather_matmul") -> str | None:
     """None if torch has the fused op, else why not."""
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
     except Exception as exc:
         return f"torch.distributed._symmetric_memory unavailable: {exc}"
-    if not hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
-        return "torch.ops.symm_mem.fused_all_gather_matmul does not exist in this torch"
+    if not hasattr(torch.ops.symm_mem, op):
+        return f"torch.ops.symm_mem.{op} does not exist in this torch"
     return None
+
+
+# (variant suffix, forced schedule; None: the machine model's choice)
+DECOMPOSITIONS = (
+    ("ring_nccl", "ring"),
+    ("ring_cuda", "ring:transport=cuda"),
+    ("ring_cuda_c2", "ring:transport=cuda,chunks=2"),
+    ("ring_cuda_reverse", "ring:transport=cuda,direction=-1"),
+    ("collective", "collective"),
+    ("sequential", "sequential"),
+    ("auto", None),
+)
+
+
+def decomposition_kwargs(ctx: Context, sched: str | None) -> dict:
+    kwargs = hostir_kwargs(ctx, 2)
+    if sched is not None:
+        kwargs["schedule"] = sched
+    return kwargs
+
+
+def schedule_note(fd) -> str:
+    """The decomposition the lowered program follows (its loop head)."""
+    for program in fd.executor._programs.values():
+        for line in str(program.container).splitlines():
+            if "schedule=(" in line:
+                return line[line.index("schedule=(") :].strip()[:160]
+            if "(ring," in line or "(collective," in line:
+                return line.strip()[:160]
+    return ""
+
+
+def setup_decomposition(sched: str | None, replay: bool) -> Setup:
+    def setup(ctx: Context):
+        if ctx.problem == "rs":
+            fd = overlap.matmul_reduce_scatter(ctx.world, ctx.dtype)
+            inputs = [ctx.rs_a, ctx.rs_b]
+            expected = lambda: ctx.ref.view(1, *ctx.ref.shape)  # noqa: E731
+        else:
+            fd = overlap.allgather_matmul(ctx.world, ctx.dtype)
+            inputs = [ctx.shard.view(1, ctx.m, ctx.k), ctx.w]
+            expected = lambda: ctx.ref.view(ctx.world, ctx.m, ctx.n)  # noqa: E731
+        kwargs = decomposition_kwargs(ctx, sched)
+        if replay:
+            run = hostir_graphs.capture(fd, inputs, **kwargs)
+
+            def call():
+                return run()[0]
+
+        else:
+            out = [None]
+
+            def call():
+                out[0] = fd.execute(inputs, **kwargs)[0]
+                return out[0]
+
+        call.note = lambda: schedule_note(fd)  # type: ignore[attr-defined]
+        return call, expected
+
+    return setup
+
+
+# ---------------------------------------------------------------- matmul + reduce-scatter
+
+
+def setup_rs_gemm_alone(ctx: Context):
+    part = nan_buffer(ctx, ctx.m, ctx.n)
+    return (lambda: torch.matmul(ctx.rs_a_local, ctx.rs_b_local, out=part)), (lambda: ctx.rs_partial)
+
+
+def setup_rs_alone(ctx: Context):
+    out = nan_buffer(ctx, ctx.m // ctx.world, ctx.n)
+
+    def call():
+        dist.reduce_scatter_tensor(out, ctx.rs_partial)
+        return out
+
+    return call, (lambda: ctx.ref)
+
+
+def make_rs_sequential(ctx: Context):
+    part = nan_buffer(ctx, ctx.m, ctx.n)
+    out = nan_buffer(ctx, ctx.m // ctx.world, ctx.n)
+
+    def call():
+        torch.matmul(ctx.rs_a_local, ctx.rs_b_local, out=part)
+        dist.reduce_scatter_tensor(out, part)
+        return out
+
+    return call
+
+
+def setup_rs_sequential(ctx: Context):
+    return make_rs_sequential(ctx), (lambda: ctx.ref)
+
+
+def setup_rs_nccl_pipeline(streams: int) -> Setup:
+    def setup(ctx: Context):
+        D, rows = ctx.world, ctx.m // ctx.world // streams
+        # Chunk i: rows i of every destination's block, so each chunk's
+        # reduce-scatter delivers rows i of this rank's output.
+        a_chunks = ctx.rs_a_local.view(D, streams, rows, -1)
+        parts = [nan_buffer(ctx, D, rows, ctx.n) for _ in range(streams)]
+        out = nan_buffer(ctx, streams, rows, ctx.n)
+        workers = [torch.cuda.Stream(ctx.device) for _ in range(streams)]
+
+        def call():
+            caller = torch.cuda.current_stream(ctx.device)
+            for i in range(streams):
+                workers[i].wait_stream(caller)
+                with torch.cuda.stream(workers[i]):
+                    torch.matmul(a_chunks[:, i], ctx.rs_b_local, out=parts[i])
+                    dist.reduce_scatter_tensor(out[i], parts[i].view(D * rows, ctx.n))
+            for worker in workers:
+                caller.wait_stream(worker)
+            return out.view(streams * rows, ctx.n)
+
+        return call, (lambda: ctx.ref)
+
+    return setup
+
+
+def setup_rs_symm_mem(ctx: Context):
+    import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
+
+    group_name = dist.group.WORLD.group_name
+    op = torch.ops.symm_mem.fused_matmul_reduce_scatter
+
+    def call():
+        return op(ctx.rs_a_local, ctx.rs_b_local, "sum", scatter_dim=0, group_name=group_name)
+
+    return call, (lambda: ctx.ref)
+
+
+def rs_variants(ctx: Context) -> list[Variant]:
+    out = [
+        Variant("gemm_alone", setup_rs_gemm_alone),
+        Variant("reduce_scatter_alone", setup_rs_alone),
+        Variant("sequential", setup_rs_sequential),
+    ]
+    for s in PIPELINE_STREAMS:
+        skip = "--cpu: CUDA streams and NCCL only" if ctx.cpu else None
+        if skip is None and (ctx.m // ctx.world) % s:
+            skip = f"M/D={ctx.m // ctx.world} not divisible by S={s}"
+        out.append(Variant(f"nccl_pipeline_{s}", setup_rs_nccl_pipeline(s), skip))
+    out += decomposition_variants(ctx)
+    skip = "--cpu: needs CUDA" if ctx.cpu else symm_mem_available("fused_matmul_reduce_scatter")
+    out.append(Variant("symm_mem", setup_rs_symm_mem, skip, optional=True))
+    return out
+
+
+def decomposition_variants(ctx: Context, names=None) -> list[Variant]:
+    out = []
+    for name, sched in DECOMPOSITIONS:
+        if names is not None and name not in names:
+            continue
+        out.append(Variant(f"hostir_{name}", setup_decomposition(sched, replay=False)))
+        skip = "--cpu: CUDA graphs need CUDA" if ctx.cpu else None
+        out.append(Variant(f"hostir_{name}_replay", setup_decomposition(sched, replay=True), skip))
+    return out
 
 
 @dataclasses.dataclass
@@ -340,8 +526,9 @@ class Variant:
     optional: bool = False  # a failure here does not fail the run
 
 
-def variants(ctx: Context) -> list[Variant]:
-    """In table order. hostir_1 runs first in fact (see main)."""
+def variants(ctx: Context, names=None) -> list[Variant]:
+    """In table order. hostir_1 runs first in fact (see main). `names`
+    limits the hostir decompositions (the sweep runs a few)."""
     out = [
         Variant("gemm_alone", setup_gemm_alone),
         Variant("allgather_alone", setup_allgather_alone),
@@ -355,6 +542,7 @@ def variants(ctx: Context) -> list[Variant]:
     for s in HOSTIR_STREAMS:
         skip = f"M={ctx.m} not divisible by S={s}" if ctx.m % s else None
         out.append(Variant(f"hostir_{s}", setup_hostir(s), skip))
+    out += decomposition_variants(ctx, names)
     skip = "--cpu: needs CUDA" if ctx.cpu else symm_mem_available()
     out.append(Variant("symm_mem", setup_symm_mem, skip, optional=True))
     return out
@@ -444,6 +632,8 @@ def run_variant(ctx: Context, v: Variant, args) -> Result:
         out = call()
         mine["match"], mine["err"], mine["note"] = check(ctx, out, expected(), exact=v.name == "allgather_alone")
         del out
+        if not mine["note"] and hasattr(call, "note"):
+            mine["note"] = call.note()
     except Exception as exc:
         mine["error"] = _error_text(exc)
         if os.environ.get("BENCH_TRACEBACK"):
@@ -486,7 +676,8 @@ def run_variant(ctx: Context, v: Variant, args) -> Result:
 def derived(results: list[Result]) -> dict[str, dict]:
     """Speedup over sequential, ratio to gemm_alone, overlap efficiency."""
     by_name = {r.name: r.median_ms for r in results if r.median_ms is not None}
-    t_seq, t_gemm, t_ag = by_name.get("sequential"), by_name.get("gemm_alone"), by_name.get("allgather_alone")
+    t_seq, t_gemm = by_name.get("sequential"), by_name.get("gemm_alone")
+    t_ag = by_name.get("allgather_alone") or by_name.get("reduce_scatter_alone")
     out = {}
     for r in results:
         t = r.median_ms
@@ -497,7 +688,7 @@ def derived(results: list[Result]) -> dict[str, dict]:
             if t_gemm:
                 d["ratio_to_gemm_alone"] = t / t_gemm
             # Only meaningful for variants that do both the all-gather and the GEMM.
-            if t_ag and t_gemm and r.name not in ("gemm_alone", "allgather_alone"):
+            if t_ag and t_gemm and r.name not in ("gemm_alone", "allgather_alone", "reduce_scatter_alone"):
                 d["overlap_efficiency"] = (t_ag + t_gemm - t) / min(t_ag, t_gemm)
         out[r.name] = d
     return out
@@ -625,6 +816,8 @@ def parse_args(argv=None):
     ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where rank 0 writes the .md and .json (default: benchmarks/results)")
     ap.add_argument("--tag", default=None, help="file name suffix: bench_overlap_<tag>.md (default: cuda, or cpu with --cpu)")
     ap.add_argument("--cpu", action="store_true", help="smoke test: gloo, float32, CPU timers; no NCCL pipeline, no symm_mem")
+    ap.add_argument("--problem", choices=("ag", "rs"), default="ag", help="ag: AG+matmul (default); rs: matmul+reduce-scatter")
+    ap.add_argument("--sweep", default="", help="comma list of total rows M: also run the AG+matmul M sweep")
     args = ap.parse_args(argv)
     for name in ("m", "k", "n", "iters"):
         if getattr(args, name) < 1:
@@ -634,6 +827,10 @@ def parse_args(argv=None):
     if not args.cpu and not torch.cuda.is_available():
         ap.error("CUDA is unavailable; pass --cpu for the gloo smoke test")
     args.tag = args.tag or ("cpu" if args.cpu else "cuda")
+    try:
+        args.sweep = [int(v) for v in args.sweep.split(",") if v.strip()]
+    except ValueError:
+        ap.error(f"--sweep takes a comma list of integers, got {args.sweep!r}")
     args.out_dir = os.path.normpath(args.out_dir)
     return args
 
@@ -665,6 +862,114 @@ def teardown(ctx: Context) -> None:
     watchdog.join()
 
 
+def make_rs_inputs(args, rank: int, world: int, device: torch.device, dtype: torch.dtype):
+    """This rank's a [M, K] and b [K, N] (its own K columns), from
+    generators seeded by the rank."""
+
+    def normal(shape, seed):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+
+    a = (normal((args.m, args.k), 2000 + rank) / 8).to(dtype)
+    b = (normal((args.k, args.n), 3000 + rank) / math.sqrt(args.k)).to(dtype)
+    return a, b
+
+
+def run_table(ctx: Context, table: list[Variant], args, env: dict, tag: str, bootstrap_error=None) -> list[Result]:
+    results: list[Result] = []
+    # symm_mem last: after it, NCCL collectives and teardown were seen to hang.
+    order = sorted(table, key=lambda v: (v.name != "hostir_1", v.name == "symm_mem"))
+    for v in order:
+        if v.name == "hostir_1" and bootstrap_error:
+            results.append(Result(v.name, "failed", bootstrap_error))
+        else:
+            results.append(run_variant(ctx, v, args))
+        if ctx.rank == 0:
+            ranked = sorted(results, key=lambda r: [x.name for x in table].index(r.name))
+            write_results(ranked, env, args.out_dir, tag, done=len(results) == len(table))
+    results.sort(key=lambda r: [x.name for x in table].index(r.name))
+    return results
+
+
+SWEEP_VARIANTS = ("ring_cuda", "auto")
+
+
+def run_sweep(args, rank, world, device, dtype, ctl, launcher) -> list[Result]:
+    """AG+matmul at each total M: baselines and hostir's auto and ring."""
+    rows, bad = [], []
+    for total in args.sweep:
+        if total % world:
+            continue
+        sub = argparse.Namespace(**{**vars(args), "m": total // world})
+        x_full, shard, w = make_inputs(sub, rank, world, device, dtype)
+        ctx = Context(args.cpu, rank, world, sub.m, args.k, args.n, dtype, device, x_full, shard, w, ctl=ctl)
+        ctx.ref = make_sequential(ctx)().clone()
+        ctx.sync()
+        table = [v for v in variants(ctx, SWEEP_VARIANTS) if v.name in ("gemm_alone", "sequential", "symm_mem")
+                 or v.name.startswith("hostir_") and not v.name[7:].isdigit()]
+        env = environment(ctx, sub, launcher)
+        results = run_table(ctx, table, sub, env, f"{args.tag}_sweep_M{total}")
+        d = derived(results)
+        for r in results:
+            rows.append({"M": total, "variant": r.name, "median_ms": r.median_ms, "status": r.status,
+                         "match": r.match, **d[r.name]})
+            if not r.optional and (r.status == "failed" or r.match is False):
+                bad.append(f"{r.name}@M={total}")
+    if rank == 0:
+        write_sweep(rows, args)
+    return bad
+
+
+def write_sweep(rows: list[dict], args) -> None:
+    stem = os.path.join(args.out_dir, f"bench_overlap_{args.tag}_sweep")
+    with open(stem + ".json", "w") as f:
+        json.dump({"k": args.k, "n": args.n, "rows": rows}, f, indent=1, default=str)
+    variants_ = list(dict.fromkeys(r["variant"] for r in rows))
+    Ms = sorted({r["M"] for r in rows})
+    by = {(r["M"], r["variant"]): r for r in rows}
+    lines = [f"# AG+matmul M sweep (K={args.k}, N={args.n}): median ms (speedup over sequential)", "",
+             "| variant | " + " | ".join(f"M={m}" for m in Ms) + " |", "|---|" + "---:|" * len(Ms)]
+    for v in variants_:
+        cells = []
+        for m in Ms:
+            r = by.get((m, v))
+            if r is None or r["median_ms"] is None:
+                cells.append("—")
+            else:
+                sp = r["speedup_vs_sequential"]
+                cells.append(f"{r['median_ms']:.3f}" + (f" ({sp:.2f}×)" if sp else ""))
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # matplotlib is optional
+        print(f"no plot: matplotlib unavailable ({exc})", flush=True)
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for v in variants_:
+        pts = [(m, by[(m, v)]) for m in Ms if (m, v) in by and by[(m, v)]["median_ms"] is not None]
+        if not pts:
+            continue
+        ax1.plot([m for m, _ in pts], [r["median_ms"] for _, r in pts], marker="o", label=v)
+        sp = [(m, r["speedup_vs_sequential"]) for m, r in pts if r["speedup_vs_sequential"]]
+        if sp:
+            ax2.plot([m for m, _ in sp], [x for _, x in sp], marker="o", label=v)
+    for ax, title in ((ax1, "median ms"), (ax2, "speedup over sequential")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("total rows M")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    ax2.axhline(1.0, color="gray", lw=0.8)
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=120)
+    print(f"wrote {stem}.png", flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank, world, local = hostir.rank(), hostir.world_size(), hostir.local_rank()
@@ -675,7 +980,17 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)  # hostir requires inputs on cuda:local_rank
     x_full, shard, w = make_inputs(args, rank, world, device, dtype)
     ctx = Context(args.cpu, rank, world, args.m, args.k, args.n, dtype, device, x_full, shard, w)
-    table = variants(ctx)
+    if args.problem == "rs":
+        if args.m % world:
+            raise SystemExit(f"--problem rs: M={args.m} must divide by the {world} ranks")
+        a, b = make_rs_inputs(args, rank, world, device, dtype)
+        ctx.problem, ctx.rs_a_local, ctx.rs_b_local = "rs", a, b
+        ctx.rs_a = a.view(world, 1, args.m // world, args.k)
+        ctx.rs_b = b.view(1, 1, args.k, args.n)
+        ctx.rs_partial = a @ b
+        table = rs_variants(ctx)
+    else:
+        table = variants(ctx)
 
     # hostir creates the process group on its first execute, so a hostir
     # program runs before anything uses torch.distributed directly. A
@@ -692,33 +1007,26 @@ def main(argv=None) -> int:
     ctx.ctl = dist.new_group(
         backend="gloo", timeout=timedelta(seconds=float(os.environ.get("HOSTIR_TIMEOUT", 300)))
     )
-    ctx.ref = make_sequential(ctx)().clone()
+    ctx.ref = (make_rs_sequential(ctx) if ctx.problem == "rs" else make_sequential(ctx))().clone()
     ctx.sync()
 
     env = environment(ctx, args, launcher_name())
-    results: list[Result] = []
-    # symm_mem last: after it, NCCL collectives and teardown were seen to hang.
-    order = sorted(table, key=lambda v: (v.name != "hostir_1", v.name == "symm_mem"))
-    for v in order:
-        if v.name == "hostir_1" and bootstrap_error:
-            results.append(Result(v.name, "failed", bootstrap_error))
-        else:
-            results.append(run_variant(ctx, v, args))
-        if rank == 0:
-            ranked = sorted(results, key=lambda r: [x.name for x in table].index(r.name))
-            write_results(ranked, env, args.out_dir, args.tag, done=len(results) == len(table))
-    results.sort(key=lambda r: [x.name for x in table].index(r.name))
+    env["problem"] = args.problem
+    results = run_table(ctx, table, args, env, args.tag, bootstrap_error)
 
     if rank == 0:
         print(
             f"device: {env['device']} ({env['gpu_count']} GPUs visible)  ranks {world}  torch {env['torch']}  "
             f"CUDA {env['cuda']}  NCCL {env['nccl']}  hostir {env['hostir']}"
         )
-        print(f"AG+matmul, per rank M={args.m} K={args.k} N={args.n} {env['dtype']}, {args.iters} iters after {args.warmup} warm-ups")
+        what = "matmul+RS, total M" if ctx.problem == "rs" else "AG+matmul, per rank M"
+        print(f"{what}={args.m} K={args.k} N={args.n} {env['dtype']}, {args.iters} iters after {args.warmup} warm-ups")
         print(markdown_table(results))
         stem = os.path.join(args.out_dir, f"bench_overlap_{args.tag}")
         print(f"wrote {stem}.md and {stem}.json", flush=True)
     bad = [r.name for r in results if not r.optional and (r.status == "failed" or r.match is False)]
+    if args.sweep:
+        bad += run_sweep(args, rank, world, device, dtype, ctx.ctl, launcher_name())
     if bad and rank == 0:
         print(f"FAILED or mismatched: {', '.join(bad)}", flush=True)
     sys.stdout.flush()

@@ -90,6 +90,10 @@ class HostIrContainer(ir.IrContainer):
         # the communication backend its dump names.
         self.rank: int | None = None
         self.backend = "NCCL"
+        # How `decompose_device_axis` decomposes (a hostir.schedule.Schedule; None: the default).
+        self.schedule = None
+        # (extent, parts, where) of every axis a decomposition cuts into chunks.
+        self.chunked: list = []
         # Set by `lower`: the hash of the dump before pruning for a rank,
         # and the teams of every rank's communications.
         self.digest: str | None = None
@@ -102,7 +106,8 @@ class HostIrContainer(ir.IrContainer):
         new.inputs, new.outputs = list(self.inputs), list(self.outputs)
         new.aliases = self.aliases
         new._named = self._named
-        new.rank, new.backend = self.rank, self.backend
+        new.rank, new.backend, new.schedule = self.rank, self.backend, self.schedule
+        new.chunked = self.chunked
         return new
 
     # -- building

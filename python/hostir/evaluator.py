@@ -11,20 +11,20 @@ into it with torch's `out=` variants; otherwise its result is bound fresh.
 A failing op is reported with its dump line and the loop indices around it:
 hostir's errors become a `HostIrRuntimeError` quoting them; torch's own
 errors keep their type and carry them as a note (PEP 678).
-Communications post through `torch.distributed` on the process groups of a
-`Communicator` (NCCL or gloo) and complete at their `Wait`; a timeout or a
-lost peer keeps its type (`CommunicatorTimeout`, `PeerLostError`).
+Communications are posted through `hostir.transports` (NCCL and gloo on
+the process groups of a `Communicator`, or the copy-engine `cuda`
+transport) and complete at their `Wait`; a timeout or a lost peer keeps its
+type (`CommunicatorTimeout`, `PeerLostError`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 from typing import Any, Callable, Mapping
 
 import torch
-import torch.distributed as dist
 
-from hostir import ir, layout, printer
+from hostir import ir, layout, printer, transports
 from hostir.communicator import CommunicatorTimeout, PeerLostError
 from hostir.container import AliasError, HostIrContainer
 from hostir.errors import HostIrError
@@ -110,7 +110,13 @@ class HostIrEvaluator:
         }
         # Where a select removed a dim: matmul and linear put it back as size 1.
         self.slice_dim = {out: dim for out, (dim, kind) in self.slices.items() if kind == "select"}
+        # A chunk of such a slice lacks the same axis.
+        for e in container.walk():
+            if isinstance(e, ir.HirAliasChunk) and e.input in self.slice_dim:
+                self.slice_dim[e.out] = self.slice_dim[e.input]
         self.listeners: list[Callable[[Any], None]] = []
+        # Numbers the runs, for the call parity of each frame.
+        self.calls = itertools.count()
 
     # -- the one entry point
     def run(self, bindings: Mapping[Any, Any], number_of_streams: int = 4) -> list:
@@ -145,10 +151,20 @@ class HostIrEvaluator:
         resolve = container.aliases.resolve
         keep = {resolve(t) for t in container.inputs + container.outputs}
         found: dict[int, list] = {}
-        for e in container.walk():
-            if isinstance(e, ir.ForLoop):
-                local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
-                found[id(e)] = list(local - keep)
+
+        def scan(exprs, before: set) -> None:
+            # `before`: buffers bound ahead of this scope; an op in a loop
+            # that writes one of them (a communication into a slice made
+            # outside) writes it, it does not define a fresh one.
+            seen = set(before)
+            for e in exprs:
+                if isinstance(e, ir.ForLoop):
+                    local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
+                    found[id(e)] = list(local - keep - seen)
+                    scan(e.body, seen)
+                seen.update(resolve(t) for t in ir.defined_tvs(e))
+
+        scan(container.exprs, set())
         return found
 
 
@@ -172,7 +188,10 @@ class Frame:
     frame and touch values only through `get` and `bind`; everything fixed
     for the program is on `evaluator`."""
 
-    __slots__ = ("evaluator", "streams", "device", "communicator", "dumper", "values", "loops", "used_streams", "works", "coalescing")
+    __slots__ = (
+        "evaluator", "streams", "device", "communicator", "dumper", "values", "loops", "used_streams", "works",
+        "coalescing", "call_parity",
+    )
 
     def __init__(self, evaluator: HostIrEvaluator):
         self.evaluator = evaluator
@@ -186,7 +205,10 @@ class Frame:
         self.used_streams: list = []
         # Posted communications until their Wait: expr -> _Posted.
         self.works: dict = {}
-        self.coalescing: list | None = None
+        self.coalescing: tuple | None = None
+        # Buffers that peers write alternate between two copies by the
+        # parity of the run (the transports' double buffering).
+        self.call_parity = next(evaluator.calls) % 2
 
     # -- the two accessors
     def get(self, val, default=_REQUIRED):
@@ -376,11 +398,25 @@ def _select(frame: Frame, e: ir.HirAliasSelect) -> None:
     frame.bind(e.out, src.narrow(dim, start, length))
 
 
+@impl(ir.HirAliasChunk)
+def _chunk(frame: Frame, e: ir.HirAliasChunk) -> None:
+    src = frame.get(e.input)
+    dim = layout.position(e.input, e.axis)
+    size = src.shape[dim]
+    if size % e.parts:
+        raise BindingError(f"axis {dim} of size {size} does not split into {e.parts} equal pieces")
+    piece = size // e.parts
+    frame.bind(e.out, src.narrow(dim, int(frame.get(e.index)) * piece, piece))
+
+
 @impl(ir.Allocate)
 def _allocate(frame: Frame, e: ir.Allocate) -> None:
     if frame.get(e.buffer, None) is not None:
         return
     shape = frame.local_sizes(e.buffer)
+    if e.memory_type is ir.MemoryType.symmetric:
+        frame.bind(e.buffer, transports.allocate(frame, e.buffer, shape))
+        return
     make = torch.zeros if e.zero_init else torch.empty
     frame.bind(e.buffer, make(shape, dtype=e.buffer.dtype, device=frame.device))
 
@@ -531,267 +567,6 @@ def _select_op(frame: Frame, e: ir.SelectOp) -> None:
 
 # ---------------------------------------------------------------- communications
 
-_RED_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-# torch 2.13 renamed the tensor forms of all-gather and reduce-scatter.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclasses.dataclass
-class _Posted:
-    """A posted communication: its works, and what to do after they finish
-    (copy a staging buffer into a non-contiguous or reshaped output)."""
-
-    works: list
-    after: Callable[[], None] | None = None
-
-
-class _NoWork:
-    def wait(self, *args) -> bool:
-        return True
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    # Never hand a strided view to a collective: gloo would read or write
-    # the wrong memory.
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _staged(out: torch.Tensor, shape) -> tuple[torch.Tensor, Callable[[], None] | None]:
-    """A contiguous buffer of `shape` that a collective may write, and what
-    copies it into `out` afterwards (nothing if it is `out` itself)."""
-    if out.is_contiguous():
-        return out.view(shape), None
-    staging = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    return staging.view(shape), lambda: out.copy_(staging)
-
-
-def _mesh_axis(tv: ir.TensorView) -> int:
-    (axis,) = tv.device_axes()
-    return layout.position(tv, axis)
-
-
-def _outermost(shape, axis: int) -> bool:
-    return all(s == 1 for s in shape[:axis])
-
-
-def _post_allgather(frame, e, group) -> _Posted:
-    src = _contiguous(frame.get(e.input))
-    out = frame.get(e.out)
-    full = frame.full_sizes(e.input)
-    a = _mesh_axis(e.input)
-    n = len(e.team)
-    order = frame.communicator.group_order(e.team)
-    if _outermost(full, a) and order == tuple(e.team):
-        buf, after = _staged(out, [-1])
-        return _Posted([_all_gather(buf, src.reshape(-1), group=group, async_op=True)], after)
-    # Gather into [n, *local] in the group's order, then put each rank's
-    # piece at its position in the team, on the sharded axis.
-    staging = torch.empty([n] + list(src.shape), dtype=src.dtype, device=src.device)
-    by_position = [order.index(r) for r in e.team]
-
-    def after():
-        moved = staging[by_position].squeeze(a + 1).movedim(0, a)
-        out.copy_(moved.reshape(out.shape))
-
-    return _Posted([_all_gather(staging.view(-1), src.reshape(-1), group=group, async_op=True)], after)
-
-
-def _reduced_input(frame, e) -> torch.Tensor:
-    """This rank's input with the rows it holds of the reduced axes reduced."""
-    src = frame.get(e.input)
-    if not e.local_reduce:
-        return src
-    dims = list(e.local_reduce)
-    if e.red_op == "sum":
-        return torch.sum(src, dims, keepdim=True)
-    return (torch.amax if e.red_op == "max" else torch.amin)(src, dims, keepdim=True)
-
-
-def _nan_flags(t: torch.Tensor, red_op: str) -> torch.Tensor | None:
-    """1 where `t` is NaN, for a max or min of floating values; else None."""
-    if red_op not in ("max", "min") or not t.dtype.is_floating_point:
-        return None
-    return torch.isnan(t).to(torch.float32)
-
-
-def _with_nan_flags(posted: _Posted, buf: torch.Tensor | None, flags_out: torch.Tensor, post_flags) -> _Posted:
-    """Make a max or min keep NaN, as torch's amax and amin do: gloo and
-    NCCL compare with `<`, so a NaN may lose to any number. `post_flags()`
-    posts a second collective, a MAX over 0/1 NaN flags laid out like the
-    data, into `flags_out`; once both finish, the reduced result `buf`
-    (None on a rank that receives nothing) gets NaN wherever a rank had one."""
-    flag_work = post_flags()
-    after = posted.after
-
-    def fill_nan():
-        if buf is not None:
-            buf.masked_fill_(flags_out.view(buf.shape) > 0, float("nan"))
-        if after is not None:
-            after()
-
-    return _Posted(posted.works + [flag_work], fill_nan)
-
-
-def _post_allreduce(frame, e, group) -> _Posted:
-    src = _reduced_input(frame, e)
-    out = frame.get(e.out)
-    buf, after = _staged(out, out.shape)
-    buf.copy_(src.reshape(out.shape))
-    flags = _nan_flags(buf, e.red_op)
-    posted = _Posted([dist.all_reduce(buf, op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
-    if flags is None:
-        return posted
-    return _with_nan_flags(
-        posted, buf, flags, lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    )
-
-
-def _post_reduce_scatter(frame, e, group) -> _Posted:
-    src = _reduced_input(frame, e)
-    out = frame.get(e.out)
-    full = frame.full_sizes(e.out)
-    b = _mesh_axis(e.out)
-    whole = src.reshape(full)
-    if not _outermost(full, b):
-        whole = whole.movedim(b, 0)
-    order = frame.communicator.group_order(e.team)
-    if order != tuple(e.team):
-        # Group rank j receives chunk j: the chunk of team position of order[j].
-        whole = whole.reshape(len(e.team), -1)[[e.team.index(r) for r in order]]
-    whole = _contiguous(whole)
-    buf, after = _staged(out, [-1])
-    flags = _nan_flags(whole, e.red_op)
-    posted = _Posted([_reduce_scatter(buf, whole.reshape(-1), op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
-    if flags is None:
-        return posted
-    received = torch.empty(buf.shape, dtype=flags.dtype, device=buf.device)
-    return _with_nan_flags(
-        posted,
-        buf,
-        received,
-        lambda: _reduce_scatter(received, flags.reshape(-1), op=dist.ReduceOp.MAX, group=group, async_op=True),
-    )
-
-
-def _holds(frame, tv: ir.TensorView) -> bool:
-    return tv.mesh is None or frame.communicator.rank in tv.mesh
-
-
-def _post_broadcast(frame, e, group) -> _Posted:
-    rank = frame.communicator.rank
-    out = frame.get(e.out) if _holds(frame, e.out) else None
-    if rank == e.root:
-        src = frame.get(e.input)
-        if out is None:
-            return _Posted([dist.broadcast(_contiguous(src), src=e.root, group=group, async_op=True)])
-        out.copy_(src.reshape(out.shape))
-    buf, after = _staged(out, out.shape)
-    return _Posted([dist.broadcast(buf, src=e.root, group=group, async_op=True)], after)
-
-
-def _post_gather(frame, e, group) -> _Posted:
-    rank = frame.communicator.rank
-    if _holds(frame, e.input):
-        src = _contiguous(frame.get(e.input))
-    else:
-        # The root is outside the sender mesh: it sends a dummy piece.
-        src = torch.empty(frame.local_sizes(e.input), dtype=e.input.dtype, device=frame.device)
-    if rank != e.root:
-        return _Posted([dist.gather(src, None, dst=e.root, group=group, async_op=True)])
-    out = frame.get(e.out)
-    pieces = [torch.empty_like(src) for _ in e.team]
-    a = _mesh_axis(e.input)
-    senders = [r for r in e.team if r in e.input.mesh]
-
-    order = frame.communicator.group_order(e.team)
-
-    def after():
-        ordered = [pieces[order.index(r)] for r in senders]
-        out.copy_(torch.cat(ordered, dim=a).reshape(out.shape))
-
-    return _Posted([dist.gather(src, pieces, dst=e.root, group=group, async_op=True)], after)
-
-
-def _post_scatter(frame, e, group) -> _Posted:
-    rank = frame.communicator.rank
-    out = frame.get(e.out) if _holds(frame, e.out) else None
-    if out is None:
-        # The root is outside the receiver mesh: it receives a dummy piece.
-        out_buf = torch.empty(frame.local_sizes(e.out), dtype=e.out.dtype, device=frame.device)
-        after = None
-    else:
-        out_buf, after = _staged(out, out.shape)
-    pieces = None
-    if rank == e.root:
-        whole = frame.get(e.input).reshape(frame.full_sizes(e.out))
-        b = _mesh_axis(e.out)
-        chunks = whole.chunk(len(e.out.mesh.devices), dim=b)
-        by_rank = dict(zip(e.out.mesh.devices, chunks))
-        order = frame.communicator.group_order(e.team)
-        pieces = [_contiguous(by_rank.get(r, chunks[0])).view(out_buf.shape) for r in order]
-    return _Posted([dist.scatter(out_buf, pieces, src=e.root, group=group, async_op=True)], after)
-
-
-def _post_reduce(frame, e, group) -> _Posted:
-    rank = frame.communicator.rank
-    if rank != e.root:
-        # Every rank posts the output's shape (checked under TORCH_DISTRIBUTED_DEBUG=DETAIL).
-        piece = _reduced_input(frame, e).reshape(frame.local_sizes(e.out)).clone(memory_format=torch.contiguous_format)
-        buf, after = None, None
-    else:
-        out = frame.get(e.out)
-        buf, after = _staged(out, out.shape)
-        if _holds(frame, e.input):
-            buf.copy_(_reduced_input(frame, e).reshape(out.shape))
-        else:
-            _fill_identity(buf, e.red_op)
-        piece = buf
-    # The flags are read before the collective may write `piece`.
-    flags = _nan_flags(piece, e.red_op)
-    posted = _Posted([dist.reduce(piece, dst=e.root, op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
-    if flags is None:
-        return posted
-    return _with_nan_flags(
-        posted, buf, flags, lambda: dist.reduce(flags, dst=e.root, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    )
-
-
-def _fill_identity(t: torch.Tensor, red_op: str) -> None:
-    if red_op == "sum":
-        t.zero_()
-    elif t.dtype.is_floating_point:
-        t.fill_(float("-inf") if red_op == "max" else float("inf"))
-    else:
-        info = torch.iinfo(t.dtype)
-        t.fill_(info.min if red_op == "max" else info.max)
-
-
-def _post_send_recv(frame, e, group) -> _Posted:
-    rank = frame.communicator.rank
-    sender, receiver = e.root, (e.team[-1] if len(e.team) > 1 else e.team[0])
-    if sender == receiver:
-        frame.get(e.out).copy_(frame.get(e.input).reshape(frame.get(e.out).shape))
-        return _Posted([_NoWork()])
-    if rank == sender:
-        return _Posted([dist.isend(_contiguous(frame.get(e.input)), dst=receiver, group=group)])
-    out = frame.get(e.out)
-    buf, after = _staged(out, out.shape)
-    return _Posted([dist.irecv(buf, src=sender, group=group)], after)
-
-
-_POST = {
-    ir.CommunicationType.Allgather: _post_allgather,
-    ir.CommunicationType.Allreduce: _post_allreduce,
-    ir.CommunicationType.ReduceScatter: _post_reduce_scatter,
-    ir.CommunicationType.Broadcast: _post_broadcast,
-    ir.CommunicationType.Gather: _post_gather,
-    ir.CommunicationType.Scatter: _post_scatter,
-    ir.CommunicationType.Reduce: _post_reduce,
-    ir.CommunicationType.SendRecv: _post_send_recv,
-}
-
-
 def _log_posting(frame: Frame, e: ir.Communication) -> None:
     if frame.dumper is None or not frame.dumper.enabled("communication"):
         return
@@ -808,7 +583,7 @@ def _communication(frame: Frame, e: ir.Communication) -> None:
     group = comm.group(e.team)
     _log_posting(frame, e)
     try:
-        frame.works[e] = _POST[e.type](frame, e, group)
+        frame.works[e] = transports.post(frame, e, group)
     except Exception as err:
         classified = _classify(err, e, frame)
         if classified is err:
@@ -825,29 +600,45 @@ def _p2p(frame: Frame, e: ir.P2PCommunication) -> None:
     buf = frame.get(e.buffer)
     if not buf.is_contiguous():
         raise BindingError(f"the buffer of a P2P communication must be contiguous (strides {list(buf.stride())})")
+    ops = None
     if frame.coalescing is not None:
-        fn = dist.isend if e.type == "send" else dist.irecv
-        frame.coalescing.append(dist.P2POp(fn, buf, peer))
-        frame.works[e] = _Posted([])
-        return
-    work = dist.isend(buf, dst=peer) if e.type == "send" else dist.irecv(buf, src=peer)
-    frame.works[e] = _Posted([work])
+        backend, ops = frame.coalescing
+        if backend is None:
+            frame.coalescing = (e.backend, ops)
+        elif backend != e.backend:
+            raise ProgramError(f"one coalescing group mixes backends {backend} and {e.backend}")
+    try:
+        frame.works[e] = transports.post_p2p(frame, e, buf, peer, ops)
+    except Exception as err:
+        classified = _classify(err, e, frame)
+        if classified is err:
+            raise
+        raise classified from err
 
 
 @impl(ir.StartCoalescing)
 def _start_coalescing(frame: Frame, e: ir.StartCoalescing) -> None:
     if frame.coalescing is not None:
         raise ProgramError("StartCoalescing inside an open coalescing group")
-    frame.coalescing = []
+    # (backend of the group's first member, the transport's pending ops)
+    frame.coalescing = (None, [])
 
 
 @impl(ir.EndCoalescing)
 def _end_coalescing(frame: Frame, e: ir.EndCoalescing) -> None:
     if frame.coalescing is None:
         raise ProgramError("EndCoalescing without StartCoalescing")
-    ops, frame.coalescing = frame.coalescing, None
-    works = dist.batch_isend_irecv(ops) if ops else []
-    frame.works[e] = _Posted(list(works))
+    (backend, ops), frame.coalescing = frame.coalescing, None
+    if backend is None:
+        frame.works[e] = transports.Posted([])
+        return
+    try:
+        frame.works[e] = transports.end_coalescing(frame, backend, ops)
+    except Exception as err:
+        classified = _classify(err, e, frame)
+        if classified is err:
+            raise
+        raise classified from err
 
 
 @impl(ir.Wait)

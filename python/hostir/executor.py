@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, ir, layout, printer
+from hostir import communicator, ir, layout, printer, schedule
 from hostir.agreement import Offer, RankMismatchError, check, exchange, input_signature
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
@@ -93,6 +93,10 @@ class ExecutorParams:
         protections off: a rank that alone fails its checks, skips a call or
         changes its input shapes then meets the others' collectives out of
         step, and the job ends in a timeout or returns wrong data.
+    schedule: how a device axis walked as a stream axis runs: a
+        `hostir.schedule.Schedule` or its text (`ring:chunks=2`,
+        `collective`, `sequential`, ...); by default `HOSTIR_SCHEDULE`, else
+        the machine model's choice for the inputs' shapes.
     """
 
     number_of_streams: int = 4
@@ -101,6 +105,7 @@ class ExecutorParams:
     backend: str | None = None
     timeout: float | None = None
     check_ranks: str = "always"
+    schedule: object = None
 
     def validate(self) -> None:
         n = self.number_of_streams
@@ -222,6 +227,7 @@ class FusionExecutor:
         self._warn_requires_grad(inputs)
         program, lowered = self._program(inputs, device, params, comm)
         sizes = check_sizes(self.fusion, inputs, program.equal_axes)
+        check_chunks(program.container, sizes)
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
         return _Call(program, inputs, outputs, lowered)
@@ -286,6 +292,7 @@ class FusionExecutor:
         return inputs, outputs
 
     def _program(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> tuple[_Program, bool]:
+        chosen = schedule.for_inputs(self.fusion, inputs, comm, params.schedule)
         key = (
             tuple(
                 (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else "scalar"
@@ -293,6 +300,7 @@ class FusionExecutor:
             ),
             device,
             params.evaluator,
+            None if chosen is None else chosen.key(),
         )
         with self._lock:
             # A program holds the communicator it was lowered for: after a
@@ -304,17 +312,19 @@ class FusionExecutor:
             program = self._programs.get(key)
             if program is not None:
                 return program, False
-            program = self._programs[key] = self._lower(device, comm)
+            program = self._programs[key] = self._lower(device, comm, chosen)
             return program, True
 
-    def _lower(self, device: torch.device, comm=None) -> _Program:
+    def _lower(self, device: torch.device, comm=None, chosen=None) -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
         if comm is None:
             container = lower(self.fusion, dumper)
         else:
-            container = lower(self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend])
+            container = lower(
+                self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend], schedule=chosen
+            )
         dumper.emit("host_ir", "Host program:", str(container))
         self.lowerings += 1
         streams = self._streams.get(device)
@@ -555,6 +565,17 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
                 continue
             sizes.setdefault(d.extent, layout.global_extent(d, size))
     return sizes
+
+
+def check_chunks(container: HostIrContainer, sizes: dict) -> None:
+    """Raise unless every axis a decomposition splits into chunks divides."""
+    for extent, parts, where in container.chunked:
+        size = sizes.get(extent)
+        if size is not None and size % parts:
+            raise schedule.ScheduleError(
+                f"{where}: extent {size} does not split into {parts} chunks per peer; pick a chunk count "
+                f"that divides it (schedule chunks=)"
+            )
 
 
 def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device: torch.device, tvs=None) -> None:

@@ -38,10 +38,12 @@ class IterType(enum.Enum):
 class MemoryType(enum.Enum):
     global_ = "g"
     local = "l"
+    # Device memory that peers map and write (the cuda transport's windows).
+    symmetric = "s"
 
     @property
     def word(self) -> str:
-        return "global" if self is MemoryType.global_ else "local"
+        return {"g": "global", "l": "local", "s": "symmetric"}[self.value]
 
 
 # The dtype spellings of nvFuser's dumps.
@@ -730,13 +732,15 @@ class ForLoop(Expr):
     """Runs `body` once for each `index` in [start, stop), rebinding `index`.
     Values first defined in the body are unbound at each iteration, so each
     iteration writes fresh buffers or the slices its selects bind.
-    `iter_domain` names the axis a stream loop walks (for the dump)."""
+    `iter_domain` names the axis a stream loop walks (for the dump);
+    `schedule` names the decomposition a loop over a device axis follows."""
 
     index: Scalar
     start: Scalar
     stop: Scalar
     body: list
     iter_domain: IterDomain | None = None
+    schedule: str | None = None
     INPUTS = ("start", "stop")
 
 
@@ -759,6 +763,24 @@ class HirAliasSelect(Expr):
     def __post_init__(self):
         if self.axis not in self.input.domain:
             raise DefinitionError(f"select axis {self.axis} is not an axis of {self.input}")
+
+
+@_op
+class HirAliasChunk(Expr):
+    """Binds `out` to the view of piece `index` of `parts` equal pieces of
+    `input` along `axis` (a narrow, no copy): an op writing `out` writes
+    `input`'s buffer. The axis's extent must divide by `parts`."""
+
+    out: TensorView
+    input: TensorView
+    axis: IterDomain
+    index: Scalar
+    parts: int
+    INPUTS = ("input", "index")
+
+    def __post_init__(self):
+        if self.axis not in self.input.domain:
+            raise DefinitionError(f"chunk axis {self.axis} is not an axis of {self.input}")
 
 
 @_op
@@ -824,19 +846,23 @@ class Communication(Expr):
     or the host (gloo) wait for it. A rank outside `team` does nothing; a
     rank outside `input`'s mesh sends nothing of its own, one outside
     `out`'s mesh keeps nothing. `root` is a global rank (Broadcast, Gather, Scatter,
-    Reduce; the sender of SendRecv); `red_op` is sum, max or min."""
+    Reduce; the sender of SendRecv), or a Scalar evaluated at each post (a
+    decomposition's loop names the root by its index); `red_op` is sum, max
+    or min."""
 
     name: int
     type: CommunicationType
     out: TensorView
     input: TensorView
     team: tuple
-    root: int | None = None
+    root: int | Scalar | None = None
     red_op: str | None = None
     backend: str = "NCCL"
     # Dims of the input's local tensor that each rank reduces itself first
     # (the rows of a split mesh_x axis that a rank holds).
     local_reduce: tuple = ()
+    # The schedule that chose this collective, when a decomposition did (dump only).
+    schedule: str | None = None
     INPUTS = ("input",)
     OUTPUTS = ("out",)
 
@@ -845,7 +871,7 @@ class Communication(Expr):
             raise DefinitionError("a Communication needs a non-empty team")
         if self.type.has_root != (self.root is not None):
             raise DefinitionError(f"root {self.root} is not expected by {self.type.value}")
-        if self.root is not None and self.root not in self.team:
+        if isinstance(self.root, int) and self.root not in self.team:
             raise DefinitionError(f"root {self.root} is not in team {self.team}")
         if self.type.reduces != (self.red_op is not None):
             raise DefinitionError(f"{self.type.value} {'needs' if self.type.reduces else 'takes no'} red_op")
@@ -860,14 +886,17 @@ class P2PCommunication(Expr):
     """Sends `buffer` to, or receives it from, the global rank `peer` (a
     scalar evaluated at run time). Posting does not block the host; a `Wait`
     on it, or on the `EndCoalescing` of its group, completes it. The buffer
-    must be bound before (a recv writes into it)."""
+    must be bound before (a recv writes into it). A one-sided transport
+    (cuda) pushes a send into the peer's buffer at `into`: the view of the
+    receiver's window that the peer's recv binds, named on the sender."""
 
     name: int
     type: str  # "send" or "recv"
     buffer: TensorView
     peer: Scalar
     backend: str = "NCCL"
-    INPUTS = ("buffer", "peer")
+    into: TensorView | None = None
+    INPUTS = ("buffer", "peer", "into")
 
     def __post_init__(self):
         if self.type not in ("send", "recv"):
@@ -918,7 +947,7 @@ def walk(exprs: Sequence[Expr]) -> Iterator[Expr]:
 
 def defined_tvs(e: Expr) -> list[TensorView]:
     """TensorViews an expr binds when it runs."""
-    if isinstance(e, HirAliasSelect):
+    if isinstance(e, (HirAliasSelect, HirAliasChunk)):
         return [e.out]
     if isinstance(e, Allocate):
         return [e.buffer]

@@ -148,6 +148,8 @@ def _for(e: ir.ForLoop, pad):
         head = f"{pad}FOR {index} in {format_id(e.iter_domain)}:"
     else:
         head = f"{pad}FOR {index} from {format_scalar(e.start)} to {format_scalar(e.stop)}:"
+    if e.schedule is not None:
+        head = f"{head[:-1]} ({e.schedule}):"
     lines = [head]
     for inner in e.body:
         lines += _lines(inner, pad + INDENT)
@@ -158,6 +160,14 @@ def _select(e: ir.HirAliasSelect, pad):
     rhs = (
         f"HirAliasSelect( {format_tv(e.input)}, axis = {format_id(e.axis)}, "
         f"index = {format_scalar(e.index)} )"
+    )
+    return _assign(pad, e.out, rhs)
+
+
+def _chunk(e: ir.HirAliasChunk, pad):
+    rhs = (
+        f"HirAliasChunk( {format_tv(e.input)}, axis = {format_id(e.axis)}, "
+        f"index = {format_scalar(e.index)}, parts = {e.parts} )"
     )
     return _assign(pad, e.out, rhs)
 
@@ -178,19 +188,23 @@ def _deallocate(e: ir.Deallocate, pad):
 def _communication(e: ir.Communication, pad):
     fields = [f"type={e.type.value}", "team=(" + " ".join(map(str, e.team)) + ")"]
     if e.root is not None:
-        fields.append(f"root={e.root}")
+        root = format_scalar(e.root) if isinstance(e.root, ir.Scalar) else e.root
+        fields.append(f"root={root}")
     if e.red_op is not None:
         fields.append(f"red_op={e.red_op}")
     if e.local_reduce:
         fields.append("local_reduce=(" + " ".join(map(str, e.local_reduce)) + ")")
     fields += [f"input={format_tv(e.input)}", f"output={format_tv(e.out)}", f"backend={e.backend}"]
+    if e.schedule is not None:
+        fields.append(f"schedule=({e.schedule})")
     return [f"{pad}Communication {e.name} ({', '.join(fields)})"]
 
 
 def _p2p(e: ir.P2PCommunication, pad):
+    into = "" if e.into is None else f", into={format_tv(e.into)}"
     return [
         f"{pad}P2PCommunication {e.name} (type={e.type}, buffer={format_tv(e.buffer)}, "
-        f"peer={format_scalar(e.peer)}, backend={e.backend})"
+        f"peer={format_scalar(e.peer)}{into}, backend={e.backend})"
     ]
 
 
@@ -221,6 +235,7 @@ _FORMATS = {
     ir.Synchronize: _synchronize,
     ir.ForLoop: _for,
     ir.HirAliasSelect: _select,
+    ir.HirAliasChunk: _chunk,
     ir.Allocate: _allocate,
     ir.Deallocate: _deallocate,
     ir.Communication: _communication,

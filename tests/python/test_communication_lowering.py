@@ -259,7 +259,9 @@ def test_op_that_computes_and_reshards_is_rejected():
     _expect(fd, "both computes and moves data between ranks")
 
 
-def test_stream_axis_on_sharded_axis_is_rejected():
+def test_stream_axis_on_the_gathered_sharded_axis_is_decomposed():
+    # The device axis walked as the stream axis: a ring over the ranks
+    # (decompose_device_axis), no longer an error.
     with FusionDefinition() as fd:
         x = fd.define_tensor(shape=[2, -1])
         y = fd.ops.set(x)
@@ -267,7 +269,7 @@ def test_stream_axis_on_sharded_axis_is_rejected():
     _place(DeviceMesh([0, 1]), x, y)
     x.axis(0).parallelize(ParallelType.mesh_x)
     y.axis(0).parallelize(ParallelType.stream)
-    _expect(fd, "cannot walk a sharded axis")
+    assert "(ring, chunks=1, direction=+1, transport=NCCL):" in _lower(fd)
 
 
 def test_mesh_x_extent_must_equal_mesh_size():

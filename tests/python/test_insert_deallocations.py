@@ -156,3 +156,28 @@ def test_memory_is_released_and_results_stay_right(case, number_of_streams, monk
     torch.testing.assert_close(out, reference(x)[0])
     intermediates = len(fd.fusion.exprs) - len(fd.fusion.outputs)
     assert len(freed) == intermediates, freed
+
+
+def test_buffer_used_on_workers_is_freed_after_a_separate_join_loop():
+    """nvFuser's later form joins the workers in a loop of its own after the
+    work loop: the free waits for that join."""
+    from hostir.container import HostIrContainer
+
+    c = HostIrContainer()
+    n = ir.Scalar.symbolic(c)
+    t0 = ir.TensorView(c, [ir.IterDomain(c, n)], torch.float32, ir.MemoryType.global_)
+    t1 = ir.TensorView(c, [ir.IterDomain(c, n)], torch.float32, ir.MemoryType.global_)
+    out = ir.TensorView(c, [ir.IterDomain(c, n)], torch.float32, ir.MemoryType.global_)
+    c.add_input(t0)
+    i = ir.Scalar(label="i")
+    caller = ir.Stream(c)
+    worker = ir.Stream(c, index=i)
+    work = ir.ForLoop(i, ir.Scalar.constant(0), ir.Scalar.constant(2), [ir.SetCurrentStream(worker), ir.Set(t1, t0)])
+    join = ir.ForLoop(i, ir.Scalar.constant(0), ir.Scalar.constant(2), [ir.Synchronize(worker)])
+    for e in (ir.GetCurrentStream(caller), ir.Allocate(t1), work, ir.SetCurrentStream(caller), join, ir.Set(out, t0)):
+        c.push_back(e)
+    c.add_output(out)
+    names = [type(e).__name__ for e in insert_deallocations(c).exprs]
+    assert names == [
+        "GetCurrentStream", "Allocate", "ForLoop", "SetCurrentStream", "ForLoop", "Deallocate", "Set"
+    ], names

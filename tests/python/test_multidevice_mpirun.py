@@ -2,7 +2,8 @@
 
 The multi-device tests skip themselves in a plain `pytest` run (the world has
 one rank); this test launches them with `mpirun -np 2` and `-np 4` on gloo,
-each rank running the whole directory, and asserts that every rank reports
+each rank running the whole directory (and the decompositions alone with
+`-np 3` and `-np 8`), and asserts that every rank reports
 passed tests and no failure. Open MPI 5 from PyPI needs the root variables
 and `--oversubscribe` (more ranks than cores); the rendezvous port is a free
 one per launch, passed to every rank with `-x HOSTIR_MASTER_PORT`.
@@ -140,3 +141,28 @@ def test_multidevice_suite_under_mpirun(nprocs, limit):
     # Every rank ran the same tests.
     assert all(c == counts[0] for c in counts), counts
     assert not re.search(r"^(FAILED|ERROR) ", output, re.MULTILINE), tail
+
+
+@requires_mpirun
+@pytest.mark.timeout(560)
+@pytest.mark.parametrize("nprocs, limit", [(3, 300), (8, 540)], ids=["np3", "np8"])
+def test_decompositions_under_mpirun(nprocs, limit):
+    """Every decomposition of the device axis on an odd mesh and on eight
+    ranks (the full directory runs on 2 and 4 above)."""
+    exports = {
+        "HOSTIR_TIMEOUT": "90",
+        "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+        "HOSTIR_MASTER_PORT": str(free_port()),
+        "PYTHONPATH": mpirun_env()["PYTHONPATH"],
+    }
+    program = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no",
+        f"{MULTIDEVICE}/test_decompositions.py", "--timeout=480",
+    ]
+    returncode, output, elapsed = run_job(mpirun_command(nprocs, program, exports), limit)
+    tail = output[-6000:]
+    assert returncode is not None, f"mpirun -np {nprocs} did not finish within {limit} s:\n{tail}"
+    assert returncode == 0, f"mpirun -np {nprocs} exited with {returncode} after {elapsed:.0f} s:\n{tail}"
+    counts = summaries(output)
+    assert len(counts) == nprocs, f"expected one pytest summary per rank, got {counts}:\n{tail}"
+    assert all(c == counts[0] and c.get("passed", 0) > 0 and set(c) == {"passed"} for c in counts), counts

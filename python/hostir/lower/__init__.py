@@ -18,6 +18,7 @@ from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 
 from hostir.lower.build_host_program import build_host_program
+from hostir.lower.decompose_device_axis import decompose_device_axis
 from hostir.lower.insert_deallocations import insert_deallocations
 from hostir.lower.lower_communications import lower_communications
 from hostir.lower.parallelize_streams import parallelize_streams
@@ -29,6 +30,7 @@ from hostir.options import Dumper
 PIPELINE = [
     propagate_stream_axes,
     propagate_shardings,
+    decompose_device_axis,
     parallelize_streams,
     lower_communications,
     insert_deallocations,
@@ -49,13 +51,20 @@ def run_passes(container: HostIrContainer, passes=None, dumper: Dumper | None = 
 
 
 def lower(
-    fusion: ir.Fusion, dumper: Dumper | None = None, rank: int | None = None, backend: str = "NCCL"
+    fusion: ir.Fusion,
+    dumper: Dumper | None = None,
+    rank: int | None = None,
+    backend: str = "NCCL",
+    schedule=None,
 ) -> HostIrContainer:
     """The host program of `fusion`; with `rank`, the part that rank runs.
-    `backend` is the communication backend the dump names. The returned
+    `backend` is the communication backend the dump names; `schedule` (a
+    `hostir.schedule.Schedule`) how a device axis walked as a stream axis
+    is decomposed (by default a ring, one chunk per peer). The returned
     program's `digest` hashes the program before pruning for a rank."""
     container = _run_one(build_host_program, fusion, dumper)
     container.backend = backend
+    container.schedule = schedule
     container = run_passes(container, dumper=dumper)
     digest = hashlib.sha256(str(container).encode()).hexdigest()
     teams = container.teams()

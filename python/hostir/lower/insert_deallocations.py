@@ -7,14 +7,14 @@ first binds to a buffer of its own — by `Allocate` or as the fresh result
 of an op — and that is neither a program input nor output (through the
 alias map) is followed by one `Deallocate` in that scope, placed after the
 last op of the scope that uses it. An op uses a buffer when it reads or
-writes it, or a slice (`HirAliasSelect`) of it; a loop uses whatever its
+writes it, or a slice (`HirAliasSelect`, `HirAliasChunk`) of it; a loop uses whatever its
 body uses; a `Wait` uses the buffers of the communication it completes (a
 posted collective may still read or write them until then).
 
-Streams: a buffer used inside a stream loop is freed after the whole loop,
-on the caller's stream, which by then has waited for every worker stream
-(each iteration ends with `Synchronize` of its worker), so the buffer is
-never released while a worker may still use it. A buffer bound inside a
+Streams: a buffer used inside a stream loop is freed after the whole loop
+and after any stream joins that follow it (a loop of only `Synchronize`s),
+on the caller's stream, which by then has waited for every worker stream,
+so the buffer is never released while a worker may still use it. A buffer bound inside a
 loop body is used on that iteration's stream only and is freed there.
 
     T1 = ALLOCATE(...)               T1 = ALLOCATE(...)
@@ -33,7 +33,7 @@ def insert_deallocations(container: HostIrContainer) -> HostIrContainer:
     resolve = container.aliases.resolve
     sources: dict[ir.TensorView, ir.TensorView] = {}
     for e in container.walk():
-        if isinstance(e, ir.HirAliasSelect):
+        if isinstance(e, (ir.HirAliasSelect, ir.HirAliasChunk)):
             sources[e.out] = e.input
 
     def owner(tv: ir.TensorView) -> ir.TensorView:
@@ -64,9 +64,28 @@ def _uses(e: ir.Expr, owner) -> set[ir.TensorView]:
 
 def _fresh(e: ir.Expr) -> list[ir.TensorView]:
     """Buffers `e` binds of its own (not views of another's)."""
-    if isinstance(e, (ir.HirAliasSelect, ir.ForLoop)):
+    if isinstance(e, (ir.HirAliasSelect, ir.HirAliasChunk, ir.ForLoop)):
         return []
     return ir.defined_tvs(e)
+
+
+_STREAM_OPS = (ir.GetCurrentStream, ir.SetCurrentStream, ir.Synchronize)
+
+
+def _is_join(e: ir.Expr) -> bool:
+    """Stream switches and waits only (a loop of them joins worker streams)."""
+    if isinstance(e, ir.ForLoop):
+        return all(_is_join(b) for b in e.body)
+    return isinstance(e, _STREAM_OPS)
+
+
+def _past_joins(body: list[ir.Expr], i: int) -> int:
+    """The index after which to free a buffer last used at `i`: past the
+    stream joins that follow, so the caller's stream has waited for the
+    workers that used it."""
+    while i + 1 < len(body) and _is_join(body[i + 1]):
+        i += 1
+    return i
 
 
 def _rewrite(exprs, owner, keep: set, bound: set) -> list[ir.Expr]:
@@ -90,7 +109,7 @@ def _rewrite(exprs, owner, keep: set, bound: set) -> list[ir.Expr]:
             last[buffer] = i
     after: dict[int, list[ir.TensorView]] = {}
     for buffer in mine:
-        after.setdefault(last[buffer], []).append(buffer)
+        after.setdefault(_past_joins(new_body, last[buffer]), []).append(buffer)
 
     result: list[ir.Expr] = []
     for i, e in enumerate(new_body):

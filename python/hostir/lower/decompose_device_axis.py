@@ -1,0 +1,518 @@
+"""Decompose a device axis walked as a stream axis: a loop over the ranks.
+
+Precondition: `propagate_shardings` has run; `container.schedule` says how
+(a `hostir.schedule.Schedule`; the default is a ring, one chunk per peer).
+Two patterns are rewritten, each on a 1-D mesh of consecutive ranks:
+
+  gather side: `xg = set(x)` with x sharded on a mesh_x axis that maps to
+    xg's stream axis, followed by the ops whose stream axis maps to it
+    (`y = matmul(xg, w)`): an all-gather overlapped with the compute.
+  reduce side: ops with a stream axis (`c = matmul(a, b)`, K sharded)
+    followed by a reduction of the mesh_x axis whose output is sharded on an
+    axis that maps to that stream axis: a matmul overlapped with a
+    reduce-scatter.
+
+Postcondition: each pattern is a host program with no stream axis left in
+its ops. Decompositions (`Schedule.decomposition`):
+
+  ring        gather: the local shard is copied into its slot and its ops
+              run first on the caller's stream; then step i = 1 .. D-1
+              receives the shard of position (p + d*i) % D and sends its own
+              to (p - d*i) % D (p: this rank's position, d: the direction),
+              and runs the ops on that shard, on worker streams.
+              reduce: step i computes the partial for position (p - d*i) % D
+              and sends it while the next step computes; a slot buffer
+              receives the peers' partials; the local partial is computed
+              last into its own slot; one reduction over the slots (fp32
+              accumulation inside torch's reduction, one rounding, no fp32
+              copy of a partial).
+  collective  gather: iteration i broadcasts shard i from rank i;
+              reduce: iteration i computes partial i and reduces it onto
+              rank i.
+  sequential  one all-gather then the ops, or the ops then one
+              reduce-scatter (no overlap; for shapes too small to pay).
+
+With `chunks` c > 1 each shard or partial moves in c row pieces, each
+consumed as soon as it lands. With the `cuda` transport, buffers that peers
+write are allocated `symmetric` and each send names where it lands
+(`into`). The loop's head names the decomposition, chunks, direction and
+transport (and why the transport was not `cuda`, if it was asked for).
+
+    T2 = Set( T0 )   (T0 sharded, T2 stream)     FOR StreamIdx from 1 to 2 (ring, ...):
+    T3 = matmul( T2, T1 )  (T3 stream)      ->     StartCoalescing ... P2PCommunication ...
+"""
+
+from __future__ import annotations
+
+from hostir import ir, layout, printer
+from hostir.container import HostIrContainer
+from hostir.errors import HostIrError
+from hostir.lower.propagate_shardings import is_resharding
+from hostir.schedule import Schedule
+
+
+class DecompositionError(HostIrError, ValueError):
+    """A device axis this pass cannot decompose (mesh, chunks, reduction)."""
+
+
+def decompose_device_axis(container: HostIrContainer) -> HostIrContainer:
+    schedule = container.schedule or Schedule()
+    graph = ir.IdGraph(container.exprs, broadcast=True)
+    result = container.derive()
+    exprs = list(container.exprs)
+    i = 0
+    while i < len(exprs):
+        e = exprs[i]
+        gather = _gather_axis(e, graph)
+        if gather is not None:
+            group, i = _run_of(exprs, i + 1, gather[1], graph)
+            _Builder(result, graph, schedule).gather(e, gather, group)
+            continue
+        reduce = _reduce_run(exprs, i, graph)
+        if reduce is not None:
+            group, red, i = reduce
+            _Builder(result, graph, schedule).reduce(group, red)
+            continue
+        result.push_back(e)
+        i += 1
+    return result
+
+
+# ---------------------------------------------------------------- patterns
+
+
+def walks_device_axis(exprs) -> bool:
+    """Whether `exprs` (a fusion's, before sharding propagation) hold a
+    pattern this pass decomposes, so that a schedule matters."""
+    graph = ir.IdGraph(exprs, broadcast=True)
+    for e in exprs:
+        if _gather_axis(e, graph) is not None:
+            return True
+        if isinstance(e, ir.ReductionOp):
+            s = _stream_axis(e.input)
+            if s is not None and any(graph.mapped(d, s) for d in e.out.device_axes()):
+                return True
+    return False
+
+
+def _stream_axis(tv) -> ir.IterDomain | None:
+    if not isinstance(tv, ir.TensorView):
+        return None
+    axes = tv.stream_axes()
+    return axes[0] if len(axes) == 1 else None
+
+
+def _gather_axis(e, graph) -> tuple[ir.IterDomain, ir.IterDomain] | None:
+    """(x's mesh_x axis, xg's stream axis) if `e` is `xg = set(x)` that
+    gathers the axis the stream walks."""
+    if not isinstance(e, ir.Set) or e.input.mesh is None:
+        return None
+    s = _stream_axis(e.out)
+    if s is None or e.out.device_axes():
+        return None
+    for d in e.input.device_axes():
+        if graph.mapped(d, s):
+            return d, s
+    return None
+
+
+def _run_of(exprs, start, axis, graph) -> tuple[list, int]:
+    """The fusion ops from `start` whose stream axis maps to `axis`."""
+    group = []
+    i = start
+    while i < len(exprs):
+        e = exprs[i]
+        s = _stream_axis(e.outputs()[0]) if isinstance(e, ir.FUSION_OPS) else None
+        if s is None or not graph.mapped(s, axis) or is_resharding(e):
+            break
+        group.append(e)
+        i += 1
+    return group, i
+
+
+def _reduce_run(exprs, start, graph):
+    """(ops, reduction, next index) if the stream ops from `start` end in a
+    reduction of a mesh_x axis whose sharded output axis maps to their
+    stream axis."""
+    e = exprs[start]
+    if not isinstance(e, ir.FUSION_OPS) or is_resharding(e):
+        return None
+    s = _stream_axis(e.outputs()[0])
+    if s is None or e.outputs()[0].mesh is None:
+        return None
+    group, i = _run_of(exprs, start, s, graph)
+    if not group or i >= len(exprs):
+        return None
+    red = exprs[i]
+    if not isinstance(red, ir.ReductionOp) or red.input is not group[-1].out or not is_resharding(red):
+        return None
+    if not any(graph.mapped(d, s) for d in red.out.device_axes()):
+        return None
+    return group, red, i + 1
+
+
+# ---------------------------------------------------------------- building
+
+
+class _Builder:
+    def __init__(self, result: HostIrContainer, graph: ir.IdGraph, schedule: Schedule):
+        self.c = result
+        self.graph = graph
+        self.schedule = schedule
+        # The program's axis each cloned axis stands for (clones are not in the graph).
+        self._origin: dict[ir.IterDomain, ir.IterDomain] = {}
+
+    def _clone(self, d: ir.IterDomain, **changes) -> ir.IterDomain:
+        new = d.clone(self.c)
+        for name, value in changes.items():
+            setattr(new, name, value)
+        self._origin[new] = self._origin.get(d, d)
+        return new
+
+    # -- helpers
+    def _mesh(self, e, tv: ir.TensorView) -> tuple[ir.DeviceMesh, int]:
+        mesh = tv.mesh
+        devices = list(mesh.devices)
+        if mesh.ndim != 1 or devices != list(range(devices[0], devices[0] + len(devices))):
+            raise DecompositionError(
+                f"decomposing a device axis needs a 1-D mesh of consecutive ranks, got {mesh!r}:\n"
+                f"{printer.format_expr_head(e)}"
+            )
+        return mesh, devices[0]
+
+    def _position(self, first: int) -> ir.Scalar:
+        rank = self.c.named_scalar("rank")
+        return rank if first == 0 else rank - first
+
+    @staticmethod
+    def _wrap(pos: ir.Scalar, D: int) -> ir.Scalar:
+        return ir.ScalarExpr("%", pos, ir.Scalar.constant(D))
+
+    def _rank_at(self, position: ir.Scalar, first: int) -> ir.Scalar:
+        return position if first == 0 else position + first
+
+    def _axis_of(self, tv: ir.TensorView, axis: ir.IterDomain) -> ir.IterDomain | None:
+        axis = self._origin.get(axis, axis)
+        for d in tv.domain:
+            if not d.is_reduction and self.graph.mapped(self._origin.get(d, d), axis):
+                return d
+        return None
+
+    def _select(self, body: list, tv: ir.TensorView, axis: ir.IterDomain, index: ir.Scalar) -> ir.TensorView:
+        domain = [self._serial(d) for d in tv.domain if d is not axis]
+        piece = ir.TensorView(self.c, domain, tv.dtype, ir.MemoryType.local, mesh=tv.mesh)
+        body.append(ir.HirAliasSelect(piece, tv, axis, index))
+        return piece
+
+    def _chunk(self, body: list, tv: ir.TensorView, axis: ir.IterDomain, index, parts: int) -> ir.TensorView:
+        if parts == 1:
+            return tv
+        at = tv.domain.index(axis)
+        domain = [self._clone(d) for d in tv.domain]
+        rows = axis.extent
+        if rows.is_constant:
+            if rows.value % parts:
+                raise DecompositionError(
+                    f"axis {printer.format_id(axis)} of {printer.format_tv(tv)}: extent {rows.value} "
+                    f"does not split into {parts} chunks per peer"
+                )
+            domain[at].extent = ir.Scalar.constant(rows.value // parts)
+        else:
+            domain[at].extent = ir.ScalarExpr("/", rows, ir.Scalar.constant(parts))
+            origin = self._origin.get(axis, axis)
+            where = f"axis {printer.format_id(origin)} (the rows a decomposition cuts into chunks)"
+            if not any(x is rows and p == parts for x, p, _ in self.c.chunked):
+                self.c.chunked.append((rows, parts, where))
+        piece = ir.TensorView(self.c, domain, tv.dtype, ir.MemoryType.local, mesh=tv.mesh)
+        body.append(ir.HirAliasChunk(piece, tv, axis, index, parts))
+        return piece
+
+    def _row_axis(self, tv: ir.TensorView, skip: ir.IterDomain) -> ir.IterDomain:
+        """The axis chunks split: the first iteration axis after the walked one."""
+        for d in tv.domain:
+            if d is skip or d.is_reduction or d.is_broadcast or d.is_device_parallel:
+                continue
+            if d.parallel_type is ir.ParallelType.stream:
+                continue
+            return d
+        raise DecompositionError(f"{printer.format_tv(tv)} has no axis to split into chunks")
+
+    def _transport(self) -> str:
+        asked = self.schedule.transport
+        return asked if asked is not None else self.c.backend
+
+    def _head(self, kind: str) -> str:
+        s = self.schedule
+        parts = [kind]
+        if kind != "sequential":
+            parts.append(f"chunks={s.chunks}")
+        if kind == "ring":
+            parts.append(f"direction={'+1' if s.direction > 0 else '-1'}")
+            parts.append(f"transport={self._transport()}")
+        if s.note:
+            parts.append(s.note)
+        return ", ".join(parts)
+
+    def _pipeline(self, start: int, stop: int, make_body, head: str, local_first=None, local_last=None):
+        """GetCurrentStream; a loop making every worker wait for the caller;
+        `local_first` on the caller; the work loop on the workers; then
+        `local_last` on the caller."""
+        caller = ir.Stream(self.c)
+        n = self.c.named_scalar("numberOfStreams")
+        self.c.push_back(ir.GetCurrentStream(caller))
+        sync_index = ir.Scalar(label="StreamIdx")
+        worker = ir.Stream(self.c, index=sync_index % n)
+        self.c.push_back(
+            ir.ForLoop(
+                sync_index,
+                ir.Scalar.constant(start),
+                ir.Scalar.constant(stop),
+                [ir.SetCurrentStream(worker), ir.Synchronize(caller)],
+            )
+        )
+        if local_first is not None:
+            for e in local_first:
+                self.c.push_back(e)
+        index = ir.Scalar(label="StreamIdx")
+        worker = ir.Stream(self.c, index=index % n)
+        body = [ir.SetCurrentStream(worker), *make_body(index), ir.SetCurrentStream(caller), ir.Synchronize(worker)]
+        self.c.push_back(
+            ir.ForLoop(index, ir.Scalar.constant(start), ir.Scalar.constant(stop), body, schedule=head)
+        )
+        if local_last is not None:
+            for e in local_last:
+                self.c.push_back(e)
+
+    def _step_and_chunk(self, index: ir.Scalar) -> tuple[ir.Scalar, ir.Scalar]:
+        c = self.schedule.chunks
+        if c == 1:
+            return index, ir.Scalar.constant(0)
+        return ir.ScalarExpr("/", index, ir.Scalar.constant(c)), index % c
+
+    def _ops_on(self, body: list, group: list, axis: ir.IterDomain, index, chunk, row_ref, replace=None) -> list:
+        """`group`'s ops on the slice `index` (and chunk) of every operand
+        and output mapped to `axis`; `replace` maps a tensor to the piece to
+        use for it (already sliced)."""
+        pieces = dict(replace or {})
+        parts = self.schedule.chunks
+        for e in group:
+            changes = {}
+            for field in e.INPUTS + e.OUTPUTS:
+                tv = getattr(e, field)
+                if not isinstance(tv, ir.TensorView):
+                    continue
+                if tv in pieces:
+                    changes[field] = pieces[tv]
+                    continue
+                a = self._axis_of(tv, axis)
+                if a is None:
+                    continue
+                piece = self._select(body, tv, a, ir.Scalar.constant(0) if a.is_broadcast else index)
+                row = self._axis_of(piece, row_ref) if parts > 1 else None
+                if row is not None:
+                    piece = self._chunk(body, piece, row, chunk, parts)
+                pieces[tv] = changes[field] = piece
+            body.append(e.replace(**changes))
+        return body
+
+    def _serial(self, d: ir.IterDomain) -> ir.IterDomain:
+        """A clone of `d`, serial where `d` is stream-parallel."""
+        if d.parallel_type is ir.ParallelType.stream:
+            return self._clone(d, parallel_type=ir.ParallelType.serial)
+        return self._clone(d)
+
+    def _serial_alias(self, tv: ir.TensorView) -> ir.TensorView:
+        domain = [self._serial(d) for d in tv.domain]
+        alias = ir.TensorView(self.c, domain, tv.dtype, ir.MemoryType.global_, mesh=tv.mesh)
+        self.c.mark_alias(tv, alias)
+        return alias
+
+    def _comm(self, type_, out, input, team, root=None, red_op=None, schedule=None):
+        return ir.Communication(
+            self.c.next_name("comm"), type_, out, input, tuple(team), root=root, red_op=red_op,
+            backend=self.c.backend, schedule=schedule,
+        )
+
+    def _p2p(self, type_, buffer, peer, into=None):
+        return ir.P2PCommunication(self.c.next_name("comm"), type_, buffer, peer, backend=self._transport(), into=into)
+
+    def _exchange(self, body, send, to, recv, frm, into):
+        """Send `send` to `to` and receive `recv` from `frm` as one group."""
+        cuda = self._transport() == "cuda"
+        posts = [self._p2p("send", send, to, into if cuda else None), self._p2p("recv", recv, frm)]
+        end = ir.EndCoalescing(self.c.next_name("comm"))
+        body += [ir.StartCoalescing(), *posts, end, ir.Wait(end)]
+
+    # -- the gather side
+    def gather(self, set_op: ir.Set, axes, group: list) -> None:
+        dx, s = axes
+        x, xg = set_op.input, set_op.out
+        mesh, first = self._mesh(set_op, x)
+        D = mesh.size
+        kind = self.schedule.decomposition
+        outs = [xg] + [e.out for e in group]
+        if kind == "sequential":
+            for tv in outs:
+                self.c.push_back(ir.Allocate(tv, ir.MemoryType.global_))
+            flat = {tv: self._serial_alias(tv) for tv in outs}
+            comm = self._comm(ir.CommunicationType.Allgather, flat[xg], x, mesh.devices, schedule=self._head("sequential"))
+            self.c.push_back(comm)
+            self.c.push_back(ir.Wait(comm))
+            for e in group:
+                changes = {f: flat[getattr(e, f)] for f in e.INPUTS + e.OUTPUTS if getattr(e, f) in flat}
+                self.c.push_back(e.replace(**changes))
+            return
+        symmetric = kind == "ring" and self._transport() == "cuda"
+        self.c.push_back(ir.Allocate(xg, ir.MemoryType.symmetric if symmetric else ir.MemoryType.global_))
+        for tv in outs[1:]:
+            self.c.push_back(ir.Allocate(tv, ir.MemoryType.global_))
+        parts = self.schedule.chunks
+        row_ref = self._row_axis(xg, s)
+        # This rank's shard, without its size-1 mesh_x axis.
+        local: list = []
+        xl = self._select(local, x, dx, ir.Scalar.constant(0))
+        xl_row = self._axis_of(xl, row_ref) if parts > 1 else None
+        if parts > 1 and xl_row is None:
+            raise DecompositionError(f"{printer.format_tv(x)} has no axis matching the chunked rows")
+        pos = self._position(first)
+        if kind == "collective":
+            for e in local:
+                self.c.push_back(e)
+
+            def body_of(index):
+                body: list = []
+                step, chunk = self._step_and_chunk(index)
+                slot = self._select(body, xg, s, step)
+                if parts > 1:
+                    slot = self._chunk(body, slot, self._axis_of(slot, row_ref), chunk, parts)
+                mine = self._chunk(body, xl, xl_row, chunk, parts) if parts > 1 else xl
+                comm = self._comm(
+                    ir.CommunicationType.Broadcast, slot, mine, mesh.devices, root=self._rank_at(step, first)
+                )
+                body += [comm, ir.Wait(comm)]
+                return self._ops_on(body, group, s, step, chunk, row_ref, {xg: slot})
+
+            self._pipeline(0, D * parts, body_of, self._head("collective"))
+            return
+        # ring: the local shard is copied into its slot and computed first.
+        mine_slot = self._select(local, xg, s, pos)
+        local.append(ir.Set(mine_slot, xl))
+        saved, self.schedule = self.schedule, self.schedule.with_chunks(1)
+        self._ops_on(local, group, s, pos, ir.Scalar.constant(0), row_ref, {xg: mine_slot})
+        self.schedule = saved
+        d = self.schedule.direction
+
+        def body_of(index):
+            body: list = []
+            step, chunk = self._step_and_chunk(index)
+            frm = self._wrap(pos + step if d > 0 else pos - step, D)
+            to = self._wrap(pos - step if d > 0 else pos + step, D)
+            slot = self._select(body, xg, s, frm)
+            send, into = xl, mine_slot
+            if parts > 1:
+                slot = self._chunk(body, slot, self._axis_of(slot, row_ref), chunk, parts)
+                send = self._chunk(body, xl, xl_row, chunk, parts)
+                into = self._chunk(body, mine_slot, self._axis_of(mine_slot, row_ref), chunk, parts)
+            self._exchange(body, send, self._rank_at(to, first), slot, self._rank_at(frm, first), into)
+            return self._ops_on(body, group, s, frm, chunk, row_ref, {xg: slot})
+
+        self._pipeline(parts, D * parts, body_of, self._head("ring"), local_first=local)
+
+    # -- the reduce side
+    def reduce(self, group: list, red: ir.ReductionOp) -> None:
+        c = red.input
+        s = _stream_axis(c)
+        mesh, first = self._mesh(red, c)
+        D = mesh.size
+        kind = self.schedule.decomposition
+        y = red.out
+        if len(layout.reduced_dims(red.out)) != 1:
+            raise DecompositionError(
+                f"a decomposed reduce-scatter reduces exactly the mesh_x axis:\n{printer.format_expr_head(red)}"
+            )
+        (dy,) = [d for d in y.device_axes() if self.graph.mapped(d, s)]
+        inner = [e.out for e in group]
+        if kind == "sequential":
+            for tv in inner:
+                self.c.push_back(ir.Allocate(tv, ir.MemoryType.global_))
+            flat = {tv: self._serial_alias(tv) for tv in inner}
+            for e in group:
+                changes = {f: flat[getattr(e, f)] for f in e.INPUTS + e.OUTPUTS if getattr(e, f) in flat}
+                self.c.push_back(e.replace(**changes))
+            self.c.push_back(ir.Allocate(y, ir.MemoryType.global_))
+            comm = self._comm(
+                ir.CommunicationType.ReduceScatter, y, flat[c], mesh.devices, red_op=red.kind,
+                schedule=self._head("sequential"),
+            )
+            self.c.push_back(comm)
+            self.c.push_back(ir.Wait(comm))
+            return
+        for tv in inner:
+            self.c.push_back(ir.Allocate(tv, ir.MemoryType.global_))
+        self.c.push_back(ir.Allocate(y, ir.MemoryType.global_))
+        parts = self.schedule.chunks
+        row_ref = self._row_axis(c, s)
+        pos = self._position(first)
+        # y without its size-1 mesh_x axis: what this rank keeps.
+        top: list = []
+        mine_out = self._select(top, y, dy, ir.Scalar.constant(0))
+        mine_row = self._axis_of(mine_out, row_ref) if parts > 1 else None
+        for e in top:
+            self.c.push_back(e)
+        if kind == "collective":
+
+            def body_of(index):
+                body: list = []
+                step, chunk = self._step_and_chunk(index)
+                self._ops_on(body, group, s, step, chunk, row_ref)
+                partial = next(b.out for b in reversed(body) if isinstance(b, ir.FUSION_OPS))
+                target = self._chunk(body, mine_out, mine_row, chunk, parts) if parts > 1 else mine_out
+                comm = self._comm(
+                    ir.CommunicationType.Reduce, target, partial, mesh.devices,
+                    root=self._rank_at(step, first), red_op=red.kind,
+                )
+                body += [comm, ir.Wait(comm)]
+                return body
+
+            self._pipeline(0, D * parts, body_of, self._head("collective"))
+            return
+        # ring: slots receive the peers' partials; the local one lands in its own slot.
+        slot_domain = [self._serial(d) for d in c.domain]
+        at = c.domain.index(s)
+        slots = ir.TensorView(self.c, slot_domain, c.dtype, ir.MemoryType.global_, mesh=c.mesh)
+        symmetric = self._transport() == "cuda"
+        self.c.push_back(ir.Allocate(slots, ir.MemoryType.symmetric if symmetric else ir.MemoryType.global_))
+        slot_axis = slot_domain[at]
+        pre: list = []
+        mine_slot = self._select(pre, slots, slot_axis, pos)
+        for e in pre:
+            self.c.push_back(e)
+        d = self.schedule.direction
+
+        def body_of(index):
+            body: list = []
+            step, chunk = self._step_and_chunk(index)
+            frm = self._wrap(pos + step if d > 0 else pos - step, D)
+            to = self._wrap(pos - step if d > 0 else pos + step, D)
+            self._ops_on(body, group, s, to, chunk, row_ref)
+            partial = next(b.out for b in reversed(body) if isinstance(b, ir.FUSION_OPS))
+            recv = self._select(body, slots, slot_axis, frm)
+            into = mine_slot
+            if parts > 1:
+                recv = self._chunk(body, recv, self._axis_of(recv, row_ref), chunk, parts)
+                into = self._chunk(body, mine_slot, self._axis_of(mine_slot, row_ref), chunk, parts)
+            self._exchange(body, partial, self._rank_at(to, first), recv, self._rank_at(frm, first), into)
+            return body
+
+        # The local partial last, straight into its slot, while the last pieces move.
+        last: list = []
+        saved, self.schedule = self.schedule, self.schedule.with_chunks(1)
+        self._ops_on(last, group, s, pos, ir.Scalar.constant(0), row_ref, {c: mine_slot})
+        self.schedule = saved
+        # One reduction over the slots into this rank's piece of y (y's buffer).
+        kept = [self._clone(x) for x in slot_domain if not x.is_reduction]
+        kept[at] = ir.IterDomain(self.c, slot_axis.extent, ir.IterType.reduction)
+        y_slots = ir.TensorView(self.c, kept, y.dtype, ir.MemoryType.global_, mesh=y.mesh)
+        self.c.mark_alias(y, y_slots)
+        last.append(ir.ReductionOp(y_slots, red.kind, slots))
+        self._pipeline(parts, D * parts, body_of, self._head("ring"), local_last=last)

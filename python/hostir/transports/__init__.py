@@ -1,0 +1,76 @@
+"""Collectives and point-to-point communications behind one `post(...)`.
+
+The evaluator asks for a communication, handing over the run's frame; the
+transport the op names (`backend=` in the dump: NCCL, gloo or cuda)
+translates it, each in one module: `torch_dist` for NCCL and gloo, `cuda`
+for copy-engine pushes into memory that peers map. A root given as a scalar (a loop index) is resolved here,
+once, for every transport. Importing this package needs no CUDA.
+"""
+
+from __future__ import annotations
+
+from hostir import ir
+from hostir.transports.base import (
+    NoWork,
+    Posted,
+    Transport,
+    TransportError,
+    TransportUnsupported,
+    TransportUsageError,
+)
+from hostir.transports.torch_dist import TorchDistTransport
+
+__all__ = [
+    "NoWork",
+    "Posted",
+    "Transport",
+    "TransportError",
+    "TransportUnsupported",
+    "TransportUsageError",
+    "allocate",
+    "end_coalescing",
+    "post",
+    "post_p2p",
+    "transport_for",
+]
+
+_TORCH = {"NCCL": TorchDistTransport("NCCL"), "gloo": TorchDistTransport("gloo")}
+
+
+def transport_for(frame, backend: str) -> Transport:
+    """The transport of `backend` for the frame's communicator."""
+    found = _TORCH.get(backend)
+    if found is not None:
+        return found
+    if backend == "cuda":
+        from hostir.transports import cuda
+
+        return cuda.for_communicator(frame.communicator)
+    raise TransportUsageError(f"unknown backend {backend!r}; expected NCCL, gloo or cuda")
+
+
+def resolve_root(frame, e: ir.Communication) -> int | None:
+    """The root as a global rank (a scalar root is evaluated now)."""
+    if e.root is None:
+        return None
+    root = int(frame.get(e.root)) if isinstance(e.root, ir.Scalar) else int(e.root)
+    if root not in e.team:
+        raise TransportUsageError(f"root {root} is not in team {e.team}")
+    return root
+
+
+def post(frame, e: ir.Communication, group) -> Posted:
+    return transport_for(frame, e.backend).post(frame, e, group, resolve_root(frame, e))
+
+
+def post_p2p(frame, e: ir.P2PCommunication, buf, peer: int, ops: list | None) -> Posted:
+    return transport_for(frame, e.backend).post_p2p(frame, e, buf, peer, ops)
+
+
+def end_coalescing(frame, backend: str, ops: list) -> Posted:
+    return transport_for(frame, backend).end_coalescing(frame, ops)
+
+
+def allocate(frame, tv: ir.TensorView, shape):
+    """A buffer for `tv` in memory a transport owns (symmetric memory)."""
+    return transport_for(frame, "cuda").allocate(frame, tv, shape)
