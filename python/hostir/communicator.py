@@ -7,10 +7,12 @@ a `LaunchError` that names the variables. `Communicator` builds the
 `torch.distributed` state on top of that: the default group over an explicit
 rendezvous store, one process group per team of ranks (created by every rank
 in one deterministic order), and a gloo control group for metadata agreement
-that data collectives never share. Every group carries a timeout, and
-`classify_error` turns the timeouts and lost peers that gloo reports into
-`CommunicatorTimeout` and `PeerLostError`, so a rank that skips a collective or
-dies ends in an error on the others, never a hang.
+that data collectives never share. Before the first group of a multi-process
+job it picks the network interface gloo binds to (`hostir.network`), so ranks
+on several nodes reach each other rather than their own loopback. Every group
+carries a timeout, and `classify_error` turns the timeouts and lost peers that
+gloo reports into `CommunicatorTimeout` and `PeerLostError`, so a rank that
+skips a collective or dies ends in an error on the others, never a hang.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import atexit
 import hashlib
 import inspect
 import itertools
+import logging
 import math
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hostir.errors import HostIrError
+from hostir.network import GLOO_IFNAME, GlooInterface, InterfaceError, choose_gloo_interface
 
 __all__ = [
     "LAUNCHER_VARIABLES",
@@ -97,8 +102,8 @@ class _Launcher:
     size: str
     local_rank: str
     local_size: str
-    # MPICH's hydra does not always export MPI_LOCALRANKID; its rank is then
-    # the best guess (right for the common single-node run).
+    # MPICH's hydra does not always export MPI_LOCALRANKID, nor does srun
+    # --mpi=pmi2: see _local_rank_fallback.
     local_rank_defaults_to_rank: bool = False
 
 
@@ -160,7 +165,7 @@ def _read_launcher(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo:
             f"{launcher.rank}={rank} is out of range for {launcher.size}={size} (ranks 0..{size - 1})"
         )
     if local is None and launcher.local_rank_defaults_to_rank:
-        local = rank
+        local, local_size = _local_rank_fallback(env, launcher, rank, size, local_size)
     if local is None and size > 1:
         raise LaunchError(
             f"{launcher.local_rank} is missing ({launcher.rank}={rank}, {launcher.size}={size}); "
@@ -171,6 +176,25 @@ def _read_launcher(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo:
         bound = "" if local_size is None else f" for {launcher.local_size}={local_size}"
         raise LaunchError(f"{launcher.local_rank}={local} is out of range{bound}")
     return LaunchInfo(rank, size, local, local_size, launcher.source)
+
+
+def _local_rank_fallback(
+    env: Mapping[str, str], launcher: _Launcher, rank: int, size: int, local_size: int | None
+) -> tuple[int, int | None]:
+    """The local rank (and local size) of an MPICH process without
+    MPI_LOCALRANKID. `srun --mpi=pmi2` starts such processes on every node
+    of an allocation: Slurm's variables describe the same process when its
+    rank matches, and count from 0 on each node. Otherwise the rank stands
+    in, which is right only where every rank shares one node."""
+    if _int_variable(env, _SLURM.rank) == rank and _SLURM.local_rank in env:
+        return _int_variable(env, _SLURM.local_rank), local_size if local_size is not None else _local_size(env, _SLURM)
+    if local_size is not None and local_size < size:
+        raise LaunchError(
+            f"{launcher.local_rank} is missing while {launcher.local_size}={local_size} of "
+            f"{launcher.size}={size} says the job spans several nodes, so {launcher.rank}={rank} cannot "
+            f"stand in for the local rank; set {launcher.local_rank} (it picks this process's GPU)"
+        )
+    return rank, local_size
 
 
 def _local_size(env: Mapping[str, str], launcher: _Launcher) -> int | None:
@@ -229,8 +253,10 @@ def discover(
     (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE). With
     nothing set this is the only process. A set counts as present when its rank
     or size variable is; it must then be complete, integer and in range. The
-    local rank is required when the world size is above 1, except under MPICH,
-    whose rank stands in when MPI_LOCALRANKID is absent. Complete torchrun and
+    local rank is required when the world size is above 1, except under MPICH:
+    without MPI_LOCALRANKID, Slurm's SLURM_LOCALID serves when Slurm describes
+    the same rank (srun --mpi=pmi2), else the rank stands in unless
+    MPI_LOCALNRANKS shows the job spans nodes. Complete torchrun and
     MPI sets that disagree on rank or size are an error. Slurm is read only
     when no torchrun or MPI set is present: sbatch exports SLURM_* into every
     step, including an mpirun run inside the allocation.
@@ -269,9 +295,19 @@ def _resolve_timeout(timeout: float | None) -> float:
     return _positive_seconds(value, "HOSTIR_TIMEOUT")
 
 
-def _resolve_rendezvous(addr: str | None, port: int | None) -> tuple[str, int]:
+def _resolve_rendezvous(addr: str | None, port: int | None, launch: LaunchInfo) -> tuple[str, int]:
     if addr is None:
-        addr = os.environ.get("HOSTIR_MASTER_ADDR") or os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
+        addr = os.environ.get("HOSTIR_MASTER_ADDR") or os.environ.get("MASTER_ADDR")
+    if addr is None:
+        # The loopback default reaches rank 0 only from rank 0's node: a
+        # launch that spans nodes must name rank 0's address.
+        if launch.local_size is not None and launch.local_size < launch.world_size:
+            raise LaunchError(
+                f"{launch.source} places {launch.local_size} of the {launch.world_size} processes on this node, "
+                f"so the job spans several nodes, but no rendezvous address is set: set HOSTIR_MASTER_ADDR "
+                f"(or MASTER_ADDR) on every rank to an address of rank 0's node that every node reaches"
+            )
+        addr = DEFAULT_MASTER_ADDR
     if port is not None:
         return addr, _port(port, "master_port")
     for name in ("HOSTIR_MASTER_PORT", "MASTER_PORT"):
@@ -290,6 +326,23 @@ def _port(value: object, name: str) -> int:
     return port
 
 
+def _choose_interface(addr: str, port: int) -> GlooInterface:
+    """Pick gloo's interface (see hostir.network) and export it to this
+    process's GLOO_SOCKET_IFNAME, which gloo reads as each group is made."""
+    try:
+        chosen = choose_gloo_interface(addr, port, os.environ)
+    except InterfaceError as exc:
+        raise LaunchError(f"{exc}; set it to the interface through which this node reaches the others") from None
+    except OSError as exc:
+        raise LaunchError(
+            f"this node cannot route to the rendezvous address {addr}:{port} ({exc}); set HOSTIR_MASTER_ADDR "
+            f"(or MASTER_ADDR) on every rank to an address of rank 0's node that every node reaches"
+        ) from exc
+    if chosen.name is not None and not os.environ.get(GLOO_IFNAME):
+        os.environ[GLOO_IFNAME] = chosen.name
+    return chosen
+
+
 def _resolve_backend(backend: str | None) -> str:
     if backend is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -301,16 +354,31 @@ def _resolve_backend(backend: str | None) -> str:
 
 
 def _resolve_device(backend: str, launch: LaunchInfo) -> torch.device:
+    """The rank's device: the CPU under gloo, else GPU `local_rank` of those
+    this process sees, or its only one where the launcher gave each rank a
+    GPU of its own through CUDA_VISIBLE_DEVICES (`srun --gpus-per-task=1`)."""
     if backend == "gloo":
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
-    if launch.local_rank >= gpus:
-        processes = f"at least {launch.local_rank + 1}" if launch.local_size is None else launch.local_size
-        raise LaunchError(
-            f"{processes} processes on this node (local rank {launch.local_rank}) "
-            f"but only {gpus} GPUs are visible"
-        )
-    return torch.device("cuda", launch.local_rank)
+    if launch.local_rank < gpus:
+        return torch.device("cuda", launch.local_rank)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus == 1 and visible.strip() and "," not in visible:
+        return torch.device("cuda", 0)
+    processes = f"at least {launch.local_rank + 1}" if launch.local_size is None else launch.local_size
+    raise LaunchError(
+        f"{processes} processes on this node (local rank {launch.local_rank}) "
+        f"but only {gpus} GPUs are visible (CUDA_VISIBLE_DEVICES={visible or 'unset'})"
+    )
+
+
+def shared_gpus(uuids: list[str]) -> dict[str, list[int]]:
+    """The GPUs that more than one rank would use: UUID -> ranks, given each
+    rank's GPU UUID in rank order."""
+    ranks: dict[str, list[int]] = {}
+    for rank, uuid in enumerate(uuids):
+        ranks.setdefault(uuid, []).append(rank)
+    return {uuid: members for uuid, members in ranks.items() if len(members) > 1}
 
 
 _NEW_GROUP_SORTS = "sort_ranks" in inspect.signature(dist.new_group).parameters
@@ -378,16 +446,42 @@ _generation = itertools.count()
 # Communicator must not connect to a server that a slower rank 0 is about to
 # close, so the store outlives communicators and each generation gets a fresh
 # PrefixStore on it.
-_stores: dict[tuple[str, int, int, int], dist.TCPStore] = {}
+_stores: dict[tuple[str, int, int, int], dist.Store] = {}
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
+_log = logging.getLogger("hostir.communicator")
+# How often a rank waiting at the rendezvous says so.
+RENDEZVOUS_LOG_SECONDS = 10.0
 
-def _tcp_store(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TCPStore:
+
+def _launcher_store() -> tuple[str, int, str] | None:
+    """The address, port and key prefix of the store a torchrun agent runs
+    for its workers (TORCHELASTIC_USE_AGENT_STORE), or None: every rank then
+    joins it as a client, as torch's own env:// rendezvous does."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("HOSTIR_MASTER_ADDR") or os.environ.get("HOSTIR_MASTER_PORT"):
+        return None  # the user chose a rendezvous of hostir's own
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return addr, _port(port, "MASTER_PORT"), f"/worker/attempt_{attempt}"
+
+
+def _tcp_store(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.Store:
     key = (addr, port, launch.world_size, launch.rank)
     if key in _stores:
         return _stores[key]
+    agent = _launcher_store()
     try:
-        store = _connect(addr, port, launch, timeout) if launch.rank else _listen(addr, port, launch, timeout)
+        if agent is not None:
+            addr, port, prefix = agent
+            store: dist.Store = dist.PrefixStore(prefix, _connect(addr, port, launch, timeout, "the torchrun agent"))
+        elif launch.rank:
+            store = _connect(addr, port, launch, timeout, "rank 0")
+        else:
+            store = _listen(addr, port, launch, timeout)
     except LaunchError:
         raise
     except Exception as exc:
@@ -397,7 +491,11 @@ def _tcp_store(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist
 
 
 def _listen(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TCPStore:
-    return dist.TCPStore(addr, port, launch.world_size, is_master=True, timeout=timedelta(seconds=timeout))
+    # The other ranks' arrival is awaited in `_await_ranks`, which says
+    # whom it waits for.
+    return dist.TCPStore(
+        addr, port, launch.world_size, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+    )
 
 
 # How long past its own timeout a client store may take to answer: it only
@@ -405,7 +503,7 @@ def _listen(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TC
 _CONNECT_GRACE = 5.0
 
 
-def _connect(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TCPStore:
+def _connect(addr: str, port: int, launch: LaunchInfo, timeout: float, server: str) -> dist.TCPStore:
     # A client TCPStore whose server accepts the connection but never answers
     # (the port belongs to another program) blocks forever, whatever its
     # timeout; so it connects on a daemon thread that is abandoned if late.
@@ -421,16 +519,52 @@ def _connect(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.T
 
     thread = threading.Thread(target=connect, name="hostir-rendezvous", daemon=True)
     thread.start()
-    thread.join(timeout + _CONNECT_GRACE)
+    start = time.monotonic()
+    limit = timeout + _CONNECT_GRACE
+    while thread.is_alive() and time.monotonic() - start < limit:
+        thread.join(min(RENDEZVOUS_LOG_SECONDS, limit - (time.monotonic() - start)))
+        if thread.is_alive() and time.monotonic() - start < limit:
+            _log.warning(
+                "rank %d has waited %.0f s at the rendezvous %s:%d for %s to answer",
+                launch.rank, time.monotonic() - start, addr, port, server,
+            )  # fmt: skip
     if "error" in outcome:
         raise outcome["error"]
     if "store" in outcome:
         return outcome["store"]
     raise LaunchError(
         f"rank {launch.rank} connected to {addr}:{port} but got no rendezvous answer within "
-        f"{timeout + _CONNECT_GRACE:g} s: another program may hold the port; set HOSTIR_MASTER_PORT "
+        f"{limit:g} s: another program may hold the port; set HOSTIR_MASTER_PORT "
         f"to a free port (the same on every rank)"
     )
+
+
+def _await_ranks(store: dist.Store, launch: LaunchInfo, timeout: float, where: str) -> None:
+    """Mark this rank arrived in `store` (a generation's prefix store) and
+    wait until every rank has, saying every RENDEZVOUS_LOG_SECONDS whom it
+    still waits for; a LaunchError names them after `timeout` seconds."""
+    store.set(f"arrived/{launch.rank}", "1")
+    keys = [f"arrived/{r}" for r in range(launch.world_size)]
+    start = time.monotonic()
+    next_log = RENDEZVOUS_LOG_SECONDS
+    pause = 0.001
+    while not store.check(keys):
+        waited = time.monotonic() - start
+        if waited >= next_log or waited >= timeout:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            if waited >= timeout:
+                raise LaunchError(
+                    f"rank {launch.rank} could not complete the rendezvous on {where} within {timeout:g} s: "
+                    f"ranks {missing} of {launch.world_size} never arrived (did they start, and do they use "
+                    f"the same HOSTIR_MASTER_ADDR/HOSTIR_MASTER_PORT?)"
+                )
+            _log.warning(
+                "rank %d has waited %.0f s at the rendezvous %s for ranks %s of %d",
+                launch.rank, waited, where, missing, launch.world_size,
+            )  # fmt: skip
+            next_log += RENDEZVOUS_LOG_SECONDS
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def _rendezvous_error(
@@ -475,7 +609,7 @@ class Communicator:
         self.launch = discover() if launch is None else launch
         self.backend = _resolve_backend(backend)
         self.timeout = _resolve_timeout(timeout)
-        self.master_addr, self.master_port = _resolve_rendezvous(master_addr, master_port)
+        self.master_addr, self.master_port = _resolve_rendezvous(master_addr, master_port, self.launch)
         self.device = _resolve_device(self.backend, self.launch)
         self.rank = self.launch.rank
         self.world_size = self.launch.world_size
@@ -496,6 +630,11 @@ class Communicator:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._owns_default = not dist.is_initialized()
+        # The interface this rank's gloo groups bind to; None where the
+        # caller made the default group (its groups keep the caller's choice).
+        self.interface: GlooInterface | None = None
+        if self._owns_default and self.world_size > 1:
+            self.interface = _choose_interface(self.master_addr, self.master_port)
         if self._owns_default:
             self._init_default_group()
         else:
@@ -507,9 +646,25 @@ class Communicator:
         _live.add(self)
         try:
             self._control = self._new_group(None, backend="gloo")
+            if self.device.type == "cuda" and self.world_size > 1:
+                self._check_gpus_distinct()
         except BaseException:
             self.shutdown()
             raise
+
+    def _check_gpus_distinct(self) -> None:
+        """Every rank must drive a GPU of its own: NCCL cannot run two ranks
+        on one. Local ranks pick the GPUs, so a launch whose local ranks or
+        CUDA_VISIBLE_DEVICES repeat on a node would share one; the GPUs'
+        UUIDs show it on every rank at once, before any collective."""
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        shared = shared_gpus(self.all_gather_object(uuid))
+        if shared:
+            groups = "; ".join(f"ranks {', '.join(map(str, ranks))} on GPU {gpu}" for gpu, ranks in shared.items())
+            raise LaunchError(
+                f"ranks would share a GPU ({groups}): each rank needs its own; check that local ranks "
+                f"count from 0 on every node and that CUDA_VISIBLE_DEVICES does not give two ranks one GPU"
+            )
 
     def _init_default_group(self) -> None:
         if self.world_size == 1:
@@ -519,6 +674,8 @@ class Communicator:
                 f"hostir/{next(_generation)}",
                 _tcp_store(self.master_addr, self.master_port, self.launch, self.timeout),
             )
+            where = "the torchrun agent's store" if _launcher_store() else f"{self.master_addr}:{self.master_port}"
+            _await_ranks(store, self.launch, self.timeout, where)
         dist.init_process_group(
             backend=_PG_BACKEND[self.backend],
             store=store,

@@ -114,6 +114,15 @@ class HostIrEvaluator:
         for e in container.walk():
             if isinstance(e, ir.HirAliasChunk) and e.input in self.slice_dim:
                 self.slice_dim[e.out] = self.slice_dim[e.input]
+        # For each compute op, the operand axes it reads this rank's slice
+        # of (replicated where its output is sharded).
+        sliced = set(self.slice_dim)
+        multi_device = bool(container.meshes())
+        self.local_slices = {
+            id(e): _local_slices(e)
+            for e in container.walk()
+            if multi_device and isinstance(e, ir.COMPUTE_OPS) and not sliced & set(e.inputs() + e.outputs())
+        }
         self.listeners: list[Callable[[Any], None]] = []
         # Numbers the runs, for the call parity of each frame.
         self.calls = itertools.count()
@@ -138,6 +147,7 @@ class HostIrEvaluator:
         caller = self.streams.current()
         try:
             frame.run_scope(self.container.exprs)
+            frame.complete_pending()
             return [frame.output(tv) for tv in self.container.outputs]
         finally:
             for stream in frame.used_streams:
@@ -235,6 +245,20 @@ class Frame:
         self.values[self.evaluator.alias.get(val, val)] = value
 
     # -- running
+    def complete_pending(self) -> None:
+        """Wait for every communication posted without a `Wait` (a send
+        nobody waits on): a run never ends with a message in flight, which
+        its peer would otherwise miss. Each wait has the communicator's
+        timeout."""
+        while self.works:
+            target = next(iter(self.works))
+            try:
+                _wait(self, ir.Wait(target))
+            except (CommunicatorTimeout, PeerLostError) as err:
+                raise type(err)(
+                    f"{err}\nWhile completing, at the end of the run:\n{printer.format_expr_head(target)}"
+                ) from err
+
     def run_scope(self, exprs) -> None:
         listeners = self.evaluator.listeners
         for e in exprs:
@@ -318,7 +342,7 @@ class Frame:
                         f"each rank holds size 1 of it, got {size}"
                     )
                 if first.parent is None:
-                    self._bind_size(tv, i, first.extent, tv.mesh.x_size)
+                    self._bind_size(tv, i, first.extent, tv.mesh.size_along(first.parallel_type))
                 continue
             axis = layout.logical_axis(first)
             self._bind_size(tv, i, axis.extent, layout.global_extent(axis, size))
@@ -427,7 +451,122 @@ def _deallocate(frame: Frame, e: ir.Deallocate) -> None:
     frame.bind(e.buffer, None)
 
 
-# ---------------------------------------------------------------- compute ops
+# ---------------------------------------------------------------- local layouts
+#
+# A rank holds each tensor in its loop layout (a split axis as its pieces,
+# a sharded piece with size 1). Compute ops run torch on the logical layout
+# (one dim per logical axis, of this rank's size) and put the result back
+# in the output's loop layout; both are views of the same memory. An
+# operand axis replicated where the output is sharded is first cut to this
+# rank's slice.
+
+
+def _local_slices(e: ir.Expr) -> dict[int, list]:
+    """operand id -> [(logical position, output axis)] to slice."""
+    if isinstance(e, ir.Set):
+        return {}
+    partial = getattr(e, "partial", None)
+    found: dict[int, list] = {}
+    for o, i in e.id_pairs():
+        if o.is_reduction and partial is None:
+            continue
+        missing = _types(o) - _types(i)
+        if not missing:
+            continue
+        for v in e.inputs():
+            if isinstance(v, ir.TensorView) and i in v.logical:
+                found.setdefault(id(v), []).append((v.logical_runtime().index(i), o))
+    return found
+
+
+def _types(d: ir.IterDomain) -> set:
+    return {x.parallel_type for x in d.loop_leaves() if x.is_device_parallel}
+
+
+def _leaf_sizes(d: ir.IterDomain, size: int, whole: set, mesh) -> list[int]:
+    """The sizes of `d`'s pieces in a dim of `size`: a piece sharded on a
+    mesh dimension in `whole` has the mesh's size along it, any other
+    sharded piece 1, a constant piece its extent, the symbolic one the rest."""
+    sizes = []
+    for x in d.loop_leaves():
+        if x.is_device_parallel:
+            sizes.append(mesh.size_along(x.parallel_type) if x.parallel_type in whole else 1)
+        elif x.extent.is_constant:
+            sizes.append(x.extent.value)
+        else:
+            sizes.append(None)
+    known = 1
+    for v in sizes:
+        known *= v if v is not None else 1
+    return [size // known if v is None else v for v in sizes]
+
+
+def as_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
+    """`t` (runtime layout) with one dim per logical axis of `tv`."""
+    return layout.to_logical(tv, t)
+
+
+def as_loop(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
+    """`t` (logical layout, this rank's sizes) in `tv`'s runtime layout."""
+    return layout.to_runtime(tv, t)
+
+
+def _operand(frame: Frame, e, tv, full_rank: bool = False):
+    """Operand `tv` of `e` in logical layout, cut to this rank's slice
+    where `e`'s output is sharded and `tv` is not."""
+    t = frame.get(tv)
+    if not isinstance(tv, ir.TensorView):
+        return t
+    if tv in frame.evaluator.slice_dim:
+        return frame.full_rank(tv, t) if full_rank else t
+    t = as_logical(tv, t)
+    for pos, o in frame.evaluator.local_slices.get(id(e), {}).get(id(tv), ()):
+        mesh = e.out.mesh
+        missing = _types(o) - _types(tv.logical_runtime()[pos])
+        sizes = _leaf_sizes(o, t.shape[pos], missing, mesh)
+        pieces = t.reshape(list(t.shape[:pos]) + sizes + list(t.shape[pos + 1 :]))
+        for j, x in enumerate(o.loop_leaves()):
+            if x.parallel_type in missing:
+                pieces = pieces.narrow(pos + j, mesh.index_along(frame.communicator.rank, x.parallel_type), 1)
+        t = pieces.reshape(list(t.shape[:pos]) + [-1] + list(t.shape[pos + 1 :]))
+    return t
+
+
+def _store(
+    frame: Frame, e, fresh: Callable[[], torch.Tensor], into: Callable[[torch.Tensor], Any], full_rank=False
+) -> None:
+    """Bind `fresh()`'s result to `e.out` in its loop layout, or, if `e.out`
+    is bound, run `into(view)` on its logical view."""
+    tv = e.out
+    partial = getattr(e, "partial", None)
+    if tv in frame.evaluator.slice_dim:
+        out, bind_fresh = _full_rank_out(frame, e) if full_rank else (frame.get(tv, None), lambda r: frame.bind(tv, r))
+        if out is None:
+            bind_fresh(fresh())
+        elif partial is None:
+            into(out)
+        else:
+            # A chunk of partial sums: the slice keeps the partial and the
+            # sharded pieces as size-1 dims where the operands put them.
+            _copy_same_sizes(out, fresh())
+        return
+    out = frame.get(tv, None)
+    if out is None:
+        result = fresh()
+        if partial is not None:
+            result = result.unsqueeze(0)
+        frame.bind(tv, as_loop(tv, result))
+        return
+    view = as_logical(tv, out)
+    into(view.squeeze(0) if partial is not None else view)
+
+
+def _copy_same_sizes(out: torch.Tensor, result: torch.Tensor) -> None:
+    """Copy `result` into `out`, which holds the same sizes but for dims of
+    size 1."""
+    if [s for s in out.shape if s != 1] != [s for s in result.shape if s != 1]:
+        raise BindingError(f"a result of shape {list(result.shape)} does not fit its buffer of shape {list(out.shape)}")
+    out.copy_(result.reshape(out.shape))
 
 
 @impl(ir.Set)
@@ -440,38 +579,53 @@ def _set(frame: Frame, e: ir.Set) -> None:
         out.copy_(src)
 
 
+_UNARY = {
+    "relu": torch.relu,
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "gelu": torch.nn.functional.gelu,
+    "silu": torch.nn.functional.silu,
+    "exp": torch.exp,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+}
+
+
+@impl(ir.UnaryOp)
+def _unary(frame: Frame, e: ir.UnaryOp) -> None:
+    x = _operand(frame, e, e.input)
+    if e.kind == "cast":
+        _store(frame, e, lambda: x.to(e.out.dtype), lambda out: out.copy_(x))
+        return
+    fn = _UNARY[e.kind]
+    _store(frame, e, lambda: fn(x), lambda out: out.copy_(fn(x)))
+
+
 _BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 
 
 @impl(ir.BinaryOp)
 def _binary(frame: Frame, e: ir.BinaryOp) -> None:
     fn = _BINARY[e.kind]
-    lhs, rhs = frame.get(e.lhs), frame.get(e.rhs)
+    lhs, rhs = _operand(frame, e, e.lhs), _operand(frame, e, e.rhs)
     if not isinstance(lhs, torch.Tensor):
         # torch takes a number only on the right; a 0-d tensor of the
         # number's default dtype promotes the same way.
         lhs = torch.tensor(lhs)
-    out = frame.get(e.out, None)
-    if out is None:
-        frame.bind(e.out, fn(lhs, rhs))
-    else:
-        fn(lhs, rhs, out=out)
+    _store(frame, e, lambda: fn(lhs, rhs), lambda out: fn(lhs, rhs, out=out))
 
 
 @impl(ir.ReductionOp)
 def _reduction(frame: Frame, e: ir.ReductionOp) -> None:
-    src = frame.get(e.input)
-    dims = layout.reduced_dims(e.out)
-    out = frame.get(e.out, None)
-    extra = {"out": out} if out is not None else {}
-    if e.kind == "sum":
-        result = torch.sum(src, dims, dtype=e.out.dtype, **extra)
-    elif e.kind == "max":
-        result = torch.amax(src, dims, **extra)
-    else:
-        result = torch.amin(src, dims, **extra)
-    if out is None:
-        frame.bind(e.out, result)
+    src = _operand(frame, e, e.input)
+    dims = [i for i, d in enumerate(e.out.logical) if d.is_reduction]
+
+    def run(**out):
+        if e.kind == "sum":
+            return torch.sum(src, dims, dtype=e.out.dtype, **out)
+        return (torch.amax if e.kind == "max" else torch.amin)(src, dims, **out)
+
+    _store(frame, e, run, lambda out: run(out=out))
 
 
 def _full_rank_out(frame: Frame, e) -> tuple[torch.Tensor | None, Callable]:
@@ -487,25 +641,23 @@ def _full_rank_out(frame: Frame, e) -> tuple[torch.Tensor | None, Callable]:
 
 @impl(ir.MatmulOp)
 def _matmul(frame: Frame, e: ir.MatmulOp) -> None:
-    a = frame.full_rank(e.a, frame.get(e.a))
-    b = frame.full_rank(e.b, frame.get(e.b))
-    out, bind_fresh = _full_rank_out(frame, e)
-    if out is None:
-        bind_fresh(torch.matmul(a, b))
-    else:
-        torch.matmul(a, b, out=out)
+    a = _operand(frame, e, e.a, full_rank=True)
+    b = _operand(frame, e, e.b, full_rank=True)
+    _store(frame, e, lambda: torch.matmul(a, b), lambda out: torch.matmul(a, b, out=out), full_rank=True)
 
 
 @impl(ir.LinearOp)
 def _linear(frame: Frame, e: ir.LinearOp) -> None:
-    x = frame.full_rank(e.input, frame.get(e.input))
-    w = frame.full_rank(e.weight, frame.get(e.weight))
-    bias = None if e.bias is None else frame.full_rank(e.bias, frame.get(e.bias))
-    out, bind_fresh = _full_rank_out(frame, e)
-    if out is None:
-        bind_fresh(torch.nn.functional.linear(x, w, bias))
-    else:
-        torch.ops.aten.linear.out(x, w, bias, out=out)
+    x = _operand(frame, e, e.input, full_rank=True)
+    w = _operand(frame, e, e.weight, full_rank=True)
+    bias = None if e.bias is None else _operand(frame, e, e.bias, full_rank=True)
+    _store(
+        frame,
+        e,
+        lambda: torch.nn.functional.linear(x, w, bias),
+        lambda out: torch.ops.aten.linear.out(x, w, bias, out=out),
+        full_rank=True,
+    )
 
 
 def _copy_out(frame: Frame, e, result: torch.Tensor, source: torch.Tensor) -> None:

@@ -38,7 +38,7 @@ from hostir.agreement import Offer, RankMismatchError, check, exchange, input_si
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.evaluator import HostIrEvaluator
-from hostir.lower import lower
+from hostir.lower import RESHARDING_MODES, lower
 from hostir.options import Dumper
 from hostir.streams import streams_for
 
@@ -93,6 +93,11 @@ class ExecutorParams:
         protections off: a rank that alone fails its checks, skips a call or
         changes its input shapes then meets the others' collectives out of
         step, and the job ends in a timeout or returns wrong data.
+    resharding: where an op that would both compute and move data between
+        ranks gets its resharding `set` (lower/insert_reshardings.py):
+        "auto" (default) on the side that moves fewer elements, "before"
+        or "after" the op where possible, or "strict", which refuses such
+        an op and asks for an explicit `fd.ops.set`.
     schedule: how a device axis walked as a stream axis runs: a
         `hostir.schedule.Schedule` or its text (`ring:chunks=2`,
         `collective`, `sequential`, ...); by default `HOSTIR_SCHEDULE`, else
@@ -105,6 +110,7 @@ class ExecutorParams:
     backend: str | None = None
     timeout: float | None = None
     check_ranks: str = "always"
+    resharding: str = "auto"
     schedule: object = None
 
     def validate(self) -> None:
@@ -115,6 +121,8 @@ class ExecutorParams:
             raise ExecuteArgumentError(f"unknown evaluator {self.evaluator!r}; expected one of {list(EVALUATORS)}")
         if self.check_ranks not in CHECK_RANKS:
             raise ExecuteArgumentError(f"check_ranks must be one of {list(CHECK_RANKS)}, got {self.check_ranks!r}")
+        if self.resharding not in RESHARDING_MODES:
+            raise ExecuteArgumentError(f"resharding must be one of {list(RESHARDING_MODES)}, got {self.resharding!r}")
 
     @classmethod
     def from_arguments(cls, params: ExecutorParams | None, kwargs: dict) -> ExecutorParams:
@@ -174,14 +182,15 @@ class FusionExecutor:
     def num_programs(self) -> int:
         return len(self._programs)
 
-    def host_ir(self) -> str:
+    def host_ir(self, resharding: str = "auto") -> str:
         """The dump of the program the fusion lowers to now (for a
-        multi-device fusion, this rank's program)."""
+        multi-device fusion, this rank's program), with `resharding` as
+        ExecutorParams takes it."""
         if is_multi_device(self.fusion):
             rank = communicator.rank()
             backend = _BACKEND_NAMES["nccl" if torch.cuda.is_available() else "gloo"]
-            return str(lower(self.fusion, rank=rank, backend=backend))
-        return str(lower(self.fusion))
+            return str(lower(self.fusion, rank=rank, backend=backend, resharding=resharding))
+        return str(lower(self.fusion, resharding=resharding))
 
     def execute(
         self,
@@ -227,6 +236,7 @@ class FusionExecutor:
         self._warn_requires_grad(inputs)
         program, lowered = self._program(inputs, device, params, comm)
         sizes = check_sizes(self.fusion, inputs, program.equal_axes)
+        check_reductions(self.fusion, sizes)
         check_chunks(program.container, sizes)
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
@@ -234,7 +244,10 @@ class FusionExecutor:
 
     def _device(self, inputs: list, params: ExecutorParams, comm) -> torch.device:
         if params.device is not None:
-            return torch.device(params.device)
+            device = torch.device(params.device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            return device
         if comm is not None:
             return comm.device
         tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
@@ -300,6 +313,7 @@ class FusionExecutor:
             ),
             device,
             params.evaluator,
+            params.resharding,
             None if chosen is None else chosen.key(),
         )
         with self._lock:
@@ -312,18 +326,23 @@ class FusionExecutor:
             program = self._programs.get(key)
             if program is not None:
                 return program, False
-            program = self._programs[key] = self._lower(device, comm, chosen)
+            program = self._programs[key] = self._lower(device, comm, chosen, params.resharding)
             return program, True
 
-    def _lower(self, device: torch.device, comm=None, chosen=None) -> _Program:
+    def _lower(self, device: torch.device, comm=None, chosen=None, resharding: str = "auto") -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
         if comm is None:
-            container = lower(self.fusion, dumper)
+            container = lower(self.fusion, dumper, resharding=resharding)
         else:
             container = lower(
-                self.fusion, dumper, rank=comm.rank, backend=_BACKEND_NAMES[comm.backend], schedule=chosen
+                self.fusion,
+                dumper,
+                rank=comm.rank,
+                backend=_BACKEND_NAMES[comm.backend],
+                schedule=chosen,
+                resharding=resharding,
             )
         dumper.emit("host_ir", "Host program:", str(container))
         self.lowerings += 1
@@ -488,7 +507,8 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
         for axis, (d, size) in enumerate(zip(tv.logical_runtime(), t.shape)):
             expected = layout.local_extent(d)
             if expected is not None and size != expected:
-                whole = f" (extent {d.extent.value} sharded over {tv.mesh.x_size} ranks)" if expected != d.extent.value else ""
+                ways = d.extent.value // expected if expected else 0
+                whole = f" (extent {d.extent.value} sharded over {ways} ranks)" if expected != d.extent.value else ""
                 raise InputError(f"{what}: axis {axis} must have size {expected}{whole}, got {size}")
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     expected = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
@@ -527,34 +547,51 @@ _BACKEND_NAMES = {"nccl": "NCCL", "gloo": "gloo"}
 
 
 def _equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
-    """Groups of (input index, axis) whose sizes ops require to be equal."""
-    where = {}
+    """Groups of (input index, axis) whose whole sizes the program makes
+    equal: axes its ops iterate together, through any chain of ops (the
+    extents' classes), whether the axes are split or sharded or not."""
+    classes = ir.ExtentClasses(fusion.exprs)
+    by_class: dict = {}
     for i, tv in enumerate(fusion.inputs):
         if not isinstance(tv, ir.TensorView):
             continue
         for axis, d in enumerate(tv.logical_runtime()):
-            if not d.is_device_parallel and d.leaves is None:
-                where[d] = (i, axis)
-    groups = []
-    for members in ir.IdGraph(fusion.exprs, broadcast=False).groups():
-        found = sorted(where[d] for d in members if d in where)
-        if len(found) > 1:
-            groups.append(found)
-    return groups
+            if d.is_broadcast:
+                continue
+            key = classes.key(d.extent)
+            by_class.setdefault(id(key) if isinstance(key, ir.Scalar) else ("c", key), []).append((i, axis))
+    return [sorted(found) for found in by_class.values() if len(found) > 1]
+
+
+def _whole_size(tv: ir.TensorView, d: ir.IterDomain, size: int) -> int:
+    """The size of logical axis `d` across all ranks, from this rank's."""
+    for leaf in d.loop_leaves():
+        if leaf.is_device_parallel:
+            # A sharded piece's extent is the mesh's size along it (checked
+            # when lowering); a symbolic one takes it from the mesh.
+            if leaf.extent.is_constant:
+                size *= leaf.extent.value
+            elif tv.mesh is not None:
+                size *= tv.mesh.size_along(leaf.parallel_type)
+    return size
 
 
 def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, int]:
-    """Raise if input axes that ops iterate together differ in size; return
-    the size of every symbolic extent."""
+    """Raise if input axes that the program makes equal differ in whole
+    size (this rank's size times the ranks sharing the axis); return the
+    whole size of every symbolic extent."""
     for group in equal_axes:
         (i0, a0), *rest = group
+        t0 = fusion.inputs[i0]
+        s0 = _whole_size(t0, t0.logical_runtime()[a0], inputs[i0].shape[a0])
         for i, a in rest:
-            if inputs[i].shape[a] != inputs[i0].shape[a0]:
-                t0, t = fusion.inputs[i0], fusion.inputs[i]
+            t = fusion.inputs[i]
+            size = _whole_size(t, t.logical_runtime()[a], inputs[i].shape[a])
+            if size != s0:
                 raise InputError(
-                    f"input {i} (T{t.name}) axis {a} has size {inputs[i].shape[a]} but input {i0} "
-                    f"(T{t0.name}) axis {a0} has size {inputs[i0].shape[a0]}; an op of the fusion "
-                    f"needs them equal"
+                    f"input {i} (T{t.name}) axis {a} has size {size} but input {i0} "
+                    f"(T{t0.name}) axis {a0} has size {s0} (whole sizes, across ranks); an op of "
+                    f"the fusion needs them equal"
                 )
     sizes = {}
     for tv, t in zip(fusion.inputs, inputs):
@@ -563,8 +600,25 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
         for d, size in zip(tv.logical_runtime(), t.shape):
             if d.is_device_parallel:
                 continue
-            sizes.setdefault(d.extent, layout.global_extent(d, size))
+            sizes.setdefault(d.extent, _whole_size(tv, d, size))
     return sizes
+
+
+def check_reductions(fusion: ir.Fusion, sizes: dict) -> None:
+    """A max or min over an empty axis has no value (torch raises): reject
+    it before any work."""
+    for e in fusion.exprs:
+        if not isinstance(e, ir.ReductionOp) or e.kind == "sum":
+            continue
+        for axis, d in enumerate(e.out.domain):
+            if not d.is_reduction:
+                continue
+            size = d.extent.value if d.extent.is_constant else sizes.get(d.extent)
+            if size == 0:
+                raise InputError(
+                    f"{e.kind} of T{e.input.name} over axis {axis}, which has size 0 for these inputs: "
+                    f"a {e.kind} over no values is undefined (torch.a{e.kind} raises too)"
+                )
 
 
 def check_chunks(container: HostIrContainer, sizes: dict) -> None:
@@ -624,7 +678,10 @@ def _local_output_size(d: ir.IterDomain, sizes) -> int | None:
     size = sizes.get(d.extent)
     if size is None:
         return None
-    return size // layout.global_extent(d, 1)
+    for leaf in d.loop_leaves():
+        if leaf.is_device_parallel:
+            size //= tv.mesh.size_along(leaf.parallel_type)
+    return size
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:

@@ -59,6 +59,40 @@ class Ops:
         self._check(lhs, rhs)
         return ir.binary("div", lhs, rhs)
 
+    def _unary(self, kind: str, x: ir.TensorView) -> ir.TensorView:
+        self._check(x)
+        return ir.unary(kind, x)
+
+    def relu(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("relu", x)
+
+    def gelu(self, x: ir.TensorView) -> ir.TensorView:
+        """The exact (erf) gelu, as torch.nn.functional.gelu."""
+        return self._unary("gelu", x)
+
+    def silu(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("silu", x)
+
+    def neg(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("neg", x)
+
+    def abs(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("abs", x)
+
+    def exp(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("exp", x)
+
+    def tanh(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("tanh", x)
+
+    def sigmoid(self, x: ir.TensorView) -> ir.TensorView:
+        return self._unary("sigmoid", x)
+
+    def cast(self, x: ir.TensorView, dtype: torch.dtype) -> ir.TensorView:
+        """`x` converted to `dtype`, as Tensor.to(dtype)."""
+        self._check(x)
+        return ir.unary("cast", x, dtype)
+
     def sum(self, x: ir.TensorView, dims) -> ir.TensorView:
         """Sum over `dims`; integer inputs sum to int64, as in torch."""
         self._check(x)
@@ -170,9 +204,10 @@ class FusionDefinition:
             raise UsageError("execute the fusion after its `with FusionDefinition() as fd:` block")
         return self.executor.execute(inputs, outputs, params, **kwargs)
 
-    def host_ir(self) -> str:
-        """The lowered host program, in the dump format."""
-        return self.executor.host_ir()
+    def host_ir(self, resharding: str = "auto") -> str:
+        """The lowered host program, in the dump format; `resharding` as
+        `execute` takes it ("auto", "before", "after", "strict")."""
+        return self.executor.host_ir(resharding)
 
     def __repr__(self) -> str:
         return printer.print_fusion(self.fusion)
@@ -188,8 +223,9 @@ def shard_tensor(t: torch.Tensor, tv: ir.TensorView, rank: int | None = None) ->
 
     if not isinstance(t, torch.Tensor):
         raise InputTypeError(f"shard_tensor takes a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != tv.logical_ndim:
-        raise InputError(f"T{tv.name} has {tv.logical_ndim} axes but the tensor has shape {list(t.shape)}")
+    logical = tv.logical_runtime()
+    if t.dim() != len(logical):
+        raise InputError(f"T{tv.name} has {len(logical)} axes but the tensor has shape {list(t.shape)}")
     if not tv.device_axes():
         return t
     mesh = tv.mesh
@@ -198,4 +234,40 @@ def shard_tensor(t: torch.Tensor, tv: ir.TensorView, rank: int | None = None) ->
     rank = communicator.rank() if rank is None else rank
     if rank not in mesh:
         raise InputError(f"rank {rank} is not in {mesh!r}, which T{tv.name} lives on")
-    return layout.shard(t, tv, mesh.x_index(rank), mesh.x_size)
+    for axis, d in enumerate(logical):
+        leaves = d.loop_leaves()
+        if not any(x.is_device_parallel for x in leaves):
+            continue
+        size = t.shape[axis]
+        if d.leaves is None:
+            n = mesh.size_along(d.parallel_type)
+            if size != n:
+                raise InputError(f"axis {axis} of T{tv.name}: extent {size} differs from mesh size {n}")
+            t = t.narrow(axis, mesh.index_along(rank, d.parallel_type), 1)
+            continue
+        n = 1
+        for x in leaves:
+            if x.is_device_parallel:
+                n *= mesh.size_along(x.parallel_type)
+        if size % n:
+            raise InputError(f"axis {axis} of T{tv.name}: extent {size} not divisible by mesh size {n}")
+        pieces = _leaf_sizes(leaves, size, mesh)
+        view = t.reshape(list(t.shape[:axis]) + pieces + list(t.shape[axis + 1 :]))
+        for j, x in enumerate(leaves):
+            if x.is_device_parallel:
+                view = view.narrow(axis + j, mesh.index_along(rank, x.parallel_type), 1)
+        t = view.reshape(list(t.shape[:axis]) + [size // n] + list(t.shape[axis + 1 :]))
+    return t
+
+
+def _leaf_sizes(leaves: list[ir.IterDomain], size: int, mesh: ir.DeviceMesh) -> list[int]:
+    known = [
+        mesh.size_along(x.parallel_type) if x.is_device_parallel else (x.extent.value if x.extent.is_constant else None)
+        for x in leaves
+    ]
+    prod = 1
+    for v in known:
+        prod *= v or 1
+    if size % prod:
+        raise InputError(f"extent {size} not divisible by {prod}")
+    return [size // prod if v is None else v for v in known]

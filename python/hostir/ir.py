@@ -27,6 +27,14 @@ class ParallelType(enum.Enum):
     serial = "S"
     stream = "StreamIdx"
     mesh_x = "deviceIdx.x"
+    mesh_y = "deviceIdx.y"
+
+    @property
+    def is_device(self) -> bool:
+        return self in (ParallelType.mesh_x, ParallelType.mesh_y)
+
+
+DEVICE_PARALLEL_TYPES = (ParallelType.mesh_x, ParallelType.mesh_y)
 
 
 class IterType(enum.Enum):
@@ -182,6 +190,22 @@ def _scalar(v) -> Scalar:
     return v if isinstance(v, Scalar) else Scalar.constant(v)
 
 
+def same_scalar(a: Scalar, b: Scalar, equal=None) -> bool:
+    """Structural equality: the same object, equal constants, or the same
+    op of structurally equal operands. `equal(x, y)` may declare two leaf
+    scalars equal (extents the program makes equal); names are never
+    compared as text."""
+    if a is b:
+        return True
+    if isinstance(a, ScalarExpr) or isinstance(b, ScalarExpr):
+        if not (isinstance(a, ScalarExpr) and isinstance(b, ScalarExpr)) or a.op != b.op:
+            return False
+        return same_scalar(a.lhs, b.lhs, equal) and same_scalar(a.rhs, b.rhs, equal)
+    if a.is_constant and b.is_constant:
+        return a.value == b.value
+    return equal is not None and equal(a, b)
+
+
 def product(extents: Sequence[Scalar]) -> Scalar:
     """`( ( a * b ) * c )`: the left-nested product nvFuser prints for sizes."""
     if not extents:
@@ -198,7 +222,8 @@ def product(extents: Sequence[Scalar]) -> Scalar:
 class DeviceMesh:
     """The ranks a tensor lives on. A 1-D mesh is a list of ranks; an n-D
     mesh (a nested list or an n-D tensor) is accepted too, and `mesh_x` then
-    shards along its last dimension: each row of that dimension is one team.
+    shards along its last dimension (each row of that dimension is one
+    team), `mesh_y` along the one before it (each column is one team).
     A mesh is a value: two meshes with the same shape and ranks are equal."""
 
     __slots__ = ("shape", "devices")
@@ -262,6 +287,33 @@ class DeviceMesh:
         """The position of `rank` along the last dimension: which shard it holds."""
         return self.team_of(rank).index(rank)
 
+    def _dim(self, parallel_type: ParallelType) -> int:
+        if parallel_type is ParallelType.mesh_x:
+            return self.ndim - 1
+        if parallel_type is ParallelType.mesh_y:
+            if self.ndim < 2:
+                raise DefinitionError(f"{self!r} is 1-D: mesh_y needs a mesh of at least 2 dimensions")
+            return self.ndim - 2
+        raise DefinitionError(f"{parallel_type} does not shard across a mesh")
+
+    def size_along(self, parallel_type: ParallelType) -> int:
+        """How many ways `parallel_type` (mesh_x or mesh_y) shards."""
+        return self.shape[self._dim(parallel_type)]
+
+    def teams_along(self, parallel_type: ParallelType) -> list[tuple[int, ...]]:
+        """The teams of a `parallel_type` axis: the slices of the mesh along
+        its dimension (rows for mesh_x, columns for mesh_y)."""
+        dim = self._dim(parallel_type)
+        grid = torch.tensor(self.devices).reshape(self.shape).movedim(dim, -1)
+        return [tuple(row) for row in grid.reshape(-1, self.shape[dim]).tolist()]
+
+    def index_along(self, rank: int, parallel_type: ParallelType) -> int:
+        """Which shard of a `parallel_type` axis `rank` holds."""
+        for team in self.teams_along(parallel_type):
+            if rank in team:
+                return team.index(rank)
+        raise DefinitionError(f"rank {rank} is not in {self}")
+
     def shard_tensor(self, t: torch.Tensor, axis: int, rank: int) -> torch.Tensor:
         """`rank`'s piece of `t` cut into `x_size` equal chunks along `axis`."""
         n = self.x_size
@@ -319,7 +371,7 @@ class IterDomain:
 
     @property
     def is_device_parallel(self) -> bool:
-        return self.parallel_type is ParallelType.mesh_x
+        return self.parallel_type.is_device
 
     def loop_leaves(self) -> list[IterDomain]:
         """The loop axes this logical axis became (itself if unsplit)."""
@@ -563,9 +615,30 @@ class BinaryOp(Expr):
     KINDS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 
     def id_pairs(self):
+        # Aligned from the last axis, as torch broadcasts.
+        out = self.out.logical_runtime()
         for operand in (self.lhs, self.rhs):
             if isinstance(operand, TensorView):
-                yield from _zip_axes(self.out, operand)
+                yield from zip(reversed(out), reversed(operand.logical_runtime()))
+
+
+@_op
+class UnaryOp(Expr):
+    """Elementwise `out = <kind>(input)`; `cast` converts to `out`'s dtype,
+    `gelu` is the exact (erf) form. Writes into `out` if bound (the `out=`
+    variant). Runs on the current stream."""
+
+    out: TensorView
+    kind: str
+    input: TensorView
+    INPUTS = ("input",)
+    OUTPUTS = ("out",)
+    # Kinds defined for floating inputs only.
+    FLOATING = ("gelu", "silu", "exp", "tanh", "sigmoid")
+    KINDS = ("relu", "neg", "abs", "cast") + FLOATING
+
+    def id_pairs(self):
+        return _zip_axes(self.out, self.input)
 
 
 @_op
@@ -592,11 +665,16 @@ class MatmulOp(Expr):
     out: TensorView
     a: TensorView
     b: TensorView
+    # An outermost sharded axis of `out` (on K's mesh dimension) holding
+    # each rank's partial sums over its piece of a sharded K: a `sum` over it
+    # then reduces across ranks. None for a whole result.
+    partial: IterDomain | None = None
     INPUTS = ("a", "b")
     OUTPUTS = ("out",)
 
     def id_pairs(self):
-        a, b, out = self.a.logical_runtime(), self.b.logical_runtime(), self.out.logical
+        a, b = self.a.logical_runtime(), self.b.logical_runtime()
+        out = [d for d in self.out.logical if d is not self.partial]
         *batch_out, m, n, k = out
         yield m, a[-2]
         yield n, b[-1]
@@ -618,12 +696,15 @@ class LinearOp(Expr):
     input: TensorView
     weight: TensorView
     bias: TensorView | None = None
+    # As in MatmulOp: the axis of `out` holding partial sums, or None.
+    # A partial result leaves the bias to the op that completes the sum.
+    partial: IterDomain | None = None
     INPUTS = ("input", "weight", "bias")
     OUTPUTS = ("out",)
 
     def id_pairs(self):
         x, w = self.input.logical_runtime(), self.weight.logical_runtime()
-        *lead, n, k = self.out.logical
+        *lead, n, k = [d for d in self.out.logical if d is not self.partial]
         yield from zip(lead, x[:-1])
         yield n, w[0]
         if self.bias is not None:
@@ -699,7 +780,8 @@ class SelectOp(Expr):
 
 
 SHAPE_OPS = (PermuteOp, ReshapeOp, SliceOp, SelectOp)
-FUSION_OPS = (Set, BinaryOp, ReductionOp, MatmulOp, LinearOp) + SHAPE_OPS
+FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp) + SHAPE_OPS
+COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp)
 
 
 @_op
@@ -821,6 +903,7 @@ class CommunicationType(enum.Enum):
     Scatter = "Scatter"
     Reduce = "Reduce"
     SendRecv = "SendRecv"
+    AllToAll = "AllToAll"
 
     @property
     def has_root(self) -> bool:
@@ -861,6 +944,8 @@ class Communication(Expr):
     # Dims of the input's local tensor that each rank reduces itself first
     # (the rows of a split mesh_x axis that a rank holds).
     local_reduce: tuple = ()
+    # The mesh dimension the team slices: mesh_x (rows) or mesh_y (columns).
+    parallel_type: ParallelType = ParallelType.mesh_x
     # The schedule that chose this collective, when a decomposition did (dump only).
     schedule: str | None = None
     INPUTS = ("input",)
@@ -962,15 +1047,18 @@ def read_vals(e: Expr) -> list:
 # ---------------------------------------------------------------- ID graph
 
 
-def _same_extent(a: IterDomain, b: IterDomain) -> bool:
-    """Pieces at the same place of two axes that an op iterates together:
-    equal when both are the same constant, or both derived from their
-    axis's extent (equal axes split alike have equal pieces)."""
-    if a.extent is b.extent:
-        return True
-    if a.extent.is_constant or b.extent.is_constant:
-        return a.extent.is_constant and b.extent.is_constant and a.extent.value == b.extent.value
-    return True
+def split_alike(a: IterDomain, b: IterDomain, equal=None) -> bool:
+    """Whether logical axes `a` and `b` are split into pieces of the same
+    extents, taking the two axes' own extents as equal (they iterate
+    together) and, with `equal`, any other extents it declares equal."""
+
+    def leaf_equal(x: Scalar, y: Scalar) -> bool:
+        if {id(x), id(y)} == {id(a.extent), id(b.extent)}:
+            return True
+        return equal is not None and equal(x, y)
+
+    la, lb = a.loop_leaves(), b.loop_leaves()
+    return len(la) == len(lb) and all(same_scalar(x.extent, y.extent, leaf_equal) for x, y in zip(la, lb))
 
 
 def leaf_pairs(e: Expr) -> Iterator[tuple[IterDomain, IterDomain]]:
@@ -981,8 +1069,51 @@ def leaf_pairs(e: Expr) -> Iterator[tuple[IterDomain, IterDomain]]:
         la, lb = a.loop_leaves(), b.loop_leaves()
         if len(la) == 1 and len(lb) == 1:
             yield a, b
-        elif len(la) == len(lb) and all(_same_extent(x, y) for x, y in zip(la, lb)):
+        elif split_alike(a, b):
             yield from zip(la, lb)
+
+
+class ExtentClasses:
+    """Which extents a program makes equal: the extents of axes that its
+    ops iterate together (broadcasts aside) are one class.
+    Sizes in one class are checked equal when the program runs."""
+
+    def __init__(self, exprs: Sequence[Expr]):
+        self._parent: dict[int, Scalar] = {}
+        self._scalars: dict[int, Scalar] = {}
+        for e in walk(exprs):
+            for a, b in list(e.id_pairs()) + list(leaf_pairs(e)):
+                if not (a.is_broadcast or b.is_broadcast):
+                    self._union(a.extent, b.extent)
+
+    def _find(self, s: Scalar) -> Scalar:
+        while id(s) in self._parent:
+            s = self._parent[id(s)]
+        return s
+
+    def _union(self, a: Scalar, b: Scalar) -> None:
+        ra, rb = self._find(a), self._find(b)
+        if ra is not rb:
+            if ra.is_constant and not isinstance(ra, ScalarExpr):
+                ra, rb = rb, ra  # a constant stays its class's root
+            self._parent[id(ra)] = rb
+            self._scalars[id(ra)] = ra  # keep it alive while mapped by id
+
+    def key(self, s: Scalar):
+        """One key per class: its constant value if it has one, else the
+        class's representative scalar."""
+        root = self._find(s)
+        return root.value if root.is_constant and not isinstance(root, ScalarExpr) else root
+
+    def equal(self, a: Scalar, b: Scalar) -> bool:
+        ra, rb = self._find(a), self._find(b)
+        if ra is rb:
+            return True
+        return ra.is_constant and rb.is_constant and not isinstance(ra, ScalarExpr) and ra.value == rb.value
+
+    def same(self, a: Scalar, b: Scalar) -> bool:
+        """Structural equality of two extents up to the program's classes."""
+        return same_scalar(a, b, self.equal)
 
 
 class IdGraph:
@@ -1159,6 +1290,25 @@ def binary(kind: str, lhs, rhs) -> TensorView:
         domain.append(src.clone(fusion))
     out = TensorView(fusion, domain, dtype)
     return _emit(fusion, BinaryOp(out, kind, lhs, rhs))
+
+
+def unary(kind: str, x: TensorView, dtype: torch.dtype | None = None) -> TensorView:
+    if kind not in UnaryOp.KINDS:
+        raise DefinitionError(f"unknown unary op {kind!r}; expected one of {list(UnaryOp.KINDS)}")
+    if not isinstance(x, TensorView):
+        raise DefinitionTypeError(f"{kind} takes a TensorView, got {type(x).__name__}")
+    fusion = _owner(x)
+    if kind == "cast":
+        if not isinstance(dtype, torch.dtype):
+            raise DefinitionTypeError(f"cast needs a torch.dtype, got {dtype!r}")
+        if dtype not in _DTYPE_NAMES:
+            raise DefinitionTypeError(f"cast: dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES)}")
+    elif dtype is not None:
+        raise DefinitionTypeError(f"{kind} takes no dtype")
+    if kind in UnaryOp.FLOATING and not x.dtype.is_floating_point:
+        raise DefinitionTypeError(f"{kind}: T{x.name} is {x.dtype}; {kind} takes a floating-point tensor")
+    out = TensorView(fusion, [d.clone(fusion) for d in x.logical_runtime()], dtype or x.dtype)
+    return _emit(fusion, UnaryOp(out, kind, x))
 
 
 def _normalize_dims(x: TensorView, dims, what: str) -> list[int]:

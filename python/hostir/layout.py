@@ -121,7 +121,7 @@ def to_runtime(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
     for axis, size in zip(logical, t.shape):
         pieces = [dim for dim in runtime if logical_axis(dim[0]) is axis]
         shape += [1 if dim[0].is_device_parallel else size for dim in pieces]
-    return t.view(shape)
+    return t.reshape(shape)
 
 
 def to_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
@@ -136,7 +136,7 @@ def to_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
             if logical_axis(dim[0]) is axis:
                 size *= t.shape[i]
         shape.append(size)
-    return t.view(shape)
+    return t.reshape(shape)
 
 
 def local_extent(d: ir.IterDomain) -> int | None:

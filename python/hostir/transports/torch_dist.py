@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hostir import ir, layout
-from hostir.transports.base import NoWork, Posted, Transport
+from hostir import ir, layout, printer
+from hostir.transports.base import NoWork, Posted, Transport, TransportUsageError
 
 _RED_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 renamed the tensor forms of all-gather and reduce-scatter.
@@ -40,9 +40,12 @@ def _staged(out: torch.Tensor, shape) -> tuple[torch.Tensor, Callable[[], None] 
     return staging.view(shape), lambda: out.copy_(staging)
 
 
-def _mesh_axis(tv: ir.TensorView) -> int:
-    (axis,) = tv.device_axes()
-    return layout.position(tv, axis)
+def _mesh_axis(tv: ir.TensorView, parallel_type: ir.ParallelType = ir.ParallelType.mesh_x) -> int:
+    """The local dim of `tv` that is sharded along `parallel_type`."""
+    for axis in tv.device_axes():
+        if axis.parallel_type is parallel_type:
+            return layout.position(tv, axis)
+    raise TransportUsageError(f"{printer.format_tv(tv)} has no {parallel_type.name} axis")
 
 
 def _outermost(shape, axis: int) -> bool:
@@ -52,11 +55,10 @@ def _outermost(shape, axis: int) -> bool:
 def _post_allgather(frame, e, group, root=None) -> Posted:
     src = _contiguous(frame.get(e.input))
     out = frame.get(e.out)
-    full = frame.full_sizes(e.input)
-    a = _mesh_axis(e.input)
+    a = _mesh_axis(e.input, e.parallel_type)
     n = len(e.team)
     order = frame.communicator.group_order(e.team)
-    if _outermost(full, a) and order == tuple(e.team):
+    if _outermost(src.shape, a) and order == tuple(e.team):
         buf, after = _staged(out, [-1])
         return Posted([_all_gather(buf, src.reshape(-1), group=group, async_op=True)], after)
     # Gather into [n, *local] in the group's order, then put each rank's
@@ -124,8 +126,9 @@ def _post_allreduce(frame, e, group, root=None) -> Posted:
 def _post_reduce_scatter(frame, e, group, root=None) -> Posted:
     src = _reduced_input(frame, e)
     out = frame.get(e.out)
-    full = frame.full_sizes(e.out)
-    b = _mesh_axis(e.out)
+    b = _mesh_axis(e.out, e.parallel_type)
+    # The output's local shape with the team's pieces of its sharded dim.
+    full = [len(e.team) if i == b else s for i, s in enumerate(out.shape)]
     whole = src.reshape(full)
     if not _outermost(full, b):
         whole = whole.movedim(b, 0)
@@ -243,7 +246,11 @@ def _fill_identity(t: torch.Tensor, red_op: str) -> None:
 
 def _post_send_recv(frame, e, group, root: int) -> Posted:
     rank = frame.communicator.rank
-    sender, receiver = root, (e.team[-1] if len(e.team) > 1 else e.team[0])
+    # The receiver is the team's other rank, whichever order the team lists.
+    others = [r for r in e.team if r != root]
+    if len(others) > 1:
+        raise TransportUsageError(f"a SendRecv team holds the sender and one receiver, got {e.team}")
+    sender, receiver = root, (others[0] if others else root)
     if sender == receiver:
         frame.get(e.out).copy_(frame.get(e.input).reshape(frame.get(e.out).shape))
         return Posted([NoWork()])
@@ -254,7 +261,41 @@ def _post_send_recv(frame, e, group, root: int) -> Posted:
     return Posted([dist.irecv(buf, src=sender, group=group)], after)
 
 
+def _post_all_to_all(frame, e, group, root=None) -> Posted:
+    """Each rank sends team position j the j-th piece of the output's
+    sharded axis of its input, and puts the piece from position j at the
+    j-th place of the input's sharded axis. Works on logical layouts; the
+    lowering checks that both sharded pieces are outermost."""
+    from hostir.evaluator import as_logical, as_loop  # the evaluator imports this module
+
+    pt, team = e.parallel_type, e.team
+    n = len(team)
+    src = as_logical(e.input, frame.get(e.input))
+    out = frame.get(e.out)
+    a = _sharded_logical_axis(e.input, pt)
+    b = _sharded_logical_axis(e.out, pt)
+    order = frame.communicator.group_order(team)
+    chunks = src.chunk(n, dim=b)
+    send = torch.stack([chunks[team.index(r)] for r in order]).contiguous()
+    recv = torch.empty_like(send)
+
+    def after():
+        pieces = [recv[order.index(r)] for r in team]
+        whole = torch.cat(pieces, dim=a)
+        out.copy_(as_loop(e.out, whole).reshape(out.shape))
+
+    return Posted([dist.all_to_all_single(recv, send, group=group, async_op=True)], after)
+
+
+def _sharded_logical_axis(tv: ir.TensorView, pt: ir.ParallelType) -> int:
+    for pos, d in enumerate(tv.logical_runtime()):
+        if any(x.parallel_type is pt for x in d.loop_leaves()):
+            return pos
+    raise TransportUsageError(f"{printer.format_tv(tv)} has no {pt.name} axis")
+
+
 POST = {
+    ir.CommunicationType.AllToAll: _post_all_to_all,
     ir.CommunicationType.Allgather: _post_allgather,
     ir.CommunicationType.Allreduce: _post_allreduce,
     ir.CommunicationType.ReduceScatter: _post_reduce_scatter,

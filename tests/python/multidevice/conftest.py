@@ -3,7 +3,7 @@ same tests in the same order.
 
 Without a launcher (plain `python3 -m pytest`) the world has one rank and
 every test here is skipped; `tests/python/test_multidevice_mpirun.py` runs
-this directory under `mpirun -np 2` and `-np 4`. By hand:
+this directory under `mpirun -np 2`, `-np 3` and `-np 4`. By hand:
 
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
         mpirun -np 2 --oversubscribe -x HOSTIR_MASTER_PORT=29517 \
