@@ -150,7 +150,7 @@ class HostIrContainer(ir.IrContainer):
     def meshes(self) -> list[ir.DeviceMesh]:
         found = {}
         for tv in self.inputs + self.outputs:
-            if tv.mesh is not None:
+            if isinstance(tv, ir.TensorView) and tv.mesh is not None:
                 found[tv.mesh] = None
         for e in self.walk():
             for v in e.inputs() + e.outputs():

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from hostir import ir, printer, profiling, transports
+from hostir import ir, layout, printer, profiling, transports
 from hostir.communicator import CommunicatorTimeout, PeerLostError
 from hostir.container import AliasError, HostIrContainer
 from hostir.errors import HostIrError
@@ -53,6 +53,11 @@ class UnboundValueError(HostIrError, LookupError):
 
 class BindingError(HostIrError, ValueError):
     """A value given to `run` does not fit the program (type, rank, size)."""
+
+
+class ShapeError(HostIrError, ValueError):
+    """A tensor's size does not fit an op at run time (a reshape to another
+    number of elements, a slice or index out of range)."""
 
 
 class ProgramError(HostIrError, RuntimeError):
@@ -99,13 +104,15 @@ class HostIrEvaluator:
         self.alias = container.aliases.resolved()
         self.number_of_streams = container.named_scalars().get("numberOfStreams")
         self.body_locals = self._find_body_locals(container)
-        # For each slice bound by a HirAliasSelect, where the selected axis
-        # was in its source: matmul and linear put it back as a size-1 dim.
-        self.slice_dim = {
-            e.out: e.input.runtime_position(e.axis)
+        # For each slice bound by a HirAliasSelect: the dim of its source it
+        # cuts and whether it selects one index or a chunk of rows.
+        self.slices = {
+            e.out: (layout.position(e.input, e.axis), layout.select_kind(e.input, e.axis))
             for e in container.walk()
             if isinstance(e, ir.HirAliasSelect)
         }
+        # Where a select removed a dim: matmul and linear put it back as size 1.
+        self.slice_dim = {out: dim for out, (dim, kind) in self.slices.items() if kind == "select"}
         # A chunk of such a slice lacks the same axis.
         for e in container.walk():
             if isinstance(e, ir.HirAliasChunk) and e.input in self.slice_dim:
@@ -328,45 +335,56 @@ class Frame:
         return value if dim is None else value.unsqueeze(dim)
 
     def full_sizes(self, tv: ir.TensorView) -> list[int]:
-        """The runtime sizes of `tv` across all ranks (mesh_x axes whole)."""
-        return [int(self.get(d.extent)) for d in tv.runtime_domain()]
+        """The runtime sizes of `tv` across all ranks (mesh_x axes whole):
+        those of its bound tensor (a chunk may be shorter than its extent
+        says), else from its extents."""
+        value = self.get(tv, None)
+        if isinstance(value, torch.Tensor):
+            return layout.full_from_local(tv, list(value.shape), self.get)
+        return layout.full_shape(tv, self.get)
 
     def local_sizes(self, tv: ir.TensorView) -> list[int]:
         """This rank's runtime sizes of `tv` (1 on a mesh_x axis)."""
-        return tv.local_sizes(self.full_sizes(tv))
+        value = self.get(tv, None)
+        if isinstance(value, torch.Tensor):
+            return list(value.shape)
+        return layout.local_shape(tv, self.get)
 
     def bind_extents(self, tv: ir.TensorView, value) -> None:
-        """Bind the symbolic extents of `tv` from the sizes of `value`."""
+        """Bind the symbolic logical extents of `tv` from its runtime-shaped
+        tensor, or check them against those already bound."""
         if not isinstance(value, torch.Tensor):
             raise BindingError(f"{printer.format_tv(tv)} must be bound to a torch.Tensor, got {type(value).__name__}")
-        axes = tv.runtime_domain()
-        if value.dim() != len(axes):
-            raise BindingError(f"{printer.format_tv(tv)} has {len(axes)} dims but its tensor has shape {list(value.shape)}")
-        for i, (d, size) in enumerate(zip(axes, value.shape)):
-            if d.is_device_parallel:
+        runtime = layout.dims(tv)
+        if value.dim() != len(runtime):
+            raise BindingError(
+                f"{printer.format_tv(tv)} has {len(runtime)} dims but its tensor has shape {list(value.shape)}"
+            )
+        for i, (dim, size) in enumerate(zip(runtime, value.shape)):
+            first = dim[0]
+            if first.is_device_parallel:
                 if size != 1:
                     raise BindingError(
-                        f"axis {i} of {printer.format_tv(tv)} is sharded ({printer.format_id(d)}): "
+                        f"axis {i} of {printer.format_tv(tv)} is sharded ({printer.format_id(first)}): "
                         f"each rank holds size 1 of it, got {size}"
                     )
-                size = tv.mesh.size_along(d.parallel_type)
-            known = self.get(d.extent, None)
-            if known is None:
-                self._bind_extent(d.extent, size)
-            elif known != size:
-                raise BindingError(
-                    f"axis {i} of {printer.format_tv(tv)} is {size} but its extent "
-                    f"{printer.format_scalar(d.extent)} is {known}"
-                )
+                if first.parent is None:
+                    self._bind_size(tv, i, first.extent, tv.mesh.size_along(first.parallel_type))
+                continue
+            axis = layout.logical_axis(first)
+            self._bind_size(tv, i, axis.extent, layout.global_extent(axis, size))
 
-    def _bind_extent(self, extent: ir.Scalar, size: int) -> None:
-        """Bind a symbolic extent; for `( i0 / f )` (a split axis) bind i0."""
-        if isinstance(extent, ir.ScalarExpr):
-            if extent.op == "/" and extent.rhs.is_constant and not isinstance(extent.lhs, ir.ScalarExpr):
-                self._bind_extent(extent.lhs, size * extent.rhs.value)
-                return
-            raise BindingError(f"cannot infer {printer.format_scalar(extent)} from a size")
-        self.bind(extent, size)
+    def _bind_size(self, tv: ir.TensorView, i: int, extent: ir.Scalar, size: int) -> None:
+        known = self.get(extent, None)
+        if known is None:
+            if isinstance(extent, ir.ScalarExpr):
+                raise BindingError(f"cannot infer {printer.format_scalar(extent)} from a size")
+            self.bind(extent, size)
+        elif known != size:
+            raise BindingError(
+                f"axis {i} of {printer.format_tv(tv)} is {size} but its extent "
+                f"{printer.format_scalar(extent)} is {known}"
+            )
 
 
 def _note(err: BaseException, text: str) -> None:
@@ -395,6 +413,10 @@ def _for(frame: Frame, e: ir.ForLoop) -> None:
             frame.run_scope(e.body)
     finally:
         frame.loops.pop()
+    # The last iteration's slices and buffers would otherwise keep their
+    # sources alive past a Deallocate after the loop.
+    for tv in local:
+        frame.bind(tv, None)
 
 
 @impl(ir.GetCurrentStream)
@@ -418,14 +440,19 @@ def _synchronize(frame: Frame, e: ir.Synchronize) -> None:
 @impl(ir.HirAliasSelect)
 def _select(frame: Frame, e: ir.HirAliasSelect) -> None:
     src = frame.get(e.input)
+    dim, kind = frame.evaluator.slices[e.out]
     index = 0 if e.axis.is_broadcast else int(frame.get(e.index))
-    frame.bind(e.out, src.select(frame.evaluator.slice_dim[e.out], index))
+    if kind == "select":
+        frame.bind(e.out, src.select(dim, index))
+        return
+    start, length = layout.chunk_bounds(src.shape[dim], int(frame.get(e.axis.extent)), index)
+    frame.bind(e.out, src.narrow(dim, start, length))
 
 
 @impl(ir.HirAliasChunk)
 def _chunk(frame: Frame, e: ir.HirAliasChunk) -> None:
     src = frame.get(e.input)
-    dim = e.input.runtime_position(e.axis)
+    dim = layout.position(e.input, e.axis)
     size = src.shape[dim]
     if size % e.parts:
         raise BindingError(f"axis {dim} of size {size} does not split into {e.parts} equal pieces")
@@ -502,28 +529,13 @@ def _leaf_sizes(d: ir.IterDomain, size: int, whole: set, mesh) -> list[int]:
 
 
 def as_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
-    """`t` (loop layout) with one dim per logical axis of `tv`."""
-    if not tv.is_split:
-        return t
-    shape, at = [], 0
-    for d in tv.logical_runtime():
-        n = len(d.loop_leaves())
-        size = 1
-        for s in t.shape[at : at + n]:
-            size *= s
-        shape.append(size)
-        at += n
-    return t.reshape(shape)
+    """`t` (runtime layout) with one dim per logical axis of `tv`."""
+    return layout.to_logical(tv, t)
 
 
 def as_loop(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
-    """`t` (logical layout, this rank's sizes) in `tv`'s loop layout."""
-    if not tv.is_split:
-        return t
-    shape = []
-    for d, size in zip(tv.logical_runtime(), t.shape):
-        shape += _leaf_sizes(d, size, set(), tv.mesh)
-    return t.reshape(shape)
+    """`t` (logical layout, this rank's sizes) in `tv`'s runtime layout."""
+    return layout.to_runtime(tv, t)
 
 
 def _operand(frame: Frame, e, tv, full_rank: bool = False):
@@ -674,6 +686,63 @@ def _linear(frame: Frame, e: ir.LinearOp) -> None:
         lambda out: torch.ops.aten.linear.out(x, w, bias, out=out),
         full_rank=True,
     )
+
+
+def _copy_out(frame: Frame, e, result: torch.Tensor, source: torch.Tensor) -> None:
+    """Write `result` (full rank) into the bound output, or bind a copy of
+    it that shares no memory with `source`."""
+    out, bind_fresh = _full_rank_out(frame, e)
+    if out is not None:
+        out.copy_(result)
+        return
+    if result.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        result = result.clone(memory_format=torch.contiguous_format)
+    bind_fresh(result)
+
+
+@impl(ir.PermuteOp)
+def _permute(frame: Frame, e: ir.PermuteOp) -> None:
+    src = frame.full_rank(e.input, frame.get(e.input))
+    _copy_out(frame, e, src.permute(e.dims), src)
+
+
+@impl(ir.ReshapeOp)
+def _reshape(frame: Frame, e: ir.ReshapeOp) -> None:
+    src = frame.get(e.input)
+    if src.numel() != _numel_of(e.shape, src.numel()):
+        raise ShapeError(f"cannot reshape T{e.input.name} of shape {list(src.shape)} to {list(e.shape)}")
+    _copy_out(frame, e, src.reshape(e.shape), src)
+
+
+def _numel_of(shape, numel: int) -> int:
+    known = 1
+    for size in shape:
+        known *= size if size != -1 else 1
+    if -1 in shape and known and numel % known == 0:
+        return numel
+    return known
+
+
+@impl(ir.SliceOp)
+def _slice(frame: Frame, e: ir.SliceOp) -> None:
+    src = frame.full_rank(e.input, frame.get(e.input))
+    index = []
+    for k, ((start, stop, step), size) in enumerate(zip(e.ranges, src.shape)):
+        if start > size or (stop is not None and stop > size):
+            raise ShapeError(
+                f"axis {k} of T{e.input.name} has size {size}; the slice [{start}:{stop}] is out of range"
+            )
+        index.append(slice(start, stop, step))
+    _copy_out(frame, e, src[tuple(index)], src)
+
+
+@impl(ir.SelectOp)
+def _select_op(frame: Frame, e: ir.SelectOp) -> None:
+    src = frame.full_rank(e.input, frame.get(e.input))
+    index, size = int(frame.get(e.index)), src.shape[e.dim]
+    if not -size <= index < size:
+        raise ShapeError(f"index {index} is out of range for axis {e.dim} of T{e.input.name} (size {size})")
+    _copy_out(frame, e, src.select(e.dim, index), src)
 
 
 # ---------------------------------------------------------------- communications

@@ -45,7 +45,7 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, cpp, flat, ir, printer, schedule
+from hostir import communicator, cpp, flat, ir, layout, printer, profiling, schedule
 from hostir.agreement import Offer, RankMismatchError, check, exchange, input_signature
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
@@ -151,6 +151,9 @@ class ExecutorParams:
         """"python" or "cpp": the evaluator this run uses."""
         choice = self.evaluator if self.evaluator is not None else evaluator_choice()
         if choice == "python":
+            return "python"
+        if choice == "auto" and profiling.watched():
+            # The profiler's ranges and traces come from the Python evaluator.
             return "python"
         if cpp.available():
             return "cpp"
@@ -442,12 +445,17 @@ class FusionExecutor:
 
     def _program(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> tuple[_Program, bool]:
         static = tuple(
-            (i, axis, inputs[i].shape[axis]) for i, tv in enumerate(self.fusion.inputs) for axis in tv.static_dims
+            (i, axis, inputs[i].shape[axis])
+            for i, tv in enumerate(self.fusion.inputs)
+            for axis in getattr(tv, "static_dims", ())
         )
         evaluator = params.evaluator_name()
         chosen = schedule.for_inputs(self.fusion, inputs, comm, params.schedule)
         key = (
-            tuple((t.dtype, t.dim(), t.is_contiguous()) for t in inputs),
+            tuple(
+                (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else "scalar"
+                for t in inputs
+            ),
             device,
             evaluator,
             params.resharding,
@@ -575,10 +583,13 @@ class FusionExecutor:
     # -- 5-7: bind, run, convert back
     def _run(self, call: _Call, params: ExecutorParams, comm) -> list[torch.Tensor | None]:
         container = call.program.container
-        bindings = {tv: to_loop(tv, t) for tv, t in zip(container.inputs, call.inputs)}
+        bindings = {
+            tv: layout.to_runtime(tv, t) if isinstance(tv, ir.TensorView) else t
+            for tv, t in zip(container.inputs, call.inputs)
+        }
         if call.outputs is not None:
             for tv, t in zip(container.outputs, call.outputs):
-                bindings[tv] = to_loop(tv, t)
+                bindings[tv] = layout.to_runtime(tv, t)
         try:
             with torch.no_grad():
                 if params.cuda_graph:
@@ -591,13 +602,13 @@ class FusionExecutor:
             if comm is not None:
                 comm.failure = f"{type(err).__name__}: {err}"
             raise
-        return [None if r is None else to_logical(tv, r) for tv, r in zip(container.outputs, results)]
+        return [None if r is None else layout.to_logical(tv, r) for tv, r in zip(container.outputs, results)]
 
 
 def input_key(inputs: list) -> tuple:
     """Exact shapes and dtypes of the inputs: the key of size-dependent
     artifacts such as a dry-run report."""
-    return tuple((tuple(t.shape), t.dtype) for t in inputs)
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (type(t).__name__,) for t in inputs)
 
 
 def ranks_needed(fusion: ir.Fusion) -> int:
@@ -656,6 +667,9 @@ def signature(fusion: ir.Fusion) -> str:
     """`(T0: float32[?, 8], T1: ...)`: what `execute` expects."""
     parts = []
     for tv in fusion.inputs:
+        if isinstance(tv, ir.InputScalar):
+            parts.append(f"{tv.label}: {str(tv.dtype).removeprefix('torch.')} scalar")
+            continue
         dims = ", ".join("?" if not d.extent.is_constant else str(d.extent.value) for d in tv.runtime_domain())
         parts.append(f"T{tv.name}: {str(tv.dtype).removeprefix('torch.')}[{dims}]")
     return "(" + ", ".join(parts) + ")"
@@ -679,6 +693,13 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
             f"got {len(inputs)}"
         )
     for i, (tv, t) in enumerate(zip(fusion.inputs, inputs)):
+        if isinstance(tv, ir.InputScalar):
+            if not tv.accepts(t):
+                raise InputTypeError(
+                    f"input {i} (scalar {tv.label}) must be a Python {_PYTHON_TYPES[tv.dtype]}, "
+                    f"got {type(t).__name__} {t!r}"
+                )
+            continue
         what = f"input {i} (T{tv.name})"
         _check_tensor(what, tv, t)
         if t.dim() != tv.logical_ndim:
@@ -687,19 +708,15 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
                 f"the fusion takes {signature(fusion)}"
             )
         for axis, (d, size) in enumerate(zip(tv.logical_runtime(), t.shape)):
-            expected = local_extent(tv, d)
+            expected = layout.local_extent(d)
             if expected is not None and size != expected:
                 ways = d.extent.value // expected if expected else 0
                 whole = f" (extent {d.extent.value} sharded over {ways} ranks)" if expected != d.extent.value else ""
                 raise InputError(f"{what}: axis {axis} must have size {expected}{whole}, got {size}")
-            for f in _split_factors(d):
-                if size % f:
-                    raise InputError(
-                        f"{what}: axis {axis} has size {size}, not divisible by {f} (it is split by {f})"
-                    )
-    expected = torch.device(device) if device is not None else (inputs[0].device if inputs else torch.device("cpu"))
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    expected = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
     for i, t in enumerate(inputs):
-        if t.device != expected:
+        if isinstance(t, torch.Tensor) and t.device != expected:
             where = " (the device of input 0)" if device is None else (" (this rank's device)" if sharded else "")
             raise InputError(
                 f"input {i} (T{fusion.inputs[i].name}) is on {t.device} but the fusion runs on {expected}{where}"
@@ -707,39 +724,17 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
     return expected
 
 
-def local_extent(tv: ir.TensorView, d: ir.IterDomain) -> int | None:
-    """This rank's size of logical axis `d` if it is fixed, else None."""
-    if d.is_device_parallel:
-        return 1
-    if not d.extent.is_constant:
-        return None
-    size = d.extent.value
-    for leaf in d.loop_leaves():
-        if leaf.is_device_parallel:
-            size //= leaf.extent.value
-    return size
-
-
-def _split_factors(d: ir.IterDomain) -> list[int]:
-    """Constant extents of the non-sharded pieces of a split symbolic axis:
-    its local size must be divisible by their product."""
-    if d.leaves is None or d.extent.is_constant:
-        return []
-    prod = 1
-    for leaf in d.leaves:
-        if leaf.extent.is_constant and not leaf.is_device_parallel:
-            prod *= leaf.extent.value
-    return [prod] if prod > 1 else []
+_PYTHON_TYPES = {torch.float64: "float (or int)", torch.int64: "int", torch.bool: "bool"}
 
 
 def is_multi_device(fusion: ir.Fusion) -> bool:
-    tvs = list(fusion.inputs) + list(fusion.outputs) + [v for e in fusion.exprs for v in e.outputs()]
+    tvs = fusion.tensor_inputs() + list(fusion.outputs) + [v for e in fusion.exprs for v in e.outputs()]
     return any(tv.mesh is not None or tv.device_axes() for tv in tvs)
 
 
 def check_world(fusion: ir.Fusion, world_size: int) -> None:
     """A mesh names ranks the world must have."""
-    tvs = list(fusion.inputs) + [v for e in fusion.exprs for v in e.outputs()]
+    tvs = fusion.tensor_inputs() + [v for e in fusion.exprs for v in e.outputs()]
     needed = max((max(tv.mesh.devices) + 1 for tv in tvs if tv.mesh is not None), default=1)
     if needed > world_size:
         hint = ""
@@ -749,35 +744,6 @@ def check_world(fusion: ir.Fusion, world_size: int) -> None:
                 "OMPI_COMM_WORLD_RANK/SIZE or RANK/WORLD_SIZE)"
             )
         raise ExecuteArgumentError(f"the fusion requests {needed} devices to run, but there are only {world_size} ranks{hint}")
-
-
-def to_loop(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
-    """View a rank's piece `t` (logical axes) with `tv`'s loop axes."""
-    if not tv.is_split:
-        return t
-    shape = []
-    for d, size in zip(tv.logical_runtime(), t.shape):
-        leaves = d.loop_leaves()
-        local = [1 if x.is_device_parallel else (x.extent.value if x.extent.is_constant else None) for x in leaves]
-        known = 1
-        for v in local:
-            known *= v if v is not None else 1
-        shape += [size // known if v is None else v for v in local]
-    return t.view(shape)
-
-
-def to_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
-    """View a loop-shaped result of `tv` with its logical axes."""
-    if not tv.is_split:
-        return t
-    shape, i = [], 0
-    for d in tv.logical_runtime():
-        size = 1
-        for _ in d.loop_leaves():
-            size *= t.shape[i]
-            i += 1
-        shape.append(size)
-    return t.view(shape)
 
 
 _BACKEND_NAMES = {"nccl": "NCCL", "gloo": "gloo"}
@@ -790,6 +756,8 @@ def equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
     classes = ir.ExtentClasses(fusion.exprs)
     by_class: dict = {}
     for i, tv in enumerate(fusion.inputs):
+        if not isinstance(tv, ir.TensorView):
+            continue
         for axis, d in enumerate(tv.logical_runtime()):
             if d.is_broadcast:
                 continue
@@ -830,6 +798,8 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
                 )
     sizes = {}
     for tv, t in zip(fusion.inputs, inputs):
+        if not isinstance(tv, ir.TensorView):
+            continue
         for d, size in zip(tv.logical_runtime(), t.shape):
             if d.is_device_parallel:
                 continue
@@ -843,8 +813,9 @@ def check_reductions(fusion: ir.Fusion, sizes: dict) -> None:
     for e in fusion.exprs:
         if not isinstance(e, ir.ReductionOp) or e.kind == "sum":
             continue
-        for axis in e.reduced_dims():
-            d = e.out.domain[axis]
+        for axis, d in enumerate(e.out.domain):
+            if not d.is_reduction:
+                continue
             size = d.extent.value if d.extent.is_constant else sizes.get(d.extent)
             if size == 0:
                 raise InputError(
@@ -881,7 +852,7 @@ def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device:
         _check_tensor(what, tv, t)
         if t.device != device:
             raise InputError(f"{what} is on {t.device} but the fusion runs on {device}")
-        shape = [_local_output_size(tv, d, sizes) for d in tv.logical_runtime()]
+        shape = [_local_output_size(d, sizes) for d in tv.logical_runtime()]
         if list(t.shape) != shape:
             raise InputError(f"{what}: expected shape {shape}, got {list(t.shape)}")
         if not t.is_contiguous():
@@ -903,8 +874,8 @@ def _check_no_overlap(fusion: ir.Fusion, outputs: list, inputs: list, tvs) -> No
         spans.append((what, t))
 
 
-def _local_output_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None:
-    fixed = local_extent(tv, d)
+def _local_output_size(d: ir.IterDomain, sizes) -> int | None:
+    fixed = layout.local_extent(d)
     if fixed is not None:
         return fixed
     size = sizes.get(d.extent)

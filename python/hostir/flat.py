@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hostir import ir, printer
+from hostir import ir, layout, printer
 from hostir.container import AliasError, HostIrContainer
 from hostir.evaluator import BindingError, MissingHandlerError, ProgramError
 
@@ -106,7 +106,7 @@ class _Compiler:
         self.stream_keys: dict[ir.Stream, int] = {}
         self.groups: list = []
         self.group_index: dict[tuple, int] = {}
-        self.slice_dim = {e.out: e.input.runtime_position(e.axis) for e in container.walk() if isinstance(e, ir.HirAliasSelect)}
+        self.slice_dim = {e.out: layout.position(e.input, e.axis) for e in container.walk() if isinstance(e, ir.HirAliasSelect)}
         self.instrs: list[Instr] = []
 
     # -- slots
@@ -367,7 +367,7 @@ def _reduction(cc, e) -> None:
         out=cc.tensor(e.out),
         input=cc.tensor(e.input),
         kind=e.kind,
-        dims=e.reduced_dims(),
+        dims=layout.reduced_dims(e.out),
         dtype=_DTYPES[e.out.dtype],
     )
 
@@ -407,7 +407,7 @@ def _linear(cc, e) -> None:
 
 def _mesh_axis(tv: ir.TensorView) -> int:
     (axis,) = tv.device_axes()
-    return tv.runtime_position(axis)
+    return layout.position(tv, axis)
 
 
 def _identity(dtype: torch.dtype, red_op: str) -> float:
@@ -510,8 +510,14 @@ def _wait(cc, e) -> None:
 def unsupported(container: HostIrContainer) -> str | None:
     """Why the C++ executor cannot run `container`, or None if it can: an op
     it has no instruction for, or a communication only Python posts (the
-    copy-engine transport, a root chosen at run time, symmetric memory)."""
+    copy-engine transport, a root chosen at run time, symmetric memory), a
+    scalar input, or a loop that walks chunks of a split axis."""
+    scalars = [v for v in container.inputs if not isinstance(v, ir.TensorView)]
+    if scalars:
+        return f"it takes scalar inputs ({', '.join(printer.format_val(v) for v in scalars)})"
     for e in container.walk():
+        if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk":
+            return f"it walks chunks of a split axis: {printer.format_expr_head(e)}"
         if type(e) not in _COMPILERS:
             return f"it has no instruction for {type(e).__name__}"
         if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):

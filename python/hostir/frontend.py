@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hostir import ir, printer
+from hostir import ir, layout, printer, shape_ops
 from hostir.dtensor import Adapter, has_dtensors, is_dtensor
 from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
 from hostir.executor import ExecutorParams, FusionExecutor, InputError, InputTypeError
@@ -36,6 +36,8 @@ class Ops:
         for v in operands:
             if isinstance(v, ir.TensorView) and v.owner is not self._fd.fusion:
                 raise DefinitionError(f"T{v.name} belongs to another FusionDefinition")
+            if isinstance(v, ir.InputScalar) and not any(v is s for s in self._fd.fusion.inputs):
+                raise DefinitionError(f"scalar {v!r} belongs to another FusionDefinition")
 
     def set(self, x: ir.TensorView) -> ir.TensorView:
         """A copy of `x`."""
@@ -117,6 +119,29 @@ class Ops:
         return ir.linear(x, weight, bias)
 
 
+    def permute(self, x: ir.TensorView, dims) -> ir.TensorView:
+        """A copy of `x` with its axes in the order `dims` (torch.permute)."""
+        self._check(x)
+        return shape_ops.permute(x, dims)
+
+    def reshape(self, x: ir.TensorView, shape) -> ir.TensorView:
+        """A copy of `x` with shape `shape` (ints, one of them may be -1)."""
+        self._check(x)
+        return shape_ops.reshape(x, shape)
+
+    def slice(self, x: ir.TensorView, start_indices, end_indices, strides=None) -> ir.TensorView:
+        """A copy of `x[start:end:stride, ...]`, one start, end (None: to
+        the end) and stride per axis, as nvFuser's `fd.ops.slice`."""
+        self._check(x)
+        return shape_ops.slice_(x, start_indices, end_indices, strides)
+
+    def select(self, x: ir.TensorView, index, dim: int) -> ir.TensorView:
+        """A copy of `x.select(dim, index)`; `index` is an int or an integer
+        scalar input (`fd.define_scalar(dtype=torch.int64)`)."""
+        self._check(x, index)
+        return shape_ops.select(x, dim, index)
+
+
 class FusionDefinition:
     def __init__(self) -> None:
         self.fusion = ir.Fusion()
@@ -149,6 +174,17 @@ class FusionDefinition:
         if isinstance(shape, (int, torch.Tensor)) or not isinstance(shape, Sequence):
             raise DefinitionTypeError(f"shape must be a list of ints, got {shape!r}")
         return self.fusion.new_tensor(list(shape), dtype)
+
+    def define_scalar(self, dtype: torch.dtype | type = torch.float64) -> ir.InputScalar:
+        """A scalar input of the fusion: `execute` takes a Python number in
+        its place. `dtype` is torch.float64 (or float), torch.int64 (or
+        int) or torch.bool (or bool). Usable as an operand of add, sub, mul,
+        div and as the index of select."""
+        self._require_defining("define_scalar")
+        dtype = {float: torch.float64, int: torch.int64, bool: torch.bool}.get(dtype, dtype)
+        if not isinstance(dtype, torch.dtype):
+            raise DefinitionTypeError(f"dtype must be a torch.dtype or float, int or bool, got {dtype!r}")
+        return self.fusion.new_scalar(dtype)
 
     def add_output(self, tv: ir.TensorView) -> None:
         self._require_defining("add_output")

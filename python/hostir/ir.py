@@ -155,6 +155,7 @@ class ScalarExpr(Scalar):
         "+": lambda a, b: a + b,
         "-": lambda a, b: a - b,
         "/": lambda a, b: a // b,
+        "ceilDiv": lambda a, b: -(-a // b),
     }
 
     def __init__(self, op: str, lhs: Scalar, rhs: Scalar):
@@ -170,6 +171,29 @@ class ScalarExpr(Scalar):
 
     def key(self) -> tuple:
         return (self.op, self.lhs.key(), self.rhs.key())
+
+
+class InputScalar(Scalar):
+    """A number the caller passes to `execute`, like a tensor input (from
+    `define_scalar`). Prints as `d<n>` (floating), `i<n>` (integer) or
+    `b<n>` (bool), as nvFuser names scalars."""
+
+    __slots__ = ("dtype",)
+    PREFIX = {torch.float64: "d", torch.int64: "i", torch.bool: "b"}
+
+    def __init__(self, owner: IrContainer, dtype: torch.dtype):
+        if dtype not in self.PREFIX:
+            raise DefinitionTypeError(f"a scalar input is float64, int64 or bool, got {dtype}")
+        super().__init__(label=f"{self.PREFIX[dtype]}{owner.next_name('scalar')}")
+        self.dtype = dtype
+
+    def accepts(self, value) -> bool:
+        """Whether `value` (a Python number) can be bound to this scalar."""
+        if self.dtype is torch.bool:
+            return isinstance(value, bool)
+        if self.dtype is torch.int64:
+            return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _scalar(v) -> Scalar:
@@ -458,16 +482,6 @@ class TensorView:
     def logical_runtime(self) -> list[IterDomain]:
         return [d for d in self.logical if not d.is_reduction]
 
-    def runtime_position(self, axis: IterDomain) -> int:
-        """Position of `axis` in the runtime tensor's dims."""
-        pos = 0
-        for d in self.domain:
-            if d is axis:
-                return pos
-            if not d.is_reduction:
-                pos += 1
-        raise DefinitionError(f"{axis} is not an axis of {self}")
-
     def axis(self, i: int) -> IterDomain:
         """The i-th loop axis (negative counts from the end), reduction axes
         included; after a split, the axes it made."""
@@ -522,13 +536,13 @@ class TensorView:
         return self
 
     def outer_split(self, axis: int, factor: int) -> TensorView:
-        """Replace loop axis `axis` (extent e) by [factor, e / factor]: the
+        """Replace loop axis `axis` (extent e) by [factor, ceilDiv(e, factor)]: the
         outer axis can then be `mesh_x` (each rank holds e / factor) or
         `stream`."""
         return self._split(axis, factor, outer=True)
 
     def split(self, axis: int, factor: int) -> TensorView:
-        """Replace loop axis `axis` (extent e) by [e / factor, factor]."""
+        """Replace loop axis `axis` (extent e) by [ceilDiv(e, factor), factor]."""
         return self._split(axis, factor, outer=False)
 
     def _split(self, axis: int, factor: int, outer: bool) -> TensorView:
@@ -546,7 +560,9 @@ class TensorView:
         if d.extent.is_constant:
             rest = Scalar.constant(d.extent.value // factor)
         else:
-            rest = ScalarExpr("/", d.extent, Scalar.constant(factor))
+            # nvFuser's split: ceilDiv, so a stream split of an extent the
+            # factor does not divide has a ragged last chunk.
+            rest = ScalarExpr("ceilDiv", d.extent, Scalar.constant(factor))
         f = Scalar.constant(factor)
         outer_ext, inner_ext = (f, rest) if outer else (rest, f)
         root = d.parent or d
@@ -565,12 +581,6 @@ class TensorView:
         bump = getattr(self.owner, "bump_version", None)
         if bump is not None:
             bump()
-
-    # -- shapes of a rank's tensors
-    def local_sizes(self, sizes: Sequence[int]) -> list[int]:
-        """The local loop shape, from the loop extents' values `sizes` (one
-        per runtime axis): 1 on a `mesh_x` axis."""
-        return [1 if d.is_device_parallel else s for d, s in zip(self.runtime_domain(), sizes)]
 
     def __repr__(self) -> str:
         return format_tv(self)
@@ -600,6 +610,8 @@ class Stream:
 
 def format_scalar(s: Scalar) -> str:
     if isinstance(s, ScalarExpr):
+        if s.op == "ceilDiv":
+            return f"( ceilDiv({format_scalar(s.lhs)}, {format_scalar(s.rhs)}) )"
         return f"( {format_scalar(s.lhs)} {s.op} {format_scalar(s.rhs)} )"
     if s.label is not None:
         return s.label
@@ -746,9 +758,6 @@ class ReductionOp(Expr):
     OUTPUTS = ("out",)
     KINDS = {"sum": "add", "max": "max", "min": "min"}
 
-    def reduced_dims(self) -> list[int]:
-        return [i for i, d in enumerate(self.out.domain) if d.is_reduction]
-
     def id_pairs(self):
         return zip(self.out.logical, self.input.logical_runtime())
 
@@ -809,7 +818,74 @@ class LinearOp(Expr):
         yield k, w[1]
 
 
-FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp)
+@_op
+class PermuteOp(Expr):
+    """`out = input.permute(dims)` as a copy: out axis i is input axis
+    dims[i]. Writes into `out` if bound. Runs on the current stream."""
+
+    out: TensorView
+    input: TensorView
+    dims: tuple
+    INPUTS = ("input",)
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        ins = self.input.logical_runtime()
+        for o, d in zip(self.out.logical_runtime(), self.dims):
+            yield o, ins[d]
+
+
+@_op
+class ReshapeOp(Expr):
+    """`out = input.reshape(shape)` as a copy (`shape` as given, -1 for the
+    one inferred size). No axis of `out` iterates with one of `input`, so
+    it cannot be stream-parallel. Writes into `out` if bound."""
+
+    out: TensorView
+    input: TensorView
+    shape: tuple
+    INPUTS = ("input",)
+    OUTPUTS = ("out",)
+
+
+@_op
+class SliceOp(Expr):
+    """`out = input[start:stop:step, ...]` as a copy, one (start, stop,
+    step) per axis (stop None: to the end). An axis taken whole iterates
+    with its input axis; a cut one does not. Writes into `out` if bound."""
+
+    out: TensorView
+    input: TensorView
+    ranges: tuple
+    INPUTS = ("input",)
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        for o, i, r in zip(self.out.logical_runtime(), self.input.logical_runtime(), self.ranges):
+            if r == (0, None, 1):
+                yield o, i
+
+
+@_op
+class SelectOp(Expr):
+    """`out = input.select(dim, index)` as a copy: the axis `dim` goes
+    away; `index` is a constant or a scalar input, negative counting from
+    the end. Writes into `out` if bound."""
+
+    out: TensorView
+    input: TensorView
+    dim: int
+    index: Scalar
+    INPUTS = ("input", "index")
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        ins = [d for k, d in enumerate(self.input.logical_runtime()) if k != self.dim]
+        return zip(self.out.logical_runtime(), ins)
+
+
+SHAPE_OPS = (PermuteOp, ReshapeOp, SliceOp, SelectOp)
+FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp) + SHAPE_OPS
 COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp)
 
 
@@ -857,9 +933,13 @@ class ForLoop(Expr):
 
 @_op
 class HirAliasSelect(Expr):
-    """Binds `out` to the view `input.select(axis, index)`: no copy, so an op
-    writing `out` writes `input`'s buffer. On a broadcast axis index 0 is
-    used. `out` is bound, not defined, so it is not an SSA output."""
+    """Binds `out` to a view of `input` at `index` along `axis`: no copy, so
+    an op writing `out` writes `input`'s buffer. When `axis` is a dim of its
+    own this is `input.select(dim, index)` (index 0 on a broadcast axis);
+    when it is the outer piece of a split axis it is the index-th chunk of
+    ceilDiv(size, axis extent) rows of that dim (the last chunks may be
+    shorter or empty). `out` is bound, not defined, so it is not an SSA
+    output. Does not block and enqueues nothing."""
 
     out: TensorView
     input: TensorView
@@ -901,7 +981,14 @@ class Allocate(Expr):
     zero_init: bool = False
 
     def size(self) -> Scalar:
-        return product([d.extent for d in self.buffer.runtime_domain()])
+        from hostir import layout
+
+        extents = []
+        for dim in layout.dims(self.buffer):
+            parent = dim[0].parent
+            whole = parent is not None and len(dim) == len(parent.loop_leaves())
+            extents += [parent.extent] if whole else [d.extent for d in dim]
+        return product(extents)
 
 
 @_op
@@ -1216,6 +1303,16 @@ class Fusion(IrContainer):
         self.bump_version()
         return tv
 
+    def new_scalar(self, dtype: torch.dtype) -> InputScalar:
+        """A scalar input of the fusion, passed to `execute` as a number."""
+        s = InputScalar(self, dtype)
+        self.inputs.append(s)
+        self.bump_version()
+        return s
+
+    def tensor_inputs(self) -> list[TensorView]:
+        return [v for v in self.inputs if isinstance(v, TensorView)]
+
     def add_output(self, tv: TensorView) -> None:
         self._check_owned(tv, "add_output")
         if tv in self.inputs:
@@ -1258,7 +1355,7 @@ def set_(x: TensorView) -> TensorView:
 
 
 def _as_operand(v) -> TensorView | Scalar:
-    if isinstance(v, TensorView):
+    if isinstance(v, (TensorView, InputScalar)):
         return v
     if isinstance(v, (bool, int, float)):
         return Scalar.constant(v)
@@ -1269,6 +1366,8 @@ def _probe(v):
     """A value with v's dtype for asking torch about type promotion."""
     if isinstance(v, TensorView):
         return torch.empty(0, dtype=v.dtype)
+    if isinstance(v, InputScalar):
+        return torch.zeros((), dtype=v.dtype)
     return v.value
 
 

@@ -81,6 +81,27 @@ def _linear(e: ir.LinearOp, pad):
     return _assign(pad, e.out, f"linear( {', '.join(format_tv(a) for a in args)}{_partial(e)} )")
 
 
+def _permute(e: ir.PermuteOp, pad):
+    dims = ", ".join(map(str, e.dims))
+    return _assign(pad, e.out, f"permute( {format_tv(e.input)}, dims = {{{dims}}} )")
+
+
+def _reshape(e: ir.ReshapeOp, pad):
+    shape = ", ".join(map(str, e.shape))
+    return _assign(pad, e.out, f"reshape( {format_tv(e.input)}, shape = {{{shape}}} )")
+
+
+def _slice(e: ir.SliceOp, pad):
+    ranges = ", ".join(
+        f"{{{start} : {'end' if stop is None else stop} : {step}}}" for start, stop, step in e.ranges
+    )
+    return _assign(pad, e.out, f"slice( {format_tv(e.input)}, {ranges} )")
+
+
+def _select_op(e: ir.SelectOp, pad):
+    return _assign(pad, e.out, f"select( {format_tv(e.input)}, dim = {e.dim}, index = {format_scalar(e.index)} )")
+
+
 def _get_stream(e: ir.GetCurrentStream, pad):
     return [f"{pad}GetCurrentStream into {format_stream(e.stream)}"]
 
@@ -180,6 +201,10 @@ _FORMATS = {
     ir.ReductionOp: _reduction,
     ir.MatmulOp: _matmul,
     ir.LinearOp: _linear,
+    ir.PermuteOp: _permute,
+    ir.ReshapeOp: _reshape,
+    ir.SliceOp: _slice,
+    ir.SelectOp: _select_op,
     ir.GetCurrentStream: _get_stream,
     ir.SetCurrentStream: _set_stream,
     ir.Synchronize: _synchronize,
@@ -218,7 +243,7 @@ def format_expr_head(e: ir.Expr) -> str:
 
 
 def _program(title: str, inputs, outputs, exprs) -> list[str]:
-    ins = ", ".join(format_tv(t) for t in inputs)
+    ins = ", ".join(format_val(t) for t in inputs)
     outs = ", ".join(format_tv(t) for t in outputs)
     lines = [f"%{title} {{ ({ins}) -> ({outs}) :"]
     for e in exprs:

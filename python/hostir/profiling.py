@@ -333,6 +333,15 @@ class Observer:
         self._pending.clear()
 
 
+def watched() -> bool:
+    """Whether a run now would be watched (profiler on, a trace requested or
+    HOSTIR_TRACE set): only the Python evaluator reports ops, so `auto`
+    picks it then."""
+    if torch.autograd._profiler_enabled() or _active.get() is not None:  # type: ignore[attr-defined]
+        return True
+    return bool(os.environ.get("HOSTIR_TRACE"))
+
+
 def observer_for(container: Any, streams: Any, rank: int) -> Observer | None:
     """The observer of one run, or None when nothing watches it (profiler
     off, no NVTX, no trace): then the evaluator runs each op bare."""

@@ -96,7 +96,11 @@ def test_communication_output_read_before_its_wait_races_with_loop_indices():
     assert hostir.check_races(program) == []
     (wait_path,) = [p for p in sync_paths(program.exprs) if isinstance(_at(program, p), ir.Wait)]
     races = hostir.check_races(mutant(program, wait_path))
-    (first,) = [r for r in races if r.first.kind == "write" and r.first.line.startswith("Communication")]
+    posted = [r for r in races if r.first.kind == "write" and r.first.line.startswith("Communication")]
+    (first,) = [r for r in posted if r.second.kind == "read"]
+    # The deallocation of the gathered buffer after the loops races with
+    # the unwaited write too.
+    assert [r.second.line.split("\n")[0] for r in posted if r.second.kind == "write"] == ["Deallocate {"]
     assert first.buffer == "T2"  # the gathered buffer the slices T5 select from
     assert "matmul" in first.second.line and first.second.kind == "read"
     assert first.first.loops == (("StreamIdx", 0),) and first.second.loops == (("StreamIdx", 0),)

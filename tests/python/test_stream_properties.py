@@ -54,18 +54,73 @@ def _build(steps, axes, reduce, reduce_stream):
     return fd
 
 
-def _expected_loops(steps, axes, reduce, reduce_stream):
-    """Consecutive stream ops share a loop iff their stream axes map; all
-    the elementwise steps map axis k to axis k, the sum keeps the other."""
+def _propagated(steps, axes, reduce, reduce_stream):
+    """The stream axis of every op's output after `propagate_stream_axes`:
+    an unscheduled output takes its producer's stream axis (unless the sum
+    reduces that axis), an unscheduled producer its consumer's; the inputs
+    take none. The elementwise steps map axis k to axis k, the sum keeps
+    the position of every axis."""
     marks = list(axes)
+    scheduled = [a is not None for a in axes]
     if reduce is not None:
         marks.append(1 - reduce if reduce_stream else None)
+        scheduled.append(reduce_stream)
+    n = len(marks)
+    changed = True
+    while changed:
+        changed = False
+        for i in range(1, n):
+            if not scheduled[i] and marks[i] is None and marks[i - 1] is not None:
+                if i == len(steps) and marks[i - 1] == reduce:
+                    continue
+                marks[i] = marks[i - 1]
+                changed = True
+        for i in reversed(range(1, n)):
+            if marks[i] is not None and not scheduled[i - 1] and marks[i - 1] is None:
+                marks[i - 1] = marks[i]
+                changed = True
+    return marks
+
+
+def _expected_loops(steps, axes, reduce, reduce_stream):
+    """Consecutive stream ops share a loop iff their stream axes map."""
     loops, prev = 0, None
-    for m in marks:
+    for m in _propagated(steps, axes, reduce, reduce_stream):
         if m is not None and m != prev:
             loops += 1
         prev = m
     return loops
+
+
+def _uses(e) -> set:
+    if isinstance(e, ir.ForLoop):
+        return set().union(*(_uses(b) for b in e.body)) if e.body else set()
+    sources = [e.input] if isinstance(e, ir.HirAliasSelect) else []
+    return {v for v in e.inputs() + e.outputs() + sources if isinstance(v, ir.TensorView)}
+
+
+def _check_deallocations(container) -> None:
+    """Every intermediate top-level buffer is freed once, at the top level
+    (after the loop that uses it, never inside it), and nothing uses it
+    after; inputs and outputs are never freed."""
+    exprs = container.exprs
+    keep = set(container.inputs + container.outputs)
+    sliced = {}
+    for e in ir.walk(exprs):
+        if isinstance(e, ir.HirAliasSelect):
+            sliced[e.out] = e.input
+    assert not any(isinstance(b, ir.Deallocate) for e in exprs if isinstance(e, ir.ForLoop) for b in ir.walk(e.body))
+    freed = [e.buffer for e in exprs if isinstance(e, ir.Deallocate)]
+    assert len(freed) == len(set(freed))
+    assert not keep & set(freed)
+    defined = {t for e in exprs if not isinstance(e, ir.ForLoop) for t in ir.defined_tvs(e)}
+    assert defined - keep == set(freed)
+    for i, e in enumerate(exprs):
+        if not isinstance(e, ir.Deallocate):
+            continue
+        for later in exprs[i + 1 :]:
+            used = {sliced.get(v, v) for v in _uses(later)}
+            assert e.buffer not in used, f"T{e.buffer.name} is used after it is freed"
 
 
 @settings(max_examples=60, deadline=None)
@@ -100,6 +155,8 @@ def test_random_programs_lower_and_match_eager(program):
                 source[inner.out] = inner.input
             elif isinstance(inner, ir.FUSION_OPS):
                 assert source[inner.out] in allocated
+
+    _check_deallocations(container)
 
     x = torch.randn(shape)
     w = torch.rand(shape) + 0.5

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from hostir import ir, printer
+from hostir import ir, layout, printer
 from hostir.errors import HostIrError
 from hostir.transports import Posted, Transport
 
@@ -430,7 +430,17 @@ class _Recorder:
 # ---------------------------------------------------------------- inputs
 
 
+def _input_entry(v, value) -> tuple:
+    """An input as the report lists it: (name, shape, dtype); a scalar input
+    has no shape and its Python type as its dtype."""
+    if isinstance(v, ir.TensorView):
+        return (f"T{v.name}", list(value.shape), _dtype(value.dtype))
+    return (printer.format_val(v), [], type(value).__name__)
+
+
 def _as_meta(tv: ir.TensorView, given, i: int) -> torch.Tensor:
+    if not isinstance(tv, ir.TensorView):
+        return given  # a scalar input: its value, as execute takes it
     what = f"input {i} (T{tv.name})"
     if isinstance(given, torch.Tensor):
         return torch.empty(given.shape, dtype=given.dtype, device="meta")
@@ -553,11 +563,13 @@ def run_rank(
         executor.check_sizes(fusion, metas, executor.equal_input_axes(fusion))
     except Exception as err:
         raise DryRunError(f"rank {rank}: {type(err).__name__}: {err}") from err
-    bindings = {tv: executor.to_loop(tv, t) for tv, t in zip(container.inputs, metas)}
+    bindings = {
+        tv: layout.to_runtime(tv, t) if isinstance(tv, ir.TensorView) else t for tv, t in zip(container.inputs, metas)
+    }
     report = _run_container(container, bindings, rank, world_size if multi else None, number_of_streams, raw_errors)
-    report.inputs = [(f"T{tv.name}", list(t.shape), _dtype(t.dtype)) for tv, t in zip(fusion.inputs, metas)]
+    report.inputs = [_input_entry(tv, t) for tv, t in zip(fusion.inputs, metas)]
     report.outputs = [
-        (name, None if shape is None else list(executor.to_logical(tv, _shaped(shape)).shape), dtype)
+        (name, None if shape is None else list(layout.to_logical(tv, _shaped(shape)).shape), dtype)
         for tv, (name, shape, dtype) in zip(container.outputs, report.outputs)
     ]
     return report
@@ -596,7 +608,7 @@ def _run_container(
         raise DryRunError(f"rank {rank}: {what}{err}{notes}") from err
     return RankReport(
         rank=rank,
-        inputs=[(f"T{tv.name}", list(t.shape), _dtype(t.dtype)) for tv, t in bindings.items() if tv in container.inputs],
+        inputs=[_input_entry(tv, t) for tv, t in bindings.items() if tv in container.inputs],
         outputs=[
             (f"T{tv.name}", None if r is None else list(r.shape), _dtype(tv.dtype))
             for tv, r in zip(container.outputs, results)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from hostir import ir, printer
+from hostir import ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 
@@ -248,7 +248,7 @@ def _select(ck: _Checker, e: ir.HirAliasSelect) -> None:
     src = ck.region(e.input)
     if src is None:
         return
-    pos = e.input.runtime_position(e.axis)
+    pos = layout.position(e.input, e.axis)
     index = 0 if e.axis.is_broadcast else ck.value(e.index)
     root_dim = src.dims[pos]
     where = src.where | {(root_dim, index)}
@@ -260,7 +260,7 @@ def _chunk(ck: _Checker, e: ir.HirAliasChunk) -> None:
     src = ck.region(e.input)
     if src is None:
         return
-    root_dim = src.dims[e.input.runtime_position(e.axis)]
+    root_dim = src.dims[layout.position(e.input, e.axis)]
     where = src.where | {(root_dim, ("chunk", e.parts, ck.value(e.index)))}
     ck.bound[ck.resolve(e.out)] = _Region(src.buffer, frozenset(where), src.dims)
 

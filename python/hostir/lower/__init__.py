@@ -21,20 +21,24 @@ from hostir.errors import HostIrError
 
 from hostir.lower.build_host_program import build_host_program
 from hostir.lower.decompose_device_axis import decompose_device_axis
+from hostir.lower.insert_deallocations import insert_deallocations
 from hostir.lower.insert_reshardings import MODES as RESHARDING_MODES
 from hostir.lower.insert_reshardings import insert_reshardings
 from hostir.lower.lower_communications import lower_communications
 from hostir.lower.parallelize_streams import parallelize_streams
 from hostir.lower.propagate_shardings import propagate_shardings
+from hostir.lower.propagate_stream_axes import propagate_stream_axes
 from hostir.lower.prune_for_rank import prune_for_rank
 from hostir.options import Dumper, check_options
 
 PIPELINE = [
+    propagate_stream_axes,
     propagate_shardings,
     insert_reshardings,
     decompose_device_axis,
     parallelize_streams,
     lower_communications,
+    insert_deallocations,
 ]
 RANK_PIPELINE = [
     prune_for_rank,

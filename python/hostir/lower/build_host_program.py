@@ -50,6 +50,8 @@ def build_host_program(fusion: ir.Fusion) -> HostIrContainer:
     for tv in fusion.inputs:
         container.add_input(copy(tv))
     for e in fusion.exprs:
+        if isinstance(e, ir.SHAPE_OPS):
+            _check_unsharded(e)
         if len(e.outputs()) != 1:
             raise DefinitionError(f"each op must have one output:\n{e!r}")
         fields = {f: copy(getattr(e, f)) for f in e.INPUTS + e.OUTPUTS}
@@ -57,3 +59,12 @@ def build_host_program(fusion: ir.Fusion) -> HostIrContainer:
     for tv in fusion.outputs:
         container.add_output(copy(tv))
     return container
+
+
+def _check_unsharded(e: ir.Expr) -> None:
+    for v in e.inputs() + e.outputs():
+        if isinstance(v, ir.TensorView) and v.device_axes():
+            raise DefinitionError(
+                f"permute, reshape, slice and select take and give tensors without mesh_x axes; "
+                f"T{v.name} has one (gather it first with a set):\n{e!r}"
+            )

@@ -44,7 +44,7 @@ transport (and why the transport was not `cuda`, if it was asked for).
 
 from __future__ import annotations
 
-from hostir import ir, printer
+from hostir import ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.lower.propagate_shardings import is_resharding
@@ -426,7 +426,7 @@ class _Builder:
         D = mesh.size
         kind = self.schedule.decomposition
         y = red.out
-        if len(red.reduced_dims()) != 1:
+        if len(layout.reduced_dims(red.out)) != 1:
             raise DecompositionError(
                 f"a decomposed reduce-scatter reduces exactly the mesh_x axis:\n{printer.format_expr_head(red)}"
             )

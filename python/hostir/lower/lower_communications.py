@@ -33,7 +33,7 @@ rank (its dump is what ranks hash to agree).
 
 from __future__ import annotations
 
-from hostir import ir, printer
+from hostir import ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.lower.propagate_shardings import device_types, is_resharding
@@ -197,7 +197,7 @@ def _local_reduce_dims(e: ir.ReductionOp, pt: ir.ParallelType) -> tuple[int, ...
             continue
         for leaf in i.loop_leaves():
             if leaf.parallel_type is not pt and leaf in e.input.domain and not leaf.is_reduction:
-                dims.append(e.input.runtime_position(leaf))
+                dims.append(layout.position(e.input, leaf))
     return tuple(sorted(dims))
 
 

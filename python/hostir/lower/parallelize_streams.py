@@ -1,8 +1,11 @@
 """Wrap every op whose output has a `stream` axis in a for-loop over that axis.
 
-Precondition: top-level ops with at most one output each; no container input
-has a stream axis; an op's output has at most one stream axis, which is an
-iteration or broadcast axis of its domain.
+Precondition: top-level ops with at most one output each; an op's output
+has at most one stream axis, an iteration or broadcast axis of its domain:
+a logical axis, or the outer piece of an outer split (the loop then walks
+ceilDiv-sized chunks of that axis; `propagate_stream_axes` has split the
+operands alike). A stream axis on a program input only says how the ops in
+a loop cut it.
 
 Postcondition: each run of consecutive stream-parallel ops whose stream axes
 map (through the ops' operands, broadcasts included) is one `ForLoop`
@@ -25,7 +28,7 @@ per-iteration form.
 
 from __future__ import annotations
 
-from hostir import ir, printer
+from hostir import ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 
@@ -35,12 +38,6 @@ class StreamParallelError(HostIrError, ValueError):
 
 
 def parallelize_streams(container: HostIrContainer) -> HostIrContainer:
-    for tv in container.inputs:
-        if tv.stream_axes():
-            raise StreamParallelError(
-                f"input {printer.format_tv(tv)} has a stream axis; inputs are already materialized, "
-                f"so mark the stream axis on the outputs of the ops that read it"
-            )
     graph = ir.IdGraph(container.exprs, broadcast=True)
 
     grouped: list = []
@@ -107,6 +104,14 @@ def _stream_axis(e: ir.Expr) -> ir.IterDomain | None:
         raise StreamParallelError(
             f"stream parallelization is not supported for this op:\n{printer.format_expr_head(e)}"
         )
+    if isinstance(e, ir.ReshapeOp) or (
+        isinstance(e, ir.SliceOp) and e.ranges[out.logical.index(axis.parent or axis)] != (0, None, 1)
+    ):
+        raise StreamParallelError(
+            f"stream axis {printer.format_id(axis)} of {printer.format_tv(out)} does not walk an axis of "
+            f"the op's input (a reshape, or a cut axis of a slice), so the op cannot run chunk by chunk:\n"
+            f"{printer.format_expr_head(e)}"
+        )
     if axis.is_reduction:
         raise StreamParallelError(
             f"stream axis {printer.format_id(axis)} of {printer.format_tv(out)} is a reduction axis; "
@@ -139,11 +144,35 @@ class _Slicer:
                 f"{printer.format_id(axes[0])} of {printer.format_tv(tv)}; a stream loop cannot walk a "
                 f"sharded axis (each rank holds one index of it)"
             )
+        if axes:
+            try:
+                layout.select_kind(tv, axes[0])
+            except layout.LayoutError as err:
+                raise StreamParallelError(str(err)) from err
         return axes[0] if axes else None
+
+    def _check_split_alike(self, e: ir.Expr, loop: ir.ForLoop) -> None:
+        """An operand axis that iterates with a streamed split axis must be
+        split alike, or the loop would hand the op the whole operand."""
+        (out,) = e.outputs()
+        axis = self.mapped_axis(out, loop)
+        if axis is None or axis.parent is None:
+            return
+        for o, i in e.id_pairs():
+            if o is not axis.parent or i.is_broadcast:
+                continue
+            for tv in e.inputs():
+                if isinstance(tv, ir.TensorView) and i in tv.logical and self.mapped_axis(tv, loop) is None:
+                    raise StreamParallelError(
+                        f"{printer.format_tv(tv)} is split differently from the stream axis "
+                        f"{printer.format_id(axis)} it iterates with, so a chunk of it cannot be cut; "
+                        f"split both alike:\n{printer.format_expr_head(e)}"
+                    )
 
     def slice_body(self, loop: ir.ForLoop) -> list[ir.Expr]:
         body: list[ir.Expr] = []
         for e in loop.body:
+            self._check_split_alike(e, loop)
             changes = {}
             for field in e.INPUTS + e.OUTPUTS:
                 tv = getattr(e, field)

@@ -66,7 +66,8 @@ def propagate_shardings(container: HostIrContainer) -> HostIrContainer:
 def all_tvs(container: HostIrContainer) -> list[ir.TensorView]:
     seen: dict[int, ir.TensorView] = {}
     for tv in container.inputs + container.outputs:
-        seen.setdefault(id(tv), tv)
+        if isinstance(tv, ir.TensorView):
+            seen.setdefault(id(tv), tv)
     for e in container.walk():
         for v in e.inputs() + e.outputs():
             if isinstance(v, ir.TensorView):

@@ -99,7 +99,7 @@ def window_kind(comm) -> str:
         if forced not in ("symm_mem", "ipc"):
             raise TransportUsageError(f"HOSTIR_CUDA_WINDOWS={forced!r}: expected symm_mem or ipc")
         return forced
-    if comm.backend == "nccl":
+    if getattr(comm, "backend", None) == "nccl":
         # The communicator has checked that NCCL ranks drive distinct GPUs
         # (by UUID), also where each rank sees only its own.
         return "symm_mem"

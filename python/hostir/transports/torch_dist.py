@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hostir import ir, printer
+from hostir import ir, layout, printer
 from hostir.transports.base import NoWork, Posted, Transport, TransportUsageError
 
 _RED_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -36,15 +36,15 @@ def _staged(out: torch.Tensor, shape) -> tuple[torch.Tensor, Callable[[], None] 
     copies it into `out` afterwards (nothing if it is `out` itself)."""
     if out.is_contiguous():
         return out.view(shape), None
-    staging = torch.empty(shape, dtype=out.dtype, device=out.device)
-    return staging, lambda: out.copy_(staging.view(out.shape))
+    staging = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    return staging.view(shape), lambda: out.copy_(staging)
 
 
 def _mesh_axis(tv: ir.TensorView, parallel_type: ir.ParallelType = ir.ParallelType.mesh_x) -> int:
     """The local dim of `tv` that is sharded along `parallel_type`."""
     for axis in tv.device_axes():
         if axis.parallel_type is parallel_type:
-            return tv.runtime_position(axis)
+            return layout.position(tv, axis)
     raise TransportUsageError(f"{printer.format_tv(tv)} has no {parallel_type.name} axis")
 
 

@@ -1,0 +1,228 @@
+"""The shapes of a tensor and the conversions between them.
+
+A TensorView has three shapes:
+
+- its *logical* shape: the axes as defined (what a single-device user passes
+  and gets back, and what a multi-device user sees of the whole tensor);
+- its *loop* shape: the logical axes with each split axis replaced by the
+  pieces it was split into (`tv.domain`), which is what ops, loops and
+  shardings are written against;
+- its *runtime* shape: the dims of the tensor a rank actually holds while the
+  program runs. A `mesh_x` piece is a dim of its own of size 1 (the rank
+  holds one index of it); the other pieces of a split axis stay merged into
+  one dim, so an axis split only for streaming keeps its logical size and a
+  stream loop cuts it into chunks (`chunk_bounds`) instead of reshaping it.
+
+Reduction axes stay in the loop domain but have no dim at run time. Every
+conversion between these shapes, on the single- and the multi-device path,
+goes through this module.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from hostir import ir
+from hostir.errors import HostIrError
+
+
+class LayoutError(HostIrError, ValueError):
+    """A tensor or a schedule whose shapes cannot be reconciled."""
+
+
+def logical_axis(d: ir.IterDomain) -> ir.IterDomain:
+    """The logical axis a loop axis is a piece of (itself if unsplit)."""
+    return d.parent or d
+
+
+def dims(tv: ir.TensorView, reductions: bool = False) -> list[list[ir.IterDomain]]:
+    """The runtime dims of `tv`, each as the loop axes it holds, in order.
+    With `reductions`, reduction axes count as dims too (how a reduction's
+    output lines up with its input)."""
+    found: list[list[ir.IterDomain]] = []
+    for d in tv.domain:
+        if d.is_reduction and not reductions:
+            continue
+        last = found[-1] if found else None
+        if (
+            last is not None
+            and d.parent is not None
+            and not d.is_device_parallel
+            and not last[-1].is_device_parallel
+            and last[-1].parent is d.parent
+        ):
+            last.append(d)
+        else:
+            found.append([d])
+    return found
+
+
+def position(tv: ir.TensorView, axis: ir.IterDomain) -> int:
+    """The runtime dim of `tv` that holds loop axis `axis`."""
+    for i, dim in enumerate(dims(tv)):
+        if any(d is axis for d in dim):
+            return i
+    raise LayoutError(f"{axis!r} is not a runtime axis of T{tv.name}")
+
+
+def reduced_dims(tv: ir.TensorView) -> list[int]:
+    """Dims of a reduction's input (lined up with `tv`, its output) that the
+    reduction removes."""
+    return [i for i, dim in enumerate(dims(tv, reductions=True)) if dim[0].is_reduction]
+
+
+def _mesh_factor(axis: ir.IterDomain, extent_of: Callable[[ir.Scalar], int]) -> int:
+    n = 1
+    for leaf in axis.loop_leaves():
+        if leaf.is_device_parallel and leaf is not axis:
+            n *= int(extent_of(leaf.extent))
+    return n
+
+
+def _dim_size(dim: list[ir.IterDomain], extent_of, local: bool) -> int:
+    (first, *_) = dim
+    if first.is_device_parallel:
+        return 1 if local else int(extent_of(first.extent))
+    if first.parent is None:
+        return int(extent_of(first.extent))
+    # The non-mesh pieces of a split axis: the rows a rank holds of it.
+    parent = first.parent
+    return int(extent_of(parent.extent)) // _mesh_factor(parent, extent_of)
+
+
+def local_shape(tv: ir.TensorView, extent_of: Callable[[ir.Scalar], int]) -> list[int]:
+    """The runtime shape of this rank's tensor of `tv` (1 on a mesh_x dim)."""
+    return [_dim_size(dim, extent_of, local=True) for dim in dims(tv)]
+
+
+def full_shape(tv: ir.TensorView, extent_of: Callable[[ir.Scalar], int]) -> list[int]:
+    """The runtime shape across all ranks (a mesh_x dim whole)."""
+    return [_dim_size(dim, extent_of, local=False) for dim in dims(tv)]
+
+
+def full_from_local(tv: ir.TensorView, local: Sequence[int], extent_of: Callable[[ir.Scalar], int]) -> list[int]:
+    """The runtime shape across all ranks from this rank's runtime shape."""
+    return [
+        int(extent_of(dim[0].extent)) if dim[0].is_device_parallel else size
+        for dim, size in zip(dims(tv), local)
+    ]
+
+
+def to_runtime(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
+    """View a rank's piece `t` (logical axes, mesh_x axes of size 1 and split
+    axes holding this rank's rows) with `tv`'s runtime dims."""
+    runtime = dims(tv)
+    logical = tv.logical_runtime()
+    if len(runtime) == len(logical):
+        return t
+    shape: list[int] = []
+    for axis, size in zip(logical, t.shape):
+        pieces = [dim for dim in runtime if logical_axis(dim[0]) is axis]
+        shape += [1 if dim[0].is_device_parallel else size for dim in pieces]
+    return t.reshape(shape)
+
+
+def to_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
+    """View a runtime-shaped tensor of `tv` with its logical axes."""
+    runtime = dims(tv)
+    if len(runtime) == tv.logical_ndim:
+        return t
+    shape: list[int] = []
+    for axis in tv.logical_runtime():
+        size = 1
+        for i, dim in enumerate(runtime):
+            if logical_axis(dim[0]) is axis:
+                size *= t.shape[i]
+        shape.append(size)
+    return t.reshape(shape)
+
+
+def local_extent(d: ir.IterDomain) -> int | None:
+    """This rank's size of logical axis `d` if it is fixed, else None: 1 on
+    a mesh_x axis, extent / mesh size on an axis split with a mesh_x piece."""
+    if d.is_device_parallel:
+        return 1
+    if not d.extent.is_constant:
+        return None
+    return d.extent.value // _mesh_factor(d, lambda e: e.value)
+
+
+def global_extent(d: ir.IterDomain, local: int) -> int:
+    """The whole size of logical axis `d` from this rank's size of it."""
+    if d.is_device_parallel:
+        return int(d.extent.value) if d.extent.is_constant else local
+    n = 1
+    for leaf in d.loop_leaves():
+        if leaf.is_device_parallel and leaf is not d:
+            if not leaf.extent.is_constant:
+                raise LayoutError(f"the mesh_x piece {leaf!r} needs a constant extent")
+            n *= leaf.extent.value
+    return local * n
+
+
+def chunk_count(axis: ir.IterDomain, extent_of: Callable[[ir.Scalar], int]) -> int:
+    return int(extent_of(axis.extent))
+
+
+def select_kind(tv: ir.TensorView, axis: ir.IterDomain) -> str:
+    """How a loop over `axis` slices `tv`: "select" when the axis is a dim
+    of its own (the dim goes away), "chunk" when it is the outer piece of a
+    split axis (the dim keeps, cut into `axis.extent` chunks)."""
+    dim = dims(tv)[position(tv, axis)]
+    if len(dim) == 1:
+        return "select"
+    if dim[0] is not axis:
+        raise LayoutError(
+            f"{axis!r} of T{tv.name} is an inner piece of a split axis; a stream loop can only "
+            f"walk the outer piece (use outer_split)"
+        )
+    return "chunk"
+
+
+def chunk_bounds(size: int, chunks: int, index: int) -> tuple[int, int]:
+    """(start, length) of chunk `index` when `size` rows are cut into
+    `chunks` chunks of ceilDiv(size, chunks) rows: the last chunks are
+    shorter, or empty when there are fewer rows than chunks."""
+    if chunks < 1:
+        raise LayoutError(f"cannot cut an axis into {chunks} chunks")
+    step = -(-size // chunks)
+    start = min(index * step, size)
+    return start, max(0, min(step, size - start))
+
+
+def shard(t: torch.Tensor, tv: ir.TensorView, index: int, n: int) -> torch.Tensor:
+    """Piece `index` of `n` of the whole tensor `t` of `tv`: on a mesh_x
+    axis, that index (kept with size 1); on an axis split with a mesh_x
+    piece, the rows of that piece."""
+    logical = tv.logical_runtime()
+    if t.dim() != len(logical):
+        raise LayoutError(f"T{tv.name} has {len(logical)} axes but the tensor has shape {list(t.shape)}")
+    for axis, d in enumerate(logical):
+        leaves = d.loop_leaves()
+        if not any(x.is_device_parallel for x in leaves):
+            continue
+        size = t.shape[axis]
+        if d.leaves is None:
+            if size != n:
+                raise LayoutError(f"axis {axis} of T{tv.name}: extent {size} differs from mesh size {n}")
+            return t.narrow(axis, index, 1)
+        if size % n:
+            raise LayoutError(f"axis {axis} of T{tv.name}: extent {size} not divisible by mesh size {n}")
+        pieces = _piece_sizes(leaves, size)
+        at = next(i for i, x in enumerate(leaves) if x.is_device_parallel)
+        view = t.reshape(list(t.shape[:axis]) + pieces + list(t.shape[axis + 1 :]))
+        piece = view.narrow(axis + at, index, 1)
+        return piece.reshape(list(t.shape[:axis]) + [size // n] + list(t.shape[axis + 1 :]))
+    return t
+
+
+def _piece_sizes(leaves: Sequence[ir.IterDomain], size: int) -> list[int]:
+    known = [x.extent.value if x.extent.is_constant else None for x in leaves]
+    prod = 1
+    for v in known:
+        prod *= v or 1
+    if size % prod:
+        raise LayoutError(f"extent {size} not divisible by {prod}")
+    return [size // prod if v is None else v for v in known]
