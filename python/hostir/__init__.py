@@ -8,6 +8,7 @@ shard axes with `ParallelType.mesh_x` and pipeline them with
 mpirun or torchrun), and read the lowered host program with `fd.host_ir()`.
 """
 
+from hostir._version import __version__
 from hostir.communicator import (
     CommunicatorError,
     CommunicatorTimeout,
@@ -18,6 +19,8 @@ from hostir.communicator import (
     world_size,
 )
 from hostir.container import AliasError, HostIrContainer
+from hostir.analysis.dry_run import CommunicationMismatchError, DryRunError, DryRunReport, dry_run
+from hostir.dtensor import DTensorPlacementError
 from hostir.errors import DefinitionError, HostIrError, UsageError
 from hostir.evaluator import HostIrEvaluator, HostIrRuntimeError
 from hostir.executor import ExecutorParams, InputError, InputTypeError, RankMismatchError
@@ -25,11 +28,19 @@ from hostir.frontend import FusionDefinition, shard_tensor
 from hostir.ir import DeviceMesh, IterType, MemoryType, ParallelType
 from hostir.lower import LoweringError
 from hostir.options import OptionError
+from hostir.analysis.races import Race, check_races
 
 __all__ = [
     "AliasError",
+    "CommunicationMismatchError",
+    "DryRunError",
+    "DryRunReport",
+    "Race",
+    "check_races",
+    "dry_run",
     "CommunicatorError",
     "CommunicatorTimeout",
+    "DTensorPlacementError",
     "DefinitionError",
     "HostIrError",
     "InputError",
@@ -53,5 +64,5 @@ __all__ = [
     "MemoryType",
     "OptionError",
     "ParallelType",
+    "__version__",
 ]
-__version__ = "0.2.0"

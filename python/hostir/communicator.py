@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from hostir.errors import HostIrError
 from hostir.network import GLOO_IFNAME, GlooInterface, InterfaceError, choose_gloo_interface
+from hostir.log import logger
 
 __all__ = [
     "LAUNCHER_VARIABLES",
@@ -606,7 +607,9 @@ class Communicator:
         master_addr: str | None = None,
         master_port: int | None = None,
     ) -> None:
-        self.launch = discover() if launch is None else launch
+        if launch is None:
+            launch = _from_default_group() if dist.is_available() and dist.is_initialized() else discover()
+        self.launch = launch
         self.backend = _resolve_backend(backend)
         self.timeout = _resolve_timeout(timeout)
         self.master_addr, self.master_port = _resolve_rendezvous(master_addr, master_port, self.launch)
@@ -651,6 +654,11 @@ class Communicator:
         except BaseException:
             self.shutdown()
             raise
+        logger.info(
+            "communicator: rank %d of %d (%s), transport %s on %s, timeout %g s, %s",
+            self.rank, self.world_size, self.launch.source, self.backend, self.device, self.timeout,
+            "default group created" if self._owns_default else "reusing the program's default group",
+        )
 
     def _check_gpus_distinct(self) -> None:
         """Every rank must drive a GPU of its own: NCCL cannot run two ranks
@@ -658,7 +666,7 @@ class Communicator:
         CUDA_VISIBLE_DEVICES repeat on a node would share one; the GPUs'
         UUIDs show it on every rank at once, before any collective."""
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
-        shared = shared_gpus(self.all_gather_object(uuid))
+        shared = shared_gpus([u.decode() for u in self.all_gather_bytes(uuid.encode(), 64)])
         if shared:
             groups = "; ".join(f"ranks {', '.join(map(str, ranks))} on GPU {gpu}" for gpu, ranks in shared.items())
             raise LaunchError(
@@ -797,6 +805,19 @@ class Communicator:
             raise classify_error(exc, "the ranks' agreement (all-gather)", rank=self.rank, timeout=self.timeout)
         return gathered
 
+    def all_gather_bytes(self, data: bytes, capacity: int) -> list[bytes]:
+        """Every rank's `data` (at most `capacity` bytes), in rank order: a
+        length word and the bytes padded to `capacity`, gathered as int64
+        words with `all_gather_words`, so ranks exchange raw bytes and never
+        unpickle a peer's objects."""
+        if len(data) > capacity:
+            raise CommunicatorArgumentError(f"{len(data)} bytes do not fit the {capacity}-byte record")
+        words = -(-capacity // 8)
+        padded = bytearray(data.ljust(words * 8, b"\0"))
+        record = torch.cat([torch.tensor([len(data)]), torch.frombuffer(padded, dtype=torch.int64)])
+        rows = self.all_gather_words(record)
+        return [bytes(row[1:].contiguous().view(torch.uint8).tolist())[: int(row[0])] for row in rows]
+
     def next_fusion_number(self) -> int:
         """A number for a fusion that runs on this communicator for the first
         time: fusions are numbered in the order they first run, the same
@@ -894,9 +915,24 @@ def shutdown() -> None:
         _instance = None
 
 
+def _from_default_group() -> LaunchInfo:
+    """Which process this is when the program initialized torch.distributed
+    itself: the default group's rank and size, with the launcher's local rank
+    where its variables agree (else the rank modulo the visible GPUs)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    launch = discover()
+    if (launch.rank, launch.world_size) == (rank, size) or launch.world_size > 1:
+        # A launcher that disagrees is reported by _check_default_group.
+        return launch
+    gpus = torch.cuda.device_count()
+    return LaunchInfo(rank, size, rank % gpus if gpus else rank, None, "torch.distributed")
+
+
 def _current() -> LaunchInfo:
     if _instance is not None and not _instance._closed:
         return _instance.launch
+    if dist.is_available() and dist.is_initialized():
+        return _from_default_group()
     return discover()
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from hostir import ir, printer, transports
+from hostir import ir, printer, profiling, transports
 from hostir.communicator import CommunicatorTimeout, PeerLostError
 from hostir.container import AliasError, HostIrContainer
 from hostir.errors import HostIrError
@@ -71,7 +71,10 @@ class HostIrEvaluator:
     default) for the CPU; `device` is where `Allocate` puts new buffers. The
     evaluator holds only what it precomputes from the program; the values of
     a run live in that run's `Frame`. `listeners` are called with every op
-    after it ran (for counting; empty by default).
+    after it ran (for counting; empty by default). `watchers` are told about
+    every op before and after it runs, with its frame: `before_op(frame, e)`
+    and `after_op(frame, e)` (the dry run's memory plan reads the run's
+    values there).
     """
 
     def __init__(self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None):
@@ -117,6 +120,10 @@ class HostIrEvaluator:
             if multi_device and isinstance(e, ir.COMPUTE_OPS) and not sliced & set(e.inputs() + e.outputs())
         }
         self.listeners: list[Callable[[Any], None]] = []
+        self.watchers: list = []
+        # Whether runs report to the profiler and traces; a dry run's
+        # rehearsal on meta tensors does not.
+        self.profiled = True
         # Numbers the runs, for the call parity of each frame.
         self.calls = itertools.count()
 
@@ -138,6 +145,9 @@ class HostIrEvaluator:
                 frame.bind_extents(val, value)
             frame.bind(val, value)
         caller = self.streams.current()
+        rank = self.communicator.rank if self.communicator is not None else 0
+        if self.profiled:
+            frame.observer = profiling.observer_for(self.container, self.streams, rank)
         try:
             frame.run_scope(self.container.exprs)
             frame.complete_pending()
@@ -146,29 +156,35 @@ class HostIrEvaluator:
             for stream in frame.used_streams:
                 self.streams.wait(caller, stream)
             self.streams.set_current(caller)
+            if frame.observer is not None:
+                frame.observer.finish()
 
     def _find_body_locals(self, container: HostIrContainer) -> dict[int, list]:
-        """For each loop, the buffers first defined in its body (unbound at
-        every iteration so that each writes fresh ones); program inputs and
-        outputs excepted, since the caller may bind those."""
-        resolve = container.aliases.resolve
-        keep = {resolve(t) for t in container.inputs + container.outputs}
-        found: dict[int, list] = {}
+        return body_locals(container)
 
-        def scan(exprs, before: set) -> None:
-            # `before`: buffers bound ahead of this scope; an op in a loop
-            # that writes one of them (a communication into a slice made
-            # outside) writes it, it does not define a fresh one.
-            seen = set(before)
-            for e in exprs:
-                if isinstance(e, ir.ForLoop):
-                    local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
-                    found[id(e)] = list(local - keep - seen)
-                    scan(e.body, seen)
-                seen.update(resolve(t) for t in ir.defined_tvs(e))
 
-        scan(container.exprs, set())
-        return found
+def body_locals(container: HostIrContainer) -> dict[int, list]:
+    """For each loop, the buffers first defined in its body (unbound at
+    every iteration so that each writes fresh ones); program inputs and
+    outputs excepted, since the caller may bind those."""
+    resolve = container.aliases.resolve
+    keep = {resolve(t) for t in container.inputs + container.outputs}
+    found: dict[int, list] = {}
+
+    def scan(exprs, before: set) -> None:
+        # `before`: buffers bound ahead of this scope; an op in a loop
+        # that writes one of them (a communication into a slice made
+        # outside) writes it, it does not define a fresh one.
+        seen = set(before)
+        for e in exprs:
+            if isinstance(e, ir.ForLoop):
+                local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
+                found[id(e)] = list(local - keep - seen)
+                scan(e.body, seen)
+            seen.update(resolve(t) for t in ir.defined_tvs(e))
+
+    scan(container.exprs, set())
+    return found
 
 
 class MissingHandlerError(HostIrError, NotImplementedError):
@@ -193,7 +209,7 @@ class Frame:
 
     __slots__ = (
         "evaluator", "streams", "device", "communicator", "dumper", "values", "loops", "used_streams", "works",
-        "coalescing", "call_parity",
+        "coalescing", "call_parity", "observer",
     )
 
     def __init__(self, evaluator: HostIrEvaluator):
@@ -212,6 +228,8 @@ class Frame:
         # Buffers that peers write alternate between two copies by the
         # parity of the run (the transports' double buffering).
         self.call_parity = next(evaluator.calls) % 2
+        # Profiler ranges and trace events of this run, or None (the usual case).
+        self.observer: profiling.Observer | None = None
 
     # -- the two accessors
     def get(self, val, default=_REQUIRED):
@@ -254,9 +272,18 @@ class Frame:
 
     def run_scope(self, exprs) -> None:
         listeners = self.evaluator.listeners
+        observer = self.observer
+        watchers = self.evaluator.watchers
         for e in exprs:
             try:
-                _HANDLERS[type(e)](self, e)
+                for watcher in watchers:
+                    watcher.before_op(self, e)
+                if observer is None:
+                    _HANDLERS[type(e)](self, e)
+                else:
+                    observer.run(self, e, _HANDLERS[type(e)])
+                for watcher in watchers:
+                    watcher.after_op(self, e)
             except HostIrRuntimeError:
                 raise
             except (CommunicatorTimeout, PeerLostError) as err:
@@ -598,8 +625,9 @@ def _binary(frame: Frame, e: ir.BinaryOp) -> None:
     lhs, rhs = _operand(frame, e, e.lhs), _operand(frame, e, e.rhs)
     if not isinstance(lhs, torch.Tensor):
         # torch takes a number only on the right; a 0-d tensor of the
-        # number's default dtype promotes the same way.
-        lhs = torch.tensor(lhs)
+        # number's default dtype promotes the same way. (A meta operand, in a
+        # dry run, cannot mix with a CPU tensor.)
+        lhs = torch.tensor(lhs, device="meta" if rhs.device.type == "meta" else None)
     _store(frame, e, lambda: fn(lhs, rhs), lambda out: fn(lhs, rhs, out=out))
 
 

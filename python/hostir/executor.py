@@ -7,8 +7,11 @@
 2. check: every input and preallocated output against the fusion, before
    any work starts;
 3. program: the lowered program for the inputs' signature (dtypes, ranks,
-   device, contiguity — not sizes: extents are symbolic, so one program
-   serves every shape), lowered on a miss;
+   device, contiguity, and the sizes of the axes marked static — no other
+   sizes: extents are symbolic, so one program serves every shape), lowered
+   on a miss; with `HOSTIR_FAKE=auto` (the default) each new input shape of
+   a program is dry-run once (every rank of a multi-device program, on meta
+   tensors), so that its errors come before any data moves;
 4. agree and make groups: for a multi-device fusion, the ranks exchange a
    fixed-size record (`agreement.py`) — the call, the program, the inputs'
    shapes and any local error — and every rank raises together if they
@@ -25,12 +28,17 @@
 A failure in steps 1-3 on one rank of a multi-device fusion is carried by
 step 4 to every rank, so all raise the same error instead of one raising and
 the others waiting in a collective.
+
+With `HOSTIR_FAKE=1`, execute returns the dry run's meta tensors instead and
+runs nothing (no process group is made). A dry-run report depends on every
+size, so it is kept per exact input shape.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import warnings
 from typing import Sequence
@@ -43,8 +51,9 @@ from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.evaluator import HostIrEvaluator
 from hostir.graphs import CudaGraphs
+from hostir.log import logger
 from hostir.lower import RESHARDING_MODES, lower
-from hostir.options import EVALUATORS, Dumper, evaluator_choice
+from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
 from hostir.streams import streams_for
 
 CHECK_RANKS = ("always", "first")
@@ -174,6 +183,15 @@ class _Program:
     evaluator: HostIrEvaluator | cpp.CppEvaluator
     # Input axes that ops iterate together: their sizes must be equal.
     equal_axes: list[list[tuple[int, int]]]
+    # (input, axis, size) of every static axis: the sizes this program was
+    # made for, part of its key.
+    static_sizes: tuple = ()
+    # Dry-run reports of this program, per exact input shapes (and number
+    # of streams): a report holds every size, so it serves no other.
+    reports: dict = dataclasses.field(default_factory=dict)
+
+
+_MAX_REPORTS = 64
 
 
 @dataclasses.dataclass
@@ -205,21 +223,27 @@ class FusionExecutor:
         # (communicator, this fusion's number on it, calls made so far)
         self._sequence: tuple[object, int, int] | None = None
         self._warned: set[str] = set()
+        self.dry_runs = 0
+        self._fake_reports: dict = {}
         self._graphs = CudaGraphs()
 
     @property
     def num_programs(self) -> int:
-        return len(self._programs)
+        """Programs cached for the fusion as it is now."""
+        return len(self._programs) if self._version == self.fusion.version else 0
 
-    def host_ir(self, resharding: str = "auto") -> str:
-        """The dump of the program the fusion lowers to now (for a
-        multi-device fusion, this rank's program), with `resharding` as
-        ExecutorParams takes it."""
+    def host_program(self, resharding: str = "auto") -> HostIrContainer:
+        """The program the fusion lowers to now (for a multi-device fusion,
+        this rank's program), with `resharding` as ExecutorParams takes it."""
         if is_multi_device(self.fusion):
             rank = communicator.rank()
             backend = _BACKEND_NAMES["nccl" if torch.cuda.is_available() else "gloo"]
-            return str(lower(self.fusion, rank=rank, backend=backend, resharding=resharding))
-        return str(lower(self.fusion, resharding=resharding))
+            return lower(self.fusion, rank=rank, backend=backend, resharding=resharding)
+        return lower(self.fusion, resharding=resharding)
+
+    def host_ir(self, resharding: str = "auto") -> str:
+        """The dump of `host_program(resharding)`."""
+        return str(self.host_program(resharding))
 
     def execute(
         self,
@@ -230,6 +254,9 @@ class FusionExecutor:
     ) -> list[torch.Tensor | None]:
         """Run the fusion on `inputs` (see the module's docstring for the
         steps). `params`, or keyword arguments naming its fields."""
+        mode = fake_mode()
+        if mode == "1":
+            return self._execute_fake(inputs, outputs, params, kwargs)
         comm, error = self._communicator(params, kwargs) if self._multi_device() else (None, None)
         with _exclusive(comm):
             sequence = self._next_call(comm) if comm is not None else None
@@ -238,7 +265,7 @@ class FusionExecutor:
                 if error is not None:
                     raise error
                 params = ExecutorParams.from_arguments(params, kwargs)
-                call = self._prepare(inputs, outputs, params, comm)
+                call = self._prepare(inputs, outputs, params, comm, dry_run=mode == "auto")
             except Exception as err:
                 if comm is None or _agrees_first_only(params):
                     raise
@@ -248,7 +275,7 @@ class FusionExecutor:
             return self._run(call, params, comm)
 
     # -- 1-3: normalize, check, program
-    def _prepare(self, inputs, outputs, params: ExecutorParams, comm) -> _Call:
+    def _prepare(self, inputs, outputs, params: ExecutorParams, comm, dry_run: bool = True) -> _Call:
         params.validate()
         inputs, outputs = self._as_lists(inputs, outputs)
         if comm is not None:
@@ -269,7 +296,87 @@ class FusionExecutor:
         check_chunks(program.container, sizes)
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
+        if dry_run:
+            self._dry_run(program, inputs, params, comm.world_size if comm is not None else 1)
         return _Call(program, inputs, outputs, lowered)
+
+    # -- the dry run
+    def _dry_run(self, program: _Program, inputs, params: ExecutorParams, world_size: int):
+        """Dry-run `program` once per exact input shape; raise its error."""
+        from hostir.analysis.dry_run import DryRunReport, dry_run, run_rank
+
+        key = (input_key(inputs), params.number_of_streams)
+        report = program.reports.get(key)
+        if report is not None:
+            return report
+        if world_size == 1 and not self._multi_device():
+            # One device: no ranks to match, the program is lowered, and an
+            # error is the one the real run would raise.
+            only = run_rank(
+                self.fusion,
+                inputs,
+                0,
+                1,
+                params.number_of_streams,
+                multi=False,
+                container=program.container,
+                raw_errors=True,
+            )
+            report = DryRunReport(1, params.number_of_streams, [only])
+        else:
+            report = dry_run(
+                self.fusion,
+                inputs,
+                world_size=world_size,
+                number_of_streams=params.number_of_streams,
+                backend=program.container.backend,
+                schedule=program.container.schedule,
+                resharding=params.resharding,
+            )
+        self.dry_runs += 1
+        with self._lock:
+            if len(program.reports) >= _MAX_REPORTS:
+                program.reports.pop(next(iter(program.reports)))
+            program.reports[key] = report
+        return report
+
+    def _execute_fake(self, inputs, outputs, params, kwargs) -> list[torch.Tensor | None]:
+        """HOSTIR_FAKE=1: this rank's outputs as meta tensors, from a dry run
+        of every rank; nothing runs and no process group is made. Without a
+        launcher, this process plays rank 0 of as many ranks as the
+        fusion's meshes name."""
+        from hostir.analysis.dry_run import dry_run
+
+        params = ExecutorParams.from_arguments(params, kwargs)
+        params.validate()
+        inputs, outputs = self._as_lists(inputs, outputs)
+        rank, world = 0, 1
+        if self._multi_device():
+            launch = communicator.discover()
+            rank, world = launch.rank, launch.world_size
+            needed = ranks_needed(self.fusion)
+            if world == 1 and needed > 1:
+                world = needed
+        key = (self.fusion.version, input_key(inputs), world, params.number_of_streams, params.resharding)
+        with self._lock:
+            report = self._fake_reports.get(key)
+        if report is None:
+            report = dry_run(
+                self.fusion,
+                inputs,
+                world_size=world,
+                number_of_streams=params.number_of_streams,
+                resharding=params.resharding,
+            )
+            self.dry_runs += 1
+            with self._lock:
+                if len(self._fake_reports) >= _MAX_REPORTS:
+                    self._fake_reports.pop(next(iter(self._fake_reports)))
+                self._fake_reports[key] = report
+        return [
+            None if shape is None else torch.empty(shape, dtype=tv.dtype, device="meta")
+            for tv, (_, shape, _) in zip(self.fusion.outputs, report[rank].outputs)
+        ]
 
     def _device(self, inputs: list, params: ExecutorParams, comm) -> torch.device:
         if params.device is not None:
@@ -334,6 +441,9 @@ class FusionExecutor:
         return inputs, outputs
 
     def _program(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> tuple[_Program, bool]:
+        static = tuple(
+            (i, axis, inputs[i].shape[axis]) for i, tv in enumerate(self.fusion.inputs) for axis in tv.static_dims
+        )
         evaluator = params.evaluator_name()
         chosen = schedule.for_inputs(self.fusion, inputs, comm, params.schedule)
         key = (
@@ -341,6 +451,7 @@ class FusionExecutor:
             device,
             evaluator,
             params.resharding,
+            static,
             None if chosen is None else chosen.key(),
         )
         with self._lock:
@@ -351,10 +462,16 @@ class FusionExecutor:
                 self._version = self.fusion.version
                 self._comm = comm
             program = self._programs.get(key)
+            debug = logger.isEnabledFor(logging.DEBUG)
             if program is not None:
+                if debug:
+                    logger.debug("program cache hit for %s on %s", _key_text(key), device)
                 return program, False
+            if debug:
+                logger.debug("program cache miss for %s on %s: lowering", _key_text(key), device)
             strict = (params.evaluator or evaluator_choice()) == "cpp"
             program = self._programs[key] = self._lower(device, evaluator, comm, chosen, params.resharding, strict)
+            program.static_sizes = static
             return program, True
 
     def _lower(
@@ -385,7 +502,16 @@ class FusionExecutor:
             evaluator = "python"
         make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
         run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper)
-        return _Program(container, run, _equal_input_axes(self.fusion))
+        if logger.isEnabledFor(logging.INFO):
+            exprs = list(container.walk())
+            comms = sum(isinstance(e, ir.Communication) for e in exprs)
+            logger.info(
+                "lowered fusion %s to a host program of %d ops (%d communications), digest %s; "
+                "evaluator %s on %s with %s",
+                signature(self.fusion), len(exprs), comms, (getattr(container, "digest", None) or "")[:12],
+                type(run).__name__, device, type(streams).__name__,
+            )
+        return _Program(container, run, equal_input_axes(self.fusion))
 
     # -- 4: agree and make groups
     def _communicator(self, params, kwargs):
@@ -468,6 +594,18 @@ class FusionExecutor:
         return [None if r is None else to_logical(tv, r) for tv, r in zip(container.outputs, results)]
 
 
+def input_key(inputs: list) -> tuple:
+    """Exact shapes and dtypes of the inputs: the key of size-dependent
+    artifacts such as a dry-run report."""
+    return tuple((tuple(t.shape), t.dtype) for t in inputs)
+
+
+def ranks_needed(fusion: ir.Fusion) -> int:
+    """How many ranks the meshes of `fusion` name (1 without a mesh)."""
+    tvs = list(fusion.inputs) + [v for e in fusion.exprs for v in e.outputs()]
+    return max((max(tv.mesh.devices) + 1 for tv in tvs if tv.mesh is not None), default=1)
+
+
 def _device_of(inputs: list) -> torch.device:
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     return tensors[0].device if tensors else torch.device("cpu")
@@ -494,6 +632,18 @@ def _exclusive(comm):
         yield
     finally:
         comm.busy.release()
+
+
+def _key_text(key: tuple) -> str:
+    inputs, _, evaluator, resharding, static, chosen = key
+    parts = ", ".join(
+        f"{str(dtype).removeprefix('torch.')}/{ndim}d{'' if contiguous else ' strided'}"
+        for dtype, ndim, contiguous in inputs
+    )
+    text = f"inputs ({parts}), evaluator {evaluator}, resharding {resharding}"
+    if static:
+        text += ", static sizes " + ", ".join(f"input {i} axis {axis} = {size}" for i, axis, size in static)
+    return text + ("" if chosen is None else f", schedule {chosen}")
 
 
 def _as_list(values, what: str) -> list:
@@ -633,7 +783,7 @@ def to_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
 _BACKEND_NAMES = {"nccl": "NCCL", "gloo": "gloo"}
 
 
-def _equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
+def equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
     """Groups of (input index, axis) whose whole sizes the program makes
     equal: axes its ops iterate together, through any chain of ops (the
     extents' classes), whether the axes are split or sharded or not."""

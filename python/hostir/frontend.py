@@ -14,11 +14,13 @@ whenever the definition or the inputs' signature changes.
 
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from typing import Any, Sequence
 
 import torch
 
 from hostir import ir, printer
+from hostir.dtensor import Adapter, has_dtensors, is_dtensor
 from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
 from hostir.executor import ExecutorParams, FusionExecutor, InputError, InputTypeError
 
@@ -116,10 +118,11 @@ class Ops:
 
 
 class FusionDefinition:
-    def __init__(self):
+    def __init__(self) -> None:
         self.fusion = ir.Fusion()
         self.ops = Ops(self)
         self.executor = FusionExecutor(self.fusion)
+        self._adapter: Adapter | None = None
         self._state = "new"
 
     def __enter__(self) -> FusionDefinition:
@@ -157,21 +160,69 @@ class FusionDefinition:
         outputs: Sequence[torch.Tensor] | None = None,
         *,
         params: ExecutorParams | None = None,
-        **kwargs,
-    ) -> list[torch.Tensor]:
+        trace: str | os.PathLike[str] | None = None,
+        return_dtensors: bool | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run the fusion on `inputs` and return its outputs. With
         `outputs`, write into those tensors (all or none) and return them.
         Keyword arguments are fields of ExecutorParams (number_of_streams,
         evaluator, device, ...). Runs without autograd: outputs never
-        require grad (inputs that require grad get one warning)."""
+        require grad (inputs that require grad get one warning).
+
+        Inputs may be DTensors: their placements shard the fusion's inputs
+        (or are checked against the shardings set), and the outputs come
+        back as DTensors; `return_dtensors=True` asks for DTensor outputs
+        from plain local inputs too. `trace=DIR` writes this run's
+        Chrome / Perfetto trace to DIR/hostir_trace_rank<R>.json."""
         if self._state != "defined":
             raise UsageError("execute the fusion after its `with FusionDefinition() as fd:` block")
-        return self.executor.execute(inputs, outputs, params, **kwargs)
+        wrap = bool(return_dtensors)
+        if has_dtensors(inputs) or has_dtensors(outputs):
+            wrap = return_dtensors is not False
+            inputs = self._dtensors().local_inputs(inputs)
+            if outputs is not None:
+                outputs = [o.to_local() if is_dtensor(o) else o for o in outputs]
+        if wrap:
+            self._dtensors().check_outputs()
+        if trace is None:
+            results = self.executor.execute(inputs, outputs, params, **kwargs)
+        else:
+            from hostir import communicator, profiling
+
+            with profiling.tracing(trace, communicator.rank()):
+                results = self.executor.execute(inputs, outputs, params, **kwargs)
+        return self._dtensors().wrap_outputs(results) if wrap else results
+
+    def _dtensors(self) -> Adapter:
+        if self._adapter is None:
+            self._adapter = Adapter(self.fusion)
+        return self._adapter
 
     def host_ir(self, resharding: str = "auto") -> str:
         """The lowered host program, in the dump format; `resharding` as
         `execute` takes it ("auto", "before", "after", "strict")."""
         return self.executor.host_ir(resharding)
+
+    def host_program(self, resharding: str = "auto"):
+        """This rank's lowered `HostIrContainer` (for `hostir.check_races`);
+        `resharding` as `host_ir` takes it."""
+        return self.executor.host_program(resharding)
+
+    def dry_run(self, inputs, world_size: int | None = None, **kwargs):
+        """`hostir.dry_run(self, inputs, world_size, ...)`: every rank's
+        program on meta tensors, without running anything."""
+        from hostir.analysis.dry_run import dry_run
+
+        if self._state != "defined":
+            raise UsageError("dry-run the fusion after its `with FusionDefinition() as fd:` block")
+        return dry_run(self, inputs, world_size=world_size, **kwargs)
+
+    @property
+    def num_programs(self) -> int:
+        """How many lowered programs are cached (one per input signature and
+        per set of static sizes)."""
+        return self.executor.num_programs
 
     def __repr__(self) -> str:
         return printer.print_fusion(self.fusion)

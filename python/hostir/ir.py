@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Iterator, Sequence
+import sys
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -204,19 +205,29 @@ def product(extents: Sequence[Scalar]) -> Scalar:
 # ---------------------------------------------------------------- domains
 
 
+def _is_torch_mesh(value) -> bool:
+    # Only a program that imported torch's device_mesh can hold one.
+    module = sys.modules.get("torch.distributed.device_mesh")
+    return module is not None and isinstance(value, module.DeviceMesh)
+
+
 class DeviceMesh:
     """The ranks a tensor lives on. A 1-D mesh is a list of ranks; an n-D
     mesh (a nested list or an n-D tensor) is accepted too, and `mesh_x` then
     shards along its last dimension (each row of that dimension is one
     team), `mesh_y` along the one before it (each column is one team).
-    A mesh is a value: two meshes with the same shape and ranks are equal."""
+    A mesh is a value: two meshes with the same shape and ranks are equal.
+    A torch `DeviceMesh` is accepted wherever a mesh is, with its shape and
+    ranks (`DeviceMesh.from_torch`, `to_torch` convert explicitly)."""
 
     __slots__ = ("shape", "devices")
 
-    def __init__(self, devices):
+    def __init__(self, devices: object) -> None:
         if isinstance(devices, DeviceMesh):
             self.shape, self.devices = devices.shape, devices.devices
             return
+        if _is_torch_mesh(devices):
+            devices = devices.mesh
         if isinstance(devices, range):
             devices = list(devices)
         if isinstance(devices, (list, tuple)) and not devices:
@@ -240,6 +251,23 @@ class DeviceMesh:
             raise DefinitionError(f"DeviceMesh ranks must be unique; {dup} appear more than once")
         self.shape = tuple(t.shape)
         self.devices = tuple(flat)
+
+    @classmethod
+    def from_torch(cls, mesh: object) -> DeviceMesh:
+        """The hostir mesh of a `torch.distributed.device_mesh.DeviceMesh`:
+        the same shape and ranks."""
+        if not _is_torch_mesh(mesh):
+            raise DefinitionTypeError(f"DeviceMesh.from_torch takes a torch DeviceMesh, got {type(mesh).__name__}")
+        return cls(mesh.mesh)
+
+    def to_torch(self, device_type: str | None = None) -> Any:
+        """A `torch.distributed.device_mesh.DeviceMesh` of the same shape
+        and ranks, on `device_type` ("cuda" where CUDA is available, else
+        "cpu"). Every rank calls it (torch may create process groups);
+        torch.distributed is initialized first if it is not yet."""
+        from hostir.dtensor import to_torch_mesh
+
+        return to_torch_mesh(self, device_type)
 
     @property
     def size(self) -> int:
@@ -390,7 +418,7 @@ class TensorView:
     stay in the domain (printed `r...`) but have no extent in the runtime
     tensor; a `mesh_x` axis has extent 1 in each rank's local tensor."""
 
-    __slots__ = ("name", "logical", "domain", "dtype", "memory_type", "owner", "mesh", "__weakref__")
+    __slots__ = ("name", "logical", "domain", "dtype", "memory_type", "owner", "mesh", "static_dims", "__weakref__")
 
     def __init__(
         self,
@@ -411,6 +439,8 @@ class TensorView:
         self.dtype = dtype
         self.memory_type = memory_type
         self.mesh = mesh
+        # Logical axes whose sizes enter the program cache's key.
+        self.static_dims: tuple[int, ...] = ()
 
     @property
     def ndim(self) -> int:
@@ -457,8 +487,34 @@ class TensorView:
         return len(self.domain) != len(self.logical) or any(d.leaves is not None for d in self.logical)
 
     # -- scheduling
+    def mark_static(self, dims: Sequence[int] | None = None) -> TensorView:
+        """Make the sizes of logical axes `dims` (all if None) of this fusion
+        input part of the program cache's key: a call with other sizes gets
+        a program of its own. Programs are dynamic by default (one lowering
+        serves every size); mark an axis static when something made for a
+        program (a schedule, a captured graph) may depend on its size."""
+        inputs = getattr(self.owner, "inputs", ())
+        if self not in inputs:
+            raise DefinitionError(f"mark_static: T{self.name} is not a fusion input; only inputs' sizes are known at a call")
+        n = self.logical_ndim
+        if dims is None:
+            dims = range(n)
+        elif isinstance(dims, int):
+            dims = [dims]
+        chosen = set()
+        for d in dims:
+            if isinstance(d, bool) or not isinstance(d, int) or not -n <= d < n:
+                raise DefinitionIndexError(f"mark_static: axis {d!r} is out of range for T{self.name}, which has {n} axes")
+            chosen.add(d % n)
+        self.static_dims = tuple(sorted(chosen))
+        self._bump()
+        return self
+
     def set_device_mesh(self, mesh: DeviceMesh) -> TensorView:
-        """Place this tensor on `mesh` (replicated until an axis is `mesh_x`)."""
+        """Place this tensor on `mesh` (replicated until an axis is `mesh_x`);
+        a torch DeviceMesh is taken as its hostir equivalent."""
+        if _is_torch_mesh(mesh):
+            mesh = DeviceMesh(mesh)
         if not isinstance(mesh, DeviceMesh):
             raise DefinitionTypeError(f"set_device_mesh takes a DeviceMesh, got {type(mesh).__name__}")
         self.mesh = mesh

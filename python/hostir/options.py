@@ -9,6 +9,16 @@
   flat_program      print the flat program the C++ executor runs, when compiled
 
 `HOSTIR_DUMP_RANKS` is `all` or a comma list of ranks that print (default 0).
+
+`HOSTIR_CHECK` is a comma list of analyses run after every lowering pass:
+
+  races             the stream-race checker; a race fails the lowering
+
+`HOSTIR_FAKE` chooses when `execute` runs on fake tensors: `1` returns fake
+(meta) results without running, `auto` (the default) dry-runs each new
+input signature once before its first real run, `0` never dry-runs. Any
+other value is warned about and read as `auto`.
+
 `HOSTIR_EVALUATOR` (`auto`, `cpp` or `python`) is the evaluator `execute`
 uses when its `evaluator` parameter is not given (default `auto`).
 An unknown option in `HOSTIR_DUMP` is an error; in `NVFUSER_DUMP`, which a
@@ -37,14 +47,21 @@ EVALUATORS = ("auto", "cpp", "python")
 _NAME = re.compile(r"^[a-z_]+$")
 
 
+CHECK_OPTIONS = {
+    "races": "check every lowered program for stream races",
+}
+FAKE_MODES = ("auto", "1", "0")
+
+
 class OptionError(HostIrError, ValueError):
     """A dump option hostir does not know, or a malformed option list."""
 
     pass
 
 
-def parse_dump(text: str, variable: str = "HOSTIR_DUMP") -> frozenset[str]:
+def parse_dump(text: str, variable: str = "HOSTIR_DUMP", options: dict | None = None) -> frozenset[str]:
     """The set of options in a comma list; an error names a bad one."""
+    options = DUMP_OPTIONS if options is None else options
     chosen = set()
     for raw in text.split(","):
         item = raw.strip()
@@ -55,8 +72,8 @@ def parse_dump(text: str, variable: str = "HOSTIR_DUMP") -> frozenset[str]:
                 f"{variable}={text!r}: {item!r} is not an option name; "
                 f"write a comma list such as host_ir,host_ir_lowering"
             )
-        if item not in DUMP_OPTIONS:
-            valid = "\n".join(f"  {k:<18}{v}" for k, v in DUMP_OPTIONS.items())
+        if item not in options:
+            valid = "\n".join(f"  {k:<18}{v}" for k, v in options.items())
             raise OptionError(f"{variable}: unknown option {item!r}. Valid options:\n{valid}")
         chosen.add(item)
     return frozenset(chosen)
@@ -84,6 +101,24 @@ def dump_options(environ=None) -> frozenset[str]:
             stacklevel=2,
         )
     return frozenset(chosen)
+
+
+def check_options(environ=None) -> frozenset[str]:
+    """The analyses `HOSTIR_CHECK` asks for after every lowering pass."""
+    env = os.environ if environ is None else environ
+    return parse_dump(env.get("HOSTIR_CHECK", ""), "HOSTIR_CHECK", CHECK_OPTIONS)
+
+
+def fake_mode(environ=None) -> str:
+    """`HOSTIR_FAKE`: "1", "0" or "auto"; anything else warns and is "auto"."""
+    env = os.environ if environ is None else environ
+    text = env.get("HOSTIR_FAKE", "auto").strip().lower()
+    if text in FAKE_MODES:
+        return text
+    warnings.warn(
+        f"HOSTIR_FAKE={text!r} is not one of auto, 1, 0; using auto", RuntimeWarning, stacklevel=3
+    )
+    return "auto"
 
 
 _warned_nvfuser: set[str] = set()

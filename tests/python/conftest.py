@@ -38,9 +38,18 @@ def cuda_device() -> str:
     return "cuda"
 
 
-def check_golden(name: str, text: str) -> None:
-    """Compare `text` with tests/python/golden/<name>.hir; HOSTIR_ACCEPT=1
-    writes the file instead."""
+def check_golden(name: str, program) -> None:
+    """Compare `program` (a HostIrContainer, or its dump) with
+    tests/python/golden/<name>.hir; HOSTIR_ACCEPT=1 writes the file instead.
+    A container is also checked for stream races, and so is every mutant
+    of it that lacks one of its Synchronize or Wait ops (each must race,
+    or be a provably harmless removal)."""
+    from hostir.container import HostIrContainer
+    from race_mutations import check_sync_mutations
+
+    text = str(program)
+    if isinstance(program, HostIrContainer):
+        check_sync_mutations(program)
     path = GOLDEN / f"{name}.hir"
     if os.environ.get("HOSTIR_ACCEPT") == "1":
         path.write_text(text)

@@ -15,7 +15,11 @@ from conftest import check_golden
 
 
 def _lower(fd: FusionDefinition, rank: int | None = 0, backend: str = "NCCL") -> str:
-    return str(lower(fd.fusion, rank=rank, backend=backend))
+    return str(_program(fd, rank, backend))
+
+
+def _program(fd: FusionDefinition, rank: int | None = 0, backend: str = "NCCL"):
+    return lower(fd.fusion, rank=rank, backend=backend)
 
 
 def _place(mesh, *tvs):
@@ -34,7 +38,7 @@ def _allgather(d=2):
 
 
 def test_allgather_is_allocate_communication_wait():
-    check_golden("comm_allgather", _lower(_allgather()))
+    check_golden("comm_allgather", _program(_allgather()))
 
 
 def test_allreduce_from_sum_over_sharded_axis():
@@ -44,7 +48,7 @@ def test_allreduce_from_sum_over_sharded_axis():
         fd.add_output(y)
     _place(DeviceMesh([0, 1]), x, y)
     x.axis(0).parallelize(ParallelType.mesh_x)
-    check_golden("comm_allreduce", _lower(fd))
+    check_golden("comm_allreduce", _program(fd))
 
 
 def test_reduce_scatter_when_output_sharded():
@@ -55,7 +59,7 @@ def test_reduce_scatter_when_output_sharded():
     _place(DeviceMesh([0, 1]), x, y)
     x.axis(0).parallelize(ParallelType.mesh_x)
     y.axis(1).parallelize(ParallelType.mesh_x)
-    check_golden("comm_reduce_scatter", _lower(fd))
+    check_golden("comm_reduce_scatter", _program(fd))
 
 
 def _broadcast():
@@ -69,7 +73,7 @@ def _broadcast():
 
 
 def test_broadcast_between_meshes():
-    check_golden("comm_broadcast", _lower(_broadcast()))
+    check_golden("comm_broadcast", _program(_broadcast()))
 
 
 def test_gather_to_a_smaller_mesh():
@@ -80,7 +84,7 @@ def test_gather_to_a_smaller_mesh():
     x.set_device_mesh(DeviceMesh([0, 1]))
     y.set_device_mesh(DeviceMesh([0]))
     x.axis(0).parallelize(ParallelType.mesh_x)
-    check_golden("comm_gather", _lower(fd))
+    check_golden("comm_gather", _program(fd))
 
 
 def test_scatter_from_replicated():
@@ -91,7 +95,7 @@ def test_scatter_from_replicated():
     x.set_device_mesh(DeviceMesh([0]))
     y.set_device_mesh(DeviceMesh([0, 1]))
     y.axis(0).parallelize(ParallelType.mesh_x)
-    check_golden("comm_scatter", _lower(fd))
+    check_golden("comm_scatter", _program(fd))
 
 
 def test_reduce_to_a_smaller_mesh():
@@ -102,7 +106,7 @@ def test_reduce_to_a_smaller_mesh():
     x.set_device_mesh(DeviceMesh([0, 1]))
     y.set_device_mesh(DeviceMesh([0]))
     x.axis(0).parallelize(ParallelType.mesh_x)
-    check_golden("comm_reduce", _lower(fd))
+    check_golden("comm_reduce", _program(fd))
 
 
 def test_send_recv_between_sharded_meshes():
@@ -114,7 +118,7 @@ def test_send_recv_between_sharded_meshes():
     y.set_device_mesh(DeviceMesh([1, 0]))
     x.axis(0).parallelize(ParallelType.mesh_x)
     y.axis(0).parallelize(ParallelType.mesh_x)
-    check_golden("comm_send_recv", _lower(fd))
+    check_golden("comm_send_recv", _program(fd))
 
 
 def test_split_axis_sharded_then_gathered():
@@ -125,7 +129,7 @@ def test_split_axis_sharded_then_gathered():
     _place(DeviceMesh([0, 1]), x, y)
     x.outer_split(0, 2)
     x.axis(0).parallelize(ParallelType.mesh_x)
-    check_golden("comm_split_allgather", _lower(fd))
+    check_golden("comm_split_allgather", _program(fd))
 
 
 def test_unplaced_tensors_inherit_mesh_and_sharding():
@@ -138,8 +142,9 @@ def test_unplaced_tensors_inherit_mesh_and_sharding():
     x.set_device_mesh(DeviceMesh([0, 1]))
     x.outer_split(0, 2)
     x.axis(0).parallelize(ParallelType.mesh_x)
-    text = _lower(fd)
-    check_golden("propagated_split_sharding", text)
+    program = _program(fd)
+    check_golden("propagated_split_sharding", program)
+    text = str(program)
     assert "Communication" not in text
 
 
@@ -189,7 +194,7 @@ def test_stream_parallel_allgather_matches_reference_shape():
     _place(DeviceMesh(range(8)), x, y)
     x.axis(1).parallelize(ParallelType.mesh_x)
     y.axis(0).parallelize(ParallelType.stream)
-    check_golden("pipeline_allgather", _lower(fd))
+    check_golden("pipeline_allgather", _program(fd))
 
 
 def _ag_matmul():
@@ -207,7 +212,7 @@ def _ag_matmul():
 
 
 def test_ag_matmul_pipeline():
-    check_golden("pipeline_ag_matmul", _lower(_ag_matmul()))
+    check_golden("pipeline_ag_matmul", _program(_ag_matmul()))
 
 
 def test_matmul_reduce_scatter_pipeline():
@@ -223,7 +228,7 @@ def test_matmul_reduce_scatter_pipeline():
     y.axis(2).parallelize(ParallelType.mesh_x)
     c.axis(0).parallelize(ParallelType.stream)
     y.axis(0).parallelize(ParallelType.stream)
-    check_golden("pipeline_matmul_reduce_scatter", _lower(fd))
+    check_golden("pipeline_matmul_reduce_scatter", _program(fd))
 
 
 def test_matmul_allreduce_pipeline():
@@ -238,7 +243,7 @@ def test_matmul_allreduce_pipeline():
     b.axis(1).parallelize(ParallelType.mesh_x)
     c.axis(0).parallelize(ParallelType.stream)
     y.axis(0).parallelize(ParallelType.stream)
-    check_golden("pipeline_matmul_allreduce", _lower(fd))
+    check_golden("pipeline_matmul_allreduce", _program(fd))
 
 
 # ---------------------------------------------------------------- errors

@@ -18,7 +18,11 @@ from conftest import check_golden
 
 
 def _dump(fd, sched, rank=0, backend="gloo") -> str:
-    return str(lower(fd.fusion, rank=rank, backend=backend, schedule=sched))
+    return str(_program(fd, sched, rank, backend))
+
+
+def _program(fd, sched, rank=0, backend="gloo"):
+    return lower(fd.fusion, rank=rank, backend=backend, schedule=sched)
 
 
 AG_CASES = {
@@ -39,17 +43,18 @@ RS_CASES = {
 
 @pytest.mark.parametrize("name", list(AG_CASES))
 def test_allgather_matmul_decomposition(name):
-    check_golden(f"decompose_{name}", _dump(overlap.allgather_matmul(2), AG_CASES[name]))
+    check_golden(f"decompose_{name}", _program(overlap.allgather_matmul(2), AG_CASES[name]))
 
 
 @pytest.mark.parametrize("name", list(RS_CASES))
 def test_matmul_reduce_scatter_decomposition(name):
-    check_golden(f"decompose_{name}", _dump(overlap.matmul_reduce_scatter(2), RS_CASES[name]))
+    check_golden(f"decompose_{name}", _program(overlap.matmul_reduce_scatter(2), RS_CASES[name]))
 
 
 def test_ring_on_four_ranks_of_an_offset_mesh_names_positions():
-    dump = _dump(overlap.allgather_matmul(4, first=2), Schedule(), rank=3)
-    check_golden("decompose_ag_ring_mesh_2_to_5", dump)
+    program = _program(overlap.allgather_matmul(4, first=2), Schedule(), rank=3)
+    check_golden("decompose_ag_ring_mesh_2_to_5", program)
+    dump = str(program)
     # This rank's position is rank - 2; peers go back to global ranks.
     assert "peer=( ( ( ( rank - 2 ) - StreamIdx ) % 4 ) + 2 )" in dump
 

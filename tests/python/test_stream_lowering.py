@@ -165,7 +165,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_golden_dump(case):
     build, _, _ = CASES[case]
-    check_golden(case, _define(build).host_ir())
+    check_golden(case, _define(build).host_program())
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,9 @@ result is the same on every rank; its dump's hash (`digest`) is what ranks
 compare to agree on the program. Then, for a multi-device program lowered
 for one rank, the passes of `RANK_PIPELINE` keep what that rank runs. After
 every pass the program is verified and, with `HOSTIR_DUMP=host_ir_lowering`,
-printed under the pass's name. An error names the pass that raised it.
+printed under the pass's name; with `HOSTIR_CHECK=races` it is checked for
+stream races (`hostir.races`), and a race fails the lowering. An error
+names the pass that raised it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from hostir.lower.lower_communications import lower_communications
 from hostir.lower.parallelize_streams import parallelize_streams
 from hostir.lower.propagate_shardings import propagate_shardings
 from hostir.lower.prune_for_rank import prune_for_rank
-from hostir.options import Dumper
+from hostir.options import Dumper, check_options
 
 PIPELINE = [
     propagate_shardings,
@@ -96,4 +98,11 @@ def _run_one(p, program, dumper: Dumper | None, options: dict | None = None):
         raise LoweringError(f"the host program is invalid after pass {name}: {e}") from e
     if dumper is not None:
         dumper.emit("host_ir_lowering", f"Host program after pass {name}:", str(result))
+    if "races" in check_options():
+        from hostir.analysis.races import check_races
+
+        races = check_races(result)
+        if races:
+            found = "\n".join(str(r) for r in races)
+            raise LoweringError(f"pass {name} left {len(races)} stream race(s) in the host program:\n{found}")
     return result

@@ -38,7 +38,12 @@ _TORCH = {"NCCL": TorchDistTransport("NCCL"), "gloo": TorchDistTransport("gloo")
 
 
 def transport_for(frame, backend: str) -> Transport:
-    """The transport of `backend` for the frame's communicator."""
+    """The transport of `backend` for the frame's communicator; a
+    communicator that carries a transport of its own (the dry run's
+    recorder) takes every backend's communications."""
+    own = getattr(frame.communicator, "transport", None)
+    if own is not None:
+        return own
     found = _TORCH.get(backend)
     if found is not None:
         return found

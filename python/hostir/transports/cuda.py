@@ -28,6 +28,7 @@ says whether the transport can run.
 
 from __future__ import annotations
 
+import struct
 import weakref
 
 import torch
@@ -88,7 +89,7 @@ def probe(comm) -> str | None:
 
 def window_kind(comm) -> str:
     """`symm_mem` (torch's symmetric memory) where every rank has a GPU of
-    its own, else `ipc` (CUDA IPC handles and stream memory operations):
+    its own (always under NCCL), else `ipc` (CUDA IPC handles and stream memory operations):
     symmetric memory refuses two ranks on one device.
     `HOSTIR_CUDA_WINDOWS=symm_mem|ipc` forces one."""
     import os
@@ -98,6 +99,10 @@ def window_kind(comm) -> str:
         if forced not in ("symm_mem", "ipc"):
             raise TransportUsageError(f"HOSTIR_CUDA_WINDOWS={forced!r}: expected symm_mem or ipc")
         return forced
+    if comm.backend == "nccl":
+        # The communicator has checked that NCCL ranks drive distinct GPUs
+        # (by UUID), also where each rank sees only its own.
+        return "symm_mem"
     local = comm.launch.local_size or comm.world_size
     return "symm_mem" if torch.cuda.device_count() >= local else "ipc"
 
@@ -197,6 +202,34 @@ class SymmetricWindow(Window):
         _signal(self.handle.wait_signal, src, channel, timeout_ms)
 
 
+# The CUDA IPC description of a block, as torch's storage sharing gives it:
+# four integers, a flag and three byte strings (memory handle, the
+# producer's reference-counter file, event handle), packed as raw bytes so
+# ranks exchange them without pickling.
+_IPC_RECORD_BYTES = 1024
+_IPC_HEADER = struct.Struct("<qqqq?HHH")
+
+
+def _pack_ipc_handle(buf: torch.Tensor) -> bytes:
+    device, handle, size, offset, ref_handle, ref_offset, event_handle, sync = buf.untyped_storage()._share_cuda_()
+    blobs = [bytes(handle), bytes(ref_handle), bytes(event_handle or b"")]
+    header = _IPC_HEADER.pack(device, size, offset, ref_offset, bool(sync), *(len(b) for b in blobs))
+    return header + b"".join(blobs)
+
+
+def _open_ipc_handle(record: bytes, numel: int) -> torch.Tensor:
+    device, size, offset, ref_offset, sync, *lengths = _IPC_HEADER.unpack_from(record)
+    blobs, at = [], _IPC_HEADER.size
+    for n in lengths:
+        blobs.append(record[at : at + n])
+        at += n
+    handle, ref_handle, event_handle = blobs
+    storage = torch.UntypedStorage._new_shared_cuda(
+        device, handle, size, offset, ref_handle, ref_offset, event_handle, sync
+    )
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (numel,), (1,))
+
+
 class IpcWindow(Window):
     """CUDA IPC handles of a caching-allocator block (torch's own
     `reduce_tensor`), exchanged once over the control group; signals are
@@ -206,15 +239,12 @@ class IpcWindow(Window):
     FLAG_BYTES = 1 << 16
 
     def __init__(self, nbytes: int, device: torch.device, comm):
-        from torch.multiprocessing.reductions import reduce_tensor
-
         self.rank, self.world = comm.rank, comm.world_size
         self.nbytes = nbytes
         self.buf = torch.zeros(self.FLAG_BYTES + nbytes, dtype=torch.uint8, device=device)
         torch.cuda.synchronize(device)
-        rebuild, args = reduce_tensor(self.buf)
-        shared = comm.all_gather_object((rebuild, args))
-        self.peers = [self.buf if r == self.rank else fn(*a) for r, (fn, a) in enumerate(shared)]
+        shared = comm.all_gather_bytes(_pack_ipc_handle(self.buf), _IPC_RECORD_BYTES)
+        self.peers = [self.buf if r == self.rank else _open_ipc_handle(h, self.buf.numel()) for r, h in enumerate(shared)]
         self.base = self.buf.data_ptr() + self.FLAG_BYTES
         self.ops = memops()
 

@@ -1,0 +1,153 @@
+"""The dry run against real gloo runs: every rank runs a program for real
+and compares it with the dry run of all ranks made in its own process —
+output shapes, the bytes of every posted communication (from the
+`HOSTIR_DUMP=communication` log of the real run) and the peak of the bytes
+the run allocates (from the PyTorch profiler's memory timeline).
+
+The dry run's peak counts the program's buffers. A real gloo run also
+stages data around a collective for as long as it is in flight (the
+evaluator copies a strided input; gloo gathers into a scratch tensor), which
+the dry run does not model: the real peak must lie between the dry run's
+and the dry run's plus twice the largest communication's input and output
+(these programs wait for each collective before posting the next). The CPU
+allocator itself does not round: the profiler reports requested sizes. The
+profiler sees every thread, so the least peak of three runs is compared.
+Under `TORCH_DISTRIBUTED_DEBUG=DETAIL` (as the whole directory runs from
+`test_multidevice_mpirun.py`) torch wraps each process group in a checker
+that allocates its own tensors around every collective, so the peak is
+compared only without it: `tests/python/test_dry_run_mpirun.py` launches
+this file alone, under mpirun -np 2 and 4, for that.
+Inputs are passed contiguous, as the executor would otherwise compact them
+(a copy made before the program, outside its plan).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+import re
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import hostir
+from hostir import DeviceMesh, FusionDefinition, shard_tensor
+
+from multidevice.test_pipelines import ag_matmul_program, matmul_ar_program, matmul_rs_program
+
+STREAMS = 2
+
+
+def _broadcast_program(world):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.set(x)
+        fd.add_output(y)
+    x.set_device_mesh(DeviceMesh([0]))
+    y.set_device_mesh(DeviceMesh(range(world.size)))
+    return fd, [x]
+
+
+def _cases(world):
+    d = world.size
+    fd, x, w = ag_matmul_program(world, 4, 16)
+    yield "ag_matmul", fd, [(x, [4, d, 6, 16]), (w, [16, 5])]
+    fd, a, b = matmul_ar_program(world, 2, 8)
+    yield "matmul_allreduce", fd, [(a, [2, d, 3, 8]), (b, [1, d, 8, 5])]
+    fd, a, b, _ = matmul_rs_program(world, 2, 8)
+    yield "matmul_reduce_scatter", fd, [(a, [2, d, d, 3, 8]), (b, [1, d, 1, 8, 5])]
+    fd, (x,) = _broadcast_program(world)
+    yield "broadcast", fd, [(x, [3, 7])]
+
+
+_POSTED = re.compile(r"Posting (\w+) (\d+) \(type=(\w+).*\n  with (.*)")
+_SHAPE = re.compile(r"(input|output) \[([\d, ]*)\]")
+
+
+def _logged_bytes(log: str, dtype_size: int) -> list[tuple[str, int, int]]:
+    """(type, input bytes, output bytes) of each posting in the log."""
+    found = []
+    for m in _POSTED.finditer(log):
+        sizes = {"input": 0, "output": 0}
+        for role, dims in _SHAPE.findall(m.group(4)):
+            shape = [int(s) for s in dims.split(",") if s.strip()]
+            sizes[role] = math.prod(shape) * dtype_size
+        found.append((m.group(3), sizes["input"], sizes["output"]))
+    return found
+
+
+def _peak_allocated(fn) -> tuple[int, list]:
+    """The peak of the bytes allocated (and not yet freed) while `fn` runs,
+    and the allocations and frees (to show when the peak is off)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        result = fn()
+    live = peak = 0
+    events = []
+    for _, action, _, size in prof._memory_profile().timeline:
+        if action.name == "CREATE":
+            live += size
+        elif action.name == "DESTROY":
+            live -= size
+        else:
+            continue
+        events.append((action.name, size))
+        peak = max(peak, live)
+    del result
+    return peak, events
+
+
+@pytest.mark.parametrize("case", ["ag_matmul", "matmul_allreduce", "matmul_reduce_scatter", "broadcast"])
+def test_dry_run_matches_the_gloo_run(world, device, case, monkeypatch):
+    if device.type != "cpu":
+        pytest.skip("the memory timeline compared here is the CPU allocator's")
+    name, fd, inputs = next(c for c in _cases(world) if c[0] == case)
+    fulls = [torch.randint(-4, 4, shape).float() for _, shape in inputs]
+    mine = [shard_tensor(full, tv).contiguous() for (tv, _), full in zip(inputs, fulls)]
+    report = hostir.dry_run(fd, mine, world_size=world.size, number_of_streams=STREAMS)
+    expected = report[world.rank]
+
+    monkeypatch.setenv("HOSTIR_DUMP", "communication")
+    monkeypatch.setenv("HOSTIR_DUMP_RANKS", "all")
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        # The first call lowers, agrees and makes groups; the later ones are
+        # the runs measured, without the agreement's own allocations.
+        fd.execute(mine, number_of_streams=STREAMS, check_ranks="first")
+        results, peaks, logs = [], [], []
+        # The timeline holds every thread's allocations (gloo's own threads
+        # among them, whenever they run): the least of three runs is the
+        # program's.
+        for _ in range(3):
+            log.truncate(0)
+            log.seek(0)
+            peaks.append(
+                _peak_allocated(
+                    lambda: results.append(fd.execute(mine, number_of_streams=STREAMS, check_ranks="first"))
+                )
+            )
+            logs.append(log.getvalue())
+    peak, events = min(peaks)
+    (out,) = results[0]
+
+    shape = expected.outputs[0][1]
+    assert (None if out is None else list(out.shape)) == shape
+    dry = [(t.kind, t.input_bytes, t.output_bytes) for t in expected.communications]
+    for text in logs:
+        real = _logged_bytes(text, 4)
+        assert real == dry, f"rank {world.rank}: real postings {real}, dry run {dry}"
+    assert sum(sum(t.sent.values()) for t in expected.communications) == sum(
+        r.bytes_received().get(world.rank, 0) for r in report.ranks
+    )
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+        return
+    staging = max((2 * (t.input_bytes + t.output_bytes) for t in expected.communications), default=0)
+    assert expected.peak_bytes <= peak <= expected.peak_bytes + staging, (
+        f"rank {world.rank}: the real run's peak is {peak} bytes, the dry run's {expected.peak_bytes} "
+        f"(+ at most {staging} of staging); allocations: {events}"
+    )
+    if case == "matmul_allreduce":
+        # The allreduce reduces in place in the output slice: nothing staged.
+        assert peak == expected.peak_bytes

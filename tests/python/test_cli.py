@@ -1,0 +1,144 @@
+"""The `hostir` command line: dump, run, env, plan, and their --help."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from hostir import cli, communicator
+from launchers import job_env as mpirun_env
+from test_multidevice_mpirun import requires_mpirun
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLE = str(REPO / "examples" / "sequence_parallel_matmul.py")
+
+
+def hostir_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    base = mpirun_env() if env is None else env
+    return subprocess.run(
+        [sys.executable, "-m", "hostir", *args], cwd=REPO, env=base, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize("command", ["dump", "run", "env"])
+def test_each_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: hostir {command}")
+
+
+def test_python_m_hostir_help():
+    result = hostir_cli("--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("dump", "run", "env", "plan"):
+        assert command in result.stdout
+
+
+def test_dump_prints_a_ranks_program_without_running_it(capsys):
+    assert cli.main(["dump", EXAMPLE, "--rank", "1", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == f"# {EXAMPLE}: host program, rank 1 of 2"
+    assert lines[1].startswith("%HostIrContainer {") and "(DeviceMesh{0 1})" in lines[1]
+    assert any("Communication 0 (type=Allgather, team=(0 1)" in line for line in lines), out
+    assert "matches eager torch" not in out  # the script stopped at its execute
+    assert communicator.live() is None  # no process group was made
+    assert "RANK" not in os.environ
+
+
+def test_dump_after_a_pass(capsys):
+    assert cli.main(["dump", EXAMPLE, "--world-size", "2", "--pass", "parallelize_streams"]) == 0
+    out = capsys.readouterr().out
+    assert "after pass parallelize_streams" in out
+    assert "FOR StreamIdx" in out and "Communication" not in out  # communications come one pass later
+
+
+def test_dump_rejects_unknown_pass_and_bad_rank():
+    with pytest.raises(SystemExit, match="unknown pass 'nope'; passes in order: build_host_program, propagate_shardings"):
+        cli.main(["dump", EXAMPLE, "--pass", "nope"])
+    with pytest.raises(SystemExit, match="--rank 2 is out of range for --world-size 2"):
+        cli.main(["dump", EXAMPLE, "--rank", "2", "--world-size", "2"])
+
+
+def test_dump_of_a_script_without_execute(tmp_path):
+    script = tmp_path / "nothing.py"
+    script.write_text("x = 1\n")
+    with pytest.raises(SystemExit, match="ran to its end without calling fd.execute"):
+        cli.main(["dump", str(script)])
+
+
+@pytest.mark.parametrize("launcher, head", [
+    ("mpirun", ["mpirun", "-np", "3", "--oversubscribe"]),
+    ("torchrun", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]),
+    ("srun", ["srun", "--ntasks", "3"]),
+])
+def test_run_commands(launcher, head):
+    command, exports = cli.launch_command(launcher, 3, "s.py", ["--x", "1"], "10.0.0.1", 29999)
+    assert command[: len(head)] == head
+    assert command[-3:] == ["s.py", "--x", "1"]
+    assert exports["HOSTIR_MASTER_ADDR"] == "10.0.0.1"
+    if launcher == "mpirun":
+        assert "HOSTIR_MASTER_PORT=29999" in command[command.index("-x", 4) + 1 :][2]
+    if launcher == "torchrun":
+        assert command[command.index("--master-port") + 1] == "29999"
+        assert exports["HOSTIR_MASTER_PORT"] != "29999"  # torchrun's store holds that one
+    else:
+        assert exports["HOSTIR_MASTER_PORT"] == "29999"
+
+
+def test_run_picks_srun_inside_slurm_only_when_srun_exists(monkeypatch):
+    monkeypatch.setattr(cli.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert cli.pick_launcher("auto", {"SLURM_JOB_ID": "7"}) == "srun"
+    assert cli.pick_launcher("auto", {}) == "mpirun"
+    monkeypatch.setattr(cli.shutil, "which", lambda name: None)
+    assert cli.pick_launcher("auto", {"SLURM_JOB_ID": "7"}) == "torchrun"
+    assert cli.pick_launcher("mpirun", {}) == "mpirun"
+
+
+@requires_mpirun
+@pytest.mark.timeout(150)
+def test_run_starts_ranks_with_a_rendezvous(tmp_path):
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import os, hostir\n"
+        "print(f'rank {hostir.rank()} of {hostir.world_size()} port {os.environ[\"HOSTIR_MASTER_PORT\"]}')\n"
+    )
+    result = hostir_cli("run", "-n", "2", "--launcher", "mpirun", str(script), timeout=140)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split(" port ")[0] for line in lines] == ["rank 0 of 2", "rank 1 of 2"]
+    assert len({line.split(" port ")[1] for line in lines}) == 1
+
+
+def test_env_reports_the_launch():
+    env = dict(mpirun_env(), RANK="1", WORLD_SIZE="4", LOCAL_RANK="1")
+    result = hostir_cli("env", "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["process"] == {"rank": 1, "world_size": 4, "local_rank": 1, "source": "torchrun"}
+    assert info["launcher_variables"] == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    assert info["backend"] in ("gloo", "nccl")
+    assert info["extension"] in ("built", "not built")
+    assert info["versions"]["hostir"] and info["versions"]["torch"]
+    assert isinstance(info["p2p_access"], list)
+
+
+def test_env_names_a_broken_launch():
+    env = dict(mpirun_env(), RANK="1")
+    result = hostir_cli("env", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "incomplete torchrun variables: WORLD_SIZE missing" in result.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hostir.plan") is not None, reason="hostir.plan is installed")
+def test_plan_without_the_module_says_so():
+    with pytest.raises(SystemExit, match="no hostir.plan module"):
+        cli.main(["plan", "--help"])

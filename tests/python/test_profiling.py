@@ -1,0 +1,138 @@
+"""Profiler ranges, per-rank traces and the timeline plot of host programs."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hostir import DeviceMesh, FusionDefinition, ParallelType, profiling, timeline
+from hostir.lower import lower
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def stream_matmul():
+    with FusionDefinition() as fd:
+        a = fd.define_tensor(shape=[-1, -1])
+        b = fd.define_tensor(shape=[-1, -1])
+        c = fd.ops.matmul(a, b)
+        fd.add_output(fd.ops.add(c, a))
+    for tv in fd.fusion.outputs + [c]:
+        tv.axis(0).parallelize(ParallelType.stream)
+    return fd
+
+
+def inputs():
+    return [torch.randn(8, 8), torch.randn(8, 8)]
+
+
+def test_ops_are_profiler_ranges_named_by_opcode():
+    fd = stream_matmul()
+    a, b = inputs()
+    with torch.profiler.profile() as prof:
+        (out,) = fd.execute([a, b], number_of_streams=2)
+    torch.testing.assert_close(out, a @ b + a)
+    names = {e.key for e in prof.key_averages()}
+    dump = fd.host_ir()
+    for expected in ("FOR StreamIdx", "Synchronize Stream 0", "SetCurrentStream to Stream ( StreamIdx % numberOfStreams )"):
+        assert expected in names, sorted(names)
+    matmul = [n for n in names if n.startswith("matmul T")]
+    add = [n for n in names if n.startswith("add T")]
+    assert len(matmul) == 1 and len(add) == 1, sorted(names)
+    # The number is the dump's: the op's output tensor.
+    assert f"{matmul[0].split()[1]}_l_float" in dump or f"{matmul[0].split()[1]}_g_float" in dump
+
+
+def test_nothing_observes_a_run_with_profiling_off():
+    fd = stream_matmul()
+    fd.execute(inputs())
+    (program,) = fd.executor._programs.values()
+    assert profiling.observer_for(program.container, program.evaluator.streams, 0) is None
+    with torch.profiler.profile():
+        assert profiling.observer_for(program.container, program.evaluator.streams, 0) is not None
+
+
+def test_communications_are_named_with_their_number_and_type():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[2, -1])
+        fd.add_output(fd.ops.set(x))
+    mesh = DeviceMesh([0, 1])
+    x.set_device_mesh(mesh)
+    fd.fusion.outputs[0].set_device_mesh(mesh)
+    x.axis(0).parallelize(ParallelType.mesh_x)
+    container = lower(fd.fusion, rank=0, backend="gloo")
+    names = [profiling.op_name(e) for e in container.walk()]
+    (comm,) = [n for n in names if n.startswith("Communication")]
+    number = comm.split()[1]
+    assert comm == f"Communication {number} (Allgather)"
+    assert f"Communication {number} (type=Allgather" in str(container)
+    assert f"Wait Communication {number}" in names
+
+
+def test_trace_has_a_track_per_stream(tmp_path):
+    fd = stream_matmul()
+    a, b = inputs()
+    (out,) = fd.execute([a, b], number_of_streams=2, trace=tmp_path)
+    torch.testing.assert_close(out, a @ b + a)
+    trace = json.loads(profiling.trace_path(tmp_path, 0).read_text())
+    tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert set(tracks.values()) == {"caller stream", "stream 0", "stream 1"}
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for e in events:
+        assert e["dur"] >= 0 and e["pid"] == 0 and e["args"]["kind"] in profiling.KINDS
+    # 8 rows, one chunk per row: each chunk's matmul on stream i % 2.
+    matmuls = [e for e in events if e["name"].startswith("matmul")]
+    assert [tracks[e["tid"]] for e in matmuls] == ["stream 0", "stream 1"] * 4
+    assert all(e["args"]["kind"] == "compute" for e in matmuls)
+    syncs = {e["args"]["kind"] for e in events if e["name"].startswith("Synchronize")}
+    assert syncs == {"sync"}
+    # Ops on one track do not overlap (one host thread issues them).
+    for tid in tracks:
+        mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == tid)
+        assert all(end <= nxt + 1e-3 for (_, end), (nxt, _) in zip(mine, mine[1:]))
+
+
+def test_env_trace_written_at_exit(tmp_path):
+    code = (
+        "import torch, sys; sys.path.insert(0, 'tests/python');"
+        "from test_profiling import stream_matmul, inputs;"
+        "fd = stream_matmul(); fd.execute(inputs()); fd.execute(inputs())"
+    )
+    env = dict(os.environ, HOSTIR_TRACE=str(tmp_path), PYTHONPATH=str(REPO / "python"))
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, timeout=120)
+    trace = json.loads(profiling.trace_path(tmp_path, 0).read_text())
+    runs = {e["args"]["run"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert runs == {0, 1}
+    table = timeline.rows([trace])
+    assert [label for label, _ in table] == ["rank 0 caller stream", "rank 0 stream 0", "rank 0 stream 1", "rank 0 stream 2", "rank 0 stream 3"]
+    assert all(e["args"]["run"] == 1 for _, events in table for e in events)
+    assert min(e["ts"] for _, events in table for e in events) == 0
+
+
+def test_plot_timeline_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    fd = stream_matmul()
+    fd.execute(inputs(), number_of_streams=2, trace=tmp_path)
+    out = tmp_path / "timeline.png"
+    result = subprocess.run(
+        [sys.executable, "tools/plot_timeline.py", str(tmp_path), "-o", str(out)],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO / "python")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_timeline_without_traces_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no hostir_trace_rank"):
+        timeline.load(tmp_path)
+
