@@ -194,6 +194,8 @@ py::object runExecutor(
   for (const auto& o : outputs) {
     outs.push_back(o ? *o : at::Tensor());
   }
+  // Executor::run never throws: every error, a bad binding included, comes
+  // back in the result, and Python raises it (python/hostir/cpp.py).
   RunResult result;
   {
     py::gil_scoped_release release;
@@ -223,19 +225,6 @@ py::object runExecutor(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "The C++ executor of flat host programs (see python/hostir/flat.py).";
-  // An error before the program runs (binding the inputs) is a BindingError.
-  // The Python evaluator's class, so both evaluators raise the same one.
-  static PyObject* binding_error =
-      py::object(py::module_::import("hostir.evaluator").attr("BindingError")).release().ptr();
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) {
-        std::rethrow_exception(p);
-      }
-    } catch (const hostir::Error& e) {
-      PyErr_SetString(binding_error, e.what());
-    }
-  });
   py::class_<hostir::Executor>(m, "Executor")
       .def(
           py::init([](const py::object& flat, const std::string& device, const std::vector<int>& opcodes) {

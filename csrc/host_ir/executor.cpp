@@ -160,9 +160,52 @@ class Run {
       const std::vector<at::Tensor>& outputs,
       int64_t number_of_streams) {
     RunResult result;
+    // Binding comes first and touches no stream; a bad binding is a Failure
+    // with no instruction (-1), returned like an instruction's failure, so no
+    // C++ exception ever leaves the executor.
+    try {
+      bindAll(inputs, outputs, number_of_streams);
+    } catch (const Error& e) {
+      result.failure = Failure{-1, {}, e.kind(), e.what()};
+      return result;
+    } catch (const c10::Error& e) {
+      result.failure = Failure{-1, {}, kindOf(e), e.what_without_backtrace()};
+      return result;
+    } catch (const std::exception& e) {
+      result.failure = Failure{-1, {}, "RuntimeError", e.what()};
+      return result;
+    }
+    if (uses_streams_) {
+      caller_ = guard().getStream(p_.device);
+    }
+    try {
+      scope(0, static_cast<int>(p_.instrs.size()));
+      for (size_t i = 0; i < p_.outputs.size(); ++i) {
+        int slot = p_.outputs[i];
+        if (slot < 0) {
+          result.outputs.emplace_back();
+          continue;
+        }
+        // Undefined if unbound: the caller reports it, naming the output.
+        result.outputs.push_back(tensors_[slot]);
+      }
+    } catch (Failed& failed) {
+      result.failure = std::move(failed.failure);
+    }
+    join();
+    return result;
+  }
+
+ private:
+  // The caller's values: number_of_streams, the inputs and the outputs to
+  // write into, with the extents their sizes give. Throws on a bad one.
+  void bindAll(
+      const std::vector<at::Tensor>& inputs,
+      const std::vector<at::Tensor>& outputs,
+      int64_t number_of_streams) {
     if (number_of_streams < 1) {
       throw Error(
-          c10::str("number_of_streams must be an integer >= 1, got ", number_of_streams),
+          text("number_of_streams must be an integer >= 1, got ", number_of_streams),
           "BindingError");
     }
     if (p_.number_of_streams >= 0) {
@@ -190,28 +233,8 @@ class Run {
         }
       }
     }
-    if (uses_streams_) {
-      caller_ = guard().getStream(p_.device);
-    }
-    try {
-      scope(0, static_cast<int>(p_.instrs.size()));
-      for (size_t i = 0; i < p_.outputs.size(); ++i) {
-        int slot = p_.outputs[i];
-        if (slot < 0) {
-          result.outputs.emplace_back();
-          continue;
-        }
-        // Undefined if unbound: the caller reports it, naming the output.
-        result.outputs.push_back(tensors_[slot]);
-      }
-    } catch (Failed& failed) {
-      result.failure = std::move(failed.failure);
-    }
-    join();
-    return result;
   }
 
- private:
   // -- the accessors: every read and write of a slot goes through these
   std::optional<int64_t> eval(int node) {
     const ScalarNode& n = p_.scalars[node];
@@ -248,7 +271,7 @@ class Run {
   int64_t get(int node) {
     auto v = eval(node);
     if (!v) {
-      throw Error(c10::str("value ", scalarText(node), " is not bound"), "UnboundValueError");
+      throw Error(text("value ", scalarText(node), " is not bound"), "UnboundValueError");
     }
     return *v;
   }
@@ -262,7 +285,7 @@ class Run {
       return p_.int_names[n.value];
     }
     static const char* ops[] = {"", "", "+", "-", "*", "/", "%"};
-    return c10::str("( ", scalarText(n.lhs), " ", ops[n.kind], " ", scalarText(n.rhs), " )");
+    return text("( ", scalarText(n.lhs), " ", ops[n.kind], " ", scalarText(n.rhs), " )");
   }
 
   void bindInt(int slot, int64_t value) {
@@ -273,7 +296,7 @@ class Run {
   const at::Tensor& tensor(int slot) {
     const at::Tensor& t = tensors_[slot];
     if (!t.defined()) {
-      throw Error(c10::str("value ", p_.tensor_names[slot], " is not bound"), "UnboundValueError");
+      throw Error(text("value ", p_.tensor_names[slot], " is not bound"), "UnboundValueError");
     }
     return t;
   }
@@ -302,7 +325,7 @@ class Run {
     const std::string& name = p_.tensor_names[slot];
     if (value.dim() != static_cast<int64_t>(rules.size())) {
       throw Error(
-          c10::str(name, " has ", rules.size(), " dims but its tensor has shape ", value.sizes()),
+          text(name, " has ", rules.size(), " dims but its tensor has shape ", value.sizes()),
           "BindingError");
     }
     for (size_t i = 0; i < rules.size(); ++i) {
@@ -311,7 +334,7 @@ class Run {
       if (r.mesh_size > 0) {
         if (size != 1) {
           throw Error(
-              c10::str(
+              text(
                   "axis ", i, " of ", name, " is sharded (", r.axis_text,
                   "): each rank holds size 1 of it, got ", size),
               "BindingError");
@@ -326,7 +349,7 @@ class Run {
         bindInt(r.bind_slot, size * r.factor);
       } else if (*known != size) {
         throw Error(
-            c10::str("axis ", i, " of ", name, " is ", size, " but its extent ", r.text, " is ", *known),
+            text("axis ", i, " of ", name, " is ", size, " but its extent ", r.text, " is ", *known),
             "BindingError");
       }
     }
@@ -899,12 +922,12 @@ class Run {
     int64_t peer = get(static_cast<int>(ins.peer));
     if (peer < 0 || peer >= ins.world_size) {
       throw Error(
-          c10::str("invalid peer ", peer, ": the world has ", ins.world_size, " ranks"), "BindingError");
+          text("invalid peer ", peer, ": the world has ", ins.world_size, " ranks"), "BindingError");
     }
     const at::Tensor& buf = tensor(ins.buffer);
     if (!buf.is_contiguous()) {
       throw Error(
-          c10::str("the buffer of a P2P communication must be contiguous (strides ", buf.strides(), ")"),
+          text("the buffer of a P2P communication must be contiguous (strides ", buf.strides(), ")"),
           "BindingError");
     }
     std::vector<at::Tensor> bufs{buf};
@@ -925,7 +948,7 @@ class Run {
   void waitFor(const Instr& ins) {
     auto it = posted_.find(ins.posted);
     if (it == posted_.end()) {
-      throw Error(c10::str("no posted communication to wait for: ", ins.text), "ProgramError");
+      throw Error(text("no posted communication to wait for: ", ins.text), "ProgramError");
     }
     Posted posted = std::move(it->second);
     posted_.erase(it);
@@ -967,8 +990,16 @@ RunResult Executor::run(
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs,
     int64_t number_of_streams) const {
-  Run run(program_, ops_executed_, uses_streams_);
-  return run.go(inputs, outputs, number_of_streams);
+  // Run::go reports what fails as a Failure; anything else (restoring the
+  // caller's stream) comes back the same way, never as an exception.
+  try {
+    Run run(program_, ops_executed_, uses_streams_);
+    return run.go(inputs, outputs, number_of_streams);
+  } catch (const c10::Error& e) {
+    return RunResult{{}, Failure{-1, {}, "RuntimeError", e.what_without_backtrace()}};
+  } catch (const std::exception& e) {
+    return RunResult{{}, Failure{-1, {}, "RuntimeError", e.what()}};
+  }
 }
 
 } // namespace hostir

@@ -20,16 +20,53 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace hostir {
 
+// The text of an error message: strings, integers and integer lists
+// ([2, 3], as Python prints a shape) joined without iostreams. Not c10::str:
+// built by the GPU machine's compiler (CXX=/opt/gcc/bin/g++), code in this
+// extension that streams an integer into a std::ostringstream crashes the
+// process (tools/check_cpp_exceptions.py shows it), so no message here
+// goes through one.
+namespace text_detail {
+inline void append(std::string& out, const std::string& s) {
+  out += s;
+}
+inline void append(std::string& out, const char* s) {
+  out += s;
+}
+template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool>, int> = 0>
+void append(std::string& out, T value) {
+  out += std::to_string(value);
+}
+inline void append(std::string& out, c10::IntArrayRef values) {
+  out += '[';
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i > 0) {
+      out += ", ";
+    }
+    out += std::to_string(values[i]);
+  }
+  out += ']';
+}
+} // namespace text_detail
+
+template <typename... Args>
+std::string text(const Args&... args) {
+  std::string out;
+  (text_detail::append(out, args), ...);
+  return out;
+}
+
 // Throws hostir::Error with the message when `cond` is false.
-#define HOSTIR_CHECK(cond, ...)                                     \
-  do {                                                              \
-    if (!(cond)) {                                                  \
-      throw ::hostir::Error(::c10::str(__VA_ARGS__), "RuntimeError"); \
-    }                                                               \
+#define HOSTIR_CHECK(cond, ...)                                       \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      throw ::hostir::Error(::hostir::text(__VA_ARGS__), "RuntimeError"); \
+    }                                                                 \
   } while (0)
 
 // An error of the executor; `kind` is the Python exception class name it
@@ -182,8 +219,10 @@ struct Program {
   c10::Device device = c10::Device(c10::kCPU);
 };
 
-// Where a run failed: the instruction, the loop indices around it (outer
-// first, as (index slot, value)), the Python class name and the message.
+// Where a run failed: the instruction (-1: before any, binding the caller's
+// values), the loop indices around it (outer first, as (index slot, value)),
+// the Python class name and the message. Every error of a run comes back as
+// one: no exception leaves Executor::run.
 struct Failure {
   int instr = -1;
   std::vector<std::pair<int, int64_t>> loops;
@@ -213,7 +252,8 @@ class Executor {
   explicit Executor(Program program);
 
   // Binds `inputs` (and `outputs` to write into, if not empty), runs the
-  // program and returns one tensor per program output, or the failure. The
+  // program and returns one tensor per program output, or the failure (a
+  // bad binding is a failure at instruction -1; nothing throws). The
   // caller's current stream is current again at the end and has waited for
   // every stream the run used.
   RunResult run(

@@ -126,7 +126,8 @@ class CppEvaluator:
                 )
             inputs.append(value)
         outputs = [bindings.get(tv) for tv in c.outputs] if len(bindings) > len(c.inputs) else []
-        # A bad binding raises the evaluator's BindingError from C++.
+        # Every error comes back as a failure tuple (no C++ exception crosses
+        # into Python); instruction -1 is a bad binding, before any op runs.
         values, failure = executor.run(inputs, outputs, number_of_streams)
         if failure is not None:
             raise self._error(*failure)
@@ -137,6 +138,9 @@ class CppEvaluator:
         return values
 
     def _error(self, instr: int, loops: list, kind: str, message: str) -> Exception:
+        if instr < 0:
+            # Before the first op: binding the caller's values.
+            return BindingError(message) if kind == "BindingError" else HostIrRuntimeError(f"{kind}: {message}")
         flat = self._flat
         expr = flat.instrs[instr].expr
         where = printer.format_expr_head(expr) + "".join(

@@ -141,15 +141,30 @@ TEST(Executor, WritesIntoPreallocatedOutput) {
   EXPECT_TRUE(at::allclose(out, expectedRows(x, 2)));
 }
 
+// A bad binding is a failure before any instruction (-1), returned like an
+// instruction's failure: nothing throws out of Executor::run.
+void expectBindingFailure(const RunResult& r, const std::string& message) {
+  ASSERT_TRUE(r.failure.has_value());
+  EXPECT_EQ(r.failure->instr, -1);
+  EXPECT_TRUE(r.failure->loops.empty());
+  EXPECT_EQ(r.failure->kind, "BindingError");
+  EXPECT_EQ(r.failure->message, message);
+  EXPECT_TRUE(r.outputs.empty());
+}
+
 TEST(Executor, InconsistentExtentIsABindingError) {
   Executor executor(rowLoop());
-  try {
-    executor.run({at::randn({3, 4})}, {at::empty({3, 5})}, 2);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), "BindingError");
-    EXPECT_STREQ(e.what(), "axis 1 of T1 is 5 but its extent i1 is 4");
-  }
+  expectBindingFailure(
+      executor.run({at::randn({3, 4})}, {at::empty({3, 5})}, 2), "axis 1 of T1 is 5 but its extent i1 is 4");
+}
+
+TEST(Executor, WrongRankIsABindingError) {
+  Executor executor(rowLoop());
+  expectBindingFailure(
+      executor.run({at::randn({2, 3, 4})}, {}, 2), "T0 has 2 dims but its tensor has shape [2, 3, 4]");
+  // The executor is still usable.
+  RunResult r = executor.run({at::randn({3, 4})}, {}, 2);
+  EXPECT_FALSE(r.failure.has_value());
 }
 
 TEST(Executor, FailureNamesInstructionAndLoopIndex) {
@@ -171,13 +186,15 @@ TEST(Executor, FailureNamesInstructionAndLoopIndex) {
 
 TEST(Executor, BadNumberOfStreamsIsABindingError) {
   Executor executor(rowLoop());
-  try {
-    executor.run({at::randn({2, 2})}, {}, 0);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), "BindingError");
-    EXPECT_STREQ(e.what(), "number_of_streams must be an integer >= 1, got 0");
-  }
+  expectBindingFailure(
+      executor.run({at::randn({2, 2})}, {}, 0), "number_of_streams must be an integer >= 1, got 0");
+}
+
+TEST(Executor, TextFormatsWithoutIostreams) {
+  std::vector<int64_t> shape{2, 0, -1};
+  EXPECT_EQ(text("a ", std::string("b"), " ", int64_t{-7}, " ", size_t{3}, " ", c10::IntArrayRef(shape)),
+            "a b -7 3 [2, 0, -1]");
+  EXPECT_EQ(text("empty ", c10::IntArrayRef()), "empty []");
 }
 
 TEST(Executor, ScalarsFollowPythonFloorSemantics) {

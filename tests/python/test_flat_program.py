@@ -121,15 +121,24 @@ def test_hostir_errors_read_the_same_on_both_evaluators():
 
 
 @needs_cpp
-def test_bad_bindings_read_the_same():
+def test_bad_bindings_read_the_same(device):
+    """A bad binding is a BindingError on both evaluators, with the same
+    text, and leaves the evaluator usable: the next good run works."""
     c, t0 = _hand_built()
     c.add_output(t0)
-    for bad in ({"number_of_streams": 0}, {"bindings": {t0: torch.randn(2, 2)}}):
+    for bad in ({"number_of_streams": 0}, {"bindings": {t0: torch.randn(2, 2, device=device)}}):
         messages = []
         for make in (HostIrEvaluator, cpp.CppEvaluator):
+            evaluator = make(c, device=device)
             with pytest.raises(BindingError) as err:
-                make(c).run(bad.get("bindings", {t0: torch.randn(2)}), number_of_streams=bad.get("number_of_streams", 4))
+                evaluator.run(
+                    bad.get("bindings", {t0: torch.randn(2, device=device)}),
+                    number_of_streams=bad.get("number_of_streams", 4),
+                )
             messages.append(str(err.value))
+            x = torch.randn(3, device=device)
+            (out,) = evaluator.run({t0: x})
+            assert torch.equal(out, x)
         assert messages[0] == messages[1], messages
 
 
