@@ -614,7 +614,7 @@ def input_key(inputs: list) -> tuple:
 def ranks_needed(fusion: ir.Fusion) -> int:
     """How many ranks the meshes of `fusion` name (1 without a mesh)."""
     tvs = list(fusion.inputs) + [v for e in fusion.exprs for v in e.outputs()]
-    return max((max(tv.mesh.devices) + 1 for tv in tvs if tv.mesh is not None), default=1)
+    return max((max(tv.mesh.devices) + 1 for tv in tvs if getattr(tv, "mesh", None) is not None), default=1)
 
 
 def _device_of(inputs: list) -> torch.device:

@@ -507,6 +507,15 @@ def _wait(cc, e) -> None:
     cc.emit("wait", e, posted=posted[-1], text=printer.format_expr_head(target))
 
 
+def _split_layout(tv: ir.TensorView) -> bool:
+    """Whether `tv` has a split axis: its runtime dims merge pieces, or an
+    extent is a ceilDiv, neither of which the flat program's extent rules
+    describe yet."""
+    if any(len(dim) > 1 for dim in layout.dims(tv)):
+        return True
+    return any(isinstance(d.extent, ir.ScalarExpr) and d.extent.op == "ceilDiv" for d in tv.domain)
+
+
 def unsupported(container: HostIrContainer) -> str | None:
     """Why the C++ executor cannot run `container`, or None if it can: an op
     it has no instruction for, or a communication only Python posts (the
@@ -516,6 +525,9 @@ def unsupported(container: HostIrContainer) -> str | None:
     if scalars:
         return f"it takes scalar inputs ({', '.join(printer.format_val(v) for v in scalars)})"
     for e in container.walk():
+        split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and _split_layout(v)), None)
+        if split is not None:
+            return f"it has a split axis (ceilDiv extents, merged runtime dims): {printer.format_tv(split)}"
         if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk":
             return f"it walks chunks of a split axis: {printer.format_expr_head(e)}"
         if type(e) not in _COMPILERS:
