@@ -106,7 +106,10 @@ def test_placement_checked_against_the_users_sharding(world, torch_mesh):
         tv.set_device_mesh(mesh)
     x.outer_split(0, world.size)
     x.axis(0).parallelize(ParallelType.mesh_x)
-    x_full, w_full = torch.randn(2 * world.size, 4), torch.randn(4, 3)
+    # K divides over the ranks, so sharding axis 1 is even and only the
+    # placement is wrong.
+    k = 2 * world.size
+    x_full, w_full = torch.randn(2 * world.size, k), torch.randn(k, 3)
     x_dt = distribute_tensor(x_full, torch_mesh, [Shard(0)])
     w_dt = distribute_tensor(w_full, torch_mesh, [Replicate()])
 
