@@ -499,6 +499,9 @@ def _listen(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TC
     )
 
 
+# How often a rank waiting at the rendezvous asks which ranks are missing.
+_MISSING_REFRESH_SECONDS = 0.5
+
 # How long past its own timeout a client store may take to answer: it only
 # connects and registers, both quick once rank 0 listens.
 _CONNECT_GRACE = 5.0
@@ -543,29 +546,57 @@ def _connect(addr: str, port: int, launch: LaunchInfo, timeout: float, server: s
 def _await_ranks(store: dist.Store, launch: LaunchInfo, timeout: float, where: str) -> None:
     """Mark this rank arrived in `store` (a generation's prefix store) and
     wait until every rank has, saying every RENDEZVOUS_LOG_SECONDS whom it
-    still waits for; a LaunchError names them after `timeout` seconds."""
+    still waits for; a LaunchError names them after `timeout` seconds.
+
+    The rank that holds the store gives up at its own timeout, which may
+    come a little before the others' (it started earlier) and closes the
+    store: a rank that loses the store while waiting names the ranks that
+    had not arrived when it last looked, which it does every
+    _MISSING_REFRESH_SECONDS."""
     store.set(f"arrived/{launch.rank}", "1")
     keys = [f"arrived/{r}" for r in range(launch.world_size)]
     start = time.monotonic()
     next_log = RENDEZVOUS_LOG_SECONDS
+    next_refresh = 0.0
+    missing: list[int] | None = None
     pause = 0.001
-    while not store.check(keys):
-        waited = time.monotonic() - start
-        if waited >= next_log or waited >= timeout:
-            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+
+    def never_arrived() -> str:
+        return (
+            f"rank {launch.rank} could not complete the rendezvous on {where} within {timeout:g} s: "
+            f"ranks {missing} of {launch.world_size} never arrived (did they start, and do they use "
+            f"the same HOSTIR_MASTER_ADDR/HOSTIR_MASTER_PORT?)"
+        )
+
+    try:
+        while not store.check(keys):
+            waited = time.monotonic() - start
+            if waited >= next_refresh or waited >= next_log or waited >= timeout:
+                missing = [r for r, key in enumerate(keys) if not store.check([key])]
+                next_refresh = waited + _MISSING_REFRESH_SECONDS
             if waited >= timeout:
-                raise LaunchError(
-                    f"rank {launch.rank} could not complete the rendezvous on {where} within {timeout:g} s: "
-                    f"ranks {missing} of {launch.world_size} never arrived (did they start, and do they use "
-                    f"the same HOSTIR_MASTER_ADDR/HOSTIR_MASTER_PORT?)"
-                )
-            _log.warning(
-                "rank %d has waited %.0f s at the rendezvous %s for ranks %s of %d",
-                launch.rank, waited, where, missing, launch.world_size,
-            )  # fmt: skip
-            next_log += RENDEZVOUS_LOG_SECONDS
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+                raise LaunchError(never_arrived())
+            if waited >= next_log:
+                _log.warning(
+                    "rank %d has waited %.0f s at the rendezvous %s for ranks %s of %d",
+                    launch.rank, waited, where, missing, launch.world_size,
+                )  # fmt: skip
+                next_log += RENDEZVOUS_LOG_SECONDS
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+    except (dist.DistError, RuntimeError) as exc:
+        if isinstance(exc, LaunchError):
+            raise
+        waited = time.monotonic() - start
+        if missing is None:
+            raise LaunchError(
+                f"rank {launch.rank} lost the rendezvous store on {where} after {waited:.1f} s of waiting for "
+                f"the other ranks: the rank that holds it exited ({exc})"
+            ) from exc
+        raise LaunchError(
+            f"{never_arrived()}; the rank that holds the rendezvous store closed it after "
+            f"{waited:.1f} s of this rank's wait (its own timeout, or it exited)"
+        ) from exc
 
 
 def _rendezvous_error(

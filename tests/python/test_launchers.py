@@ -113,3 +113,25 @@ def test_rendezvous_timeout_names_the_missing_ranks(tmp_path):
     for r in results:
         assert r.returncode != 0
         assert re.search(r"LaunchError: rank \d could not complete the rendezvous .* within 3 s: ranks \[2\] of 3 never arrived", r.stderr), r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_rank_that_loses_the_rendezvous_store_names_the_missing_ranks(tmp_path):
+    """Rank 0 holds the store and gives up first (a shorter timeout, as when
+    it started earlier): rank 1, still waiting, loses the store and says
+    which ranks never arrived, not a bare connection error."""
+    script = tmp_path / "lonely.py"
+    script.write_text(LONELY)
+    results = spawn(
+        str(script), 2, env={"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"},
+        per_rank_env=[{"HOSTIR_TIMEOUT": "2"}, {"HOSTIR_TIMEOUT": "20"}], timeout=60,
+    )  # fmt: skip
+    assert results[0].returncode != 0
+    assert re.search(r"LaunchError: rank 0 could not complete the rendezvous .* within 2 s: ranks \[2\] of 3 never arrived", results[0].stderr), results[0].stderr
+    assert results[1].returncode != 0
+    assert re.search(
+        r"LaunchError: rank 1 could not complete the rendezvous .* within 20 s: ranks \[2\] of 3 never arrived.*"
+        r"the rank that holds the rendezvous store closed it after \d",
+        results[1].stderr,
+    ), results[1].stderr
+    assert results[1].elapsed < 15, "rank 1 waited for its own timeout after the store closed"

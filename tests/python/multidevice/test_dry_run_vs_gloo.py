@@ -2,7 +2,7 @@
 and compares it with the dry run of all ranks made in its own process —
 output shapes, the bytes of every posted communication (from the
 `HOSTIR_DUMP=communication` log of the real run) and the peak of the bytes
-the run allocates (from the PyTorch profiler's memory timeline).
+the run allocates (from the PyTorch profiler's memory records).
 
 The dry run's peak counts the program's buffers. A real gloo run also
 stages data around a collective for as long as it is in flight (the
@@ -10,7 +10,8 @@ evaluator copies a strided input; gloo gathers into a scratch tensor), which
 the dry run does not model: the real peak must lie between the dry run's
 and the dry run's plus twice the largest communication's input and output
 (these programs wait for each collective before posting the next). The CPU
-allocator itself does not round: the profiler reports requested sizes. The
+allocator itself does not round: the profiler's memory records hold
+requested sizes. The
 profiler sees every thread, so the least peak of three runs is compared.
 Under `TORCH_DISTRIBUTED_DEBUG=DETAIL` (as the whole directory runs from
 `test_multidevice_mpirun.py`) torch wraps each process group in a checker
@@ -81,28 +82,31 @@ def _logged_bytes(log: str, dtype_size: int) -> list[tuple[str, int, int]]:
 
 def _peak_allocated(fn) -> tuple[int, list]:
     """The peak of the bytes allocated (and not yet freed) while `fn` runs,
-    and the allocations and frees (to show when the peak is off)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    and the allocations and frees (to show when the peak is off).
+
+    Read from the profiler's raw memory records (signed sizes, in time
+    order), not from its memory timeline: the timeline's data-flow graph
+    asserts on some interleavings of gloo's threads, and a rank that raises
+    between two collectives would leave its peers waiting."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
+    records = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type().name == "CPU"
+    )
     live = peak = 0
-    events = []
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action.name == "CREATE":
-            live += size
-        elif action.name == "DESTROY":
-            live -= size
-        else:
-            continue
-        events.append((action.name, size))
+    for _, size in records:
+        live += size
         peak = max(peak, live)
     del result
-    return peak, events
+    return peak, [size for _, size in records]
 
 
 @pytest.mark.parametrize("case", ["ag_matmul", "matmul_allreduce", "matmul_reduce_scatter", "broadcast"])
 def test_dry_run_matches_the_gloo_run(world, device, case, monkeypatch):
     if device.type != "cpu":
-        pytest.skip("the memory timeline compared here is the CPU allocator's")
+        pytest.skip("the memory records compared here are the CPU allocator's")
     name, fd, inputs = next(c for c in _cases(world) if c[0] == case)
     fulls = [torch.randint(-4, 4, shape).float() for _, shape in inputs]
     mine = [shard_tensor(full, tv).contiguous() for (tv, _), full in zip(inputs, fulls)]
@@ -120,7 +124,7 @@ def test_dry_run_matches_the_gloo_run(world, device, case, monkeypatch):
         # the runs measured, without the agreement's own allocations.
         fd.execute(mine, number_of_streams=STREAMS, check_ranks="first")
         results, peaks, logs = [], [], []
-        # The timeline holds every thread's allocations (gloo's own threads
+        # The records hold every thread's allocations (gloo's own threads
         # among them, whenever they run): the least of three runs is the
         # program's.
         for _ in range(3):
