@@ -5,7 +5,7 @@ ranks and runs each rank's host program with the reference evaluator on
 meta tensors (shapes and dtypes, no data, no device), through a
 `RecordingCommunicator` that records each communication instead of sending
 it and `RecordingStreams` that name streams instead of making them. A
-`_Recorder` watcher on the evaluator counts the ops executed and lists the
+`_Recorder` observer on the evaluator counts the ops executed and lists the
 buffers the program holds; `Allocations`, a dispatch mode over the whole run,
 is its allocator: it follows every storage an op makes until its last tensor
 is dropped (temporaries included), so the peak is the one a real run's
@@ -511,7 +511,7 @@ def _loops(frame) -> list:
 
 
 class _Recorder:
-    """The evaluator's watcher in a dry run: counts ops, lists the buffers
+    """The evaluator's observer in a dry run: counts ops, lists the buffers
     the run's frame holds (looked at before and after every op) and tells
     the dry run's allocator which op runs, on which stream."""
 
@@ -523,14 +523,19 @@ class _Recorder:
         self.buffers: list[Buffer] = []
         self._annotated = 0
 
-    def before_op(self, frame, e) -> None:
+    def op(self, frame, e, run) -> None:
+        self._before(frame, e)
+        run()
+        self._after(frame, e)
+
+    def _before(self, frame, e) -> None:
         if self.comm is not None:
             self.comm.ops_running += 1
         self._snapshot(frame, e)
         loops = "".join(f" (in loop {n} = {v})" for n, v in _loops(frame))
         self.allocations.where = (f"{printer.format_expr_head(e)}{loops}", frame.streams.current())
 
-    def after_op(self, frame, e) -> None:
+    def _after(self, frame, e) -> None:
         if self.comm is not None:
             self.comm.ops_running -= 1
         self.ops[type(e).__name__] += 1
@@ -742,7 +747,7 @@ def _run_container(
     try:
         ev = HostIrEvaluator(container, streams=RecordingStreams(), device="meta", communicator=comm)
         ev.profiled = False
-        ev.watchers.append(recorder)
+        ev.observers.append(recorder)
         with allocations:
             results = ev.run(bindings, number_of_streams=number_of_streams)
     except Exception as err:
