@@ -50,6 +50,30 @@ class _Captured:
     inputs: list  # the graph's input buffers, in container order
     outputs: list  # the tensors the graph writes its results into
     input_tvs: list
+    # The addresses of the caller's preallocated outputs it writes, or None.
+    output_ptrs: tuple | None = None
+
+    def writes_into(self, given: list) -> bool:
+        """Whether the preallocated outputs `given` are the ones captured."""
+        return self.output_ptrs is not None and tuple(t.data_ptr() for t in given) == self.output_ptrs
+
+    def replay(self, inputs: list, given: list | None) -> list:
+        """Copy `inputs` into the graph's buffers where they are other
+        tensors, replay, and return the outputs (`given`'s tensors where the
+        caller preallocated other ones than the captured, copied into)."""
+        for buf, t in zip(self.inputs, inputs):
+            if t is not buf and t.data_ptr() != buf.data_ptr():
+                buf.copy_(t)
+        self.graph.replay()
+        if given is None:
+            return list(self.outputs)
+        results = []
+        for out, t in zip(self.outputs, given):
+            if out is not None and t is not None and t.data_ptr() != out.data_ptr():
+                t.copy_(out)
+                out = t
+            results.append(out)
+        return results
 
 
 class CudaGraphs:
@@ -63,6 +87,14 @@ class CudaGraphs:
         return len(self._graphs)
 
     def run(self, program, bindings: dict, number_of_streams: int, device, backend: str | None = None) -> list:
+        """Replay the graph of this call's signature, captured first if new."""
+        captured = self.captured(program, bindings, number_of_streams, device, backend)
+        inputs = [bindings[tv] for tv in program.container.inputs]
+        given = [bindings.get(tv) for tv in program.container.outputs]
+        return captured.replay(inputs, given if any(t is not None for t in given) else None)
+
+    def captured(self, program, bindings: dict, number_of_streams: int, device, backend: str | None = None) -> _Captured:
+        """The graph of this call's signature, captured on first use."""
         device = torch.device(device)
         if device.type != "cuda":
             raise CudaGraphError(
@@ -90,17 +122,8 @@ class CudaGraphs:
                 captured = self._graphs.get(key)
                 if captured is None:
                     captured = self._graphs[key] = _capture(program, bindings, number_of_streams, device)
-        for buf, t in zip(captured.inputs, inputs):
-            if t is not buf and t.data_ptr() != buf.data_ptr():
-                buf.copy_(t)
-        captured.graph.replay()
-        results = []
-        for out, t in zip(captured.outputs, given):
-            if out is not None and t is not None and t.data_ptr() != out.data_ptr():
-                t.copy_(out)
-                out = t
-            results.append(out)
-        return results
+                    captured.output_ptrs = key[2]
+        return captured
 
 
 def _capture(program, bindings: dict, number_of_streams: int, device: torch.device) -> _Captured:
