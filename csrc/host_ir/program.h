@@ -5,7 +5,8 @@
 // aliases and selects resolved and scalar expressions as small trees. An
 // Executor runs a Program any number of times, from any number of threads at
 // once: everything a run binds lives in a Frame on that run's stack, and the
-// Program and the stream pool are shared read-only (the pool behind a mutex).
+// Program is shared read-only; the stream pool and the executor's spare
+// events are shared behind a mutex each.
 // Nothing here includes pybind11: bindings.cpp is the only file that does.
 #pragma once
 

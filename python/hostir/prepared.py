@@ -70,24 +70,26 @@ def signature(inputs, outputs, params, kwargs: dict) -> tuple | None:
     arguments = _tensor_signatures(inputs)
     if arguments is None:
         return None
+    given = None
     if outputs is not None:
         given = _tensor_signatures(outputs)
         if given is None:
             return None
-        arguments = (arguments, given)
     if params is not None:
-        if kwargs:
+        fields = getattr(params, "__dict__", None)
+        if kwargs or fields is None:
             return None
-        settings = tuple(params.__dict__.items())
-        device = params.device
     else:
-        settings = tuple(kwargs.items())
-        device = kwargs.get("device")
+        fields = kwargs
+    # With each value's type: True == 1 and 4.0 == 4 hash alike, but the
+    # full path refuses number_of_streams=True or 4.0, and cuda_graph=0.
+    settings = tuple([(name, type(value), value) for name, value in fields.items()])
+    device = fields.get("device")
     if device is not None and not _device_is_exact(device):
         return None
     # Hashed once, by the lookup: an unhashable parameter makes the lookup
     # find nothing and the store keep nothing.
-    return (arguments, settings, fake, _environ("HOSTIR_EVALUATOR"))
+    return (arguments, given, settings, fake, _environ("HOSTIR_EVALUATOR"))
 
 
 def _tensor_signatures(values) -> tuple | None:

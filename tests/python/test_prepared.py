@@ -213,6 +213,19 @@ def test_changed_parameters_are_another_signature(evaluator):
     assert "got -1" in text
 
 
+@pytest.mark.parametrize(
+    "bad", [{"number_of_streams": True}, {"number_of_streams": 4.0}, {"cuda_graph": 0}, {"evaluator": "fast"}]
+)
+def test_parameters_equal_to_good_ones_but_of_another_type_are_refused(evaluator, bad):
+    (name, value), = bad.items()
+    good = {"number_of_streams": 1 if value is True else 4, "cuda_graph": False, "evaluator": evaluator}[name]
+    fd = _warmed(**{name: good})
+    a, b = torch.randn(4, 5), torch.randn(4, 5)
+    expected = _error(_define(), [a, b], **bad)
+    assert _error(fd, [a, b], **bad) == expected
+    assert issubclass(expected[0], hostir.HostIrError)
+
+
 def test_a_profiler_sees_every_op_after_a_record(monkeypatch):
     """With a profiler on, `auto` runs the Python evaluator, which reports
     each op as a range, even where a record of the C++ executor exists."""
