@@ -26,8 +26,11 @@
 7. convert the results back to the fusion's logical axes.
 
 A single-device call whose exact signature (every tensor's type, shape,
-strides, dtype, device; the parameters) already ran goes from its record
-to step 6 (`hostir.prepared`): steps 1-3 decided nothing else for it.
+strides, dtype, device and requires_grad; the parameters; the variables
+that pick the evaluator and the dry run) already ran goes from its record
+to step 6 (`hostir.prepared`): steps 1-3 decided nothing else for it but
+whether a preallocated output shares memory with an input, which the record
+checks again on every call.
 
 A failure in steps 1-3 on one rank of a multi-device fusion is carried by
 step 4 to every rank, so all raise the same error instead of one raising and

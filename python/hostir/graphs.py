@@ -124,8 +124,9 @@ class CudaGraphs:
             with self._lock:
                 captured = self._graphs.get(key)
                 if captured is None:
-                    captured = self._graphs[key] = _capture(program, bindings, number_of_streams, device)
+                    captured = _capture(program, bindings, number_of_streams, device)
                     captured.output_ptrs = key[2]
+                    self._graphs[key] = captured
         return captured
 
 
