@@ -23,7 +23,7 @@ the eager loop) after warm-up runs; the median over ``--iters`` runs is
 reported. On CUDA, ``torch.cuda.synchronize()`` is called before each timed
 run but not inside it, so the number is host time (kernel launches are
 asynchronous). Host ops per run are read as the change of the program's
-an ``OpCounter`` listener on the Python evaluator, or the C++ executor's own
+an ``OpCounter`` observer on the Python evaluator, or the C++ executor's own
 ``ops_executed``, across one run (a graph replay runs the C++ executor's
 program, so its row counts that program's ops); compute ops per run (the
 torch calls that do arithmetic) are ``S * L`` for the chunked variants and
@@ -230,7 +230,7 @@ def bench_hostir(
         count = lambda: ev.ops_executed  # counted in C++, no callback per op
     else:
         counter = OpCounter()
-        ev.listeners.append(counter)
+        ev.observers.append(counter)
         count = lambda: counter.count
     _sync(x.device)
     torch.testing.assert_close(out, expected)
@@ -401,7 +401,7 @@ def markdown_report(results: list[Result], env: dict) -> str:
             "",
             *ratios(results),
             "",
-            "ops/run: host ops executed by the evaluator (a listener on the Python evaluator, the C++ "
+            "ops/run: host ops executed by the evaluator (an observer on the Python evaluator, the C++ "
             "executor's own count) for the hostir rows, torch calls for "
             "the eager rows. µs/op = median host time of one run / ops per run. Host time only: the device "
             "is synchronized before each timed run, not inside it. core µs/run: the median of the part "

@@ -13,7 +13,7 @@ ops) in four modes and reports the median host time per host op:
   two CUDA events per op and one synchronization per run).
 * ``profiler+trace``: both.
 
-Host ops per run are counted by an ``OpCounter`` listener across one run. On CUDA,
+Host ops per run are counted by an ``OpCounter`` observer across one run. On CUDA,
 ``torch.cuda.synchronize()`` runs before each timed run, not inside it.
 
     PYTHONPATH=python python3 tools/bench_profiling.py               # cpu
@@ -85,9 +85,9 @@ def measure(device: str, streams: int, width: int, chain: int, iters: int, warmu
     fd.execute([x], number_of_streams=streams)
     ev = _program_evaluator(fd)
     counter = OpCounter()
-    ev.listeners.append(counter)
+    ev.observers.append(counter)
     fd.execute([x], number_of_streams=streams)
-    ev.listeners.remove(counter)
+    ev.observers.remove(counter)
     ops = counter.count
     sync: Callable[[], None] = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     rows = {}

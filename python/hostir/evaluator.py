@@ -20,7 +20,7 @@ type (`CommunicatorTimeout`, `PeerLostError`).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
@@ -75,11 +75,9 @@ class HostIrEvaluator:
     `streams` is a `CudaStreams` for a CUDA device or `NullStreams` (the
     default) for the CPU; `device` is where `Allocate` puts new buffers. The
     evaluator holds only what it precomputes from the program; the values of
-    a run live in that run's `Frame`. `listeners` are called with every op
-    after it ran (for counting; empty by default). `watchers` are told about
-    every op before and after it runs, with its frame: `before_op(frame, e)`
-    and `after_op(frame, e)` (the dry run's memory plan reads the run's
-    values there).
+    a run live in that run's `Frame`. `observers` (none by default) wrap
+    every op of every run: see `OpObserver`. The profiler's observer joins
+    them for a run made while profiling or tracing is on.
     """
 
     def __init__(self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None):
@@ -126,8 +124,7 @@ class HostIrEvaluator:
             for e in container.walk()
             if multi_device and isinstance(e, ir.COMPUTE_OPS) and not sliced & set(e.inputs() + e.outputs())
         }
-        self.listeners: list[Callable[[Any], None]] = []
-        self.watchers: list = []
+        self.observers: list[OpObserver] = []
         # Whether runs report to the profiler and traces; a dry run's
         # rehearsal on meta tensors does not.
         self.profiled = True
@@ -153,8 +150,8 @@ class HostIrEvaluator:
             frame.bind(val, value)
         caller = self.streams.current()
         rank = self.communicator.rank if self.communicator is not None else 0
-        if self.profiled:
-            frame.observer = profiling.observer_for(self.container, self.streams, rank)
+        profiler = profiling.observer_for(self.container, self.streams, rank) if self.profiled else None
+        frame.observers = (*self.observers, profiler) if profiler is not None else tuple(self.observers)
         try:
             frame.run_scope(self.container.exprs)
             frame.complete_pending()
@@ -163,8 +160,8 @@ class HostIrEvaluator:
             for stream in frame.used_streams:
                 self.streams.wait(caller, stream)
             self.streams.set_current(caller)
-            if frame.observer is not None:
-                frame.observer.finish()
+            if profiler is not None:
+                profiler.finish()
 
     def _find_body_locals(self, container: HostIrContainer) -> dict[int, list]:
         return body_locals(container)
@@ -198,13 +195,24 @@ class MissingHandlerError(HostIrError, NotImplementedError):
     """The program holds an op that the evaluator cannot run."""
 
 
+class OpObserver(Protocol):
+    """What watches the ops of a run: `op(frame, e, run)` is called for
+    every op `e` (a loop before its body's ops, and returning after them);
+    it must call `run()` once, which runs the op, and may read the frame
+    before and after. Observers nest in the order of the evaluator's list;
+    an op that raises is not observed after `run()`."""
+
+    def op(self, frame: Frame, e: Any, run: Callable[[], None]) -> None: ...
+
+
 class OpCounter:
-    """A listener that counts the ops a program's runs executed."""
+    """An observer that counts the ops a program's runs executed."""
 
     def __init__(self):
         self.count = 0
 
-    def __call__(self, e) -> None:
+    def op(self, frame: Frame, e: Any, run: Callable[[], None]) -> None:
+        run()
         self.count += 1
 
 
@@ -216,7 +224,7 @@ class Frame:
 
     __slots__ = (
         "evaluator", "streams", "device", "communicator", "dumper", "values", "loops", "used_streams", "works",
-        "coalescing", "call_parity", "observer",
+        "coalescing", "call_parity", "observers",
     )
 
     def __init__(self, evaluator: HostIrEvaluator):
@@ -235,8 +243,9 @@ class Frame:
         # Buffers that peers write alternate between two copies by the
         # parity of the run (the transports' double buffering).
         self.call_parity = next(evaluator.calls) % 2
-        # Profiler ranges and trace events of this run, or None (the usual case).
-        self.observer: profiling.Observer | None = None
+        # The evaluator's observers, and the profiler's when it watches this
+        # run (none, the usual case, runs every op bare).
+        self.observers: tuple = ()
 
     # -- the two accessors
     def get(self, val, default=_REQUIRED):
@@ -278,19 +287,13 @@ class Frame:
                 ) from err
 
     def run_scope(self, exprs) -> None:
-        listeners = self.evaluator.listeners
-        observer = self.observer
-        watchers = self.evaluator.watchers
+        observers = self.observers
         for e in exprs:
             try:
-                for watcher in watchers:
-                    watcher.before_op(self, e)
-                if observer is None:
-                    _HANDLERS[type(e)](self, e)
+                if observers:
+                    self._observed(observers, 0, e)
                 else:
-                    observer.run(self, e, _HANDLERS[type(e)])
-                for watcher in watchers:
-                    watcher.after_op(self, e)
+                    _HANDLERS[type(e)](self, e)
             except HostIrRuntimeError:
                 raise
             except (CommunicatorTimeout, PeerLostError) as err:
@@ -306,8 +309,13 @@ class Frame:
                 if not getattr(err, "_hostir_noted", False):
                     _note(err, f"While executing:\n{self.where(e)}")
                 raise
-            for listener in listeners:
-                listener(e)
+
+    def _observed(self, observers: tuple, i: int, e) -> None:
+        """Run `e` inside observers[i:], the first outermost."""
+        if i == len(observers):
+            _HANDLERS[type(e)](self, e)
+        else:
+            observers[i].op(self, e, lambda: self._observed(observers, i + 1, e))
 
     def where(self, e) -> str:
         """The dump line of `e` and the loop indices around it."""

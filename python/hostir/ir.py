@@ -351,13 +351,6 @@ class DeviceMesh:
                 return team.index(rank)
         raise DefinitionError(f"rank {rank} is not in {self}")
 
-    def shard_tensor(self, t: torch.Tensor, axis: int, rank: int) -> torch.Tensor:
-        """`rank`'s piece of `t` cut into `x_size` equal chunks along `axis`."""
-        n = self.x_size
-        if t.shape[axis] % n:
-            raise DefinitionError(f"axis {axis}: extent {t.shape[axis]} not divisible by mesh size {n}")
-        return t.chunk(n, axis)[self.x_index(rank)]
-
     def __eq__(self, other) -> bool:
         return isinstance(other, DeviceMesh) and (self.shape, self.devices) == (other.shape, other.devices)
 

@@ -190,39 +190,3 @@ def chunk_bounds(size: int, chunks: int, index: int) -> tuple[int, int]:
     step = -(-size // chunks)
     start = min(index * step, size)
     return start, max(0, min(step, size - start))
-
-
-def shard(t: torch.Tensor, tv: ir.TensorView, index: int, n: int) -> torch.Tensor:
-    """Piece `index` of `n` of the whole tensor `t` of `tv`: on a mesh_x
-    axis, that index (kept with size 1); on an axis split with a mesh_x
-    piece, the rows of that piece."""
-    logical = tv.logical_runtime()
-    if t.dim() != len(logical):
-        raise LayoutError(f"T{tv.name} has {len(logical)} axes but the tensor has shape {list(t.shape)}")
-    for axis, d in enumerate(logical):
-        leaves = d.loop_leaves()
-        if not any(x.is_device_parallel for x in leaves):
-            continue
-        size = t.shape[axis]
-        if d.leaves is None:
-            if size != n:
-                raise LayoutError(f"axis {axis} of T{tv.name}: extent {size} differs from mesh size {n}")
-            return t.narrow(axis, index, 1)
-        if size % n:
-            raise LayoutError(f"axis {axis} of T{tv.name}: extent {size} not divisible by mesh size {n}")
-        pieces = _piece_sizes(leaves, size)
-        at = next(i for i, x in enumerate(leaves) if x.is_device_parallel)
-        view = t.reshape(list(t.shape[:axis]) + pieces + list(t.shape[axis + 1 :]))
-        piece = view.narrow(axis + at, index, 1)
-        return piece.reshape(list(t.shape[:axis]) + [size // n] + list(t.shape[axis + 1 :]))
-    return t
-
-
-def _piece_sizes(leaves: Sequence[ir.IterDomain], size: int) -> list[int]:
-    known = [x.extent.value if x.extent.is_constant else None for x in leaves]
-    prod = 1
-    for v in known:
-        prod *= v or 1
-    if size % prod:
-        raise LayoutError(f"extent {size} not divisible by {prod}")
-    return [size // prod if v is None else v for v in known]

@@ -271,31 +271,33 @@ class Observer:
     def _stamp(self) -> Any:
         return self._event() if self.cuda else _now_us()
 
-    def run(self, ev: Any, e: ir.Expr, handler: Callable[[Any, Any], None]) -> None:
+    def op(self, frame: Any, e: ir.Expr, run: Callable[[], None]) -> None:
+        """Run `e` (by `run()`) inside its profiler range, NVTX range and
+        trace event (an evaluator's `OpObserver`)."""
         name = self.names.get(id(e)) or op_name(e)
         if self.nvtx:
             torch.cuda.nvtx.range_push(name)  # type: ignore[no-untyped-call]
         try:
             if self.ranges:
                 with torch.profiler.record_function(name):
-                    self._timed(ev, e, handler, name)
+                    self._timed(frame, e, run, name)
             else:
-                self._timed(ev, e, handler, name)
+                self._timed(frame, e, run, name)
         finally:
             if self.nvtx:
                 torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
 
-    def _timed(self, ev: Any, e: ir.Expr, handler: Callable[[Any, Any], None], name: str) -> None:
+    def _timed(self, frame: Any, e: ir.Expr, run: Callable[[], None], name: str) -> None:
         if self.trace is None or isinstance(e, ir.ForLoop):
-            handler(ev, e)
+            run()
             return
         track = self.track
         start = self._stamp()
-        handler(ev, e)
+        run()
         end = self._stamp()
         kind = op_kind(e)
         if isinstance(e, ir.SetCurrentStream):
-            self.track = self._label(ev, e.stream)
+            self.track = self._label(frame, e.stream)
         if isinstance(e, (ir.Communication, ir.P2PCommunication, ir.EndCoalescing)):
             self._posted[id(e)] = (track, start)
         if isinstance(e, ir.Wait):
@@ -307,10 +309,10 @@ class Observer:
         if not isinstance(e, (ir.Communication, ir.P2PCommunication, ir.EndCoalescing)):
             self._record(name, kind, track, start, end, {})
 
-    def _label(self, ev: Any, stream: ir.Stream) -> str:
+    def _label(self, frame: Any, stream: ir.Stream) -> str:
         if stream.index is None:
             return TRACK_CALLER
-        return f"stream {int(ev.get(stream.index))}"
+        return f"stream {int(frame.get(stream.index))}"
 
     def _record(self, name: str, kind: str, track: str, start: Any, end: Any, args: dict[str, Any]) -> None:
         assert self.trace is not None

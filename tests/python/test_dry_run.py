@@ -348,3 +348,51 @@ def test_other_type_root_or_size_on_one_rank_is_reported():
     moved = retyped(bcast[1], root=1)
     with pytest.raises(CommunicationMismatchError, match=r"(?s)differs \(root 0 vs 1\)"):
         dry_run_programs({0: bcast[0], 1: moved}, [[5]])
+
+
+def test_a_posts_error_is_reported_after_the_ranks_match():
+    """Both ranks turn the Allgather into a Broadcast from rank 1, so their
+    communications match; rank 1's post then cannot put its [1, 3] piece
+    into the [2, 3] output, as a real run's post could not."""
+    programs = _rank_programs(allgather(2), 2)
+
+    def as_broadcast(container):
+        m = container.derive()
+        m.exprs = [
+            e.replace(type=ir.CommunicationType.Broadcast, root=1) if isinstance(e, ir.Communication) else e
+            for e in container.exprs
+        ]
+        for e in container.exprs:
+            if isinstance(e, ir.Wait):
+                m.exprs[m.exprs.index(e)] = ir.Wait(next(x for x in m.exprs if isinstance(x, ir.Communication)))
+        return m
+
+    with pytest.raises(DryRunError, match=r"(?s)^rank 1: RuntimeError: shape '\[2, 3\]' is invalid.*While executing:\nCommunication .*type=Broadcast"):
+        dry_run_programs({r: as_broadcast(p) for r, p in programs.items()}, [[1, 3]])
+
+
+def _middle_axis_allgather(d: int):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[3, d, 2])
+        y = fd.ops.set(x)
+        fd.add_output(y)
+    _place(DeviceMesh(range(d)), x, y)
+    x.axis(1).parallelize(ParallelType.mesh_x)
+    return fd
+
+
+@pytest.mark.parametrize("backend, scratch", [("gloo", 3 * 2 * 2 * F32), ("NCCL", 0)])
+def test_staging_of_a_collective_is_in_the_plan(backend, scratch):
+    """An Allgather of an axis that is not outermost gathers into a staging
+    buffer [2, 3, 1, 2] and moves the pieces into place at its Wait; gloo
+    also gathers into a flat buffer of the output's size. Both are on the
+    communication's line and in the peak, with the output [3, 2, 2]."""
+    report = hostir.dry_run(_middle_axis_allgather(2), [[3, 1, 2]], world_size=2, backend=backend)
+    (t,) = report[0].communications
+    staging = 2 * 3 * 1 * 2 * F32
+    assert t.staging_bytes == staging + scratch
+    assert f"staging {staging + scratch} B" in str(report)
+    output = 3 * 2 * 2 * F32
+    # At the Wait the backend's scratch is gone and the pieces are stacked
+    # (a copy of the staging buffer) before they are moved into the output.
+    assert report[0].peak_bytes == output + staging + max(scratch, staging)

@@ -1,5 +1,5 @@
-"""Run tests/python/multidevice/test_dry_run_vs_gloo.py under mpirun -np 2
-and -np 4 with gloo and without TORCH_DISTRIBUTED_DEBUG=DETAIL, whose
+"""Run tests/python/multidevice/test_dry_run_vs_gloo.py under mpirun -np 2,
+-np 3 and -np 4 with gloo and without TORCH_DISTRIBUTED_DEBUG=DETAIL, whose
 checking wrapper allocates tensors of its own around every collective: the
 dry run's memory peaks are compared with the real runs' here."""
 
@@ -12,6 +12,7 @@ import pytest
 
 from launchers import job_env, run_job
 from spawn import free_port
+from multidevice.test_dry_run_vs_gloo import CASES
 from test_multidevice_mpirun import mpirun_command, requires_mpirun, summaries
 
 TEST = "tests/python/multidevice/test_dry_run_vs_gloo.py"
@@ -19,7 +20,7 @@ TEST = "tests/python/multidevice/test_dry_run_vs_gloo.py"
 
 @requires_mpirun
 @pytest.mark.timeout(330)
-@pytest.mark.parametrize("nprocs, limit", [(2, 150), (4, 300)], ids=["np2", "np4"])
+@pytest.mark.parametrize("nprocs, limit", [(2, 150), (3, 240), (4, 300)], ids=["np2", "np3", "np4"])
 def test_dry_run_against_gloo_under_mpirun(nprocs, limit):
     exports = {
         "HOSTIR_TIMEOUT": "30",
@@ -33,5 +34,5 @@ def test_dry_run_against_gloo_under_mpirun(nprocs, limit):
     counts = summaries(output)
     assert len(counts) == nprocs, f"expected one pytest summary per rank, got {counts}:\n{tail}"
     for rank_counts in counts:
-        assert rank_counts == {"passed": 4}, f"{counts}\n{tail}"
+        assert rank_counts == {"passed": len(CASES)}, f"{counts}\n{tail}"
     assert not re.search(r"^(FAILED|ERROR) ", output, re.MULTILINE), tail

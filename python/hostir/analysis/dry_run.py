@@ -5,8 +5,18 @@ ranks and runs each rank's host program with the reference evaluator on
 meta tensors (shapes and dtypes, no data, no device), through a
 `RecordingCommunicator` that records each communication instead of sending
 it and `RecordingStreams` that name streams instead of making them. A
-`_Recorder` listener on the evaluator counts the ops executed and follows
-which tensors the program holds after every op: that is the memory plan.
+`_Recorder` observer on the evaluator counts the ops executed and lists the
+buffers the program holds; `Allocations`, a dispatch mode over the whole run,
+is its allocator: it follows every storage an op makes until its last tensor
+is dropped (temporaries included), so the peak is the one a real run's
+allocator sees. A communication is posted by the backend's own post
+(`torch_dist`) on meta tensors with calls that record instead of sending:
+its staging buffers live as long as in a real run, and what the backend
+allocates itself is added from `torch_dist.backend_scratch_bytes` until
+the program's Wait. Allocations made in C++ outside torch's dispatch (a
+Python scalar or index list turned into a tensor inside an op) are not
+seen, so the transports make such tensors explicitly. An error a post
+raises is reported after the ranks are matched.
 Afterwards the ranks' communications are matched (`match_ranks`): same
 order, type, root and sizes on every team, every send paired with a recv,
 every post completed by a Wait. The result is a `DryRunReport` (printable,
@@ -24,17 +34,22 @@ are what a rank's data must reach, not the wire.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
+import weakref
+
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hostir import ir, layout, printer
 from hostir.errors import HostIrError
-from hostir.transports import Posted, Transport
+from hostir.transports import Posted, Transport, torch_dist
 
 
 class DryRunError(HostIrError, RuntimeError):
@@ -75,6 +90,9 @@ class Transfer:
     sent: dict
     received: dict
     waited: bool = False
+    # What the transport holds while the communication is in flight, beyond
+    # the program's buffers: its staging buffers and the backend's scratch.
+    staging_bytes: int = 0
 
     def where(self) -> str:
         loops = "".join(f" (in loop {name} = {value})" for name, value in self.loops)
@@ -118,6 +136,8 @@ class RankReport:
     peak_by_stream: dict
     communications: list
     ops_executed: dict
+    # What the backend's post of a communication raised (see `check_posts`).
+    post_errors: list = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {
@@ -201,9 +221,18 @@ class RecordingStreams:
 
 
 class _RecordedWork:
-    def __init__(self, transfer: Transfer, comm: RecordingCommunicator):
+    """A recorded communication's work. Like a process group's work it holds
+    the tensors handed to the call until it is dropped; the `scratch` bytes
+    the backend allocates for the call (see
+    `torch_dist.backend_scratch_bytes`) are live until it is waited for."""
+
+    def __init__(self, transfer: Transfer, comm: RecordingCommunicator, tensors=(), scratch: int = 0):
         self.transfer = transfer
         self.comm = comm
+        self.tensors = tensors
+        self.scratch = scratch
+        if scratch and comm.allocations is not None:
+            comm.allocations.add_scratch(scratch)
 
     def wait(self, *args) -> bool:
         # Only a wait of the program's own counts: the evaluator completes
@@ -211,7 +240,104 @@ class _RecordedWork:
         # buffer of a communication nobody waits for is in use.
         if self.comm.ops_running > 0:
             self.transfer.waited = True
+        if self.scratch and self.comm.allocations is not None:
+            self.comm.allocations.add_scratch(-self.scratch)
+            self.scratch = 0
         return True
+
+
+class Allocations(TorchDispatchMode):
+    """The allocator of a dry run: follows every storage an op makes while
+    the mode is on, from the op that makes it until the last tensor on it
+    is dropped, as a real run's allocator would see them (temporaries of an
+    op and staging buffers of a post included), and keeps the peak of the
+    live bytes, where it happened and per stream. Storages in `excluded`
+    (the inputs) are not counted; `where` is set by the recorder before
+    every op."""
+
+    def __init__(self, excluded: set[int]):
+        super().__init__()
+        self.excluded = excluded
+        self.where: tuple[str, str] = ("(before the program)", "caller")
+        self.live = 0
+        self.peak = 0
+        self.peak_at = "(nothing allocated)"
+        self.by_stream: Counter = Counter()
+        self.peak_by_stream: Counter = Counter()
+        self._refs: dict[int, int] = {}
+        self._sizes: dict[int, tuple[int, str]] = {}
+        self._made: list[weakref.ref] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(result):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return result
+
+    def _track(self, t: torch.Tensor) -> None:
+        if self._made is not None:
+            # Weakly: a temporary of the post dies when the real one would.
+            self._made.append(weakref.ref(t))
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.excluded:
+            return
+        if key in self._refs:
+            self._refs[key] += 1
+        else:
+            self._refs[key] = 1
+            nbytes, stream = storage.nbytes(), self.where[1]
+            self._sizes[key] = (nbytes, stream)
+            self._change(nbytes, stream)
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            nbytes, stream = self._sizes.pop(key)
+            self._change(-nbytes, stream)
+
+    def add_scratch(self, nbytes: int) -> None:
+        """Bytes a backend allocates (or, negative, frees) outside torch's
+        dispatch."""
+        self._change(nbytes, self.where[1])
+
+    def _change(self, nbytes: int, stream: str) -> None:
+        self.live += nbytes
+        self.by_stream[stream] += nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_at = self.where[0]
+        if self.by_stream[stream] > self.peak_by_stream[stream]:
+            self.peak_by_stream[stream] = self.by_stream[stream]
+
+    @contextlib.contextmanager
+    def collecting(self):
+        """Weak references to the tensors ops make inside the block."""
+        made: list[weakref.ref] = []
+        outer, self._made = self._made, made
+        try:
+            yield made
+        finally:
+            self._made = outer
+
+
+def _recording_calls(backend: str, transfer: Transfer, comm: RecordingCommunicator):
+    """`torch_dist.Calls` that post nothing: each returns a work holding
+    its tensors and the backend's scratch for the call."""
+
+    def call(name: str):
+        def record(*args, **kwargs):
+            tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            scratch = torch_dist.backend_scratch_bytes(backend, name, comm.rank, *args, **kwargs)
+            transfer.staging_bytes += scratch
+            return _RecordedWork(transfer, comm, tuple(tensors), scratch)
+
+        return record
+
+    return torch_dist.Calls(**{f.name: call(f.name) for f in dataclasses.fields(torch_dist.Calls)})
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -233,7 +359,32 @@ class RecordingTransport(Transport):
         input, out = frame.get(e.input, None), frame.get(e.out, None)
         t = self._transfer(e, input, out, tuple(e.team), root)
         _count_traffic(e, t, input, out, self.comm.rank, root)
-        return Posted([_RecordedWork(t, self.comm)])
+        if e.backend not in torch_dist.BACKENDS:
+            return Posted([_RecordedWork(t, self.comm)])
+        # The backend's own post, on meta tensors, with calls that record:
+        # the staging buffers it makes live as long as in a real run.
+        collecting = self.comm.allocations.collecting() if self.comm.allocations else contextlib.nullcontext([])
+        try:
+            with collecting as made:
+                posted = torch_dist.POST[e.type](_recording_calls(e.backend, t, self.comm), frame, e, group, root)
+        except Exception as err:
+            # Reported once the ranks are matched: a mismatch between ranks
+            # is the cause to name when there is one.
+            self.comm.post_errors.append((t, err))
+            return Posted([_RecordedWork(t, self.comm)])
+        program = {x.untyped_storage()._cdata for x in _bound_tensors(frame)}
+        staged = {}
+        for ref in made:
+            x = ref()
+            if x is None:
+                continue
+            storage = x.untyped_storage()
+            if storage._cdata not in program:
+                staged[storage._cdata] = storage.nbytes()
+        t.staging_bytes += sum(staged.values())
+        # A post that completes at once (a SendRecv to itself) has no work
+        # whose wait marks the transfer completed: the program's Wait does.
+        return Posted(posted.works + [_RecordedWork(t, self.comm)], posted.after)
 
     def post_p2p(self, frame, e, buf, peer: int, ops: list | None) -> Posted:
         send = e.type == "send"
@@ -284,6 +435,10 @@ class RecordingCommunicator:
         self.timeout = 0.0
         self.transfers: list[Transfer] = []
         self.transport = RecordingTransport(self)
+        # The dry run's allocator (None when the run is not followed).
+        self.allocations: Allocations | None = None
+        # The errors the backend's post raised, with their transfers.
+        self.post_errors: list[tuple[Transfer, Exception]] = []
         # How many ops of the program are running (loops nest); 0 once the
         # program's ops are done.
         self.ops_running = 0
@@ -356,30 +511,31 @@ def _loops(frame) -> list:
 
 
 class _Recorder:
-    """The evaluator's watcher in a dry run: counts ops and follows the
-    storages the run's frame holds, before and after every op."""
+    """The evaluator's observer in a dry run: counts ops, lists the buffers
+    the run's frame holds (looked at before and after every op) and tells
+    the dry run's allocator which op runs, on which stream."""
 
-    def __init__(self, comm: RecordingCommunicator | None):
+    def __init__(self, comm: RecordingCommunicator | None, allocations: Allocations):
         self.comm = comm
+        self.allocations = allocations
         self.ops: Counter = Counter()
-        self.inputs: set[int] = set()
         self.live: dict[int, tuple[Any, Buffer]] = {}
         self.buffers: list[Buffer] = []
-        self.peak = 0
-        self.peak_at = "(nothing allocated)"
-        self.peak_by_stream: Counter = Counter()
-        self._started = False
         self._annotated = 0
 
-    def before_op(self, frame, e) -> None:
-        if not self._started:
-            self._started = True
-            self.inputs = {t.untyped_storage()._cdata for t in _bound_tensors(frame)}
+    def op(self, frame, e, run) -> None:
+        self._before(frame, e)
+        run()
+        self._after(frame, e)
+
+    def _before(self, frame, e) -> None:
         if self.comm is not None:
             self.comm.ops_running += 1
         self._snapshot(frame, e)
+        loops = "".join(f" (in loop {n} = {v})" for n, v in _loops(frame))
+        self.allocations.where = (f"{printer.format_expr_head(e)}{loops}", frame.streams.current())
 
-    def after_op(self, frame, e) -> None:
+    def _after(self, frame, e) -> None:
         if self.comm is not None:
             self.comm.ops_running -= 1
         self.ops[type(e).__name__] += 1
@@ -395,7 +551,7 @@ class _Recorder:
         for t in _bound_tensors(frame):
             storage = t.untyped_storage()
             key = storage._cdata
-            if key not in self.inputs:
+            if key not in self.allocations.excluded:
                 now.setdefault(key, (storage, t))
         for key in [k for k in self.live if k not in now]:
             del self.live[key]
@@ -415,16 +571,6 @@ class _Recorder:
             )
             self.live[key] = (storage, buf)
             self.buffers.append(buf)
-        total = sum(b.bytes for _, b in self.live.values())
-        if total > self.peak:
-            self.peak = total
-            loops = "".join(f" (in loop {n} = {v})" for n, v in _loops(frame))
-            self.peak_at = f"{printer.format_expr_head(e)}{loops}"
-        by_stream: Counter = Counter()
-        for _, b in self.live.values():
-            by_stream[b.stream] += b.bytes
-        for stream, n in by_stream.items():
-            self.peak_by_stream[stream] = max(self.peak_by_stream[stream], n)
 
 
 # ---------------------------------------------------------------- inputs
@@ -520,6 +666,7 @@ def dry_run(
     report = DryRunReport(world_size, number_of_streams, ranks)
     if check:
         match_ranks(report)
+    check_posts(report)
     return report
 
 
@@ -593,12 +740,16 @@ def _run_container(
     from hostir.evaluator import HostIrEvaluator
 
     comm = RecordingCommunicator(rank, world_size) if world_size is not None else None
-    recorder = _Recorder(comm)
+    allocations = Allocations({t.untyped_storage()._cdata for t in bindings.values() if isinstance(t, torch.Tensor)})
+    if comm is not None:
+        comm.allocations = allocations
+    recorder = _Recorder(comm, allocations)
     try:
         ev = HostIrEvaluator(container, streams=RecordingStreams(), device="meta", communicator=comm)
         ev.profiled = False
-        ev.watchers.append(recorder)
-        results = ev.run(bindings, number_of_streams=number_of_streams)
+        ev.observers.append(recorder)
+        with allocations:
+            results = ev.run(bindings, number_of_streams=number_of_streams)
     except Exception as err:
         if raw_errors:
             raise
@@ -614,11 +765,12 @@ def _run_container(
             for tv, r in zip(container.outputs, results)
         ],
         buffers=recorder.buffers,
-        peak_bytes=recorder.peak,
-        peak_at=recorder.peak_at,
-        peak_by_stream=dict(recorder.peak_by_stream),
+        peak_bytes=allocations.peak,
+        peak_at=allocations.peak_at,
+        peak_by_stream=dict(allocations.peak_by_stream),
         communications=comm.transfers if comm is not None else [],
         ops_executed=dict(recorder.ops),
+        post_errors=comm.post_errors if comm is not None else [],
     )
 
 
@@ -647,7 +799,19 @@ def dry_run_programs(
     report = DryRunReport(world_size, number_of_streams, ranks)
     if check:
         match_ranks(report)
+    check_posts(report)
     return report
+
+
+def check_posts(report: DryRunReport) -> None:
+    """Raise the first error a backend's post raised on any rank, as the
+    real run would raise it there: a `DryRunError` naming the rank and the
+    communication."""
+    for r in report.ranks:
+        for t, err in r.post_errors:
+            what = "" if isinstance(err, HostIrError) else f"{type(err).__name__}: "
+            loops = "".join(f"\n  in loop {n} = {v}" for n, v in t.loops)
+            raise DryRunError(f"rank {r.rank}: {what}{err}\nWhile executing:\n{t.line}{loops}") from err
 
 
 # ---------------------------------------------------------------- matching
@@ -833,6 +997,8 @@ def _rank_body(r: RankReport) -> list[str]:
             x for x in (_per_peer(t, t.sent, "sends", "to"), _per_peer(t, t.received, "receives", "from")) if x
         )
         sizes = f"input {_bytes(t.input_bytes)}, output {_bytes(t.output_bytes)}"
+        if t.staging_bytes:
+            sizes += f", staging {_bytes(t.staging_bytes)}"
         lines.append(f"    {t.kind} team={_team(t.team)}{loops} on {t.stream} ({sizes}): {traffic or 'no traffic'}")
     sent, received = sum(r.bytes_sent().values()), sum(r.bytes_received().values())
     lines.append(f"    total: sends {_bytes(sent)}, receives {_bytes(received)}")

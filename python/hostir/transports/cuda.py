@@ -350,7 +350,7 @@ class CudaTransport(Transport):
         from hostir.transports import torch_dist
 
         # Collectives the cuda transport does not move itself go to NCCL.
-        return torch_dist.POST[e.type](frame, e, group, root)
+        return torch_dist.POST[e.type](torch_dist.DIST, frame, e, group, root)
 
     def post_p2p(self, frame, e, buf, peer: int, ops) -> Posted:
         if peer == self.comm.rank:

@@ -1,16 +1,23 @@
 """The NCCL and gloo transports: normalized communications translated to
 `torch.distributed` calls, in this one place.
 
-Each `_post_<type>` takes the run's frame (for `get`), the `Communication`,
-its process group and its root as a global rank (resolved from a scalar
-when the program names the root by a loop index), and returns a `Posted`:
-the works to wait for and what to do after (copy a staging buffer into a
-non-contiguous or reshaped output). Never hand a strided view to a
-collective: gloo would read or write the wrong memory.
+Each `_post_<type>` takes the `Calls` to make (the `torch.distributed`
+functions, or a dry run's recording ones), the run's frame (for `get`), the
+`Communication`, its process group and its root as a global rank (resolved
+from a scalar when the program names the root by a loop index), and returns
+a `Posted`: the works to wait for and what to do after (copy a staging
+buffer into a non-contiguous or reshaped output). Never hand a strided view
+to a collective: gloo would read or write the wrong memory.
+
+A dry run posts through the same functions on meta tensors with recording
+calls, so the staging buffers a post makes are in its memory plan exactly;
+what the backend itself allocates while a collective is in flight is
+`backend_scratch_bytes`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -20,9 +27,38 @@ from hostir import ir, layout, printer
 from hostir.transports.base import NoWork, Posted, Transport, TransportUsageError
 
 _RED_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-# torch 2.13 renamed the tensor forms of all-gather and reduce-scatter.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Calls:
+    """The collective calls a post makes, with `torch.distributed`'s
+    signatures (each returns a work with `wait()`)."""
+
+    all_gather: Callable
+    reduce_scatter: Callable
+    all_reduce: Callable
+    broadcast: Callable
+    gather: Callable
+    scatter: Callable
+    reduce: Callable
+    isend: Callable
+    irecv: Callable
+    all_to_all_single: Callable
+
+
+DIST = Calls(
+    # torch 2.13 renamed the tensor forms of all-gather and reduce-scatter.
+    all_gather=getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
+    reduce_scatter=getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
+    all_reduce=dist.all_reduce,
+    broadcast=dist.broadcast,
+    gather=dist.gather,
+    scatter=dist.scatter,
+    reduce=dist.reduce,
+    isend=dist.isend,
+    irecv=dist.irecv,
+    all_to_all_single=dist.all_to_all_single,
+)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +88,7 @@ def _outermost(shape, axis: int) -> bool:
     return all(s == 1 for s in shape[:axis])
 
 
-def _post_allgather(frame, e, group, root=None) -> Posted:
+def _post_allgather(calls: Calls, frame, e, group, root=None) -> Posted:
     src = _contiguous(frame.get(e.input))
     out = frame.get(e.out)
     a = _mesh_axis(e.input, e.parallel_type)
@@ -60,17 +96,19 @@ def _post_allgather(frame, e, group, root=None) -> Posted:
     order = frame.communicator.group_order(e.team)
     if _outermost(src.shape, a) and order == tuple(e.team):
         buf, after = _staged(out, [-1])
-        return Posted([_all_gather(buf, src.reshape(-1), group=group, async_op=True)], after)
+        return Posted([calls.all_gather(buf, src.reshape(-1), group=group, async_op=True)], after)
     # Gather into [n, *local] in the group's order, then put each rank's
     # piece at its position in the team, on the sharded axis.
     staging = torch.empty([n] + list(src.shape), dtype=src.dtype, device=src.device)
     by_position = [order.index(r) for r in e.team]
 
     def after():
-        moved = staging[by_position].squeeze(a + 1).movedim(0, a)
+        # Stacked, not indexed with a list: an index list becomes a tensor
+        # the dry run's allocator cannot see (so do Python scalars in an op).
+        moved = torch.stack([staging[p] for p in by_position]).squeeze(a + 1).movedim(0, a)
         out.copy_(moved.reshape(out.shape))
 
-    return Posted([_all_gather(staging.view(-1), src.reshape(-1), group=group, async_op=True)], after)
+    return Posted([calls.all_gather(staging.view(-1), src.reshape(-1), group=group, async_op=True)], after)
 
 
 def _reduced_input(frame, e) -> torch.Tensor:
@@ -102,28 +140,28 @@ def _with_nan_flags(posted: Posted, buf: torch.Tensor | None, flags_out: torch.T
 
     def fill_nan():
         if buf is not None:
-            buf.masked_fill_(flags_out.view(buf.shape) > 0, float("nan"))
+            buf.masked_fill_(flags_out.view(buf.shape).bool(), float("nan"))
         if after is not None:
             after()
 
     return Posted(posted.works + [flag_work], fill_nan)
 
 
-def _post_allreduce(frame, e, group, root=None) -> Posted:
+def _post_allreduce(calls: Calls, frame, e, group, root=None) -> Posted:
     src = _reduced_input(frame, e)
     out = frame.get(e.out)
     buf, after = _staged(out, out.shape)
     buf.copy_(src.reshape(out.shape))
     flags = _nan_flags(buf, e.red_op)
-    posted = Posted([dist.all_reduce(buf, op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
+    posted = Posted([calls.all_reduce(buf, op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
     if flags is None:
         return posted
     return _with_nan_flags(
-        posted, buf, flags, lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        posted, buf, flags, lambda: calls.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
     )
 
 
-def _post_reduce_scatter(frame, e, group, root=None) -> Posted:
+def _post_reduce_scatter(calls: Calls, frame, e, group, root=None) -> Posted:
     src = _reduced_input(frame, e)
     out = frame.get(e.out)
     b = _mesh_axis(e.out, e.parallel_type)
@@ -135,11 +173,12 @@ def _post_reduce_scatter(frame, e, group, root=None) -> Posted:
     order = frame.communicator.group_order(e.team)
     if order != tuple(e.team):
         # Group rank j receives chunk j: the chunk of team position of order[j].
-        whole = whole.reshape(len(e.team), -1)[[e.team.index(r) for r in order]]
+        chunks = whole.reshape(len(e.team), -1)
+        whole = torch.stack([chunks[e.team.index(r)] for r in order])
     whole = _contiguous(whole)
     buf, after = _staged(out, [-1])
     flags = _nan_flags(whole, e.red_op)
-    posted = Posted([_reduce_scatter(buf, whole.reshape(-1), op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
+    posted = Posted([calls.reduce_scatter(buf, whole.reshape(-1), op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
     if flags is None:
         return posted
     received = torch.empty(buf.shape, dtype=flags.dtype, device=buf.device)
@@ -147,7 +186,7 @@ def _post_reduce_scatter(frame, e, group, root=None) -> Posted:
         posted,
         buf,
         received,
-        lambda: _reduce_scatter(received, flags.reshape(-1), op=dist.ReduceOp.MAX, group=group, async_op=True),
+        lambda: calls.reduce_scatter(received, flags.reshape(-1), op=dist.ReduceOp.MAX, group=group, async_op=True),
     )
 
 
@@ -155,19 +194,19 @@ def _holds(frame, tv: ir.TensorView) -> bool:
     return tv.mesh is None or frame.communicator.rank in tv.mesh
 
 
-def _post_broadcast(frame, e, group, root: int) -> Posted:
+def _post_broadcast(calls: Calls, frame, e, group, root: int) -> Posted:
     rank = frame.communicator.rank
     out = frame.get(e.out) if _holds(frame, e.out) else None
     if rank == root:
         src = frame.get(e.input)
         if out is None:
-            return Posted([dist.broadcast(_contiguous(src), src=root, group=group, async_op=True)])
+            return Posted([calls.broadcast(_contiguous(src), src=root, group=group, async_op=True)])
         out.copy_(src.reshape(out.shape))
     buf, after = _staged(out, out.shape)
-    return Posted([dist.broadcast(buf, src=root, group=group, async_op=True)], after)
+    return Posted([calls.broadcast(buf, src=root, group=group, async_op=True)], after)
 
 
-def _post_gather(frame, e, group, root: int) -> Posted:
+def _post_gather(calls: Calls, frame, e, group, root: int) -> Posted:
     rank = frame.communicator.rank
     if _holds(frame, e.input):
         src = _contiguous(frame.get(e.input))
@@ -175,7 +214,7 @@ def _post_gather(frame, e, group, root: int) -> Posted:
         # The root is outside the sender mesh: it sends a dummy piece.
         src = torch.empty(frame.local_sizes(e.input), dtype=e.input.dtype, device=frame.device)
     if rank != root:
-        return Posted([dist.gather(src, None, dst=root, group=group, async_op=True)])
+        return Posted([calls.gather(src, None, dst=root, group=group, async_op=True)])
     out = frame.get(e.out)
     pieces = [torch.empty_like(src) for _ in e.team]
     a = _mesh_axis(e.input)
@@ -187,10 +226,10 @@ def _post_gather(frame, e, group, root: int) -> Posted:
         ordered = [pieces[order.index(r)] for r in senders]
         out.copy_(torch.cat(ordered, dim=a).reshape(out.shape))
 
-    return Posted([dist.gather(src, pieces, dst=root, group=group, async_op=True)], after)
+    return Posted([calls.gather(src, pieces, dst=root, group=group, async_op=True)], after)
 
 
-def _post_scatter(frame, e, group, root: int) -> Posted:
+def _post_scatter(calls: Calls, frame, e, group, root: int) -> Posted:
     rank = frame.communicator.rank
     out = frame.get(e.out) if _holds(frame, e.out) else None
     if out is None:
@@ -207,10 +246,10 @@ def _post_scatter(frame, e, group, root: int) -> Posted:
         by_rank = dict(zip(e.out.mesh.devices, chunks))
         order = frame.communicator.group_order(e.team)
         pieces = [_contiguous(by_rank.get(r, chunks[0])).view(out_buf.shape) for r in order]
-    return Posted([dist.scatter(out_buf, pieces, src=root, group=group, async_op=True)], after)
+    return Posted([calls.scatter(out_buf, pieces, src=root, group=group, async_op=True)], after)
 
 
-def _post_reduce(frame, e, group, root: int) -> Posted:
+def _post_reduce(calls: Calls, frame, e, group, root: int) -> Posted:
     rank = frame.communicator.rank
     if rank != root:
         # Every rank posts the output's shape (checked under TORCH_DISTRIBUTED_DEBUG=DETAIL).
@@ -226,11 +265,11 @@ def _post_reduce(frame, e, group, root: int) -> Posted:
         piece = buf
     # The flags are read before the collective may write `piece`.
     flags = _nan_flags(piece, e.red_op)
-    posted = Posted([dist.reduce(piece, dst=root, op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
+    posted = Posted([calls.reduce(piece, dst=root, op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
     if flags is None:
         return posted
     return _with_nan_flags(
-        posted, buf, flags, lambda: dist.reduce(flags, dst=root, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        posted, buf, flags, lambda: calls.reduce(flags, dst=root, op=dist.ReduceOp.MAX, group=group, async_op=True)
     )
 
 
@@ -244,7 +283,7 @@ def _fill_identity(t: torch.Tensor, red_op: str) -> None:
         t.fill_(info.min if red_op == "max" else info.max)
 
 
-def _post_send_recv(frame, e, group, root: int) -> Posted:
+def _post_send_recv(calls: Calls, frame, e, group, root: int) -> Posted:
     rank = frame.communicator.rank
     # The receiver is the team's other rank, whichever order the team lists.
     others = [r for r in e.team if r != root]
@@ -255,13 +294,13 @@ def _post_send_recv(frame, e, group, root: int) -> Posted:
         frame.get(e.out).copy_(frame.get(e.input).reshape(frame.get(e.out).shape))
         return Posted([NoWork()])
     if rank == sender:
-        return Posted([dist.isend(_contiguous(frame.get(e.input)), dst=receiver, group=group)])
+        return Posted([calls.isend(_contiguous(frame.get(e.input)), dst=receiver, group=group)])
     out = frame.get(e.out)
     buf, after = _staged(out, out.shape)
-    return Posted([dist.irecv(buf, src=sender, group=group)], after)
+    return Posted([calls.irecv(buf, src=sender, group=group)], after)
 
 
-def _post_all_to_all(frame, e, group, root=None) -> Posted:
+def _post_all_to_all(calls: Calls, frame, e, group, root=None) -> Posted:
     """Each rank sends team position j the j-th piece of the output's
     sharded axis of its input, and puts the piece from position j at the
     j-th place of the input's sharded axis. Works on logical layouts; the
@@ -284,7 +323,7 @@ def _post_all_to_all(frame, e, group, root=None) -> Posted:
         whole = torch.cat(pieces, dim=a)
         out.copy_(as_loop(e.out, whole).reshape(out.shape))
 
-    return Posted([dist.all_to_all_single(recv, send, group=group, async_op=True)], after)
+    return Posted([calls.all_to_all_single(recv, send, group=group, async_op=True)], after)
 
 
 def _sharded_logical_axis(tv: ir.TensorView, pt: ir.ParallelType) -> int:
@@ -309,23 +348,56 @@ POST = {
 
 
 
+# The backends this module posts to.
+BACKENDS = ("NCCL", "gloo")
+
+
+def backend_scratch_bytes(backend: str, call: str, rank: int, *args, **kwargs) -> int:
+    """The bytes `backend` allocates through the torch allocator for one
+    call of `Calls` (`call` its field name, the arguments as the post passes
+    them) and holds until the call's work is dropped. Measured for gloo on
+    CPU against the profiler's memory records
+    (tests/python/multidevice/test_dry_run_vs_gloo.py); NCCL works in the
+    buffers it is given.
+
+    gloo gathers an all-gather into a flat buffer of the output's size, and
+    reduces a reduce-scatter in a copy of its input; a scatter's root
+    flattens the pieces into one buffer. Its other collectives work in
+    place."""
+    if backend != "gloo":
+        return 0
+    if call == "all_gather":
+        return _nbytes(args[0])
+    if call == "reduce_scatter":
+        return _nbytes(args[1])
+    if call == "scatter":
+        pieces = args[1] if len(args) > 1 else kwargs.get("scatter_list")
+        return sum(_nbytes(p) for p in pieces or ())
+    return 0
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class TorchDistTransport(Transport):
     """NCCL or gloo through `torch.distributed` process groups. P2P
     communications use global ranks on the default group; inside a
     coalescing group they are batched into one `batch_isend_irecv`."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, calls: Calls = DIST):
         self.name = name
+        self.calls = calls
 
     def post(self, frame, e, group, root: int | None) -> Posted:
-        return POST[e.type](frame, e, group, root)
+        return POST[e.type](self.calls, frame, e, group, root)
 
     def post_p2p(self, frame, e, buf, peer: int, ops: list | None) -> Posted:
         if ops is not None:
             fn = dist.isend if e.type == "send" else dist.irecv
             ops.append(dist.P2POp(fn, buf, peer))
             return Posted([])
-        work = dist.isend(buf, dst=peer) if e.type == "send" else dist.irecv(buf, src=peer)
+        work = self.calls.isend(buf, dst=peer) if e.type == "send" else self.calls.irecv(buf, src=peer)
         return Posted([work])
 
     def end_coalescing(self, frame, ops: list) -> Posted:
