@@ -28,11 +28,15 @@ def mpirun_command(nprocs: int, program: list[str], exports: dict[str, str]) -> 
     return open_mpi_command(nprocs, program, exports)
 
 
-_SUMMARY = re.compile(r"^=*\s*(?P<body>(?:\d+ \w+(?:, )?)+) in [\d.]+s", re.MULTILINE)
+# Not anchored at a line's start: the ranks share one output, and another
+# rank's progress dots may come first on the line.
+_OUTCOMES = r"(?:passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)"
+_SUMMARY = re.compile(rf"(?<!\d)(?P<body>(?:\d+ {_OUTCOMES}(?:, )?)+) in [\d.]+s")
 
 
 def summaries(output: str) -> list[dict[str, int]]:
-    """Each rank's final pytest line (`12 passed, 1 xfailed in 3.1s`) as counts."""
+    """Each rank's final pytest line (`12 passed, 1 xfailed in 3.1s`) as
+    counts, wherever it starts."""
     found = []
     for m in _SUMMARY.finditer(output):
         counts = {}
