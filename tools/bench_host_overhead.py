@@ -92,7 +92,8 @@ class Result:
     # The part of a run below execute(): the C++ executor's own run
     # (`hostir._C.Executor.run`) or the graph's `replay()`; None elsewhere.
     core_us: float | None = None
-    # The Python around it: whole calls minus core_us, both timed in turns.
+    # The Python around it: the median of (a whole call - the core run
+    # timed right after it).
     around_us: float | None = None
 
     @property
@@ -185,11 +186,12 @@ def _sync(device: torch.device) -> None:
 def time_runs(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> float:
     """Median host time of `fn()` in µs, over `iters` runs after `warmup`.
     The device is synchronized before each run, never inside the timed part."""
-    return time_interleaved([fn], device, iters, warmup)[0]
+    return statistics.median(time_interleaved([fn], device, iters, warmup)[0]) * 1e6
 
 
-def time_interleaved(fns: list, device: torch.device, iters: int, warmup: int) -> list[float]:
-    """`time_runs` of each of `fns`, their runs taken in turns (so that a
+def time_interleaved(fns: list, device: torch.device, iters: int, warmup: int) -> list[list[float]]:
+    """The host times in seconds of `iters` runs of each of `fns`, as
+    `time_runs` takes them, the functions' runs taken in turns (so that a
     busy machine slows them alike)."""
     for _ in range(warmup):
         for fn in fns:
@@ -204,7 +206,17 @@ def time_interleaved(fns: list, device: torch.device, iters: int, warmup: int) -
             fn()
             found.append(time.perf_counter() - start)
     _sync(device)
-    return [statistics.median(found) * 1e6 for found in samples]
+    return samples
+
+
+def core_and_around(whole: Callable[[], object], core: Callable[[], object], device, iters: int, warmup: int):
+    """The median µs of `core()` and the median µs that a `whole()` run
+    taken right before it spends more (the Python around the core)."""
+    wholes, cores = time_interleaved([whole, core], device, iters, warmup)
+    return (
+        statistics.median(cores) * 1e6,
+        statistics.median(w - c for w, c in zip(wholes, cores)) * 1e6,
+    )
 
 
 def bench_hostir(
@@ -240,8 +252,8 @@ def bench_hostir(
         _sync(x.device)
         torch.testing.assert_close(out, expected)
         (captured,) = fd.executor._graphs._graphs.values()
-        whole, core = time_interleaved([run, captured.graph.replay], x.device, p.iters, p.warmup)
-        return Result(variant, ops_per_run, compute_ops, median, core, whole - core)
+        core, around = core_and_around(run, captured.graph.replay, x.device, p.iters, p.warmup)
+        return Result(variant, ops_per_run, compute_ops, median, core, around)
 
     before = count()
     run()
@@ -259,10 +271,10 @@ def bench_hostir(
         # The C++ run alone, in turns with whole calls (whose median here
         # is this pair's, not the row's).
         executor = ev._executor
-        whole, core = time_interleaved(
-            [run, lambda: executor.run([x], [], p.number_of_streams)], x.device, p.iters, p.warmup
+        core, around = core_and_around(
+            run, lambda: executor.run([x], [], p.number_of_streams), x.device, p.iters, p.warmup
         )
-        return Result(variant, ops, compute_ops, median, core, whole - core)
+        return Result(variant, ops, compute_ops, median, core, around)
     return Result(variant, ops, compute_ops, median)
 
 
@@ -406,8 +418,8 @@ def markdown_report(results: list[Result], env: dict) -> str:
             "the eager rows. µs/op = median host time of one run / ops per run. Host time only: the device "
             "is synchronized before each timed run, not inside it. core µs/run: the median of the part "
             "below `fd.execute` alone, timed the same way: `hostir._C.Executor.run` for the cpp rows, "
-            "`CUDAGraph.replay()` for the graph rows; Python µs/run: the median of whole calls taken in "
-            "turns with those, minus core µs/run.",
+            "`CUDAGraph.replay()` for the graph rows; Python µs/run: the median, over whole calls each "
+            "timed right before a core run, of the whole call's time minus the core run's.",
             "",
             f"- device: {env['device']}",
             f"- torch: {env['torch']} (CUDA {env['cuda']}, NCCL {env['nccl']})",
