@@ -5,12 +5,13 @@ checks of the inputs and preallocated outputs, the program for the inputs'
 signature, the dry run of their shapes, the evaluator, the conversions to
 runtime and logical axes — depends on the call's exact *signature* alone:
 for each tensor argument its type, shape, strides, dtype, device and
-requires_grad; the execution parameters; and the environment variables
-that pick the evaluator and the dry run (HOSTIR_EVALUATOR, HOSTIR_FAKE),
-whether a profiler or trace watches, and the fusion's version. Once a
-call has taken the full path and run, a `Prepared` record keeps what that
-path decided, under its signature; a later call with the same signature
-runs from it. A call with any other signature — a different shape, dtype,
+requires_grad; the execution parameters (each with its type); the
+environment variables that pick the evaluator and the dry run
+(HOSTIR_EVALUATOR, HOSTIR_FAKE); and the fusion's version. Once a call has
+taken the full path and run, a `Prepared` record keeps what that path
+decided, under its signature; a later call with the same signature runs
+from it. A call that a profiler or trace watches, or that a DEBUG log
+reports, always takes the full path. A call with any other signature — a different shape, dtype,
 stride, device, a scalar or non-tensor argument, a tensor subclass — takes
 the full path, so every bad input gets the full path's error.
 
