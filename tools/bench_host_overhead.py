@@ -29,6 +29,13 @@ program, so its row counts that program's ops); compute ops per run (the
 torch calls that do arithmetic) are ``S * L`` for the chunked variants and
 ``L`` for the flat ones.
 
+Every timed call repeats the signature of the first (the same input
+tensor), so `fd.execute` runs from its prepared record (`hostir.prepared`).
+The ``core µs/run`` column times the part below `fd.execute` alone — the C++
+executor's `run` for the cpp rows, `CUDAGraph.replay()` for the graph rows —
+so that the Python around it is the difference; the ratio lines name each
+target and whether this run meets it.
+
 Run from the repository root:
 
     PYTHONPATH=python python3 tools/bench_host_overhead.py
@@ -82,6 +89,12 @@ class Result:
     ops_per_run: int  # host ops (hostir) or torch calls (eager) per run
     compute_ops_per_run: int
     median_us: float  # median host time of one run
+    # The part of a run below execute(): the C++ executor's own run
+    # (`hostir._C.Executor.run`) or the graph's `replay()`; None elsewhere.
+    core_us: float | None = None
+    # The Python around it: the median of (a whole call - the core run
+    # timed right after it).
+    around_us: float | None = None
 
     @property
     def us_per_op(self) -> float:
@@ -173,18 +186,37 @@ def _sync(device: torch.device) -> None:
 def time_runs(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> float:
     """Median host time of `fn()` in µs, over `iters` runs after `warmup`.
     The device is synchronized before each run, never inside the timed part."""
+    return statistics.median(time_interleaved([fn], device, iters, warmup)[0]) * 1e6
+
+
+def time_interleaved(fns: list, device: torch.device, iters: int, warmup: int) -> list[list[float]]:
+    """The host times in seconds of `iters` runs of each of `fns`, as
+    `time_runs` takes them, the functions' runs taken in turns (so that a
+    busy machine slows them alike)."""
     for _ in range(warmup):
-        fn()
+        for fn in fns:
+            fn()
     _sync(device)
     gc.collect()
-    samples = []
+    samples = [[] for _ in fns]
     for _ in range(iters):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
+        for fn, found in zip(fns, samples):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            found.append(time.perf_counter() - start)
     _sync(device)
-    return statistics.median(samples) * 1e6
+    return samples
+
+
+def core_and_around(whole: Callable[[], object], core: Callable[[], object], device, iters: int, warmup: int):
+    """The median µs of `core()` and the median µs that a `whole()` run
+    taken right before it spends more (the Python around the core)."""
+    wholes, cores = time_interleaved([whole, core], device, iters, warmup)
+    return (
+        statistics.median(cores) * 1e6,
+        statistics.median(w - c for w, c in zip(wholes, cores)) * 1e6,
+    )
 
 
 def bench_hostir(
@@ -219,7 +251,9 @@ def bench_hostir(
         (out,) = run()
         _sync(x.device)
         torch.testing.assert_close(out, expected)
-        return Result(variant, ops_per_run, compute_ops, median)
+        (captured,) = fd.executor._graphs._graphs.values()
+        core, around = core_and_around(run, captured.graph.replay, x.device, p.iters, p.warmup)
+        return Result(variant, ops_per_run, compute_ops, median, core, around)
 
     before = count()
     run()
@@ -232,6 +266,15 @@ def bench_hostir(
         raise RuntimeError(f"{variant}: host ops per run vary ({total} over {p.iters + p.warmup} runs, {ops} in one)")
     if fd.executor.num_programs != 1:
         raise RuntimeError(f"{variant}: the program was lowered again while timing")
+    core = None
+    if isinstance(ev, hostir.cpp.CppEvaluator):
+        # The C++ run alone, in turns with whole calls (whose median here
+        # is this pair's, not the row's).
+        executor = ev._executor
+        core, around = core_and_around(
+            run, lambda: executor.run([x], [], p.number_of_streams), x.device, p.iters, p.warmup
+        )
+        return Result(variant, ops, compute_ops, median, core, around)
     return Result(variant, ops, compute_ops, median)
 
 
@@ -282,8 +325,13 @@ def run_benchmark(p: Params) -> list[Result]:
     return results
 
 
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
 def ratios(results: list[Result]) -> list[str]:
-    """The comparisons the targets name, within this run."""
+    """The comparisons the targets name, within this run, each with the
+    target and whether this run meets it."""
     by = {r.variant: r for r in results}
     lines = []
     for shape, eager in (("stream loop", "eager chunked"), ("flat", "eager flat")):
@@ -291,12 +339,28 @@ def ratios(results: list[Result]) -> list[str]:
         if cc is None:
             lines.append(f"- {shape}: the C++ executor is unavailable ({hostir.cpp.reason()})")
             continue
-        lines.append(
-            f"- {shape}: C++ {cc.us_per_op:.2f} µs per host op = {cc.us_per_op / py.us_per_op:.2f}x Python; "
-            f"per compute op {cc.us_per_compute_op:.2f} µs = {cc.us_per_compute_op / by[eager].us_per_compute_op:.2f}x "
-            f"hand-written eager"
-            + (f"; CUDA-graph replay {graph.median_us:.1f} µs per run" if graph is not None else "")
+        vs_python = cc.us_per_op / py.us_per_op
+        vs_eager = cc.us_per_compute_op / by[eager].us_per_compute_op
+        line = f"- {shape}: C++ {cc.us_per_op:.2f} µs per host op"
+        if shape == "stream loop":
+            line += f" (target ≤ 3: {_met(cc.us_per_op <= 3.0)})"
+        line += f" = {vs_python:.2f}x Python"
+        if shape == "stream loop":
+            line += f" (target ≤ 0.35x: {_met(vs_python <= 0.35)})"
+        line += (
+            f"; per compute op {cc.us_per_compute_op:.2f} µs = {vs_eager:.2f}x hand-written eager "
+            f"(target ≤ 1x: {_met(vs_eager <= 1.0)})"
         )
+        if cc.core_us is not None:
+            line += f"; per run {cc.core_us:.1f} µs in the C++ run and {cc.around_us:.1f} in Python around it"
+        lines.append(line)
+        if graph is not None:
+            line = f"- {shape}: CUDA-graph replay {graph.median_us:.1f} µs per run"
+            if shape == "stream loop":
+                line += f" (target ≤ 20: {_met(graph.median_us <= 20.0)})"
+            if graph.core_us is not None:
+                line += f": {graph.core_us:.1f} in graph.replay() and {graph.around_us:.1f} in Python around it"
+            lines.append(line)
     return lines
 
 
@@ -326,13 +390,15 @@ def environment(p: Params) -> dict:
 
 def markdown_table(results: list[Result]) -> str:
     lines = [
-        "| variant | ops/run | compute ops/run | median µs/run | µs/op | µs/compute op |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| variant | ops/run | compute ops/run | median µs/run | µs/op | µs/compute op | core µs/run | Python µs/run |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
+        core = "" if r.core_us is None else f"{r.core_us:.1f}"
+        around = "" if r.around_us is None else f"{r.around_us:.1f}"
         lines.append(
             f"| {r.variant} | {r.ops_per_run} | {r.compute_ops_per_run} | {r.median_us:.1f} "
-            f"| {r.us_per_op:.2f} | {r.us_per_compute_op:.2f} |"
+            f"| {r.us_per_op:.2f} | {r.us_per_compute_op:.2f} | {core} | {around} |"
         )
     return "\n".join(lines)
 
@@ -350,7 +416,10 @@ def markdown_report(results: list[Result], env: dict) -> str:
             "ops/run: host ops executed by the evaluator (an observer on the Python evaluator, the C++ "
             "executor's own count) for the hostir rows, torch calls for "
             "the eager rows. µs/op = median host time of one run / ops per run. Host time only: the device "
-            "is synchronized before each timed run, not inside it.",
+            "is synchronized before each timed run, not inside it. core µs/run: the median of the part "
+            "below `fd.execute` alone, timed the same way: `hostir._C.Executor.run` for the cpp rows, "
+            "`CUDAGraph.replay()` for the graph rows; Python µs/run: the median, over whole calls each "
+            "timed right before a core run, of the whole call's time minus the core run's.",
             "",
             f"- device: {env['device']}",
             f"- torch: {env['torch']} (CUDA {env['cuda']}, NCCL {env['nccl']})",

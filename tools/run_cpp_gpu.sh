@@ -22,7 +22,7 @@ python3 -c 'from hostir import cpp; print("cpp executor available:", cpp.availab
 
 status=0
 # The whole log, verbose: a crash (faulthandler) names the test it happened in.
-timeout 200 python3 -m pytest -v -rs -p no:cacheprovider tests/python/test_flat_program.py tests/python/test_evaluator.py tests/python/test_stream_lowering.py >"$OUT/pytest.log" 2>&1
+timeout 200 python3 -m pytest -v -rs -p no:cacheprovider tests/python/test_flat_program.py tests/python/test_evaluator.py tests/python/test_stream_lowering.py tests/python/test_prepared.py >"$OUT/pytest.log" 2>&1
 rc=$?; tail -15 "$OUT/pytest.log"
 [ "$rc" -eq 0 ] || status=1
 timeout 200 python3 tools/bench_host_overhead.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench.log"

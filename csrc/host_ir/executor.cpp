@@ -5,7 +5,7 @@
 // everything it binds in a Frame, so runs of one Executor may overlap.
 #include "program.h"
 
-#include <c10/core/Event.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
@@ -27,7 +27,7 @@ StreamPool& streamPool() {
 
 c10::Stream StreamPool::get(c10::Device device, int64_t key) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto id = std::make_pair(device.str(), key);
+  auto id = std::make_tuple(static_cast<int>(device.type()), static_cast<int>(device.index()), key);
   auto it = streams_.find(id);
   if (it != streams_.end()) {
     return it->second;
@@ -41,6 +41,23 @@ c10::Stream StreamPool::get(c10::Device device, int64_t key) {
 size_t StreamPool::size() {
   std::lock_guard<std::mutex> lock(mutex_);
   return streams_.size();
+}
+
+std::unique_ptr<c10::Event> EventPool::take(c10::DeviceType type) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!events_.empty()) {
+      auto event = std::move(events_.back());
+      events_.pop_back();
+      return event;
+    }
+  }
+  return std::make_unique<c10::Event>(type);
+}
+
+void EventPool::give(std::unique_ptr<c10::Event> event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  events_.push_back(std::move(event));
 }
 
 namespace {
@@ -64,6 +81,13 @@ int64_t floorDiv(int64_t a, int64_t b) {
 
 int64_t floorMod(int64_t a, int64_t b) {
   return a - floorDiv(a, b) * b;
+}
+
+// The 0-d CPU tensor torch makes of a number on the right of a binary op.
+at::Tensor wrappedNumber(const at::Scalar& s) {
+  at::Tensor t = c10::scalar_to_tensor(s);
+  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return t;
 }
 
 // A posted communication: its works, and what to run once they are done
@@ -146,14 +170,26 @@ c10d::ReduceOp reduceOp(const std::string& name) {
 
 class Run {
  public:
-  Run(const Program& program, std::atomic<int64_t>& counter, bool uses_streams)
+  Run(const Program& program, bool uses_streams, EventPool& events)
       : p_(program),
-        counter_(counter),
         uses_streams_(uses_streams),
+        events_(events),
         tensors_(program.num_tensors),
         ints_(program.num_ints),
-        bound_(program.num_ints, false),
+        bound_(program.num_ints, 0),
         streams_(program.num_streams) {}
+
+  ~Run() {
+    if (event_) {
+      events_.give(std::move(event_));
+    }
+  }
+
+  // Instructions run to their end so far (a loop counts once, its body's
+  // once per iteration).
+  int64_t executed() const {
+    return executed_;
+  }
 
   RunResult go(
       const std::vector<at::Tensor>& inputs,
@@ -290,7 +326,7 @@ class Run {
 
   void bindInt(int slot, int64_t value) {
     ints_[slot] = value;
-    bound_[slot] = true;
+    bound_[slot] = 1;
   }
 
   const at::Tensor& tensor(int slot) {
@@ -362,21 +398,35 @@ class Run {
 
   c10::Stream stream(const Instr& ins) {
     if (ins.stream_index >= 0) {
-      return streamPool().get(p_.device, get(ins.stream_index));
+      return poolStream(get(ins.stream_index));
     }
     if (ins.stream_slot >= 0 && streams_[ins.stream_slot]) {
       return *streams_[ins.stream_slot];
     }
-    return streamPool().get(p_.device, ins.stream_key);
+    return poolStream(ins.stream_key);
+  }
+
+  // The pool's stream of `key`, looked up once per run and key.
+  c10::Stream poolStream(int64_t key) {
+    for (const auto& [k, s] : pool_streams_) {
+      if (k == key) {
+        return s;
+      }
+    }
+    c10::Stream s = streamPool().get(p_.device, key);
+    pool_streams_.emplace_back(key, s);
+    return s;
   }
 
   void wait(const c10::Stream& waiter, const c10::Stream& target) {
     if (waiter == target) {
       return;
     }
-    c10::Event event(p_.device.type());
-    event.record(target);
-    event.block(waiter);
+    if (!event_) {
+      event_ = events_.take(p_.device.type());
+    }
+    event_->record(target);
+    event_->block(waiter);
   }
 
   void join() {
@@ -409,7 +459,7 @@ class Run {
       } catch (const std::exception& e) {
         fail(i, "RuntimeError", e.what());
       }
-      counter_.fetch_add(1, std::memory_order_relaxed);
+      ++executed_;
       i = ins.op == Opcode::kFor ? ins.end : i + 1;
     }
   }
@@ -492,10 +542,10 @@ class Run {
     if (o.tensor >= 0) {
       return tensor(o.tensor);
     }
-    at::Scalar s = o.is_number ? o.number : at::Scalar(get(o.scalar));
-    at::Tensor t = c10::scalar_to_tensor(s);
-    t.unsafeGetTensorImpl()->set_wrapped_number(true);
-    return t;
+    if (o.wrapped.defined()) {
+      return o.wrapped;
+    }
+    return wrappedNumber(at::Scalar(get(o.scalar)));
   }
 
   void exec(const Instr& ins) {
@@ -625,24 +675,39 @@ class Run {
     at::Tensor lhs = operandTensor(ins.lhs);
     at::Tensor rhs = operandOther(ins.rhs);
     const at::Tensor* out = maybeTensor(ins.out);
-    const std::string& k = ins.kind;
     if (out == nullptr) {
-      at::Tensor r = k == "add" ? at::add(lhs, rhs)
-          : k == "sub"          ? at::sub(lhs, rhs)
-          : k == "mul"          ? at::mul(lhs, rhs)
-                                : at::div(lhs, rhs);
+      at::Tensor r;
+      switch (ins.op_kind) {
+        case OpKind::kAdd:
+          r = at::add(lhs, rhs);
+          break;
+        case OpKind::kSub:
+          r = at::sub(lhs, rhs);
+          break;
+        case OpKind::kMul:
+          r = at::mul(lhs, rhs);
+          break;
+        default:
+          r = at::div(lhs, rhs);
+          break;
+      }
       bind(ins.out, std::move(r));
       return;
     }
-    at::Tensor o = *out;
-    if (k == "add") {
-      at::add_out(o, lhs, rhs);
-    } else if (k == "sub") {
-      at::sub_out(o, lhs, rhs);
-    } else if (k == "mul") {
-      at::mul_out(o, lhs, rhs);
-    } else {
-      at::div_out(o, lhs, rhs);
+    at::Tensor& o = const_cast<at::Tensor&>(*out);
+    switch (ins.op_kind) {
+      case OpKind::kAdd:
+        at::add_out(o, lhs, rhs);
+        break;
+      case OpKind::kSub:
+        at::sub_out(o, lhs, rhs);
+        break;
+      case OpKind::kMul:
+        at::mul_out(o, lhs, rhs);
+        break;
+      default:
+        at::div_out(o, lhs, rhs);
+        break;
     }
   }
 
@@ -650,16 +715,16 @@ class Run {
     const at::Tensor& src = tensor(ins.input);
     const at::Tensor* out = maybeTensor(ins.out);
     if (out == nullptr) {
-      at::Tensor r = ins.kind == "sum" ? at::sum(src, ins.dims, false, ins.dtype)
-          : ins.kind == "max"          ? at::amax(src, ins.dims)
-                                       : at::amin(src, ins.dims);
+      at::Tensor r = ins.op_kind == OpKind::kSum ? at::sum(src, ins.dims, false, ins.dtype)
+          : ins.op_kind == OpKind::kMax          ? at::amax(src, ins.dims)
+                                                 : at::amin(src, ins.dims);
       bind(ins.out, std::move(r));
       return;
     }
     at::Tensor o = *out;
-    if (ins.kind == "sum") {
+    if (ins.op_kind == OpKind::kSum) {
       at::sum_out(o, src, ins.dims, false, ins.dtype);
-    } else if (ins.kind == "max") {
+    } else if (ins.op_kind == OpKind::kMax) {
       at::amax_out(o, src, ins.dims);
     } else {
       at::amin_out(o, src, ins.dims);
@@ -967,12 +1032,15 @@ class Run {
   }
 
   const Program& p_;
-  std::atomic<int64_t>& counter_;
   bool uses_streams_;
+  EventPool& events_;
+  std::unique_ptr<c10::Event> event_;  // taken from events_ at the first wait
+  int64_t executed_ = 0;
   std::vector<at::Tensor> tensors_;
   std::vector<int64_t> ints_;
-  std::vector<bool> bound_;
+  std::vector<char> bound_;
   std::vector<std::optional<c10::Stream>> streams_;
+  std::vector<std::pair<int64_t, c10::Stream>> pool_streams_;
   std::vector<std::pair<int, int64_t>> loops_;
   std::vector<c10::Stream> used_;
   std::optional<c10::Stream> caller_;
@@ -981,20 +1049,58 @@ class Run {
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };
 
+OpKind opKind(const std::string& kind, Opcode op) {
+  static const std::pair<const char*, OpKind> kBinary[] = {
+      {"add", OpKind::kAdd}, {"sub", OpKind::kSub}, {"mul", OpKind::kMul}, {"div", OpKind::kDiv}};
+  static const std::pair<const char*, OpKind> kReduction[] = {
+      {"sum", OpKind::kSum}, {"max", OpKind::kMax}, {"min", OpKind::kMin}};
+  if (op == Opcode::kBinary) {
+    for (const auto& [name, k] : kBinary) {
+      if (kind == name) {
+        return k;
+      }
+    }
+  } else {
+    for (const auto& [name, k] : kReduction) {
+      if (kind == name) {
+        return k;
+      }
+    }
+  }
+  throw Error(text("unknown ", op == Opcode::kBinary ? "binary op" : "reduction", " '", kind, "'"), "ProgramError");
+}
+
 } // namespace
 
 Executor::Executor(Program program)
-    : program_(std::move(program)), uses_streams_(program_.device.type() != c10::kCPU) {}
+    : program_(std::move(program)), uses_streams_(program_.device.type() != c10::kCPU) {
+  for (Instr& ins : program_.instrs) {
+    if (ins.op == Opcode::kBinary || ins.op == Opcode::kReduction) {
+      ins.op_kind = opKind(ins.kind, ins.op);
+    }
+    if (ins.op == Opcode::kBinary && ins.rhs.is_number) {
+      ins.rhs.wrapped = wrappedNumber(ins.rhs.number);
+    }
+  }
+}
 
 RunResult Executor::run(
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs,
     int64_t number_of_streams) const {
+  // Runs without autograd, as the Python evaluator does under no_grad: no
+  // result needs a history, so the ops skip the autograd layer of the
+  // dispatcher altogether (the in-place and view layer still bumps
+  // version counters and tracks views).
+  at::NoGradGuard no_grad;
+  at::AutoDispatchBelowAutograd below_autograd;
   // Run::go reports what fails as a Failure; anything else (restoring the
   // caller's stream) comes back the same way, never as an exception.
   try {
-    Run run(program_, ops_executed_, uses_streams_);
-    return run.go(inputs, outputs, number_of_streams);
+    Run run(program_, uses_streams_, events_);
+    RunResult result = run.go(inputs, outputs, number_of_streams);
+    ops_executed_.fetch_add(run.executed(), std::memory_order_relaxed);
+    return result;
   } catch (const c10::Error& e) {
     return RunResult{{}, Failure{-1, {}, "RuntimeError", e.what_without_backtrace()}};
   } catch (const std::exception& e) {

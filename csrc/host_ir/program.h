@@ -5,21 +5,25 @@
 // aliases and selects resolved and scalar expressions as small trees. An
 // Executor runs a Program any number of times, from any number of threads at
 // once: everything a run binds lives in a Frame on that run's stack, and the
-// Program and the stream pool are shared read-only (the pool behind a mutex).
+// Program is shared read-only; the stream pool and the executor's spare
+// events are shared behind a mutex each.
 // Nothing here includes pybind11: bindings.cpp is the only file that does.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -131,7 +135,14 @@ struct Operand {
   int scalar = -1;
   bool is_number = false;
   at::Scalar number;
+  // Made by the Executor from `number` once, not per run: the 0-d CPU
+  // "wrapped number" tensor torch passes for a number on the right of an op.
+  at::Tensor wrapped;
 };
+
+// What a binary op or a reduction computes; the Executor reads `kind`'s
+// text once and runs on this.
+enum class OpKind : int { kAdd, kSub, kMul, kDiv, kSum, kMax, kMin };
 
 // How one axis of a bound tensor binds or checks its extent.
 struct ExtentRule {
@@ -173,8 +184,10 @@ struct Instr {
   std::vector<int> shape;
   at::ScalarType dtype = at::kFloat;
   bool zero_init = false;
-  // Binary and reductions.
+  // Binary and reductions: "add", "sub", "mul", "div" or "sum", "max",
+  // "min"; `op_kind` is filled from it by the Executor.
   std::string kind;
+  OpKind op_kind = OpKind::kAdd;
   Operand lhs, rhs;
   std::vector<int64_t> dims;
   // Communications.
@@ -244,11 +257,28 @@ class StreamPool {
 
  private:
   std::mutex mutex_;
-  std::map<std::pair<std::string, int64_t>, c10::Stream> streams_;
+  std::map<std::tuple<int, int, int64_t>, c10::Stream> streams_;
+};
+
+// Events a run records on one stream for another to wait on, kept by the
+// Executor across runs: creating and destroying a CUDA event costs more
+// than recording it. An event may be recorded again as soon as a stream
+// was made to wait on it (the wait takes the event's state at that call).
+class EventPool {
+ public:
+  std::unique_ptr<c10::Event> take(c10::DeviceType type);
+  void give(std::unique_ptr<c10::Event> event);
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<c10::Event>> events_;
 };
 
 class Executor {
  public:
+  // Checks and prepares `program` once (operation kinds from their text,
+  // the tensors of constant numbers), so that a run builds no string and
+  // no tensor that does not depend on its inputs.
   explicit Executor(Program program);
 
   // Binds `inputs` (and `outputs` to write into, if not empty), runs the
@@ -272,6 +302,7 @@ class Executor {
   Program program_;
   bool uses_streams_;
   mutable std::atomic<int64_t> ops_executed_{0};
+  mutable EventPool events_;
 };
 
 // The process-wide pool of worker streams.

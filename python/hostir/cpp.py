@@ -115,7 +115,6 @@ class CppEvaluator:
         """As `HostIrEvaluator.run`."""
         if isinstance(number_of_streams, bool) or not isinstance(number_of_streams, int) or number_of_streams < 1:
             raise BindingError(f"number_of_streams must be an integer >= 1, got {number_of_streams!r}")
-        executor = self._executor or self._compile()
         c = self.container
         inputs = []
         for tv in c.inputs:
@@ -126,14 +125,19 @@ class CppEvaluator:
                 )
             inputs.append(value)
         outputs = [bindings.get(tv) for tv in c.outputs] if len(bindings) > len(c.inputs) else []
+        return self.run_tensors(inputs, outputs, number_of_streams)
+
+    def run_tensors(self, inputs: list, outputs: list, number_of_streams: int) -> list:
+        """`run` with the values as lists: one tensor per program input, and
+        one per output to write into (None: not preallocated) or none at all."""
+        executor = self._executor or self._compile()
         # Every error comes back as a failure tuple (no C++ exception crosses
         # into Python); instruction -1 is a bad binding, before any op runs.
         values, failure = executor.run(inputs, outputs, number_of_streams)
         if failure is not None:
             raise self._error(*failure)
-        flat = self._flat
-        for tv, slot, value in zip(c.outputs, flat.outputs, values):
-            if slot >= 0 and value is None:
+        for tv, slot, value in zip(self.container.outputs, self._flat.outputs, values):
+            if value is None and slot >= 0:
                 raise HostIrRuntimeError(f"output {printer.format_tv(tv)} is not bound at the end of the program")
         return values
 

@@ -44,7 +44,10 @@ def is_dtensor(value: object) -> bool:
 def has_dtensors(values: object) -> bool:
     if not isinstance(values, (list, tuple)):
         return False
-    return any(is_dtensor(v) for v in values)
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return False
+    return any(isinstance(v, module.DTensor) for v in values)
 
 
 def is_torch_mesh(value: object) -> bool:

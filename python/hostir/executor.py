@@ -25,6 +25,13 @@
    (`hostir.graphs`);
 7. convert the results back to the fusion's logical axes.
 
+A single-device call whose exact signature (every tensor's type, shape,
+strides, dtype, device and requires_grad; the parameters; the variables
+that pick the evaluator and the dry run) already ran goes from its record
+to step 6 (`hostir.prepared`): steps 1-3 decided nothing else for it but
+whether a preallocated output shares memory with an input, which the record
+checks again on every call.
+
 A failure in steps 1-3 on one rank of a multi-device fusion is carried by
 step 4 to every rank, so all raise the same error instead of one raising and
 the others waiting in a collective.
@@ -45,7 +52,7 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, cpp, flat, ir, layout, printer, profiling, schedule
+from hostir import communicator, cpp, flat, ir, layout, prepared, printer, profiling, schedule
 from hostir.agreement import Offer, RankMismatchError, check, exchange, input_signature
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
@@ -229,6 +236,7 @@ class FusionExecutor:
         self.dry_runs = 0
         self._fake_reports: dict = {}
         self._graphs = CudaGraphs()
+        self._prepared = prepared.PreparedCalls(self._lock)
 
     @property
     def num_programs(self) -> int:
@@ -257,9 +265,26 @@ class FusionExecutor:
     ) -> list[torch.Tensor | None]:
         """Run the fusion on `inputs` (see the module's docstring for the
         steps). `params`, or keyword arguments naming its fields."""
+        key = None
+        if not self._multi_device():
+            key = prepared.signature(inputs, outputs, params, kwargs)
+            ready = None if key is None else self._prepared.get(key, self.fusion.version)
+            if ready is not None:
+                results = ready.run(inputs, outputs)
+                if results is not None:
+                    return results
         mode = fake_mode()
         if mode == "1":
             return self._execute_fake(inputs, outputs, params, kwargs)
+        if key is not None:
+            # A single-device call of a new signature: the full path, then
+            # its record for the next call (the same depth of calls as
+            # below, for the warnings' stack levels).
+            params = ExecutorParams.from_arguments(params, kwargs)
+            call = self._prepare(inputs, outputs, params, None, dry_run=mode == "auto")
+            results = self._run(call, params, None)
+            self._keep(key, call, params, inputs)
+            return results
         comm, error = self._communicator(params, kwargs) if self._multi_device() else (None, None)
         with _exclusive(comm):
             sequence = self._next_call(comm) if comm is not None else None
@@ -276,6 +301,19 @@ class FusionExecutor:
             if comm is not None:
                 self._agree(comm, sequence, call, inputs, error, _agrees_first_only(params))
             return self._run(call, params, comm)
+
+    def _keep(self, key: tuple, call: _Call, params: ExecutorParams, inputs) -> None:
+        """Keep the record of a single-device call that took the full path
+        and ran, under its signature `key`. (Not a call whose CPU inputs
+        were copied to the GPU: the full path warns and copies.)"""
+        if not all(a is b for a, b in zip(call.inputs, inputs)):
+            return
+        output_tvs = call.program.container.outputs
+
+        def check_no_overlap(outs, ins):
+            _check_no_overlap(self.fusion, outs, ins, output_tvs)
+
+        self._prepared.put(key, prepared.prepare(self, call, params, check_no_overlap))
 
     # -- 1-3: normalize, check, program
     def _prepare(self, inputs, outputs, params: ExecutorParams, comm, dry_run: bool = True) -> _Call:

@@ -14,6 +14,9 @@ buffer only when the caller passes another tensor than that buffer, and
 copies the outputs into the caller's preallocated ones only when those are
 other tensors than the captured ones. Without preallocated outputs a replay
 returns the graph's own output tensors, the same ones every time.
+A single-device call that repeats a signature goes from `execute` to its
+graph's `replay` through its prepared record (`hostir.prepared`), with no
+other Python on the way.
 
 Capture needs CUDA, and collectives that CUDA graphs can hold (NCCL): on the
 CPU or with gloo it is an error, never a silent fallback to eager runs.
@@ -50,6 +53,30 @@ class _Captured:
     inputs: list  # the graph's input buffers, in container order
     outputs: list  # the tensors the graph writes its results into
     input_tvs: list
+    # The addresses of the caller's preallocated outputs it writes, or None.
+    output_ptrs: tuple | None = None
+
+    def writes_into(self, given: list) -> bool:
+        """Whether the preallocated outputs `given` are the ones captured."""
+        return self.output_ptrs is not None and tuple(t.data_ptr() for t in given) == self.output_ptrs
+
+    def replay(self, inputs: list, given: list | None) -> list:
+        """Copy `inputs` into the graph's buffers where they are other
+        tensors, replay, and return the outputs (`given`'s tensors where the
+        caller preallocated other ones than the captured, copied into)."""
+        for buf, t in zip(self.inputs, inputs):
+            if t is not buf and t.data_ptr() != buf.data_ptr():
+                buf.copy_(t)
+        self.graph.replay()
+        if given is None:
+            return list(self.outputs)
+        results = []
+        for out, t in zip(self.outputs, given):
+            if out is not None and t is not None and t.data_ptr() != out.data_ptr():
+                t.copy_(out)
+                out = t
+            results.append(out)
+        return results
 
 
 class CudaGraphs:
@@ -63,6 +90,14 @@ class CudaGraphs:
         return len(self._graphs)
 
     def run(self, program, bindings: dict, number_of_streams: int, device, backend: str | None = None) -> list:
+        """Replay the graph of this call's signature, captured first if new."""
+        captured = self.captured(program, bindings, number_of_streams, device, backend)
+        inputs = [bindings[tv] for tv in program.container.inputs]
+        given = [bindings.get(tv) for tv in program.container.outputs]
+        return captured.replay(inputs, given if any(t is not None for t in given) else None)
+
+    def captured(self, program, bindings: dict, number_of_streams: int, device, backend: str | None = None) -> _Captured:
+        """The graph of this call's signature, captured on first use."""
         device = torch.device(device)
         if device.type != "cuda":
             raise CudaGraphError(
@@ -89,18 +124,10 @@ class CudaGraphs:
             with self._lock:
                 captured = self._graphs.get(key)
                 if captured is None:
-                    captured = self._graphs[key] = _capture(program, bindings, number_of_streams, device)
-        for buf, t in zip(captured.inputs, inputs):
-            if t is not buf and t.data_ptr() != buf.data_ptr():
-                buf.copy_(t)
-        captured.graph.replay()
-        results = []
-        for out, t in zip(captured.outputs, given):
-            if out is not None and t is not None and t.data_ptr() != out.data_ptr():
-                t.copy_(out)
-                out = t
-            results.append(out)
-        return results
+                    captured = _capture(program, bindings, number_of_streams, device)
+                    captured.output_ptrs = key[2]
+                    self._graphs[key] = captured
+        return captured
 
 
 def _capture(program, bindings: dict, number_of_streams: int, device: torch.device) -> _Captured:

@@ -335,6 +335,11 @@ class Observer:
         self._pending.clear()
 
 
+def tracing_active() -> bool:
+    """Whether a `tracing(...)` block is open in this context."""
+    return _active.get() is not None
+
+
 def watched() -> bool:
     """Whether a run now would be watched (profiler on, a trace requested or
     HOSTIR_TRACE set): only the Python evaluator reports ops, so `auto`

@@ -225,6 +225,49 @@ TEST(Executor, ScalarsFollowPythonFloorSemantics) {
   EXPECT_TRUE(at::allclose(r.outputs[0], expected));
 }
 
+TEST(Executor, UnknownOpKindIsRejectedWhenMade) {
+  Program p = rowLoop();
+  p.instrs[4].kind = "pow";
+  try {
+    Executor executor(std::move(p));
+    FAIL() << "an unknown binary op was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), "ProgramError");
+    EXPECT_STREQ(e.what(), "unknown binary op 'pow'");
+  }
+}
+
+TEST(Executor, EveryKindOfBinaryOpByNumber) {
+  // The number on the right is made into a tensor once, when the Executor
+  // is made, and reused by every run.
+  const std::pair<const char*, double> cases[] = {{"add", 6.0}, {"sub", 2.0}, {"mul", 8.0}, {"div", 2.0}};
+  for (const auto& [kind, expected_for_four] : cases) {
+    Program p = rowLoop();
+    p.instrs[4].kind = kind;
+    Executor executor(std::move(p));
+    at::Tensor x = at::full({2, 3}, 4.0);
+    for (int run = 0; run < 2; ++run) {
+      RunResult r = executor.run({x}, {}, 1);
+      ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+      // Row i: x op 2, plus i % 1 = 0.
+      EXPECT_TRUE(at::allclose(r.outputs[0], at::full({2, 3}, expected_for_four))) << kind;
+    }
+  }
+}
+
+TEST(Executor, RunsRecordNoAutogradHistory) {
+  Executor executor(rowLoop());
+  at::Tensor x = at::randn({3, 4}).requires_grad_();
+  at::Tensor out = at::empty({3, 4});
+  RunResult r = executor.run({x}, {out}, 2);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_FALSE(r.outputs[0].requires_grad());
+  EXPECT_FALSE(out.requires_grad());
+  // The writes into the caller's buffer count for autograd's checks.
+  EXPECT_GT(out._version(), 0u);
+  EXPECT_TRUE(at::allclose(out, expectedRows(x.detach(), 2)));
+}
+
 TEST(Executor, TwoThreadsRunOneExecutorAtOnce) {
   Executor executor(rowLoop());
   auto work = [&executor](int64_t streams, bool* ok) {

@@ -1,0 +1,241 @@
+"""Prepared calls: the fast path of a repeated single-device `execute`.
+
+Everything `FusionExecutor.execute` decides before it runs a program — the
+checks of the inputs and preallocated outputs, the program for the inputs'
+signature, the dry run of their shapes, the evaluator, the conversions to
+runtime and logical axes — depends on the call's exact *signature* alone:
+for each tensor argument its type, shape, strides, dtype, device and
+requires_grad; the execution parameters (each with its type); the
+environment variables that pick the evaluator and the dry run
+(HOSTIR_EVALUATOR, HOSTIR_FAKE); and the fusion's version. Once a call has
+taken the full path and run, a `Prepared` record keeps what that path
+decided, under its signature; a later call with the same signature runs
+from it. A call that a profiler or trace watches, or that a DEBUG log
+reports, always takes the full path. A call with any other signature — a different shape, dtype,
+stride, device, a scalar or non-tensor argument, a tensor subclass — takes
+the full path, so every bad input gets the full path's error.
+
+One check depends on more than the signature: that no preallocated output
+shares memory with an input or another output (the addresses). A prepared
+call makes it on every call, with the full path's message.
+
+Only single-device calls are prepared: a multi-device call agrees with the
+other ranks on every run (`agreement.py`), which no local record can skip.
+With `cuda_graph=True` a prepared call holds the captured graph and goes
+straight to its replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Callable
+
+import torch
+
+from hostir import layout, profiling
+from hostir.log import logger
+
+_MAX_PREPARED = 64
+
+# HOSTIR_FAKE values under which the full path runs the program (the others
+# return meta tensors, or warn on every call).
+_RUNNING_FAKE_MODES = (None, b"auto", b"0")
+
+
+def _environ(name: str) -> bytes | None:
+    """The raw value of environment variable `name`: `os.environ.get`
+    costs a microsecond for a variable that is not set (it raises and
+    catches KeyError), this a few dozen nanoseconds."""
+    data = getattr(os.environ, "_data", None)
+    if type(data) is dict:
+        return data.get(name.encode())
+    value = os.environ.get(name)
+    return None if value is None else value.encode()
+
+
+def signature(inputs, outputs, params, kwargs: dict) -> tuple | None:
+    """The exact signature of a call, or None where the call must take the
+    full path (arguments other than plain tensors in lists, a dry-run mode
+    other than running, a watching profiler or trace, a debug log that
+    reports every cache lookup, an unhashable parameter, a CUDA device named
+    without an index)."""
+    fake = _environ("HOSTIR_FAKE")
+    if fake not in _RUNNING_FAKE_MODES or logger.isEnabledFor(logging.DEBUG):
+        return None
+    if torch.autograd._profiler_enabled() or profiling.tracing_active() or _environ("HOSTIR_TRACE"):
+        return None
+    if type(inputs) not in (list, tuple) or (outputs is not None and type(outputs) not in (list, tuple)):
+        return None
+    arguments = _tensor_signatures(inputs)
+    if arguments is None:
+        return None
+    given = None
+    if outputs is not None:
+        given = _tensor_signatures(outputs)
+        if given is None:
+            return None
+    if params is not None:
+        fields = getattr(params, "__dict__", None)
+        if kwargs or fields is None:
+            return None
+    else:
+        fields = kwargs
+    # With each value's type: True == 1 and 4.0 == 4 hash alike, but the
+    # full path refuses number_of_streams=True or 4.0, and cuda_graph=0.
+    settings = tuple([(name, type(value), value) for name, value in fields.items()])
+    device = fields.get("device")
+    if device is not None and not _device_is_exact(device):
+        return None
+    # Hashed once, by the lookup: an unhashable parameter makes the lookup
+    # find nothing and the store keep nothing.
+    return (arguments, given, settings, fake, _environ("HOSTIR_EVALUATOR"))
+
+
+def _tensor_signatures(values) -> tuple | None:
+    """Each value's type, shape, strides, dtype, device and requires_grad;
+    None if one is not a plain strided tensor."""
+    found = []
+    for t in values:
+        if type(t) is not torch.Tensor or t.layout is not torch.strided:
+            return None
+        found.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
+    return tuple(found)
+
+
+def _device_is_exact(device) -> bool:
+    """Whether `device` names one device whatever the current one is."""
+    try:
+        d = torch.device(device)
+    except (TypeError, RuntimeError, ValueError):
+        return False
+    return d.type != "cuda" or d.index is not None
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What the full path decided for one signature; `run(inputs, outputs)`
+    runs a call of that signature from it."""
+
+    version: int  # the fusion's version it was made for
+    run: Callable[[list, list | None], list]
+
+
+def prepare(executor, call, params, check_no_overlap) -> Prepared:
+    """The record of `call` (a `_Call` that passed the full path's checks
+    and ran) with `params`; `check_no_overlap(outputs, inputs)` is the full
+    path's aliasing check of preallocated outputs."""
+    program = call.program
+    container = program.container
+    nos = params.number_of_streams
+    input_tvs = list(container.inputs)
+    output_tvs = list(container.outputs)
+    # Where runtime dims differ from logical ones (a split axis), tensors
+    # are viewed across on the way in and out, as the full path does.
+    inputs_viewed = any(len(layout.dims(tv)) != len(tv.logical_runtime()) for tv in input_tvs)
+    outputs_viewed = any(len(layout.dims(tv)) != len(tv.logical_runtime()) for tv in output_tvs)
+    results_viewed = any(len(layout.dims(tv)) != tv.logical_ndim for tv in output_tvs)
+
+    def runtime_inputs(inputs):
+        if not inputs_viewed:
+            return list(inputs)
+        return [layout.to_runtime(tv, t) for tv, t in zip(input_tvs, inputs)]
+
+    def runtime_outputs(outputs):
+        if not outputs_viewed:
+            return list(outputs)
+        return [layout.to_runtime(tv, t) for tv, t in zip(output_tvs, outputs)]
+
+    def logical(results):
+        if not results_viewed:
+            return results
+        return [None if r is None else layout.to_logical(tv, r) for tv, r in zip(output_tvs, results)]
+
+    if params.cuda_graph:
+        run = _graph_runner(executor, call, nos, runtime_inputs, runtime_outputs, logical, check_no_overlap)
+    elif hasattr(program.evaluator, "run_tensors"):
+        run_tensors = program.evaluator.run_tensors
+
+        def run(inputs, outputs):
+            if outputs is None:
+                return logical(run_tensors(runtime_inputs(inputs), [], nos))
+            check_no_overlap(outputs, inputs)
+            return logical(run_tensors(runtime_inputs(inputs), runtime_outputs(outputs), nos))
+
+    else:
+        evaluator = program.evaluator
+
+        def run(inputs, outputs):
+            bindings = dict(zip(input_tvs, runtime_inputs(inputs)))
+            if outputs is not None:
+                check_no_overlap(outputs, inputs)
+                bindings.update(zip(output_tvs, runtime_outputs(outputs)))
+            with torch.no_grad():
+                return logical(evaluator.run(bindings, number_of_streams=nos))
+
+    return Prepared(executor.fusion.version, run)
+
+
+def _graph_runner(executor, call, nos, runtime_inputs, runtime_outputs, logical, check_no_overlap):
+    """A replay of the graph `call` captured: inputs copied into its
+    buffers when they are other tensors. Preallocated outputs must be the
+    ones the graph writes; for others the full path captures another graph
+    (the runner returns None to send the call there)."""
+    container = call.program.container
+    bindings = dict(zip(container.inputs, runtime_inputs(call.inputs)))
+    if call.outputs is not None:
+        bindings.update(zip(container.outputs, runtime_outputs(call.outputs)))
+    # The graph the full path just replayed for this call (a lookup).
+    device = next((t.device for t in call.inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    captured = executor._graphs.captured(call.program, bindings, nos, device)
+    grad = any(t.requires_grad for t in call.inputs)
+
+    def run(inputs, outputs):
+        given = None
+        if outputs is not None:
+            check_no_overlap(outputs, inputs)
+            given = runtime_outputs(outputs)
+            if not captured.writes_into(given):
+                return None
+        if grad:
+            with torch.no_grad():
+                return logical(captured.replay(runtime_inputs(inputs), given))
+        return logical(captured.replay(runtime_inputs(inputs), given))
+
+    return run
+
+
+class PreparedCalls:
+    """The prepared calls of one fusion, by signature (the newest
+    `_MAX_PREPARED`)."""
+
+    def __init__(self, lock):
+        self._calls: dict[tuple, Prepared] = {}
+        self._lock = lock
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def get(self, key: tuple, version: int) -> Prepared | None:
+        try:
+            found = self._calls.get(key)
+        except TypeError:  # an unhashable parameter
+            return None
+        if found is None or found.version != version:
+            return None
+        return found
+
+    def put(self, key: tuple, prepared: Prepared) -> None:
+        try:
+            hash(key)
+        except TypeError:
+            return
+        with self._lock:
+            if len(self._calls) >= _MAX_PREPARED and key not in self._calls:
+                self._calls.pop(next(iter(self._calls)))
+            self._calls[key] = prepared
+
+    def clear(self) -> None:
+        with self._lock:
+            self._calls.clear()
