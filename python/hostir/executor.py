@@ -55,7 +55,7 @@ import torch
 from hostir import communicator, cpp, flat, ir, layout, prepared, printer, profiling, schedule
 from hostir.agreement import Offer, RankMismatchError, check, exchange, input_signature
 from hostir.container import HostIrContainer
-from hostir.errors import HostIrError
+from hostir.errors import HostIrError, UsageError
 from hostir.evaluator import HostIrEvaluator
 from hostir.graphs import CudaGraphs
 from hostir.log import logger
@@ -301,6 +301,43 @@ class FusionExecutor:
             if comm is not None:
                 self._agree(comm, sequence, call, inputs, error, _agrees_first_only(params))
             return self._run(call, params, comm)
+
+    def graph_inputs(
+        self,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor] | None = None,
+        params: ExecutorParams | None = None,
+        **kwargs,
+    ) -> list[torch.Tensor]:
+        """The captured graph's own input buffers for the call
+        `execute(inputs, outputs, params, **kwargs)` with cuda_graph=True,
+        running that call once first if its graph is not captured yet.
+        Write new values into them and pass them to `execute` with the same
+        arguments: the replay then copies no input."""
+        if self._multi_device():
+            raise UsageError(
+                "graph_inputs is for single-device programs; a multi-device program's graphs are "
+                "captured with hostir.graphs.capture(fd, inputs), whose inputs are the ones it was given"
+            )
+        chosen = ExecutorParams.from_arguments(params, dict(kwargs))
+        if not chosen.cuda_graph:
+            raise UsageError("graph_inputs returns a CUDA graph's input buffers: pass cuda_graph=True")
+        key = prepared.signature(inputs, outputs, params, kwargs)
+        if key is None:
+            raise UsageError(
+                "graph_inputs needs a call that can be replayed from its record: plain tensors in lists, "
+                "no profiler, trace or DEBUG log watching, HOSTIR_FAKE unset, auto or 0"
+            )
+        ready = self._prepared.get(key, self.fusion.version)
+        if ready is None:
+            self.execute(inputs, outputs, params, **kwargs)
+            ready = self._prepared.get(key, self.fusion.version)
+        if ready is None or ready.graph_inputs is None:
+            raise UsageError(
+                "the call was not kept for replay (inputs on the CPU are copied to the GPU on every call): "
+                "pass inputs on the program's device"
+            )
+        return list(ready.graph_inputs)
 
     def _keep(self, key: tuple, call: _Call, params: ExecutorParams, inputs) -> None:
         """Keep the record of a single-device call that took the full path

@@ -245,6 +245,16 @@ class FusionDefinition:
         `resharding` as `host_ir` takes it."""
         return self.executor.host_program(resharding)
 
+    def graph_inputs(self, inputs, outputs=None, params=None, **kwargs) -> list[torch.Tensor]:
+        """The input buffers of the CUDA graph that
+        `execute(inputs, outputs, params, cuda_graph=True, ...)` replays
+        (the call is run once first if its graph is new). Write new values
+        into them and pass them to `execute` with the same arguments, and a
+        replay copies no input: the rest is `graph.replay()`."""
+        if self._state != "defined":
+            raise UsageError("ask for graph inputs after the `with FusionDefinition() as fd:` block")
+        return self.executor.graph_inputs(inputs, outputs, params, **kwargs)
+
     def dry_run(self, inputs, world_size: int | None = None, **kwargs):
         """`hostir.dry_run(self, inputs, world_size, ...)`: every rank's
         program on meta tensors, without running anything."""

@@ -120,6 +120,9 @@ class Prepared:
 
     version: int  # the fusion's version it was made for
     run: Callable[[list, list | None], list]
+    # With cuda_graph=True: the captured graph's own input buffers, as the
+    # caller passes inputs (a call that passes them copies nothing).
+    graph_inputs: list | None = None
 
 
 def prepare(executor, call, params, check_no_overlap) -> Prepared:
@@ -153,7 +156,10 @@ def prepare(executor, call, params, check_no_overlap) -> Prepared:
         return [None if r is None else layout.to_logical(tv, r) for tv, r in zip(output_tvs, results)]
 
     if params.cuda_graph:
-        run = _graph_runner(executor, call, nos, runtime_inputs, runtime_outputs, logical, check_no_overlap)
+        run, buffers = _graph_runner(executor, call, nos, runtime_inputs, runtime_outputs, logical, check_no_overlap)
+        if inputs_viewed:
+            buffers = [layout.to_logical(tv, t) for tv, t in zip(input_tvs, buffers)]
+        return Prepared(executor.fusion.version, run, buffers)
     elif hasattr(program.evaluator, "run_tensors"):
         run_tensors = program.evaluator.run_tensors
 
@@ -178,10 +184,11 @@ def prepare(executor, call, params, check_no_overlap) -> Prepared:
 
 
 def _graph_runner(executor, call, nos, runtime_inputs, runtime_outputs, logical, check_no_overlap):
-    """A replay of the graph `call` captured: inputs copied into its
-    buffers when they are other tensors. Preallocated outputs must be the
-    ones the graph writes; for others the full path captures another graph
-    (the runner returns None to send the call there)."""
+    """A replay of the graph `call` captured (inputs copied into its
+    buffers when they are other tensors), and those buffers. Preallocated
+    outputs must be the ones the graph writes; for others the full path
+    captures another graph (the runner returns None to send the call
+    there)."""
     container = call.program.container
     bindings = dict(zip(container.inputs, runtime_inputs(call.inputs)))
     if call.outputs is not None:
@@ -203,7 +210,7 @@ def _graph_runner(executor, call, nos, runtime_inputs, runtime_outputs, logical,
                 return logical(captured.replay(runtime_inputs(inputs), given))
         return logical(captured.replay(runtime_inputs(inputs), given))
 
-    return run
+    return run, list(captured.inputs)
 
 
 class PreparedCalls:

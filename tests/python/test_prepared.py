@@ -276,3 +276,43 @@ def test_cuda_graph_replays_from_the_record(cuda_device, monkeypatch):
     with pytest.raises(InputError, match="shares memory with input 0"):
         fd.execute([a, b], [a], cuda_graph=True)
     torch.cuda.synchronize()
+
+
+def test_graph_inputs_are_replayed_without_a_copy(cuda_device, monkeypatch):
+    """`fd.graph_inputs` returns the captured graph's input buffers; values
+    written into them are what the next replay reads, and passing them
+    copies nothing into the graph."""
+    if not hostir.cpp.available():
+        pytest.skip("hostir._C is not built")
+    monkeypatch.setenv("HOSTIR_EVALUATOR", "cpp")
+    fd = _define(stream=True)
+    a, b = torch.randn(4, 5, device="cuda"), torch.randn(4, 5, device="cuda")
+    ga, gb = fd.graph_inputs([a, b], cuda_graph=True)
+    assert ga.data_ptr() != a.data_ptr()
+    torch.testing.assert_close(ga, a)  # the capture's clones of the inputs
+    assert [t.data_ptr() for t in fd.graph_inputs([a, b], cuda_graph=True)] == [ga.data_ptr(), gb.data_ptr()]
+    assert len(fd.executor._graphs) == 1
+    real_copy = torch.Tensor.copy_
+    for _ in range(3):
+        a2, b2 = torch.randn_like(a), torch.randn_like(b)
+        ga.copy_(a2)
+        gb.copy_(b2)
+        copied = []
+        monkeypatch.setattr(
+            torch.Tensor, "copy_", lambda self, src, *args, **kw: copied.append(self) or real_copy(self, src, *args, **kw)
+        )
+        (out,) = fd.execute([ga, gb], cuda_graph=True)
+        monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+        assert copied == []
+        torch.testing.assert_close(out, _reference(a2, b2))
+    assert len(fd.executor._graphs) == 1
+    torch.cuda.synchronize()
+
+
+def test_graph_inputs_refuse_calls_that_are_not_graph_replays():
+    fd = _define()
+    a, b = torch.randn(4, 5), torch.randn(4, 5)
+    with pytest.raises(hostir.UsageError, match="pass cuda_graph=True"):
+        fd.graph_inputs([a, b])
+    with pytest.raises(hostir.HostIrError, match="(?i)cuda"):
+        fd.graph_inputs([a, b], cuda_graph=True)  # on the CPU: no graph can be captured
