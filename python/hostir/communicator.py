@@ -499,7 +499,9 @@ def _listen(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TC
     )
 
 
-# How often a rank waiting at the rendezvous asks which ranks are missing.
+# How often a rank waiting at the rendezvous asks which ranks are missing
+# (one store request per rank): every half second up to 64 ranks, less often
+# in proportion beyond, so that the store's load stays bounded.
 _MISSING_REFRESH_SECONDS = 0.5
 
 # How long past its own timeout a client store may take to answer: it only
@@ -551,13 +553,14 @@ def _await_ranks(store: dist.Store, launch: LaunchInfo, timeout: float, where: s
     The rank that holds the store gives up at its own timeout, which may
     come a little before the others' (it started earlier) and closes the
     store: a rank that loses the store while waiting names the ranks that
-    had not arrived when it last looked, which it does every
-    _MISSING_REFRESH_SECONDS."""
+    had not arrived when it last looked (it looks every
+    _MISSING_REFRESH_SECONDS or so)."""
     store.set(f"arrived/{launch.rank}", "1")
     keys = [f"arrived/{r}" for r in range(launch.world_size)]
     start = time.monotonic()
     next_log = RENDEZVOUS_LOG_SECONDS
-    next_refresh = 0.0
+    refresh = _MISSING_REFRESH_SECONDS * max(1.0, launch.world_size / 64)
+    next_refresh = refresh
     missing: list[int] | None = None
     pause = 0.001
 
@@ -573,7 +576,7 @@ def _await_ranks(store: dist.Store, launch: LaunchInfo, timeout: float, where: s
             waited = time.monotonic() - start
             if waited >= next_refresh or waited >= next_log or waited >= timeout:
                 missing = [r for r, key in enumerate(keys) if not store.check([key])]
-                next_refresh = waited + _MISSING_REFRESH_SECONDS
+                next_refresh = waited + refresh
             if waited >= timeout:
                 raise LaunchError(never_arrived())
             if waited >= next_log:
