@@ -1,7 +1,7 @@
 """Run tests/python/multidevice/test_dry_run_vs_gloo.py under mpirun -np 2,
 -np 3 and -np 4 with gloo and without TORCH_DISTRIBUTED_DEBUG=DETAIL, whose
 checking wrapper allocates tensors of its own around every collective: the
-dry run's memory peaks are compared with the real runs' here."""
+dry run's memory peaks must equal the real runs' here (HOSTIR_EXACT_PEAK=1)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ TEST = "tests/python/multidevice/test_dry_run_vs_gloo.py"
 @pytest.mark.parametrize("nprocs, limit", [(2, 150), (3, 240), (4, 300)], ids=["np2", "np3", "np4"])
 def test_dry_run_against_gloo_under_mpirun(nprocs, limit):
     exports = {
+        "HOSTIR_EXACT_PEAK": "1",
         "HOSTIR_TIMEOUT": "30",
         "HOSTIR_MASTER_PORT": str(free_port()),
         "PYTHONPATH": job_env()["PYTHONPATH"],

@@ -11,7 +11,16 @@ the program's buffers, the temporaries of its ops, the staging buffers a
 post makes (a sharded axis that is not outermost, NaN flags of a max or
 min, a gather's pieces) and what gloo itself allocates while a collective is
 in flight (`torch_dist.backend_scratch_bytes`). The records hold every
-thread's allocations, so the least peak of three runs is compared.
+thread's allocations, so the least peak of five runs is compared.
+
+gloo's worker thread drops its reference to a finished collective (and with
+it the scratch buffer) just after it marks the work complete, so the
+program may post its next collective before that buffer is freed; on a
+loaded machine or across nodes every run may show it. The real peak is
+therefore checked to lie between the dry run's and the dry run's plus
+every communication's staging; it must *equal* the dry run's where
+`HOSTIR_EXACT_PEAK=1`, which `tests/python/test_dry_run_mpirun.py` sets for
+its runs on one host.
 Under `TORCH_DISTRIBUTED_DEBUG=DETAIL` (as the whole directory runs from
 `test_multidevice_mpirun.py`) torch wraps each process group in a checker
 that allocates its own tensors around every collective, so the peak is
@@ -157,9 +166,9 @@ def test_dry_run_matches_the_gloo_run(world, device, case, monkeypatch):
         fd.execute(mine, number_of_streams=STREAMS, check_ranks="first")
         results, peaks, logs = [], [], []
         # The records hold every thread's allocations (gloo's own threads
-        # among them, whenever they run): the least of three runs is the
-        # program's.
-        for _ in range(3):
+        # among them, whenever they run): the least of five runs is the
+        # program's. Every rank runs the same number of calls.
+        for _ in range(5):
             log.truncate(0)
             log.seek(0)
             peaks.append(
@@ -182,7 +191,12 @@ def test_dry_run_matches_the_gloo_run(world, device, case, monkeypatch):
     )
     if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
         return
-    assert peak == expected.peak_bytes, (
+    message = (
         f"rank {world.rank}: the real run's peak is {peak} bytes, the dry run's {expected.peak_bytes}; "
         f"allocations and frees: {events}"
     )
+    if os.environ.get("HOSTIR_EXACT_PEAK") == "1":
+        assert peak == expected.peak_bytes, message
+    else:
+        lingering = sum(t.staging_bytes for t in expected.communications)
+        assert expected.peak_bytes <= peak <= expected.peak_bytes + lingering, message
