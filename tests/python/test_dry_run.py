@@ -319,19 +319,22 @@ def test_collective_skipped_on_one_rank_is_reported():
     assert "rank 0: Communication" in msg and "(in loop StreamIdx = 3)" in msg
 
 
+def _retyped(container, **changes):
+    """`container` with its Communication's fields replaced (`changes`)
+    and its Wait waiting for the new one."""
+    m = container.derive()
+    m.exprs = [e.replace(**changes) if isinstance(e, ir.Communication) else e for e in container.exprs]
+    for e in container.exprs:
+        if isinstance(e, ir.Wait):
+            m.exprs[m.exprs.index(e)] = ir.Wait(next(x for x in m.exprs if isinstance(x, ir.Communication)))
+    return m
+
+
 def test_other_type_root_or_size_on_one_rank_is_reported():
     programs = _rank_programs(allgather(2), 2)
 
-    def retyped(container, **changes):
-        m = container.derive()
-        m.exprs = [e.replace(**changes) if isinstance(e, ir.Communication) else e for e in container.exprs]
-        for e in container.exprs:
-            if isinstance(e, ir.Wait):
-                m.exprs[m.exprs.index(e)] = ir.Wait(next(x for x in m.exprs if isinstance(x, ir.Communication)))
-        return m
-
     with pytest.raises(CommunicationMismatchError, match=r"(?s)differs \(kind Allgather vs Broadcast\).*rank 0:.*rank 1:"):
-        dry_run_programs({0: programs[0], 1: retyped(programs[1], type=ir.CommunicationType.Broadcast, root=1)}, [[1, 3]])
+        dry_run_programs({0: programs[0], 1: _retyped(programs[1], type=ir.CommunicationType.Broadcast, root=1)}, [[1, 3]])
     with pytest.raises(CommunicationMismatchError, match=r"(?s)differs \(sizes: 12 -> 24 bytes on rank 0, 16 -> 32"):
         dry_run_programs(programs, {0: [[1, 3]], 1: [[1, 4]]})
 
@@ -345,7 +348,7 @@ def test_other_type_root_or_size_on_one_rank_is_reported():
         y.set_device_mesh(DeviceMesh([0, 1]))
         bcast[r] = lower(fd.fusion, rank=r)
     dry_run_programs(bcast, [[5]])  # as lowered, they match
-    moved = retyped(bcast[1], root=1)
+    moved = _retyped(bcast[1], root=1)
     with pytest.raises(CommunicationMismatchError, match=r"(?s)differs \(root 0 vs 1\)"):
         dry_run_programs({0: bcast[0], 1: moved}, [[5]])
 
@@ -356,19 +359,8 @@ def test_a_posts_error_is_reported_after_the_ranks_match():
     into the [2, 3] output, as a real run's post could not."""
     programs = _rank_programs(allgather(2), 2)
 
-    def as_broadcast(container):
-        m = container.derive()
-        m.exprs = [
-            e.replace(type=ir.CommunicationType.Broadcast, root=1) if isinstance(e, ir.Communication) else e
-            for e in container.exprs
-        ]
-        for e in container.exprs:
-            if isinstance(e, ir.Wait):
-                m.exprs[m.exprs.index(e)] = ir.Wait(next(x for x in m.exprs if isinstance(x, ir.Communication)))
-        return m
-
     with pytest.raises(DryRunError, match=r"(?s)^rank 1: RuntimeError: shape '\[2, 3\]' is invalid.*While executing:\nCommunication .*type=Broadcast"):
-        dry_run_programs({r: as_broadcast(p) for r, p in programs.items()}, [[1, 3]])
+        dry_run_programs({r: _retyped(p, type=ir.CommunicationType.Broadcast, root=1) for r, p in programs.items()}, [[1, 3]])
 
 
 def _middle_axis_allgather(d: int):
