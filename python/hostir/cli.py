@@ -281,8 +281,6 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("hostir.plan") is None:
-        raise CommandLineError("hostir plan: this hostir has no hostir.plan module")
     argv = sys.argv
     sys.argv = ["hostir plan", *args.plan_args]
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -141,9 +140,3 @@ def test_env_names_a_broken_launch():
     result = hostir_cli("env", env=env)
     assert result.returncode == 0, result.stderr
     assert "incomplete torchrun variables: WORLD_SIZE missing" in result.stdout
-
-
-@pytest.mark.skipif(importlib.util.find_spec("hostir.plan") is not None, reason="hostir.plan is installed")
-def test_plan_without_the_module_says_so():
-    with pytest.raises(SystemExit, match="no hostir.plan module"):
-        cli.main(["plan", "--help"])
