@@ -619,6 +619,7 @@ _UNARY = {
     "neg": torch.neg,
     "abs": torch.abs,
     "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
     "silu": torch.nn.functional.silu,
     "exp": torch.exp,
     "tanh": torch.tanh,
@@ -636,7 +637,32 @@ def _unary(frame: Frame, e: ir.UnaryOp) -> None:
     _store(frame, e, lambda: fn(x), lambda out: out.copy_(fn(x)))
 
 
-_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+def _into(fn):
+    """A two-operand function given an `out=` variant that copies."""
+
+    def run(a, b, out=None):
+        r = fn(a, b)
+        return r if out is None else out.copy_(r)
+
+    return run
+
+
+_aten = torch.ops.aten
+_BINARY = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": torch.div,
+    # Derivatives (BinaryOp.GRAD_KINDS): torch's own backward kernels.
+    "relu_grad": _into(lambda g, x: _aten.threshold_backward(g, x, 0)),
+    "gelu_grad": _into(lambda g, x: _aten.gelu_backward(g, x)),
+    "gelu_tanh_grad": _into(lambda g, x: _aten.gelu_backward(g, x, approximate="tanh")),
+    "silu_grad": _into(lambda g, x: _aten.silu_backward(g, x)),
+    "tanh_grad": _into(lambda g, y: _aten.tanh_backward(g, y)),
+    "sigmoid_grad": _into(lambda g, y: _aten.sigmoid_backward(g, y)),
+    "abs_grad": _into(lambda g, x: g * torch.sgn(x)),
+    "eq": _into(lambda a, b: (a == b).to(a.dtype)),
+}
 
 
 @impl(ir.BinaryOp)
@@ -710,8 +736,49 @@ def _copy_out(frame: Frame, e, result: torch.Tensor, source: torch.Tensor) -> No
 
 @impl(ir.PermuteOp)
 def _permute(frame: Frame, e: ir.PermuteOp) -> None:
+    if e.input.device_axes() or e.out.device_axes():
+        # This rank's piece, permuted: its sharded axes move with it.
+        src = as_logical(e.input, frame.get(e.input))
+        frame.bind(e.out, as_loop(e.out, src.permute(e.dims).contiguous()))
+        return
     src = frame.full_rank(e.input, frame.get(e.input))
     _copy_out(frame, e, src.permute(e.dims), src)
+
+
+@impl(ir.ExpandOp)
+def _expand(frame: Frame, e: ir.ExpandOp) -> None:
+    src = _operand(frame, e, e.input)
+    like = _operand(frame, e, e.like)
+    for d in sorted(e.dims):
+        src = src.unsqueeze(d)
+
+    def run():
+        return src.expand(like.shape).contiguous()
+
+    _store(frame, e, run, lambda out: out.copy_(src.expand(like.shape)))
+
+
+@impl(ir.InsertOp)
+def _insert(frame: Frame, e: ir.InsertOp) -> None:
+    src = _operand(frame, e, e.input)
+    like = _operand(frame, e, e.like)
+
+    def run():
+        out = torch.zeros(like.shape, dtype=e.out.dtype, device=like.device)
+        fill(out)
+        return out
+
+    def fill(out):
+        if e.ranges is not None:
+            out[tuple(slice(start, stop, step) for start, stop, step in e.ranges)] = src
+        else:
+            out.select(e.dim, int(frame.get(e.index))).copy_(src)
+
+    def into(out):
+        out.zero_()
+        fill(out)
+
+    _store(frame, e, run, into)
 
 
 @impl(ir.ReshapeOp)

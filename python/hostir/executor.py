@@ -237,6 +237,8 @@ class FusionExecutor:
         self._fake_reports: dict = {}
         self._graphs = CudaGraphs()
         self._prepared = prepared.PreparedCalls(self._lock)
+        # Names the program in dumps: "" for a fusion's own, " (backward)" ...
+        self.label = ""
 
     @property
     def num_programs(self) -> int:
@@ -492,7 +494,9 @@ class FusionExecutor:
         return [t.to(device) if i in moved else t for i, t in enumerate(inputs)]
 
     def _warn_requires_grad(self, inputs: list) -> None:
-        if "grad" in self._warned:
+        # Under no_grad nothing is asked of autograd; with grad mode on, only
+        # a traced call comes here with inputs requiring grad.
+        if "grad" in self._warned or not torch.is_grad_enabled():
             return
         grads = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if grads:
@@ -574,7 +578,7 @@ class FusionExecutor:
                 schedule=chosen,
                 resharding=resharding,
             )
-        dumper.emit("host_ir", "Host program:", str(container))
+        dumper.emit("host_ir", f"Host program{self.label}:", str(container))
         self.lowerings += 1
         streams = self._streams.get(device)
         if streams is None:

@@ -532,6 +532,8 @@ def unsupported(container: HostIrContainer) -> str | None:
             return f"it walks chunks of a split axis: {printer.format_expr_head(e)}"
         if type(e) not in _COMPILERS:
             return f"it has no instruction for {type(e).__name__}"
+        if isinstance(e, ir.BinaryOp) and e.kind not in ir.BinaryOp.KINDS:
+            return f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}"
         if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):
             return f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}"
         if isinstance(e, ir.Communication) and e.type.value not in COMMUNICATION_TYPES:

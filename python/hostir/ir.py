@@ -711,6 +711,12 @@ class BinaryOp(Expr):
     INPUTS = ("lhs", "rhs")
     OUTPUTS = ("out",)
     KINDS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+    # Derivatives that backward programs use (`hostir.autodiff`), as torch
+    # computes them: `kind(grad, saved)` with both operands of one shape, the
+    # result in the grad's dtype. `eq` is the 0/1 mask of lhs == rhs.
+    GRAD_KINDS = (
+        "relu_grad", "gelu_grad", "gelu_tanh_grad", "silu_grad", "tanh_grad", "sigmoid_grad", "abs_grad", "eq",
+    )
 
     def id_pairs(self):
         # Aligned from the last axis, as torch broadcasts.
@@ -732,7 +738,7 @@ class UnaryOp(Expr):
     INPUTS = ("input",)
     OUTPUTS = ("out",)
     # Kinds defined for floating inputs only.
-    FLOATING = ("gelu", "silu", "exp", "tanh", "sigmoid")
+    FLOATING = ("gelu", "gelu_tanh", "silu", "exp", "tanh", "sigmoid")
     KINDS = ("relu", "neg", "abs", "cast") + FLOATING
 
     def id_pairs(self):
@@ -877,9 +883,50 @@ class SelectOp(Expr):
         return zip(self.out.logical_runtime(), ins)
 
 
+@_op
+class ExpandOp(Expr):
+    """`out = input` broadcast to `like`'s shape, as a copy: the axes of
+    `out` at `dims` are new (size-1 axes of `input` inserted there, then
+    expanded), the others iterate with `input`'s. `like` gives the sizes
+    only (the backward of a sum). Writes into `out` if bound."""
+
+    out: TensorView
+    input: TensorView
+    like: TensorView
+    dims: tuple
+    INPUTS = ("input", "like")
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        out = self.out.logical_runtime()
+        kept = [d for k, d in enumerate(out) if k not in self.dims]
+        yield from zip(kept, self.input.logical_runtime())
+        yield from zip(out, self.like.logical_runtime())
+
+
+@_op
+class InsertOp(Expr):
+    """`out = zeros like `like`, with `input` written where a slice
+    (`ranges`, as SliceOp's) or a select (`dim`, `index`) of it reads`: the
+    backward of slice and select. `like` gives the sizes only. Writes into
+    `out` if bound."""
+
+    out: TensorView
+    input: TensorView
+    like: TensorView
+    ranges: tuple | None = None
+    dim: int | None = None
+    index: Scalar | None = None
+    INPUTS = ("input", "like", "index")
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        yield from zip(self.out.logical_runtime(), self.like.logical_runtime())
+
+
 SHAPE_OPS = (PermuteOp, ReshapeOp, SliceOp, SelectOp)
-FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp) + SHAPE_OPS
-COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp)
+FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, ExpandOp, InsertOp) + SHAPE_OPS
+COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, ExpandOp, InsertOp)
 
 
 @_op
@@ -1365,7 +1412,7 @@ def _probe(v):
 
 
 def binary(kind: str, lhs, rhs) -> TensorView:
-    if kind not in BinaryOp.KINDS:
+    if kind not in BinaryOp.KINDS and kind not in BinaryOp.GRAD_KINDS:
         raise DefinitionError(f"unknown binary op {kind!r}; expected one of {list(BinaryOp.KINDS)}")
     lhs, rhs = _as_operand(lhs), _as_operand(rhs)
     fusion = _owner(lhs, rhs)
@@ -1377,7 +1424,7 @@ def binary(kind: str, lhs, rhs) -> TensorView:
     probe = [_probe(v) for v in (lhs, rhs)]
     if not isinstance(probe[0], torch.Tensor):
         probe[0] = torch.tensor(probe[0])
-    dtype = getattr(torch, kind)(*probe).dtype
+    dtype = lhs.dtype if kind in BinaryOp.GRAD_KINDS else getattr(torch, kind)(*probe).dtype
     domain = []
     for axes in zip(*(t.logical_runtime() for t in tensors)):
         wide = [d for d in axes if not d.is_broadcast]
