@@ -107,6 +107,9 @@ class Layout:
         logical = tv.logical_runtime()
         to_parallelize = []
         for d, pieces in zip(logical, self.axes):
+            # An axis cloned from a placed operand comes with its parallel type.
+            if d.leaves is None and d.parallel_type is not ir.ParallelType.serial:
+                d.parallelize(ir.ParallelType.serial)
             if len(pieces) == 1:
                 (_, pt) = pieces[0]
                 if pt is not ir.ParallelType.serial:
