@@ -272,3 +272,39 @@ def test_cpp_evaluator_runs_a_backward_of_its_ops():
         b = fd.define_tensor([-1, -1], F64)
         fd.add_output(fd.ops.matmul(fd.ops.add(a, b), b))
     check(fd, leaf(3, 3), leaf(3, 3), evaluator="auto")
+
+
+# ------------------------------------------------------------ golden backward programs
+
+
+def _backward_program(fd, sched):
+    from hostir import autodiff
+    from hostir.lower import lower
+    from hostir.schedule import Schedule, parse
+
+    d = autodiff.derive(fd.fusion, list(range(len(fd.fusion.inputs))))
+    return lower(d.backward, rank=0, backend="NCCL", schedule=parse(sched) if sched else Schedule())
+
+
+def test_golden_backward_of_allgather_matmul():
+    """The backward of AG+matmul: the weight gradient gathers the saved
+    shard again in a ring and multiplies the gathered rows; the input
+    gradient is this rank's rows of dy @ w^T, without communication."""
+    from conftest import check_golden
+    from hostir import overlap
+
+    program = _backward_program(overlap.allgather_matmul(2), None)
+    text = str(program)
+    assert "(ring," in text and "P2PCommunication" in text
+    check_golden("backward_allgather_matmul", program)
+
+
+def test_golden_backward_of_matmul_reduce_scatter():
+    """The backward of matmul+RS: one ring gathers dy chunk by chunk into the
+    gradient of the partial products, which both gradients multiply."""
+    from conftest import check_golden
+    from hostir import overlap
+
+    program = _backward_program(overlap.matmul_reduce_scatter(2), None)
+    assert "(ring," in str(program)
+    check_golden("backward_matmul_reduce_scatter", program)
