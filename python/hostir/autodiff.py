@@ -193,6 +193,8 @@ class _Deriver:
         self.wrt = wrt
         self.keep_gathered = keep_gathered
         self.layouts = _propagated_layouts(self.fwd)
+        if keep_gathered and self._explicit_gathers():
+            self.layouts = _propagated_layouts(self.fwd)
         self.multi = any(lay.mesh is not None for lay in self.layouts.values())
         self.bwd = ir.Fusion()
         self.producer = {e.out: e for e in self.fwd.exprs}
@@ -203,6 +205,30 @@ class _Deriver:
         self.gathered: dict[tuple, ir.TensorView] = {}
         self.scalars: dict[int, ir.Scalar] = {}
         self.saved_order: list[tuple[str, int]] = []
+
+    def _explicit_gathers(self) -> bool:
+        """Make each gather the lowering would insert before a matmul or
+        linear (an operand's rows sharded where the product's are not) a
+        `set` of the training forward, so that its result can be saved."""
+        changed = False
+        for e in list(self.fwd.exprs):
+            if not isinstance(e, (ir.MatmulOp, ir.LinearOp)):
+                continue
+            field = "a" if isinstance(e, ir.MatmulOp) else "input"
+            x = getattr(e, field)
+            lx, lo = self.layouts.get(x.name), self.layouts.get(e.out.name)
+            if lx is None or lo is None or lx.mesh is None:
+                continue
+            rows = [k for k in range(len(lx.axes) - 1) if lx.device_types(k) and not lo.device_types(k)]
+            if not rows:
+                continue
+            xg = ir.TensorView(self.fwd, [a.clone(self.fwd) for a in x.logical_runtime()], x.dtype)
+            lx.without_streams().unsharded(rows).apply(xg)
+            self.fwd.exprs.insert(self.fwd.exprs.index(e), ir.Set(xg, x))
+            setattr(e, field, xg)
+            self.fwd.bump_version()
+            changed = True
+        return changed
 
     # -- layouts
     def layout(self, tv: ir.TensorView) -> Layout:

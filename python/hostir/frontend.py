@@ -263,13 +263,20 @@ class FusionDefinition:
             raise UsageError("ask for graph inputs after the `with FusionDefinition() as fd:` block")
         return self.executor.graph_inputs(inputs, outputs, params, **kwargs)
 
-    def dry_run(self, inputs, world_size: int | None = None, **kwargs):
+    def dry_run(self, inputs, world_size: int | None = None, backward: bool = False, **kwargs):
         """`hostir.dry_run(self, inputs, world_size, ...)`: every rank's
-        program on meta tensors, without running anything."""
-        from hostir.analysis.dry_run import dry_run
-
+        program on meta tensors, without running anything. With
+        `backward=True`, the training step's: the training forward, the
+        backward, and per rank their peaks and the bytes saved between them
+        (`hostir.analysis.training`; `wrt=` picks the inputs to differentiate)."""
         if self._state != "defined":
             raise UsageError("dry-run the fusion after its `with FusionDefinition() as fd:` block")
+        if backward:
+            from hostir.analysis.training import dry_run_training
+
+            return dry_run_training(self, inputs, world_size=world_size, **kwargs)
+        from hostir.analysis.dry_run import dry_run
+
         return dry_run(self, inputs, world_size=world_size, **kwargs)
 
     @property

@@ -308,3 +308,57 @@ def test_golden_backward_of_matmul_reduce_scatter():
     program = _backward_program(overlap.matmul_reduce_scatter(2), None)
     assert "(ring," in str(program)
     check_golden("backward_matmul_reduce_scatter", program)
+
+
+# ------------------------------------------------------------ what the forward saves
+
+
+def _megatron(D):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "megatron_mlp.py"
+    spec = importlib.util.spec_from_file_location("megatron_mlp", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
+def test_training_dry_run_reports_peaks_and_saved_bytes():
+    example = _megatron(2)
+    fd, _ = example.define(2)
+    H, rows = example.HIDDEN, 8
+    shapes = [[rows, H], [2 * H, H], [2 * H], [H, 2 * H], [H]]
+    report = fd.dry_run(shapes, backward=True)
+    assert len(report.ranks) == 2
+    r = report[0]
+    # The backward reads the gelu's input and output, each [2 * rows, 2 * H]
+    # on this rank (the whole sequence, its half of the hidden units); the
+    # sequence-sharded x is not saved gathered: the backward gathers it again.
+    assert sorted(shape for _, shape, _ in r.saved) == [[2 * rows, 2 * H], [2 * rows, 2 * H]]
+    assert r.saved_bytes == 2 * (2 * rows * 2 * H * 4)
+    assert r.forward_peak_bytes > 0 and r.backward_peak_bytes > 0
+    kinds = [t.kind for t in report.backward[0].communications]
+    # Two Allgathers: of the output's gradient (sequence-sharded, for both
+    # products of the row-parallel linear) and of x again (for w1's
+    # gradient); a ReduceScatter of x's gradient.
+    assert sorted(kinds) == ["Allgather", "Allgather", "ReduceScatter"], kinds
+    kept_report = fd.dry_run(shapes, backward=True, keep_gathered=True)
+    assert sorted(t.kind for t in kept_report.backward[0].communications) == ["Allgather", "ReduceScatter"]
+    kept = kept_report[0]
+    assert [2 * rows, H] in [shape for _, shape, _ in kept.saved]
+    assert kept.saved_bytes == r.saved_bytes + 2 * rows * H * 4
+    assert "saved between them" in str(report)
+
+
+def test_training_dry_run_on_one_device():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], F64)
+        w = fd.define_tensor([-1, -1], F64)
+        fd.add_output(fd.ops.sum(fd.ops.tanh(fd.ops.matmul(x, w)), [1]))
+    report = fd.dry_run([[4, 3], [3, 5]], backward=True)
+    (r,) = report.ranks
+    # tanh's output [4, 5] float64 is what the backward reads beyond the inputs.
+    assert [(shape, dtype) for _, shape, dtype in r.saved] == [([4, 5], "float64")]
+    assert r.saved_bytes == 4 * 5 * 8
+    assert r.saved_input_bytes == (4 * 3 + 3 * 5) * 8

@@ -319,3 +319,29 @@ def test_megatron_mlp_block_matches_eager(world):
     torch.testing.assert_close(y, expected)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("keep_gathered", [False, True], ids=["regather", "keep_gathered"])
+def test_sequence_parallel_linear_saves_the_shard_or_the_gathered_input(world, keep_gathered):
+    from hostir.autograd import training_of
+
+    D = world.size
+    fd = _linear(D, x_axis=0, w_axis=0, b_sharded=True, y_axis=1)
+    fd.keep_gathered = keep_gathered
+    gradcheck(
+        fd,
+        [randn(2 * D, 4), randn(2 * D, 4), randn(2 * D)],
+        [("shard", 0), ("shard", 0), ("shard", 0)],
+        [("shard", 1)],
+        world,
+    )
+    training = training_of(fd, (0, 1, 2))
+    saved = [training.derivation.forward.outputs[i] for kind, i in training.derivation.saved if kind == "output"]
+    backward = training.backward.host_ir()
+    if keep_gathered:
+        # The forward's gathered x is saved; the backward gathers nothing.
+        assert len(saved) == 1 and "type=Allgather" not in backward
+    else:
+        # Only the shard (an input) is saved; the backward gathers it again.
+        assert saved == [] and "type=Allgather" in backward
+    assert "type=ReduceScatter" in backward
