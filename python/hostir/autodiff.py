@@ -395,7 +395,10 @@ class _Deriver:
         return a, b
 
     def permute(self, tv: ir.TensorView, dims) -> ir.TensorView:
+        """`tv` transposed for a product: a view, not a copy."""
         out = shape_ops.permute(tv, dims)
+        op = self.bwd.exprs[-1]
+        op.view = True
         lay = self.known.get(tv)
         if lay is not None:
             lay = lay.without_streams().permuted(dims)

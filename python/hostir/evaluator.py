@@ -742,6 +742,9 @@ def _permute(frame: Frame, e: ir.PermuteOp) -> None:
         frame.bind(e.out, as_loop(e.out, src.permute(e.dims).contiguous()))
         return
     src = frame.full_rank(e.input, frame.get(e.input))
+    if e.view and frame.get(e.out, None) is None and e.out not in frame.evaluator.slice_dim:
+        frame.bind(e.out, src.permute(e.dims))
+        return
     _copy_out(frame, e, src.permute(e.dims), src)
 
 

@@ -825,6 +825,9 @@ class PermuteOp(Expr):
     out: TensorView
     input: TensorView
     dims: tuple
+    # A view of the input instead of a copy (backward programs, whose
+    # products read a transposed operand in place); never written.
+    view: bool = False
     INPUTS = ("input",)
     OUTPUTS = ("out",)
 

@@ -85,7 +85,8 @@ def _linear(e: ir.LinearOp, pad):
 
 def _permute(e: ir.PermuteOp, pad):
     dims = ", ".join(map(str, e.dims))
-    return _assign(pad, e.out, f"permute( {format_tv(e.input)}, dims = {{{dims}}} )")
+    view = ", view" if getattr(e, "view", False) else ""
+    return _assign(pad, e.out, f"permute( {format_tv(e.input)}, dims = {{{dims}}}{view} )")
 
 
 def _reshape(e: ir.ReshapeOp, pad):
