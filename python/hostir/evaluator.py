@@ -750,21 +750,23 @@ def _permute(frame: Frame, e: ir.PermuteOp) -> None:
 
 @impl(ir.ExpandOp)
 def _expand(frame: Frame, e: ir.ExpandOp) -> None:
-    src = _operand(frame, e, e.input)
-    like = _operand(frame, e, e.like)
+    # At full rank: inside a stream loop the dims `dims` counts are those of
+    # the whole tensors, a selected slice's dim put back as size 1.
+    src = _operand(frame, e, e.input, full_rank=True)
+    like = _operand(frame, e, e.like, full_rank=True)
     for d in sorted(e.dims):
         src = src.unsqueeze(d)
 
     def run():
         return src.expand(like.shape).contiguous()
 
-    _store(frame, e, run, lambda out: out.copy_(src.expand(like.shape)))
+    _store(frame, e, run, lambda out: out.copy_(src.expand(like.shape)), full_rank=True)
 
 
 @impl(ir.InsertOp)
 def _insert(frame: Frame, e: ir.InsertOp) -> None:
-    src = _operand(frame, e, e.input)
-    like = _operand(frame, e, e.like)
+    src = _operand(frame, e, e.input, full_rank=True)
+    like = _operand(frame, e, e.like, full_rank=True)
 
     def run():
         out = torch.zeros(like.shape, dtype=e.out.dtype, device=like.device)
@@ -781,7 +783,7 @@ def _insert(frame: Frame, e: ir.InsertOp) -> None:
         out.zero_()
         fill(out)
 
-    _store(frame, e, run, into)
+    _store(frame, e, run, into, full_rank=True)
 
 
 @impl(ir.ReshapeOp)

@@ -345,3 +345,45 @@ def test_sequence_parallel_linear_saves_the_shard_or_the_gathered_input(world, k
         # Only the shard (an input) is saved; the backward gathers it again.
         assert saved == [] and "type=Allgather" in backward
     assert "type=ReduceScatter" in backward
+
+
+SCHEDULES = ["ring", "ring:chunks=2,direction=-1", "collective", "sequential"]
+
+
+@pytest.mark.parametrize("sched", SCHEDULES)
+def test_allgather_matmul_layer_backward(world, sched):
+    """The AG+matmul layer's gradients under every decomposition: the
+    weight gradient gathers the saved shard again (a ring, when the
+    schedule says so); the input gradient is this rank's rows."""
+    from hostir import overlap
+
+    D, m, K, N = world.size, 4, 3, 5
+    X, W, G = torch.randn(D, m, K), torch.randn(K, N), torch.randn(D, m, N)
+    fd = overlap.allgather_matmul(D)
+    (x, w), expected = overlap.allgather_matmul_inputs(X, W, world.rank)
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (y,) = fd.execute([x, w], schedule=sched, number_of_streams=2)
+    torch.testing.assert_close(y, expected)
+    y.backward(G)
+    torch.testing.assert_close(x.grad, (G @ W.T)[world.rank : world.rank + 1])
+    torch.testing.assert_close(w.grad, X.reshape(-1, K).T @ G.reshape(-1, N))
+
+
+@pytest.mark.parametrize("sched", SCHEDULES)
+def test_matmul_reduce_scatter_layer_backward(world, sched):
+    """The matmul+RS layer's gradients under every decomposition: one
+    gather of the output gradient (a ring, when the schedule says so) feeds
+    both products."""
+    from hostir import overlap
+
+    D, m, k, N = world.size, 4, 3, 5
+    A, B, G = torch.randn(D * m, D * k), torch.randn(D * k, N), torch.randn(D * m, N)
+    fd = overlap.matmul_reduce_scatter(D)
+    (a, b), expected = overlap.matmul_reduce_scatter_inputs(A, B, D, world.rank)
+    a, b = a.clone().requires_grad_(), b.clone().requires_grad_()
+    (y,) = fd.execute([a, b], schedule=sched, number_of_streams=2)
+    torch.testing.assert_close(y.reshape(expected.shape), expected)
+    y.backward(G.reshape(D, m, N)[world.rank : world.rank + 1].reshape(y.shape))
+    (da, db), _ = overlap.matmul_reduce_scatter_inputs(G @ B.T, A.T @ G, D, world.rank)
+    torch.testing.assert_close(a.grad, da)
+    torch.testing.assert_close(b.grad, db)
