@@ -927,7 +927,7 @@ def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device:
         _check_tensor(what, tv, t)
         if t.device != device:
             raise InputError(f"{what} is on {t.device} but the fusion runs on {device}")
-        shape = [_local_output_size(d, sizes) for d in tv.logical_runtime()]
+        shape = [_local_output_size(tv, d, sizes) for d in tv.logical_runtime()]
         if list(t.shape) != shape:
             raise InputError(f"{what}: expected shape {shape}, got {list(t.shape)}")
         if not t.is_contiguous():
@@ -949,7 +949,9 @@ def _check_no_overlap(fusion: ir.Fusion, outputs: list, inputs: list, tvs) -> No
         spans.append((what, t))
 
 
-def _local_output_size(d: ir.IterDomain, sizes) -> int | None:
+def _local_output_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None:
+    """This rank's size of `tv`'s logical axis `d`, from the whole sizes
+    of the symbolic extents (None where unknown)."""
     fixed = layout.local_extent(d)
     if fixed is not None:
         return fixed
