@@ -238,7 +238,7 @@ def test_preallocated_output_on_a_sharded_symbolic_axis_gets_the_shape_check():
     piece: its expected size is the whole size over the mesh's size along
     that piece (8 rows over 2 ranks: 4), and a wrong one is an InputError
     naming both shapes."""
-    from hostir.executor import check_outputs, check_sizes, equal_input_axes
+    from hostir.runtime.checks import check_outputs, check_sizes, equal_input_axes
 
     with FusionDefinition() as fd:
         x = fd.define_tensor(shape=[-1, -1])
