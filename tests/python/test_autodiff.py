@@ -280,7 +280,7 @@ def test_cpp_evaluator_runs_a_backward_of_its_ops():
 def _backward_program(fd, sched):
     from hostir import autodiff
     from hostir.lower import lower
-    from hostir.schedule import Schedule, parse
+    from hostir.lower.schedule import Schedule, parse
 
     d = autodiff.derive(fd.fusion, list(range(len(fd.fusion.inputs))))
     return lower(d.backward, rank=0, backend="NCCL", schedule=parse(sched) if sched else Schedule())
