@@ -44,8 +44,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-import torch
-
 from hostir import ir, printer, shape_ops
 from hostir.errors import HostIrError
 
@@ -166,7 +164,7 @@ class Derivation:
     # The forward inputs whose gradients the backward returns, in its
     # outputs' order.
     grad_inputs: list[int]
-    # Per user output: the keepdim shape a cotangent is viewed as (None: as it is).
+    # Per user output: the layout its cotangent (a backward input) has.
     cotangent_layouts: list[Layout]
 
 
@@ -444,7 +442,8 @@ class _Deriver:
                 self.layout(tv).apply(g)
             self.bwd.add_output(g)
             grad_inputs.append(i)
-        # Every tensor a rule made and nothing placed takes what propagation gives.
+        # A tensor a rule made and nothing placed takes what sharding
+        # propagation gives it when the backward is lowered.
         return Derivation(
             forward=fwd,
             backward=self.bwd,
@@ -706,7 +705,3 @@ def _select_rule(d: _Deriver, e: ir.SelectOp, needs) -> None:
     out = ir.TensorView(d.bwd, [a.clone(d.bwd) for a in like.logical_runtime()], g.dtype)
     d.bwd.add_expr(ir.InsertOp(out, g, like, dim=e.dim, index=index))
     d.contribute(e.input, d.made(out))
-
-
-def grad_dtype_ok(t: torch.Tensor) -> bool:
-    return t.dtype.is_floating_point or t.dtype.is_complex

@@ -86,6 +86,11 @@ def test_llama_with_its_own_tp_plan(world, tp_mesh):
     out.loss.backward()
     expected.loss.backward()
     compare_grads(model, ref)
+    # Gradients are DTensors placed as their parameters.
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.q_proj, layer.mlp.down_proj):
+            assert isinstance(linear.weight.grad, DTensor)
+            assert linear.weight.grad.placements == linear.weight.placements
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
@@ -229,3 +234,27 @@ def test_a_linear_style_on_another_module_is_refused_before_anything_moves(world
         parallelize_module(model, tp_mesh, {"layers.*.attention.wq": ColwiseParallel(), "layers.*.attention_norm": ColwiseParallel()})
     assert model.layers[0].attention_norm.weight is before
     assert not isinstance(model.layers[0].attention.wq.weight, DTensor)
+
+
+def test_dtensor_outputs_and_prepare_module_output(world, tp_mesh):
+    """use_local_output=False returns the DTensor; PrepareModuleOutput
+    redistributes it (here to replicated) as torch does."""
+    from torch.distributed.tensor.parallel import PrepareModuleOutput
+
+    model = FeedForward(16, 8 * world.size)
+    ref = copy.deepcopy(model)
+    plan = {
+        "w1": ColwiseParallel(),
+        "w3": ColwiseParallel(),
+        "w2": RowwiseParallel(output_layouts=Shard(0), use_local_output=False),
+        "": PrepareModuleOutput(output_layouts=(Shard(0),), desired_output_layouts=(Replicate(),)),
+    }
+    parallelize_module(model, tp_mesh, plan)
+    x = torch.randn(2 * world.size, 16)
+    y = model(x)
+    assert isinstance(y, torch.Tensor) and not isinstance(y, DTensor)
+    expected = ref(x)
+    torch.testing.assert_close(y, expected, **TOL)
+    y.square().sum().backward()
+    expected.square().sum().backward()
+    compare_grads(model, ref)
