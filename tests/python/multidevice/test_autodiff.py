@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import hostir
 from hostir import DeviceMesh, FusionDefinition, ParallelType
 
 F64 = torch.float64
