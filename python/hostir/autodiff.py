@@ -103,6 +103,10 @@ class Layout:
         if self.mesh is not None:
             tv.set_device_mesh(self.mesh)
         logical = tv.logical_runtime()
+        for d in tv.logical:
+            # A reduced axis cloned from a stream axis is no stream axis.
+            if d.is_reduction and d.leaves is None and d.parallel_type is ir.ParallelType.stream:
+                d.parallelize(ir.ParallelType.serial)
         to_parallelize = []
         for d, pieces in zip(logical, self.axes):
             # An axis cloned from a placed operand comes with its parallel type.
@@ -294,6 +298,31 @@ class _Deriver:
             self.saved_order.append(("output", self.fwd.outputs.index(tv)))
             found = self.new_input(tv, self.layout(tv))
         self.saved[tv] = found
+        return found
+
+    def regathered(self, tv: ir.TensorView) -> bool:
+        """Whether `save(tv)` gathers a saved shard again."""
+        producer = self.producer.get(tv)
+        return (
+            isinstance(producer, ir.Set)
+            and not self.keep_gathered
+            and self.multi
+            and tv not in self.saved
+            and self.layout(tv).without_streams() != self.layout(producer.input).without_streams()
+        )
+
+    def save_permuted(self, tv: ir.TensorView, dims) -> ir.TensorView:
+        """The forward value `tv` with its axes permuted. A tensor gathered
+        again is permuted as a shard and then gathered, so that the gather
+        (a ring, when its stream axis asks for one) feeds the product that
+        reads it chunk by chunk."""
+        if not self.regathered(tv):
+            return self.permute(self.save(tv), dims)
+        shard = self.permute(self.save(self.producer[tv].input), dims)
+        found = ir.set_(shard)
+        layout = self.layout(tv).permuted(dims)
+        layout.apply(found)
+        self.known[found] = layout
         return found
 
     def read_anyway(self, t: ir.TensorView) -> bool:
@@ -611,8 +640,7 @@ def _matmul_rule(d: _Deriver, e: ir.MatmulOp, needs) -> None:
             ga = ir.matmul(gg, bt)
         d.contribute(a, d.made(_unbroadcast(d, ga, a)))
     if _wants(d, b, needs):
-        as_ = d.save(a)
-        at = d.permute(as_, _swap_last(na))
+        at = d.save_permuted(a, _swap_last(na))
         at, gg = d.contraction_ready(at, [na - 1], g, [ng - 2])
         gb = ir.matmul(at, gg)
         if nb == 2 and ng > 2:

@@ -288,14 +288,16 @@ def _backward_program(fd, sched):
 
 def test_golden_backward_of_allgather_matmul():
     """The backward of AG+matmul: the weight gradient gathers the saved
-    shard again in a ring and multiplies the gathered rows; the input
-    gradient is this rank's rows of dy @ w^T, without communication."""
+    shard (transposed) again in a ring, and each step multiplies the shard
+    it received while the next one moves; the input gradient is this rank's
+    rows of dy @ w^T, without communication."""
     from conftest import check_golden
     from hostir import overlap
 
     program = _backward_program(overlap.allgather_matmul(2), None)
     text = str(program)
-    assert "(ring," in text and "P2PCommunication" in text
+    ring = text.split("(ring,")[1].split("Deallocate")[0]
+    assert "P2PCommunication" in ring and "matmul(" in ring
     check_golden("backward_allgather_matmul", program)
 
 

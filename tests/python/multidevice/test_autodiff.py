@@ -356,7 +356,8 @@ def test_allgather_matmul_layer_backward(world, sched):
     schedule says so); the input gradient is this rank's rows."""
     from hostir import overlap
 
-    D, m, K, N = world.size, 4, 3, 5
+    # The backward gathers x transposed, [K, m] per shard: chunks cut K.
+    D, m, K, N = world.size, 4, 6, 5
     X, W, G = torch.randn(D, m, K), torch.randn(K, N), torch.randn(D, m, N)
     fd = overlap.allgather_matmul(D)
     (x, w), expected = overlap.allgather_matmul_inputs(X, W, world.rank)
