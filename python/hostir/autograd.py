@@ -114,6 +114,46 @@ def _plain(t):
     return t.detach() if isinstance(t, torch.Tensor) else t
 
 
+def _placeholders(d: Derivation, saved: list, inputs) -> list:
+    """A saved value this rank does not hold (it lives on other ranks'
+    mesh) is passed to the backward as a tensor of the shape the program
+    expects, which it never reads."""
+    from hostir import ir
+    from hostir.runtime.checks import check_sizes, equal_input_axes
+
+    plain = [_plain(t) for t in inputs]
+    sizes = check_sizes(d.forward, plain, equal_input_axes(d.forward))
+    device = next((t.device for t in plain if isinstance(t, torch.Tensor)), None)
+    out = list(saved)
+    for k, ((kind, i), value) in enumerate(zip(d.saved, saved)):
+        if value is not None:
+            continue
+        tv = d.forward.outputs[i]
+        shape = []
+        for axis in tv.logical_runtime():
+            if any(leaf.is_device_parallel for leaf in axis.loop_leaves()):
+                raise BackwardError(
+                    f"T{tv.name}, saved for the backward, lives on ranks {tv.mesh} sharded; a rank outside its "
+                    f"mesh cannot size its placeholder"
+                )
+            extent = axis.extent
+            size = extent.value if extent.is_constant else sizes.get(extent)
+            if size is None and isinstance(extent, ir.ScalarExpr):
+                size = _evaluate(extent, sizes)
+            shape.append(size)
+        out[k] = torch.empty(shape, dtype=tv.dtype, device=device)
+    return out
+
+
+def _evaluate(s, sizes):
+    from hostir import ir
+
+    if isinstance(s, ir.ScalarExpr):
+        a, b = _evaluate(s.lhs, sizes), _evaluate(s.rhs, sizes)
+        return None if a is None or b is None else ir.ScalarExpr.OPS[s.op](a, b)
+    return s.value if s.is_constant else sizes.get(s)
+
+
 class _Node(torch.autograd.Function):
     @staticmethod
     def forward(ctx, training: Training, params, *inputs):
@@ -121,6 +161,8 @@ class _Node(torch.autograd.Function):
         results = training.forward.execute([_plain(t) for t in inputs], None, params)
         user = results[: d.user_outputs]
         saved = [inputs[i] if kind == "input" else results[i] for kind, i in d.saved]
+        if any(t is None for t in saved):
+            saved = _placeholders(d, saved, inputs)
         tensors = [t for t in saved if isinstance(t, torch.Tensor)]
         ctx.save_for_backward(*tensors)
         ctx.layout = [isinstance(t, torch.Tensor) for t in saved]

@@ -225,6 +225,23 @@ def test_gather_and_scatter(world, root):
     gradcheck(fd, [randn(D, 3)], [("shard", 0)], [("shard", 0)], world)
 
 
+@pytest.mark.parametrize("root", ["first", "last"])
+def test_reduce(world, root):
+    D = world.size
+    r = 0 if root == "first" else D - 1
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([D, -1], F64)
+        y = fd.ops.sum(fd.ops.exp(x), [0])  # Reduce onto r
+        z = fd.ops.set(fd.ops.tanh(y))  # Broadcast from r
+        fd.add_output(z)
+    place(DeviceMesh(range(D)), x, z)
+    y.set_device_mesh(DeviceMesh([r]))
+    x.axis(0).parallelize(ParallelType.mesh_x)
+    dump = fd.host_ir()
+    assert "type=Reduce" in dump and "type=Broadcast" in dump
+    gradcheck(fd, [randn(D, 3)], [("shard", 0)], [None], world)
+
+
 def test_send_recv(world):
     D = world.size
     with FusionDefinition() as fd:
