@@ -264,6 +264,13 @@ class FusionDefinition:
         return dry_run(self, inputs, world_size=world_size, **kwargs)
 
     @property
+    def last_runner(self):
+        """What ran the latest `execute` and why: a `hostir.executor.Runner`
+        with `name` ("cpp", "python" or "fake") and `reason` (every reason
+        the C++ executor is not used); None before the first call."""
+        return self.executor.last_runner
+
+    @property
     def num_programs(self) -> int:
         """How many lowered programs are cached (one per input signature and
         per set of static sizes)."""

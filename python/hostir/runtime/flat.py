@@ -517,40 +517,54 @@ def _split_layout(tv: ir.TensorView) -> bool:
 
 
 def unsupported(container: HostIrContainer) -> str | None:
-    """Why the C++ executor cannot run `container`, or None if it can: an op
-    it has no instruction for, or a communication only Python posts (the
-    copy-engine transport, a root chosen at run time, symmetric memory), a
-    scalar input, or a loop that walks chunks of a split axis."""
+    """Why the C++ executor cannot run `container` (the first reason), or
+    None if it can."""
+    reasons = unsupported_reasons(container)
+    return reasons[0] if reasons else None
+
+
+def unsupported_reasons(container: HostIrContainer) -> list[str]:
+    """Every reason the C++ executor cannot run `container`, each kind once
+    (with its first op): an op it has no instruction for, a communication
+    only Python posts (the copy-engine transport, a root chosen at run time,
+    symmetric memory), a scalar input, or a loop that walks chunks of a
+    split axis."""
+    found: dict[str, str] = {}
+
+    def note(kind: str, text: str) -> None:
+        found.setdefault(kind, text)
+
     scalars = [v for v in container.inputs if not isinstance(v, ir.TensorView)]
     if scalars:
-        return f"it takes scalar inputs ({', '.join(printer.format_val(v) for v in scalars)})"
+        note("scalars", f"it takes scalar inputs ({', '.join(printer.format_val(v) for v in scalars)})")
     for e in container.walk():
         split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and _split_layout(v)), None)
         if split is not None:
-            return f"it has a split axis (ceilDiv extents, merged runtime dims): {printer.format_tv(split)}"
+            note("split", f"it has a split axis (ceilDiv extents, merged runtime dims): {printer.format_tv(split)}")
         if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk":
-            return f"it walks chunks of a split axis: {printer.format_expr_head(e)}"
+            note("chunk", f"it walks chunks of a split axis: {printer.format_expr_head(e)}")
         if type(e) not in _COMPILERS:
-            return f"it has no instruction for {type(e).__name__}"
+            note(f"op {type(e).__name__}", f"it has no instruction for {type(e).__name__}")
+            continue
         if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):
-            return f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}"
+            note(f"transport {e.backend}", f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and e.type.value not in COMMUNICATION_TYPES:
-            return f"it has no {e.type.value}: {printer.format_expr_head(e)}"
+            note(f"type {e.type.value}", f"it has no {e.type.value}: {printer.format_expr_head(e)}")
         if isinstance(e, ir.FUSION_OPS) and any(_sharded(v) for v in e.inputs() + e.outputs()):
-            return f"it computes on sharded axes: {printer.format_expr_head(e)}"
+            note("sharded", f"it computes on sharded axes: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and any(
             (v.mesh is not None and v.mesh.ndim > 1) or len(v.device_axes()) > 1 for v in (e.input, e.out)
         ):
-            return f"it communicates over a 2-D mesh: {printer.format_expr_head(e)}"
+            note("2-D", f"it communicates over a 2-D mesh: {printer.format_expr_head(e)}")
         if getattr(e, "partial", None) is not None:
-            return f"it keeps partial sums: {printer.format_expr_head(e)}"
+            note("partial", f"it keeps partial sums: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and not (e.root is None or isinstance(e.root, int)):
-            return f"its root is chosen at run time: {printer.format_expr_head(e)}"
+            note("root", f"its root is chosen at run time: {printer.format_expr_head(e)}")
         if isinstance(e, ir.P2PCommunication) and getattr(e, "into", None) is not None:
-            return f"it pushes into a peer's buffer: {printer.format_expr_head(e)}"
+            note("push", f"it pushes into a peer's buffer: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Allocate) and e.memory_type.word == "symmetric":
-            return f"it allocates symmetric memory: {printer.format_expr_head(e)}"
-    return None
+            note("symmetric", f"it allocates symmetric memory: {printer.format_expr_head(e)}")
+    return list(found.values())
 
 
 def _sharded(v) -> bool:

@@ -120,6 +120,8 @@ class Prepared:
 
     version: int  # the fusion's version it was made for
     run: Callable[[list, list | None], list]
+    # What runs the program, and why (the executor's record of it).
+    runner: object = None
     # With cuda_graph=True: the captured graph's own input buffers, as the
     # caller passes inputs (a call that passes them copies nothing).
     graph_inputs: list | None = None
@@ -136,7 +138,7 @@ def prepare(executor, call, params, check_no_overlap) -> Prepared:
 
     if params.cuda_graph:
         run, buffers = _graph_runner(executor, call, nos, runtime_inputs, runtime_outputs, logical, check_no_overlap)
-        return Prepared(executor.fusion.version, run, binding.logical_inputs(buffers))
+        return Prepared(executor.fusion.version, run, program.runner, binding.logical_inputs(buffers))
     elif hasattr(program.evaluator, "run_tensors"):
         run_tensors = program.evaluator.run_tensors
 
@@ -158,7 +160,7 @@ def prepare(executor, call, params, check_no_overlap) -> Prepared:
             with torch.no_grad():
                 return logical(evaluator.run(bindings, number_of_streams=nos))
 
-    return Prepared(executor.fusion.version, run)
+    return Prepared(executor.fusion.version, run, program.runner)
 
 
 def _graph_runner(executor, call, nos, runtime_inputs, runtime_outputs, logical, check_no_overlap):
