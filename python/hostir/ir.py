@@ -22,6 +22,7 @@ import torch
 
 from hostir import communicator
 from hostir.errors import DefinitionError, DefinitionIndexError, DefinitionTypeError
+from hostir.kinds import BinaryKind, ReductionKind, UnaryKind
 
 
 class ParallelType(enum.Enum):
@@ -678,6 +679,14 @@ def _op(cls):
     return dataclasses.dataclass(eq=False, repr=False)(cls)
 
 
+def _kind(kinds: type, kind, what: str):
+    """`kind` (a name or a member) as a member of the enum `kinds`."""
+    try:
+        return kinds(kind)
+    except ValueError:
+        raise DefinitionError(f"unknown {what} {kind!r}; expected one of {[k.value for k in kinds]}") from None
+
+
 def _zip_axes(out: TensorView, inp: TensorView) -> Iterator[tuple[IterDomain, IterDomain]]:
     # An operand's reduction axes (left by the op that made it) take no part.
     yield from zip(out.logical_runtime(), inp.logical_runtime())
@@ -704,12 +713,14 @@ class BinaryOp(Expr):
     operand is a constant. Writes into `out` if bound (the `out=` variant)."""
 
     out: TensorView
-    kind: str
+    kind: BinaryKind
     lhs: TensorView | Scalar
     rhs: TensorView | Scalar
     INPUTS = ("lhs", "rhs")
     OUTPUTS = ("out",)
-    KINDS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+
+    def __post_init__(self):
+        self.kind = _kind(BinaryKind, self.kind, "binary op")
 
     def id_pairs(self):
         # Aligned from the last axis, as torch broadcasts.
@@ -726,13 +737,13 @@ class UnaryOp(Expr):
     variant). Runs on the current stream."""
 
     out: TensorView
-    kind: str
+    kind: UnaryKind
     input: TensorView
     INPUTS = ("input",)
     OUTPUTS = ("out",)
-    # Kinds defined for floating inputs only.
-    FLOATING = ("gelu", "silu", "exp", "tanh", "sigmoid")
-    KINDS = ("relu", "neg", "abs", "cast") + FLOATING
+
+    def __post_init__(self):
+        self.kind = _kind(UnaryKind, self.kind, "unary op")
 
     def id_pairs(self):
         return _zip_axes(self.out, self.input)
@@ -744,11 +755,13 @@ class ReductionOp(Expr):
     (sum, max, min). Writes into `out` if bound."""
 
     out: TensorView
-    kind: str
+    kind: ReductionKind
     input: TensorView
     INPUTS = ("input",)
     OUTPUTS = ("out",)
-    KINDS = {"sum": "add", "max": "max", "min": "min"}
+
+    def __post_init__(self):
+        self.kind = _kind(ReductionKind, self.kind, "reduction")
 
     def id_pairs(self):
         return zip(self.out.logical, self.input.logical_runtime())
@@ -1026,7 +1039,7 @@ class Communication(Expr):
     input: TensorView
     team: tuple
     root: int | Scalar | None = None
-    red_op: str | None = None
+    red_op: ReductionKind | None = None
     backend: str = "NCCL"
     # Dims of the input's local tensor that each rank reduces itself first
     # (the rows of a split mesh_x axis that a rank holds).
@@ -1039,6 +1052,8 @@ class Communication(Expr):
     OUTPUTS = ("out",)
 
     def __post_init__(self):
+        if self.red_op is not None:
+            self.red_op = _kind(ReductionKind, self.red_op, "reduction")
         if not self.team:
             raise DefinitionError("a Communication needs a non-empty team")
         if self.type.has_root != (self.root is not None):
@@ -1354,8 +1369,7 @@ def _probe(v):
 
 
 def binary(kind: str, lhs, rhs) -> TensorView:
-    if kind not in BinaryOp.KINDS:
-        raise DefinitionError(f"unknown binary op {kind!r}; expected one of {list(BinaryOp.KINDS)}")
+    kind = _kind(BinaryKind, kind, "binary op")
     lhs, rhs = _as_operand(lhs), _as_operand(rhs)
     fusion = _owner(lhs, rhs)
     tensors = [v for v in (lhs, rhs) if isinstance(v, TensorView)]
@@ -1366,7 +1380,7 @@ def binary(kind: str, lhs, rhs) -> TensorView:
     probe = [_probe(v) for v in (lhs, rhs)]
     if not isinstance(probe[0], torch.Tensor):
         probe[0] = torch.tensor(probe[0])
-    dtype = getattr(torch, kind)(*probe).dtype
+    dtype = kind.torch_fn(*probe).dtype
     domain = []
     for axes in zip(*(t.logical_runtime() for t in tensors)):
         wide = [d for d in axes if not d.is_broadcast]
@@ -1380,19 +1394,18 @@ def binary(kind: str, lhs, rhs) -> TensorView:
 
 
 def unary(kind: str, x: TensorView, dtype: torch.dtype | None = None) -> TensorView:
-    if kind not in UnaryOp.KINDS:
-        raise DefinitionError(f"unknown unary op {kind!r}; expected one of {list(UnaryOp.KINDS)}")
+    kind = _kind(UnaryKind, kind, "unary op")
     if not isinstance(x, TensorView):
         raise DefinitionTypeError(f"{kind} takes a TensorView, got {type(x).__name__}")
     fusion = _owner(x)
-    if kind == "cast":
+    if kind is UnaryKind.cast:
         if not isinstance(dtype, torch.dtype):
             raise DefinitionTypeError(f"cast needs a torch.dtype, got {dtype!r}")
         if dtype not in _DTYPE_NAMES:
             raise DefinitionTypeError(f"cast: dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES)}")
     elif dtype is not None:
         raise DefinitionTypeError(f"{kind} takes no dtype")
-    if kind in UnaryOp.FLOATING and not x.dtype.is_floating_point:
+    if kind.floating and not x.dtype.is_floating_point:
         raise DefinitionTypeError(f"{kind}: T{x.name} is {x.dtype}; {kind} takes a floating-point tensor")
     out = TensorView(fusion, [d.clone(fusion) for d in x.logical_runtime()], dtype or x.dtype)
     return _emit(fusion, UnaryOp(out, kind, x))
@@ -1416,12 +1429,11 @@ def _normalize_dims(x: TensorView, dims, what: str) -> list[int]:
 
 
 def reduction(kind: str, x: TensorView, dims) -> TensorView:
-    if kind not in ReductionOp.KINDS:
-        raise DefinitionError(f"unknown reduction {kind!r}; expected one of {list(ReductionOp.KINDS)}")
+    kind = _kind(ReductionKind, kind, "reduction")
     fusion = _owner(x)
     reduced = _normalize_dims(x, dims, kind)
     dtype = x.dtype
-    if kind == "sum" and not (dtype.is_floating_point or dtype.is_complex):
+    if kind is ReductionKind.sum and not (dtype.is_floating_point or dtype.is_complex):
         dtype = torch.int64
     domain = [
         d.clone(fusion, IterType.reduction if i in reduced else None)

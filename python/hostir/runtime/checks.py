@@ -14,6 +14,7 @@ import torch
 
 from hostir import ir, layout
 from hostir.errors import HostIrError, ScheduleError
+from hostir.kinds import ReductionKind
 from hostir.container import HostIrContainer
 
 __all__ = [
@@ -211,7 +212,7 @@ def check_reductions(fusion: ir.Fusion, sizes: dict) -> None:
     """A max or min over an empty axis has no value (torch raises): reject
     it before any work."""
     for e in fusion.exprs:
-        if not isinstance(e, ir.ReductionOp) or e.kind == "sum":
+        if not isinstance(e, ir.ReductionOp) or e.kind is ReductionKind.sum:
             continue
         for axis, d in enumerate(e.out.domain):
             if not d.is_reduction:

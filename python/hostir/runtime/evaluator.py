@@ -591,34 +591,19 @@ def _set(frame: Frame, e: ir.Set) -> None:
         out.copy_(src)
 
 
-_UNARY = {
-    "relu": torch.relu,
-    "neg": torch.neg,
-    "abs": torch.abs,
-    "gelu": torch.nn.functional.gelu,
-    "silu": torch.nn.functional.silu,
-    "exp": torch.exp,
-    "tanh": torch.tanh,
-    "sigmoid": torch.sigmoid,
-}
-
-
 @impl(ir.UnaryOp)
 def _unary(frame: Frame, e: ir.UnaryOp) -> None:
     x = _operand(frame, e, e.input)
-    if e.kind == "cast":
+    fn = e.kind.torch_fn
+    if fn is None:  # cast
         _store(frame, e, lambda: x.to(e.out.dtype), lambda out: out.copy_(x))
         return
-    fn = _UNARY[e.kind]
     _store(frame, e, lambda: fn(x), lambda out: out.copy_(fn(x)))
-
-
-_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 
 
 @impl(ir.BinaryOp)
 def _binary(frame: Frame, e: ir.BinaryOp) -> None:
-    fn = _BINARY[e.kind]
+    fn = e.kind.torch_fn
     lhs, rhs = _operand(frame, e, e.lhs), _operand(frame, e, e.rhs)
     if not isinstance(lhs, torch.Tensor):
         # torch takes a number only on the right; a 0-d tensor of the
@@ -633,10 +618,10 @@ def _reduction(frame: Frame, e: ir.ReductionOp) -> None:
     src = _operand(frame, e, e.input)
     dims = [i for i, d in enumerate(e.out.logical) if d.is_reduction]
 
+    fn, dtype = e.kind.torch_fn, e.out.dtype
+
     def run(**out):
-        if e.kind == "sum":
-            return torch.sum(src, dims, dtype=e.out.dtype, **out)
-        return (torch.amax if e.kind == "max" else torch.amin)(src, dims, **out)
+        return fn(src, dims, dtype=dtype, **out)
 
     _store(frame, e, run, lambda out: run(out=out))
 

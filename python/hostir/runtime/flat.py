@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from hostir import ir, layout, printer
@@ -410,15 +409,6 @@ def _mesh_axis(tv: ir.TensorView) -> int:
     return layout.position(tv, axis)
 
 
-def _identity(dtype: torch.dtype, red_op: str) -> float:
-    if red_op == "sum":
-        return 0.0
-    if dtype.is_floating_point:
-        return float("-inf") if red_op == "max" else float("inf")
-    info = torch.iinfo(dtype)
-    return float(info.min if red_op == "max" else info.max)
-
-
 @_compiles(ir.Communication)
 def _communication(cc: _Compiler, e: ir.Communication) -> None:
     rank = cc.container.rank if cc.container.rank is not None else cc.comm.rank
@@ -448,7 +438,7 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         "out_axis": _mesh_axis(e.out) if e.out.device_axes() else -1,
         "in_order": order == tuple(e.team),
         "perm": [],
-        "identity": _identity(e.out.dtype, e.red_op) if e.red_op else 0.0,
+        "identity": float(e.red_op.identity(e.out.dtype)) if e.red_op else 0.0,
         "peer": -1,
         "self_copy": False,
     }
