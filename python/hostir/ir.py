@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import math
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -994,30 +994,110 @@ class Deallocate(Expr):
     INPUTS = ("buffer",)
 
 
+def _nbytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+# The traffic of one collective on rank `me`: (bytes sent to each peer,
+# bytes received from each peer), from this rank's input and output
+# tensors (None where it holds none) and the root of this post.
+
+
+def _all_pairs_traffic(size):
+    def traffic(e, me, root, input, out):
+        each = size(e, input, out)
+        others = [p for p in e.team if p != me]
+        return {p: each for p in others}, {p: each for p in others}
+
+    return traffic
+
+
+def _broadcast_traffic(e, me, root, input, out):
+    size = _nbytes(out) if out is not None else _nbytes(input)
+    if me == root:
+        return {p: size for p in e.team if p != me}, {}
+    return {}, {root: size}
+
+
+def _gather_traffic(e, me, root, input, out):
+    senders = [p for p in e.team if p in e.input.mesh]
+    if me == root:
+        piece = _nbytes(out) // max(len(senders), 1)
+        return {}, {p: piece for p in senders if p != me}
+    return ({root: _nbytes(input)} if input is not None else {}), {}
+
+
+def _scatter_traffic(e, me, root, input, out):
+    receivers = [p for p in e.team if p in e.out.mesh]
+    if me == root:
+        piece = _nbytes(input) // max(len(e.out.mesh.devices), 1)
+        return {p: piece for p in receivers if p != me}, {}
+    return {}, ({root: _nbytes(out)} if out is not None else {})
+
+
+def _reduce_traffic(e, me, root, input, out):
+    if me == root:
+        return {}, {p: _nbytes(out) for p in e.team if p != me}
+    piece = _nbytes(input)
+    for d in e.local_reduce:
+        piece //= max(input.shape[d], 1)
+    return {root: piece}, {}
+
+
+def _send_recv_traffic(e, me, root, input, out):
+    sender, receiver = root, (e.team[-1] if len(e.team) > 1 else e.team[0])
+    if sender == receiver:
+        return {}, {}
+    if me == sender:
+        return {receiver: _nbytes(input)}, {}
+    if me == receiver:
+        return {}, {sender: _nbytes(out)}
+    return {}, {}
+
+
+def _all_to_all_traffic(e, me, root, input, out):
+    # Each rank keeps its own piece and trades one with every other.
+    n = max(len(e.team), 1)
+    others = [p for p in e.team if p != me]
+    return {p: _nbytes(input) // n for p in others}, {p: _nbytes(out) // n for p in others}
+
+
 class CommunicationType(enum.Enum):
-    Allgather = "Allgather"
-    Allreduce = "Allreduce"
-    ReduceScatter = "ReduceScatter"
-    Broadcast = "Broadcast"
-    Gather = "Gather"
-    Scatter = "Scatter"
-    Reduce = "Reduce"
-    SendRecv = "SendRecv"
-    AllToAll = "AllToAll"
+    """A collective's kind, with every fact the package reads about it:
+    `has_root` (it names a root), `reduces` (it takes a `red_op`), who
+    sends (`sends`: "all" the team, or the "root") and who receives
+    (`receives`: "all", the "root", or "others" than the root), `in_cpp`
+    (the C++ core has a path for it; the opcode order is the declaration
+    order), and `traffic(e, me, root, input, out)`: the bytes rank `me`
+    sends to and receives from each peer, as dicts."""
 
-    @property
-    def has_root(self) -> bool:
-        return self in (
-            CommunicationType.Broadcast,
-            CommunicationType.Gather,
-            CommunicationType.Scatter,
-            CommunicationType.Reduce,
-            CommunicationType.SendRecv,
-        )
+    has_root: bool
+    reduces: bool
+    sends: str
+    receives: str
+    in_cpp: bool
+    traffic: Callable
 
-    @property
-    def reduces(self) -> bool:
-        return self in (CommunicationType.Allreduce, CommunicationType.ReduceScatter, CommunicationType.Reduce)
+    def __new__(cls, value: str, has_root: bool, reduces: bool, sends: str, receives: str, in_cpp: bool, traffic):
+        member = object.__new__(cls)
+        member._value_ = value
+        member.has_root = has_root
+        member.reduces = reduces
+        member.sends = sends
+        member.receives = receives
+        member.in_cpp = in_cpp
+        member.traffic = traffic
+        return member
+
+    Allgather = "Allgather", False, False, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(i))
+    Allreduce = "Allreduce", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(o))
+    ReduceScatter = "ReduceScatter", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(o))
+    Broadcast = "Broadcast", True, False, "root", "others", True, _broadcast_traffic
+    Gather = "Gather", True, False, "all", "root", True, _gather_traffic
+    Scatter = "Scatter", True, False, "root", "all", True, _scatter_traffic
+    Reduce = "Reduce", True, True, "all", "root", True, _reduce_traffic
+    SendRecv = "SendRecv", True, False, "root", "others", True, _send_recv_traffic
+    AllToAll = "AllToAll", False, False, "all", "all", False, _all_to_all_traffic
 
 
 @_op

@@ -49,7 +49,8 @@ OPCODES = (
 )
 _CODE = {name: i for i, name in enumerate(OPCODES)}
 # Shared with csrc/host_ir/program.h (enum class CommType), in this order.
-COMMUNICATION_TYPES = ("Allgather", "Allreduce", "ReduceScatter", "Broadcast", "Gather", "Scatter", "Reduce", "SendRecv")
+# The C++ core's communication types, in its order (the declaration order).
+COMMUNICATION_TYPES = tuple(t.value for t in ir.CommunicationType if t.in_cpp)
 
 _DTYPES = {dtype: i for i, dtype in enumerate(ir.SUPPORTED_DTYPES)}
 
