@@ -49,6 +49,7 @@ from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.lower.propagate_shardings import is_resharding
 from hostir.lower.schedule import Schedule
+from hostir.runtime import transports
 
 
 class DecompositionError(HostIrError, ValueError):
@@ -338,8 +339,8 @@ class _Builder:
 
     def _exchange(self, body, send, to, recv, frm, into):
         """Send `send` to `to` and receive `recv` from `frm` as one group."""
-        cuda = self._transport() == "cuda"
-        posts = [self._p2p("send", send, to, into if cuda else None), self._p2p("recv", recv, frm)]
+        one_sided = transports.capabilities(self._transport()).one_sided
+        posts = [self._p2p("send", send, to, into if one_sided else None), self._p2p("recv", recv, frm)]
         end = ir.EndCoalescing(self.c.next_name("comm"))
         body += [ir.StartCoalescing(), *posts, end, ir.Wait(end)]
 
@@ -362,7 +363,7 @@ class _Builder:
                 changes = {f: flat[getattr(e, f)] for f in e.INPUTS + e.OUTPUTS if getattr(e, f) in flat}
                 self.c.push_back(e.replace(**changes))
             return
-        symmetric = kind == "ring" and self._transport() == "cuda"
+        symmetric = kind == "ring" and transports.capabilities(self._transport()).needs_symmetric_buffers
         self.c.push_back(ir.Allocate(xg, ir.MemoryType.symmetric if symmetric else ir.MemoryType.global_))
         for tv in outs[1:]:
             self.c.push_back(ir.Allocate(tv, ir.MemoryType.global_))
@@ -480,7 +481,7 @@ class _Builder:
         slot_domain = [self._serial(d) for d in c.domain]
         at = c.domain.index(s)
         slots = ir.TensorView(self.c, slot_domain, c.dtype, ir.MemoryType.global_, mesh=c.mesh)
-        symmetric = self._transport() == "cuda"
+        symmetric = transports.capabilities(self._transport()).needs_symmetric_buffers
         self.c.push_back(ir.Allocate(slots, ir.MemoryType.symmetric if symmetric else ir.MemoryType.global_))
         slot_axis = slot_domain[at]
         pre: list = []
