@@ -136,13 +136,6 @@ class Scalar:
     def __rsub__(self, other: int) -> ScalarExpr:
         return ScalarExpr("-", _scalar(other), self)
 
-    def key(self) -> tuple:
-        """What makes two scalars the same value: a constant's value, a
-        named leaf's name, an expression's op and operands' keys."""
-        if self.label is not None:
-            return ("name", self.label)
-        return ("constant", type(self.value).__name__, self.value)
-
     def __repr__(self) -> str:
         return format_scalar(self)
 
@@ -170,9 +163,6 @@ class ScalarExpr(Scalar):
     @property
     def is_constant(self) -> bool:
         return False
-
-    def key(self) -> tuple:
-        return (self.op, self.lhs.key(), self.rhs.key())
 
 
 class InputScalar(Scalar):
@@ -319,10 +309,6 @@ class DeviceMesh:
             if rank in team:
                 return team
         raise DefinitionError(f"rank {rank} is not in {self}")
-
-    def x_index(self, rank: int) -> int:
-        """The position of `rank` along the last dimension: which shard it holds."""
-        return self.team_of(rank).index(rank)
 
     def _dim(self, parallel_type: ParallelType) -> int:
         if parallel_type is ParallelType.mesh_x:

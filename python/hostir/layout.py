@@ -162,10 +162,6 @@ def global_extent(d: ir.IterDomain, local: int) -> int:
     return local * n
 
 
-def chunk_count(axis: ir.IterDomain, extent_of: Callable[[ir.Scalar], int]) -> int:
-    return int(extent_of(axis.extent))
-
-
 def select_kind(tv: ir.TensorView, axis: ir.IterDomain) -> str:
     """How a loop over `axis` slices `tv`: "select" when the axis is a dim
     of its own (the dim goes away), "chunk" when it is the outer piece of a

@@ -218,20 +218,6 @@ _FORMATS = {
 }
 
 
-def register_format(op_class):
-    """Decorator: the text format of an op class defined outside this module."""
-
-    def wrap(fn):
-        _FORMATS[op_class] = fn
-        return fn
-
-    return wrap
-
-
-def format_expr(e: ir.Expr, indent: int = 0) -> str:
-    return "\n".join(_lines(e, INDENT * indent))
-
-
 def format_expr_head(e: ir.Expr) -> str:
     """One expr without a loop's body: what an error message quotes."""
     if isinstance(e, ir.ForLoop):

@@ -103,7 +103,6 @@ class _Compiler:
         self.scalars: list[tuple] = []
         self.scalar_nodes: dict[tuple, int] = {}
         self.streams: dict[ir.Stream, int] = {}
-        self.stream_keys: dict[ir.Stream, int] = {}
         self.groups: list = []
         self.group_index: dict[tuple, int] = {}
         self.slice_dim = {e.out: layout.position(e.input, e.axis) for e in container.walk() if isinstance(e, ir.HirAliasSelect)}
