@@ -455,7 +455,10 @@ class TensorView:
         """Number of axes of the tensor a user passes or gets back."""
         return sum(1 for d in self.logical if not d.is_reduction)
 
-    def runtime_domain(self) -> list[IterDomain]:
+    def loop_axes(self) -> list[IterDomain]:
+        """The loop axes without reductions: each split axis as its pieces.
+        (The dims a rank holds are `layout.dims`: there the pieces of a
+        split axis other than a mesh_x one stay merged.)"""
         return [d for d in self.domain if not d.is_reduction]
 
     def logical_runtime(self) -> list[IterDomain]:
@@ -1131,7 +1134,7 @@ class Communication(Expr):
 
     def id_pairs(self):
         if self.out.ndim == self.input.ndim:
-            yield from zip(self.out.runtime_domain(), self.input.runtime_domain())
+            yield from zip(self.out.loop_axes(), self.input.loop_axes())
 
 
 @_op

@@ -186,3 +186,22 @@ def chunk_bounds(size: int, chunks: int, index: int) -> tuple[int, int]:
     step = -(-size // chunks)
     start = min(index * step, size)
     return start, max(0, min(step, size - start))
+
+
+def leaf_sizes(leaves: Sequence[ir.IterDomain], size: int, mesh, whole=None) -> list[int]:
+    """The sizes of the pieces `leaves` of one axis held in a dim of `size`:
+    a device-parallel piece has the mesh's size along its mesh dimension
+    where that dimension is in `whole` (every one when `whole` is None), 1
+    otherwise; a constant piece its extent; the symbolic piece the rest."""
+    sizes = []
+    for x in leaves:
+        if x.is_device_parallel:
+            sizes.append(mesh.size_along(x.parallel_type) if whole is None or x.parallel_type in whole else 1)
+        elif x.extent.is_constant:
+            sizes.append(x.extent.value)
+        else:
+            sizes.append(None)
+    known = 1
+    for v in sizes:
+        known *= v if v is not None else 1
+    return [size // known if v is None else v for v in sizes]

@@ -74,7 +74,7 @@ def signature(fusion: ir.Fusion) -> str:
         if isinstance(tv, ir.InputScalar):
             parts.append(f"{tv.label}: {str(tv.dtype).removeprefix('torch.')} scalar")
             continue
-        dims = ", ".join("?" if not d.extent.is_constant else str(d.extent.value) for d in tv.runtime_domain())
+        dims = ", ".join("?" if not d.extent.is_constant else str(d.extent.value) for d in tv.loop_axes())
         parts.append(f"T{tv.name}: {str(tv.dtype).removeprefix('torch.')}[{dims}]")
     return "(" + ", ".join(parts) + ")"
 

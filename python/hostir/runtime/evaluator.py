@@ -495,24 +495,6 @@ def _types(d: ir.IterDomain) -> set:
     return {x.parallel_type for x in d.loop_leaves() if x.is_device_parallel}
 
 
-def _leaf_sizes(d: ir.IterDomain, size: int, whole: set, mesh) -> list[int]:
-    """The sizes of `d`'s pieces in a dim of `size`: a piece sharded on a
-    mesh dimension in `whole` has the mesh's size along it, any other
-    sharded piece 1, a constant piece its extent, the symbolic one the rest."""
-    sizes = []
-    for x in d.loop_leaves():
-        if x.is_device_parallel:
-            sizes.append(mesh.size_along(x.parallel_type) if x.parallel_type in whole else 1)
-        elif x.extent.is_constant:
-            sizes.append(x.extent.value)
-        else:
-            sizes.append(None)
-    known = 1
-    for v in sizes:
-        known *= v if v is not None else 1
-    return [size // known if v is None else v for v in sizes]
-
-
 def as_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
     """`t` (runtime layout) with one dim per logical axis of `tv`."""
     return layout.to_logical(tv, t)
@@ -535,7 +517,7 @@ def _operand(frame: Frame, e, tv, full_rank: bool = False):
     for pos, o in frame.evaluator.local_slices.get(id(e), {}).get(id(tv), ()):
         mesh = e.out.mesh
         missing = _types(o) - _types(tv.logical_runtime()[pos])
-        sizes = _leaf_sizes(o, t.shape[pos], missing, mesh)
+        sizes = layout.leaf_sizes(o.loop_leaves(), t.shape[pos], mesh, missing)
         pieces = t.reshape(list(t.shape[:pos]) + sizes + list(t.shape[pos + 1 :]))
         for j, x in enumerate(o.loop_leaves()):
             if x.parallel_type in missing:

@@ -235,7 +235,7 @@ class _Compiler:
         """How each runtime axis of a bound tensor binds or checks its extent
         (the C++ twin of `HostIrEvaluator._bind_extents`)."""
         rules = []
-        for i, d in enumerate(tv.runtime_domain()):
+        for i, d in enumerate(tv.loop_axes()):
             rule = {
                 "extent": self.scalar(d.extent),
                 "text": printer.format_scalar(d.extent),
@@ -317,7 +317,7 @@ def _select(cc, e) -> None:
 def _local_shape(cc: _Compiler, tv: ir.TensorView) -> list[int]:
     """Scalar nodes of `tv`'s local loop shape (a constant 1 on mesh_x)."""
     one = ir.Scalar.constant(1)
-    return [cc.scalar(one if d.is_device_parallel else d.extent) for d in tv.runtime_domain()]
+    return [cc.scalar(one if d.is_device_parallel else d.extent) for d in tv.loop_axes()]
 
 
 @_compiles(ir.Allocate)
@@ -430,8 +430,8 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         "out": cc.tensor(e.out) if holds_out else -1,
         "in_shape": _local_shape(cc, e.input),
         "out_shape": _local_shape(cc, e.out),
-        "in_full": [cc.scalar(d.extent) for d in e.input.runtime_domain()],
-        "out_full": [cc.scalar(d.extent) for d in e.out.runtime_domain()],
+        "in_full": [cc.scalar(d.extent) for d in e.input.loop_axes()],
+        "out_full": [cc.scalar(d.extent) for d in e.out.loop_axes()],
         "dtype_in": _DTYPES[e.input.dtype],
         "dtype_out": _DTYPES[e.out.dtype],
         "in_axis": _mesh_axis(e.input) if e.input.device_axes() else -1,
