@@ -475,6 +475,12 @@ class TensorView:
     def stream_axes(self) -> list[IterDomain]:
         return [d for d in self.domain if d.parallel_type is ParallelType.stream]
 
+    def held_by(self, rank: int | None) -> bool:
+        """Whether rank `rank` holds this tensor: always without a mesh or
+        a rank (a program not yet pruned for one), else if the mesh names
+        it."""
+        return rank is None or self.mesh is None or rank in self.mesh
+
     def device_axes(self) -> list[IterDomain]:
         return [d for d in self.domain if d.is_device_parallel and not d.is_reduction]
 

@@ -32,7 +32,7 @@ def prune_for_rank(container: HostIrContainer) -> HostIrContainer:
 
 
 def _on_rank(tv, rank: int) -> bool:
-    return not isinstance(tv, ir.TensorView) or tv.mesh is None or rank in tv.mesh
+    return not isinstance(tv, ir.TensorView) or tv.held_by(rank)
 
 
 def _prune(exprs, rank: int, kept: set) -> list[ir.Expr]:

@@ -27,7 +27,7 @@ import torch
 from hostir import ir, layout, printer
 from hostir.runtime import profiling, transports
 from hostir.communicator import CommunicatorTimeout, PeerLostError, classify_error
-from hostir.container import AliasError, HostIrContainer, body_locals
+from hostir.container import HostIrContainer, body_locals
 from hostir.errors import HostIrError
 from hostir.runtime.streams import NullStreams
 
@@ -82,9 +82,7 @@ class HostIrEvaluator:
     """
 
     def __init__(self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None):
-        for tv in container.inputs:
-            if container.aliases.is_alias(tv):
-                raise AliasError(f"Inputs cannot be aliased: T{tv.name} is an alias")
+        container.check_inputs_unaliased()
         missing = {type(e).__name__ for e in container.walk() if type(e) not in _HANDLERS}
         if missing:
             raise MissingHandlerError(f"the evaluator has no handler for {', '.join(sorted(missing))}")

@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hostir import ir, layout, printer
-from hostir.container import AliasError, HostIrContainer
+from hostir.container import HostIrContainer
 from hostir.runtime.evaluator import BindingError, MissingHandlerError, ProgramError
 
 # Opcodes shared with csrc/host_ir/program.h (enum class Opcode).
@@ -167,9 +167,7 @@ class _Compiler:
     # -- the program
     def compile(self) -> FlatProgram:
         c = self.container
-        for tv in c.inputs:
-            if c.aliases.is_alias(tv):
-                raise AliasError(f"Inputs cannot be aliased: T{tv.name} is an alias")
+        c.check_inputs_unaliased()
         reason = unsupported(c)
         if reason is not None:
             raise MissingHandlerError(f"the C++ executor cannot run this program: {reason}")

@@ -187,13 +187,9 @@ def _post_reduce_scatter(calls: Calls, frame, e, group, root=None) -> Posted:
     )
 
 
-def _holds(frame, tv: ir.TensorView) -> bool:
-    return tv.mesh is None or frame.communicator.rank in tv.mesh
-
-
 def _post_broadcast(calls: Calls, frame, e, group, root: int) -> Posted:
     rank = frame.communicator.rank
-    out = frame.get(e.out) if _holds(frame, e.out) else None
+    out = frame.get(e.out) if e.out.held_by(frame.communicator.rank) else None
     if rank == root:
         src = frame.get(e.input)
         if out is None:
@@ -205,7 +201,7 @@ def _post_broadcast(calls: Calls, frame, e, group, root: int) -> Posted:
 
 def _post_gather(calls: Calls, frame, e, group, root: int) -> Posted:
     rank = frame.communicator.rank
-    if _holds(frame, e.input):
+    if e.input.held_by(frame.communicator.rank):
         src = _contiguous(frame.get(e.input))
     else:
         # The root is outside the sender mesh: it sends a dummy piece.
@@ -228,7 +224,7 @@ def _post_gather(calls: Calls, frame, e, group, root: int) -> Posted:
 
 def _post_scatter(calls: Calls, frame, e, group, root: int) -> Posted:
     rank = frame.communicator.rank
-    out = frame.get(e.out) if _holds(frame, e.out) else None
+    out = frame.get(e.out) if e.out.held_by(frame.communicator.rank) else None
     if out is None:
         # The root is outside the receiver mesh: it receives a dummy piece.
         out_buf = torch.empty(frame.local_sizes(e.out), dtype=e.out.dtype, device=frame.device)
@@ -255,7 +251,7 @@ def _post_reduce(calls: Calls, frame, e, group, root: int) -> Posted:
     else:
         out = frame.get(e.out)
         buf, after = _staged(out, out.shape)
-        if _holds(frame, e.input):
+        if e.input.held_by(frame.communicator.rank):
             buf.copy_(_reduced_input(frame, e).reshape(out.shape))
         else:
             _fill_identity(buf, e.red_op)
