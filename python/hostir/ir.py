@@ -634,12 +634,20 @@ def format_stream(s: Stream) -> str:
 # ---------------------------------------------------------------- exprs
 
 
+# What an op does when it runs, as the profiler groups ops.
+EFFECTS = ("compute", "communication", "copy", "sync", "host")
+
+
 class Expr:
-    """Base of all ops. Subclasses are dataclasses whose operand fields are
-    listed in `INPUTS` and whose result fields are listed in `OUTPUTS`."""
+    """Base of all ops. Subclasses are dataclasses that declare their
+    operand fields (`INPUTS`), their result fields (`OUTPUTS`), the fields
+    whose tensors they bind when they run (`BINDS`; their outputs unless
+    said otherwise) and their effect (`EFFECT`, one of `EFFECTS`)."""
 
     INPUTS: tuple[str, ...] = ()
     OUTPUTS: tuple[str, ...] = ()
+    BINDS: tuple[str, ...] | None = None
+    EFFECT: str = "host"
 
     def inputs(self) -> list:
         vals = []
@@ -692,6 +700,8 @@ class Set(Expr):
     """`out = in` as a copy. Writes into `out` if its buffer is bound,
     otherwise binds a fresh copy. Runs on the current stream."""
 
+    EFFECT = "copy"
+
     out: TensorView
     input: TensorView
     INPUTS = ("input",)
@@ -706,6 +716,8 @@ class BinaryOp(Expr):
     """Elementwise `out = lhs <kind> rhs` (add, sub, mul, div, with torch's
     broadcasting of size-1 broadcast axes and its type promotion). A Scalar
     operand is a constant. Writes into `out` if bound (the `out=` variant)."""
+
+    EFFECT = "compute"
 
     out: TensorView
     kind: BinaryKind
@@ -731,6 +743,8 @@ class UnaryOp(Expr):
     `gelu` is the exact (erf) form. Writes into `out` if bound (the `out=`
     variant). Runs on the current stream."""
 
+    EFFECT = "compute"
+
     out: TensorView
     kind: UnaryKind
     input: TensorView
@@ -749,6 +763,8 @@ class ReductionOp(Expr):
     """`out = <kind>(input)` over the axes of `out` that are reductions
     (sum, max, min). Writes into `out` if bound."""
 
+    EFFECT = "compute"
+
     out: TensorView
     kind: ReductionKind
     input: TensorView
@@ -766,6 +782,8 @@ class ReductionOp(Expr):
 class MatmulOp(Expr):
     """`out = a @ b` with torch.matmul's semantics; `out`'s last axis is the
     reduction over K. Writes into `out` if bound."""
+
+    EFFECT = "compute"
 
     out: TensorView
     a: TensorView
@@ -796,6 +814,8 @@ class MatmulOp(Expr):
 class LinearOp(Expr):
     """`out = input @ weight.T + bias`; `out`'s last axis is the reduction
     over K. Writes into `out` if bound."""
+
+    EFFECT = "compute"
 
     out: TensorView
     input: TensorView
@@ -894,12 +914,16 @@ class GetCurrentStream(Expr):
     """Binds `stream` to the caller's current stream, on every run. Does not
     block and enqueues nothing."""
 
+    EFFECT = "sync"
+
     stream: Stream
 
 
 @_op
 class SetCurrentStream(Expr):
     """Makes `stream` the current stream: the ops after it enqueue there."""
+
+    EFFECT = "sync"
 
     stream: Stream
     INPUTS = ("stream",)
@@ -909,6 +933,8 @@ class SetCurrentStream(Expr):
 class Synchronize(Expr):
     """The current stream waits for all work enqueued so far on `stream`.
     The host does not block."""
+
+    EFFECT = "sync"
 
     stream: Stream
     INPUTS = ("stream",)
@@ -941,6 +967,8 @@ class HirAliasSelect(Expr):
     shorter or empty). `out` is bound, not defined, so it is not an SSA
     output. Does not block and enqueues nothing."""
 
+    BINDS = ("out",)
+
     out: TensorView
     input: TensorView
     axis: IterDomain
@@ -957,6 +985,8 @@ class HirAliasChunk(Expr):
     """Binds `out` to the view of piece `index` of `parts` equal pieces of
     `input` along `axis` (a narrow, no copy): an op writing `out` writes
     `input`'s buffer. The axis's extent must divide by `parts`."""
+
+    BINDS = ("out",)
 
     out: TensorView
     input: TensorView
@@ -975,6 +1005,8 @@ class Allocate(Expr):
     """Binds `buffer` to a new tensor of its runtime shape on the program's
     device, unless it is bound already (a caller's preallocated output).
     The allocation is stream-ordered on the current stream."""
+
+    BINDS = ("buffer",)
 
     buffer: TensorView
     memory_type: MemoryType = MemoryType.global_
@@ -1108,6 +1140,8 @@ class Communication(Expr):
     decomposition's loop names the root by its index); `red_op` is sum, max
     or min."""
 
+    EFFECT = "communication"
+
     name: int
     type: CommunicationType
     out: TensorView
@@ -1152,6 +1186,8 @@ class P2PCommunication(Expr):
     (cuda) pushes a send into the peer's buffer at `into`: the view of the
     receiver's window that the peer's recv binds, named on the sender."""
 
+    EFFECT = "communication"
+
     name: int
     type: str  # "send" or "recv"
     buffer: TensorView
@@ -1171,11 +1207,15 @@ class StartCoalescing(Expr):
     grouped and posted together (one NCCL group), so a send and a recv
     between two ranks cannot deadlock each other."""
 
+    EFFECT = "communication"
+
 
 @_op
 class EndCoalescing(Expr):
     """Posts the group opened by `StartCoalescing`; a `Wait` on it completes
     every communication of the group."""
+
+    EFFECT = "communication"
 
     name: int
 
@@ -1185,6 +1225,8 @@ class Wait(Expr):
     """Completes `communication`: on NCCL the current stream waits for it
     (the host does not block); on gloo the host waits, with the
     communicator's timeout. After it, the output buffer holds the result."""
+
+    EFFECT = "sync"
 
     communication: Expr
 
@@ -1208,12 +1250,9 @@ def walk(exprs: Sequence[Expr]) -> Iterator[Expr]:
 
 
 def defined_tvs(e: Expr) -> list[TensorView]:
-    """TensorViews an expr binds when it runs."""
-    if isinstance(e, (HirAliasSelect, HirAliasChunk)):
-        return [e.out]
-    if isinstance(e, Allocate):
-        return [e.buffer]
-    return [v for v in e.outputs() if isinstance(v, TensorView)]
+    """TensorViews an expr binds when it runs (its declared `BINDS`)."""
+    fields = e.OUTPUTS if e.BINDS is None else e.BINDS
+    return [v for v in (getattr(e, f) for f in fields) if isinstance(v, TensorView)]
 
 
 def read_vals(e: Expr) -> list:
