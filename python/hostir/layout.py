@@ -162,6 +162,34 @@ def global_extent(d: ir.IterDomain, local: int) -> int:
     return local * n
 
 
+def whole_size(tv: ir.TensorView, d: ir.IterDomain, size: int) -> int:
+    """The size of logical axis `d` across all ranks, from this rank's."""
+    for leaf in d.loop_leaves():
+        if leaf.is_device_parallel:
+            # A sharded piece's extent is the mesh's size along it (checked
+            # when lowering); a symbolic one takes it from the mesh.
+            if leaf.extent.is_constant:
+                size *= leaf.extent.value
+            elif tv.mesh is not None:
+                size *= tv.mesh.size_along(leaf.parallel_type)
+    return size
+
+
+def local_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None:
+    """This rank's size of `tv`'s logical axis `d`, from the whole sizes
+    of the symbolic extents (None where unknown)."""
+    fixed = local_extent(d)
+    if fixed is not None:
+        return fixed
+    size = sizes.get(d.extent)
+    if size is None:
+        return None
+    for leaf in d.loop_leaves():
+        if leaf.is_device_parallel:
+            size //= tv.mesh.size_along(leaf.parallel_type)
+    return size
+
+
 def select_kind(tv: ir.TensorView, axis: ir.IterDomain) -> str:
     """How a loop over `axis` slices `tv`: "select" when the axis is a dim
     of its own (the dim goes away), "chunk" when it is the outer piece of a
@@ -205,3 +233,11 @@ def leaf_sizes(leaves: Sequence[ir.IterDomain], size: int, mesh, whole=None) -> 
     for v in sizes:
         known *= v if v is not None else 1
     return [size // known if v is None else v for v in sizes]
+
+
+def is_split(tv: ir.TensorView) -> bool:
+    """Whether `tv` has a split axis: its runtime dims merge pieces, or an
+    extent is a ceilDiv."""
+    if any(len(dim) > 1 for dim in dims(tv)):
+        return True
+    return any(isinstance(d.extent, ir.ScalarExpr) and d.extent.op == "ceilDiv" for d in tv.domain)

@@ -55,7 +55,6 @@ COMMUNICATION_TYPES = tuple(t.value for t in ir.CommunicationType if t.in_cpp)
 _DTYPES = {dtype: i for i, dtype in enumerate(ir.SUPPORTED_DTYPES)}
 
 
-
 @dataclasses.dataclass
 class Instr:
     """One instruction: its opcode, its fields (slots, scalar nodes, flags)
@@ -495,15 +494,6 @@ def _wait(cc, e) -> None:
     cc.emit("wait", e, posted=posted[-1], text=printer.format_expr_head(target))
 
 
-def _split_layout(tv: ir.TensorView) -> bool:
-    """Whether `tv` has a split axis: its runtime dims merge pieces, or an
-    extent is a ceilDiv, neither of which the flat program's extent rules
-    describe yet."""
-    if any(len(dim) > 1 for dim in layout.dims(tv)):
-        return True
-    return any(isinstance(d.extent, ir.ScalarExpr) and d.extent.op == "ceilDiv" for d in tv.domain)
-
-
 def unsupported(container: HostIrContainer) -> str | None:
     """Why the C++ executor cannot run `container` (the first reason), or
     None if it can."""
@@ -526,7 +516,7 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
     if scalars:
         note("scalars", f"it takes scalar inputs ({', '.join(printer.format_val(v) for v in scalars)})")
     for e in container.walk():
-        split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and _split_layout(v)), None)
+        split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and layout.is_split(v)), None)
         if split is not None:
             note("split", f"it has a split axis (ceilDiv extents, merged runtime dims): {printer.format_tv(split)}")
         if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk":
