@@ -61,6 +61,7 @@ from hostir.lower import RESHARDING_MODES, lower
 from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
 from hostir.runtime import flat, prepared, profiling
 from hostir.runtime.agreement import Offer, RankMismatchError, check, exchange, input_signature
+from hostir.runtime import bind
 from hostir.runtime.bind import Binding
 from hostir.runtime.checks import (
     ExecuteArgumentError,
@@ -316,9 +317,8 @@ class FusionExecutor:
             key = prepared.signature(inputs, outputs, params, kwargs)
             ready = None if key is None else self._prepared.get(key, self.fusion.version)
             if ready is not None:
-                results = ready.run(inputs, outputs)
+                results = self._run_prepared(ready, inputs, outputs)
                 if results is not None:
-                    self.last_runner = ready.runner
                     return results
         mode = fake_mode()
         if mode == "1":
@@ -386,18 +386,35 @@ class FusionExecutor:
             )
         return list(ready.graph_inputs)
 
+    def _run_prepared(self, ready: prepared.Prepared, inputs, outputs) -> list | None:
+        """A call whose first four stages are `ready`'s: from bind on, the
+        full path's stage (None: its outputs are not the captured graph's)."""
+        program = ready.program
+        if outputs is not None:
+            check_no_overlap(self.fusion, outputs, inputs, program.binding.output_tvs)
+        results = bind.run(
+            program.binding, program.evaluator, inputs, outputs, ready.number_of_streams, ready.graph,
+            no_grad=ready.grad, exact_outputs=True,
+        )
+        if results is not None:
+            self.last_runner = program.runner
+        return results
+
     def _keep(self, key: tuple, call: _Call, params: ExecutorParams, inputs) -> None:
         """Keep the record of a single-device call that took the full path
         and ran, under its signature `key`. (Not a call whose CPU inputs
         were copied to the GPU: the full path warns and copies.)"""
         if not all(a is b for a, b in zip(call.inputs, inputs)):
             return
-        output_tvs = call.program.container.outputs
-
-        def no_overlap(outs, ins):
-            check_no_overlap(self.fusion, outs, ins, output_tvs)
-
-        self._prepared.put(key, prepared.prepare(self, call, params, no_overlap))
+        program = call.program
+        grad = any(t.requires_grad for t in call.inputs)
+        ready = prepared.Prepared(self.fusion.version, program, params.number_of_streams, grad)
+        if params.cuda_graph:
+            # The graph the full path just replayed for this call (a lookup).
+            bindings = program.binding.bind(call.inputs, call.outputs)
+            ready.graph = self._graphs.captured(program, bindings, params.number_of_streams, _device_of(call.inputs))
+            ready.graph_inputs = program.binding.logical_inputs(ready.graph.inputs)
+        self._prepared.put(key, ready)
 
     # -- 1-3: normalize, check, program
     def _prepare(self, inputs, outputs, params: ExecutorParams, comm, with_dry_run: bool = True) -> _Call:
@@ -714,22 +731,23 @@ class FusionExecutor:
 
     # -- 5-7: bind, run, convert back
     def _run(self, call: _Call, params: ExecutorParams, comm) -> list[torch.Tensor | None]:
-        self.last_runner = call.program.runner
-        binding = call.program.binding
-        bindings = binding.bind(call.inputs, call.outputs)
+        program = call.program
+        self.last_runner = program.runner
+        nos = params.number_of_streams
         try:
-            with torch.no_grad():
-                if params.cuda_graph:
-                    device = comm.device if comm is not None else _device_of(call.inputs)
-                    backend = comm.backend if comm is not None else None
-                    results = self._graphs.run(call.program, bindings, params.number_of_streams, device, backend)
-                else:
-                    results = call.program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
+            graph = None
+            if params.cuda_graph:
+                device = comm.device if comm is not None else _device_of(call.inputs)
+                backend = comm.backend if comm is not None else None
+                with torch.no_grad():
+                    bindings = program.binding.bind(call.inputs, call.outputs)
+                    graph = self._graphs.captured(program, bindings, nos, device, backend)
+            results = bind.run(program.binding, program.evaluator, call.inputs, call.outputs, nos, graph)
         except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
             if comm is not None:
                 comm.failure = f"{type(err).__name__}: {err}"
             raise
-        return list(binding.unbind(results))
+        return list(results)
 
 
 def _device_of(inputs: list) -> torch.device:

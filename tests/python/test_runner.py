@@ -111,3 +111,25 @@ def test_fake_is_a_runner(monkeypatch):
     assert out.device.type == "meta" and list(out.shape) == [4, 3]
     assert fd.last_runner.name == "fake"
     assert "HOSTIR_FAKE=1" in fd.last_runner.reason
+
+
+def test_the_full_path_and_a_prepared_call_share_the_run_stage(monkeypatch):
+    """A prepared call holds no runner of its own: it enters at bind, and
+    both routes run through `bind.run`."""
+    from hostir.runtime import bind
+
+    real, calls = bind.run, []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("exact_outputs", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bind, "run", spy)
+    fd = _double()
+    x = torch.randn(4, 3)
+    for _ in range(3):
+        (out,) = fd.execute([x])
+        torch.testing.assert_close(out, x + x)
+    # The full path once, then the prepared record twice.
+    assert calls == [False, True, True]
+    assert len(fd.executor._prepared) == 1
