@@ -241,3 +241,15 @@ def is_split(tv: ir.TensorView) -> bool:
     if any(len(dim) > 1 for dim in dims(tv)):
         return True
     return any(isinstance(d.extent, ir.ScalarExpr) and d.extent.op == "ceilDiv" for d in tv.domain)
+
+
+def sharded_axis(tv: ir.TensorView, parallel_type=None) -> tuple[int, int] | None:
+    """(logical axis, position of the piece among that axis's loop pieces)
+    of the axis of `tv` sharded along `parallel_type` (mesh_x by default),
+    or None if no axis is."""
+    parallel_type = ir.ParallelType.mesh_x if parallel_type is None else parallel_type
+    for index, d in enumerate(tv.logical_runtime()):
+        for at, leaf in enumerate(d.loop_leaves()):
+            if leaf.parallel_type is parallel_type:
+                return index, at
+    return None

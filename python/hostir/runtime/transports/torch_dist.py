@@ -312,10 +312,10 @@ def _post_all_to_all(calls: Calls, frame, e, group, root=None) -> Posted:
 
 
 def _sharded_logical_axis(tv: ir.TensorView, pt: ir.ParallelType) -> int:
-    for pos, d in enumerate(tv.logical_runtime()):
-        if any(x.parallel_type is pt for x in d.loop_leaves()):
-            return pos
-    raise TransportUsageError(f"{printer.format_tv(tv)} has no {pt.name} axis")
+    found = layout.sharded_axis(tv, pt)
+    if found is None:
+        raise TransportUsageError(f"{printer.format_tv(tv)} has no {pt.name} axis")
+    return found[0]
 
 
 POST = {
