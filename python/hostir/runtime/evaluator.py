@@ -493,16 +493,6 @@ def _types(d: ir.IterDomain) -> set:
     return {x.parallel_type for x in d.loop_leaves() if x.is_device_parallel}
 
 
-def as_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
-    """`t` (runtime layout) with one dim per logical axis of `tv`."""
-    return layout.to_logical(tv, t)
-
-
-def as_loop(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
-    """`t` (logical layout, this rank's sizes) in `tv`'s runtime layout."""
-    return layout.to_runtime(tv, t)
-
-
 def _operand(frame: Frame, e, tv, full_rank: bool = False):
     """Operand `tv` of `e` in logical layout, cut to this rank's slice
     where `e`'s output is sharded and `tv` is not."""
@@ -511,7 +501,7 @@ def _operand(frame: Frame, e, tv, full_rank: bool = False):
         return t
     if tv in frame.evaluator.slice_dim:
         return frame.full_rank(tv, t) if full_rank else t
-    t = as_logical(tv, t)
+    t = layout.to_logical(tv, t)
     for pos, o in frame.evaluator.local_slices.get(id(e), {}).get(id(tv), ()):
         mesh = e.out.mesh
         missing = _types(o) - _types(tv.logical_runtime()[pos])
@@ -547,9 +537,9 @@ def _store(
         result = fresh()
         if partial is not None:
             result = result.unsqueeze(0)
-        frame.bind(tv, as_loop(tv, result))
+        frame.bind(tv, layout.to_runtime(tv, result))
         return
-    view = as_logical(tv, out)
+    view = layout.to_logical(tv, out)
     into(view.squeeze(0) if partial is not None else view)
 
 
