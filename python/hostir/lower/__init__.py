@@ -84,11 +84,13 @@ def lower(
     if until is not None and until not in pass_names():
         raise LoweringError(f"unknown pass {until!r}; passes in order: {', '.join(pass_names())}")
     container = _run_one(build_host_program, fusion, dumper)
+    # What the program was lowered with, for what runs it (the dry run of a
+    # new shape lowers the other ranks' programs the same way).
     container.backend = backend
     container.schedule = schedule
     if until == build_host_program.__name__:
         return container
-    options = {insert_reshardings: {"mode": resharding}}
+    options = pass_options(rank, backend, resharding, schedule)
     for p in PIPELINE:
         container = _run_one(p, container, dumper, options.get(p))
         if p.__name__ == until:
@@ -98,12 +100,22 @@ def lower(
     if rank is not None and container.meshes():
         container.rank = rank
         for p in RANK_PIPELINE:
-            container = _run_one(p, container, dumper)
+            container = _run_one(p, container, dumper, options.get(p))
             if p.__name__ == until:
                 break
     container.digest = digest
     container.all_teams = teams
     return container
+
+
+def pass_options(rank: int | None = None, backend: str = "NCCL", resharding: str = "auto", schedule=None) -> dict:
+    """The arguments each pass takes beyond the program, by pass."""
+    return {
+        insert_reshardings: {"mode": resharding},
+        decompose_device_axis: {"schedule": schedule, "backend": backend},
+        lower_communications: {"backend": backend},
+        prune_for_rank: {"rank": rank},
+    }
 
 
 def pass_names() -> list[str]:
