@@ -24,3 +24,31 @@ def test_lower_until_a_pass_stops_right_after_it():
     assert str(lower(fusion, rank=1, backend="gloo", until="prune_for_rank")) == str(lower(fusion, rank=1, backend="gloo"))
     with pytest.raises(LoweringError, match="unknown pass 'fuse'; passes in order: build_host_program, "):
         lower(fusion, until="fuse")
+
+
+def test_the_stream_form_is_an_option():
+    """A stream loop's caller/worker form is chosen by an option: by
+    default per iteration without meshes; pipelined on request (a loop
+    that makes the workers wait for the caller, then the work loop), which
+    computes the same."""
+    import torch
+
+    from hostir import FusionDefinition, ParallelType
+    from hostir.runtime.evaluator import HostIrEvaluator
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.add(x, x)
+        fd.add_output(y)
+    y.axis(0).parallelize(ParallelType.stream)
+    default = str(lower(fd.fusion))
+    assert default == str(lower(fd.fusion, stream_form="per_iteration"))
+    pipelined = lower(fd.fusion, stream_form="pipelined")
+    text = str(pipelined)
+    assert default.count("FOR StreamIdx") == 1 and text.count("FOR StreamIdx") == 2, text
+    assert text.index("GetCurrentStream") < text.index("FOR StreamIdx"), text
+    t = torch.randn(6, 5)
+    (out,) = HostIrEvaluator(pipelined).run({pipelined.inputs[0]: t})
+    torch.testing.assert_close(out, t + t)
+    with pytest.raises(LoweringError, match="unknown stream form 'eager'"):
+        lower(fd.fusion, stream_form="eager")

@@ -68,11 +68,13 @@ def lower(
     resharding: str = "auto",
     schedule=None,
     until: str | None = None,
+    stream_form: str | None = None,
 ) -> HostIrContainer:
     """The host program of `fusion`; with `rank`, the part that rank runs.
     With `until` (a name of `pass_names()`), the program right after that
     pass (a rank pass is skipped, as in a full lowering, where there is no
-    rank or no mesh).
+    rank or no mesh). `stream_form` is `parallelize_streams`' form of a
+    stream loop (by default chosen by whether the program has meshes).
     `backend` is the communication backend the dump names; `resharding` is
     `insert_reshardings`' mode ("auto", "before", "after", or "strict",
     which refuses an op that computes and reshards); `schedule` (a
@@ -90,7 +92,7 @@ def lower(
     container.schedule = schedule
     if until == build_host_program.__name__:
         return container
-    options = pass_options(rank, backend, resharding, schedule)
+    options = pass_options(rank, backend, resharding, schedule, stream_form)
     for p in PIPELINE:
         container = _run_one(p, container, dumper, options.get(p))
         if p.__name__ == until:
@@ -108,10 +110,13 @@ def lower(
     return container
 
 
-def pass_options(rank: int | None = None, backend: str = "NCCL", resharding: str = "auto", schedule=None) -> dict:
+def pass_options(
+    rank: int | None = None, backend: str = "NCCL", resharding: str = "auto", schedule=None, stream_form=None
+) -> dict:
     """The arguments each pass takes beyond the program, by pass."""
     return {
         insert_reshardings: {"mode": resharding},
+        parallelize_streams: {"form": stream_form},
         decompose_device_axis: {"schedule": schedule, "backend": backend},
         lower_communications: {"backend": backend},
         prune_for_rank: {"rank": rank},
