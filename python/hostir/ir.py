@@ -370,7 +370,7 @@ class IterDomain:
     An axis made by splitting another records the logical axis it came from
     (`parent`); a split logical axis lists the axes it became (`leaves`)."""
 
-    __slots__ = ("name", "extent", "iter_type", "parallel_type", "owner", "parent", "leaves")
+    __slots__ = ("name", "extent", "iter_type", "parallel_type", "owner", "parent", "leaves", "scheduled")
 
     def __init__(
         self,
@@ -387,6 +387,9 @@ class IterDomain:
         self.parallel_type = parallel_type
         self.parent: IterDomain | None = None
         self.leaves: list[IterDomain] | None = None
+        # Set by `parallelize`: the user chose this axis's parallel type,
+        # `serial` included, so propagation leaves its tensor alone.
+        self.scheduled = False
 
     def clone(self, owner: IrContainer, iter_type: IterType | None = None) -> IterDomain:
         return IterDomain(owner, self.extent, iter_type or self.iter_type, self.parallel_type)
@@ -416,6 +419,7 @@ class IterDomain:
                 f"{self!r} has been split; parallelize one of the axes it was split into"
             )
         self.parallel_type = parallel_type
+        self.scheduled = True
         bump = getattr(self.owner, "bump_version", None)
         if bump is not None:
             bump()
