@@ -740,6 +740,22 @@ class Run {
     }
     const at::Tensor* out = maybeTensor(ins.out);
     bool linear = ins.op == Opcode::kLinear;
+    if (linear && b.dim() > 2) {
+      // A weight [*W, N, K]: linear on [W*N, K], the result unflattened
+      // to [..., *W, N]; the bias is [*W, N] or a trailing part of it.
+      std::vector<int64_t> lead(b.sizes().begin(), b.sizes().end() - 1);
+      std::optional<at::Tensor> flat_bias;
+      if (bias.has_value()) {
+        flat_bias = bias->expand(lead).reshape({-1});
+      }
+      at::Tensor r = at::linear(a, b.reshape({-1, b.size(-1)}), flat_bias).unflatten(-1, lead);
+      if (out == nullptr) {
+        bind(ins.out, ins.out_dim < 0 ? r : r.squeeze(ins.out_dim));
+      } else {
+        fullRank(*out, ins.out_dim).copy_(r);
+      }
+      return;
+    }
     if (out == nullptr) {
       at::Tensor r = linear ? at::linear(a, b, bias) : at::matmul(a, b);
       bind(ins.out, ins.out_dim < 0 ? r : r.squeeze(ins.out_dim));

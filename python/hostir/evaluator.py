@@ -506,7 +506,8 @@ def _local_slices(e: ir.Expr) -> dict[int, list]:
         if o.is_reduction and partial is None:
             continue
         missing = _types(o) - _types(i)
-        if not missing:
+        if not missing or i.is_broadcast:
+            # A broadcast operand axis is the same size-1 dim on every rank.
             continue
         for v in e.inputs():
             if isinstance(v, ir.TensorView) and i in v.logical:
@@ -687,6 +688,11 @@ def _linear(frame: Frame, e: ir.LinearOp) -> None:
     x = _operand(frame, e, e.input, full_rank=True)
     w = _operand(frame, e, e.weight, full_rank=True)
     bias = None if e.bias is None else _operand(frame, e, e.bias, full_rank=True)
+    if w.dim() > 2:
+        # A weight [*W, N, K]: torch's linear on [W*N, K], unflattened.
+        fresh = lambda: linear_nd(x, w, bias)  # noqa: E731
+        _store(frame, e, fresh, lambda out: out.copy_(fresh()), full_rank=True)
+        return
     _store(
         frame,
         e,
@@ -694,6 +700,15 @@ def _linear(frame: Frame, e: ir.LinearOp) -> None:
         lambda out: torch.ops.aten.linear.out(x, w, bias, out=out),
         full_rank=True,
     )
+
+
+def linear_nd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` with a weight [*W, N, K]: out [..., *W, N]; the bias is
+    [*W, N] or any trailing part of it."""
+    lead = w.shape[:-1]
+    if bias is not None:
+        bias = bias.expand(lead).reshape(-1)
+    return torch.nn.functional.linear(x, w.reshape(-1, w.shape[-1]), bias).unflatten(-1, lead)
 
 
 def _copy_out(frame: Frame, e, result: torch.Tensor, source: torch.Tensor) -> None:

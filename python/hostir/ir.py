@@ -761,8 +761,9 @@ class ReductionOp(Expr):
 
 @_op
 class MatmulOp(Expr):
-    """`out = a @ b` with torch.matmul's semantics; `out`'s last axis is the
-    reduction over K. Writes into `out` if bound."""
+    """`out = a @ b` with torch.matmul's semantics (batch axes broadcast,
+    aligned from the right); `out`'s last axis is the reduction over K.
+    Writes into `out` if bound."""
 
     out: TensorView
     a: TensorView
@@ -806,13 +807,17 @@ class LinearOp(Expr):
 
     def id_pairs(self):
         x, w = self.input.logical_runtime(), self.weight.logical_runtime()
-        *lead, n, k = [d for d in self.out.logical if d is not self.partial]
+        out = [d for d in self.out.logical if d is not self.partial]
+        k = out[-1]
+        # A weight [*W, N, K] gives out [*lead, *W, N]: W and N pair with
+        # the weight's (and the bias's) leading axes.
+        lead, wn = out[: len(x) - 1], out[len(x) - 1 : -1]
         yield from zip(lead, x[:-1])
-        yield n, w[0]
+        yield from zip(wn, w[:-1])
         if self.bias is not None:
-            yield n, self.bias.logical_runtime()[0]
+            yield from zip(reversed(wn), reversed(self.bias.logical_runtime()))
         yield k, x[-1]
-        yield k, w[1]
+        yield k, w[-1]
 
 
 @_op
@@ -1455,20 +1460,19 @@ def matmul(a: TensorView, b: TensorView) -> TensorView:
             raise DefinitionError(f"matmul: T{t.name} must have at least 2 axes, got {t.logical_ndim}")
     if a.dtype != b.dtype:
         raise DefinitionTypeError(f"matmul: dtypes differ, T{a.name} is {a.dtype} and T{b.name} is {b.dtype}")
-    if b.logical_ndim != 2 and b.logical_ndim != a.logical_ndim:
-        raise DefinitionError(
-            f"matmul: T{b.name} must have 2 axes or as many as T{a.name} ({a.logical_ndim}), got {b.logical_ndim}"
-        )
     ad, bd = a.logical_runtime(), b.logical_runtime()
     _check_same_size(ad[-1], bd[-2], "matmul: K of a and b")
+    # torch's batch broadcasting: batch axes align from the right; a
+    # broadcast (size-1) axis takes the other operand's.
+    n_batch = max(len(ad), len(bd)) - 2
     batch = []
-    for i, d in enumerate(ad[:-2]):
-        if b.logical_ndim > 2:
-            if d.is_broadcast:
-                d = bd[i]
-            elif not bd[i].is_broadcast:
-                _check_same_size(d, bd[i], f"matmul: batch axis {i}")
-        batch.append(d.clone(fusion))
+    for i in range(n_batch):
+        j_a, j_b = len(ad) - 2 - n_batch + i, len(bd) - 2 - n_batch + i
+        pair = [d for d in (ad[j_a] if j_a >= 0 else None, bd[j_b] if j_b >= 0 else None) if d is not None]
+        wide = [d for d in pair if not d.is_broadcast]
+        if len(wide) == 2:
+            _check_same_size(wide[0], wide[1], f"matmul: batch axis {i}")
+        batch.append((wide or pair)[0].clone(fusion))
     domain = batch + [
         ad[-2].clone(fusion),
         bd[-1].clone(fusion),
@@ -1479,22 +1483,36 @@ def matmul(a: TensorView, b: TensorView) -> TensorView:
 
 
 def linear(x: TensorView, weight: TensorView, bias: TensorView | None = None) -> TensorView:
+    """`x @ weight.T + bias` for a weight [N, K]; a weight [*W, N, K] (its
+    leading axes a logical split of N, as nvFuser allows) gives out
+    [..., *W, N], with a bias [*W, N] or [N]."""
     fusion = _owner(x, weight, bias)
-    if x.logical_ndim < 1 or weight.logical_ndim != 2:
-        raise DefinitionError(f"linear: weight T{weight.name} must have 2 axes [N, K], got {weight.logical_ndim}")
-    if bias is not None and bias.logical_ndim != 1:
-        raise DefinitionError(f"linear: bias T{bias.name} must have 1 axis [N], got {bias.logical_ndim}")
+    for t in (x, weight, bias):
+        if t is not None and not isinstance(t, TensorView):
+            raise DefinitionTypeError(f"linear takes TensorViews, got {type(t).__name__}")
+    if x.logical_ndim < 1 or weight.logical_ndim < 2:
+        raise DefinitionError(
+            f"linear: weight T{weight.name} must have at least 2 axes [N, K], got {weight.logical_ndim}"
+        )
+    wd = weight.logical_runtime()
+    if bias is not None and not 1 <= bias.logical_ndim <= len(wd) - 1:
+        raise DefinitionError(
+            f"linear: bias T{bias.name} must have the weight's leading axes {len(wd) - 1} or 1 axis [N], "
+            f"got {bias.logical_ndim}"
+        )
     for t in (weight, bias):
         if t is not None and t.dtype != x.dtype:
             raise DefinitionTypeError(f"linear: T{t.name} is {t.dtype} but T{x.name} is {x.dtype}")
-    xd, wd = x.logical_runtime(), weight.logical_runtime()
-    _check_same_size(xd[-1], wd[1], "linear: K of input and weight")
+    xd = x.logical_runtime()
+    _check_same_size(xd[-1], wd[-1], "linear: K of input and weight")
     if bias is not None:
-        _check_same_size(wd[0], bias.logical_runtime()[0], "linear: N of weight and bias")
-    domain = [d.clone(fusion) for d in xd[:-1]] + [
-        wd[0].clone(fusion, IterType.iteration),
-        xd[-1].clone(fusion, IterType.reduction),
-    ]
+        for i, (wa, ba) in enumerate(zip(reversed(wd[:-1]), reversed(bias.logical_runtime()))):
+            _check_same_size(wa, ba, f"linear: axis {len(wd) - 2 - i} of weight and bias")
+    domain = (
+        [d.clone(fusion) for d in xd[:-1]]
+        + [d.clone(fusion, IterType.iteration) for d in wd[:-1]]
+        + [xd[-1].clone(fusion, IterType.reduction)]
+    )
     out = TensorView(fusion, domain, x.dtype)
     return _emit(fusion, LinearOp(out, x, weight, bias))
 
