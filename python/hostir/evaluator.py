@@ -723,6 +723,51 @@ def _copy_out(frame: Frame, e, result: torch.Tensor, source: torch.Tensor) -> No
     bind_fresh(result)
 
 
+@impl(ir.BroadcastInDimOp)
+def _broadcast_in_dim(frame: Frame, e: ir.BroadcastInDimOp) -> None:
+    src = _operand(frame, e, e.input, full_rank=True)
+    axes = e.out.logical_runtime()
+    # In a stream loop `out` is a slice without the walked axis; `dims`
+    # count it.
+    sliced = e.out in frame.evaluator.slice_dim
+    placed = [1] * (len(axes) + sliced)
+    for i, d in enumerate(e.dims):
+        placed[d] = src.shape[i]
+    if not sliced:
+        _check_kept_sizes(e, src)
+    view = src.reshape(placed)
+    out, bind_fresh = _full_rank_out(frame, e)
+    if out is not None:
+        # The bound output (a chunk in a stream loop) takes the broadcast.
+        out.copy_(view)
+        return
+    sizes = []
+    for j, (d, size) in enumerate(zip(axes, placed)):
+        grows = size == 1 and not d.is_broadcast
+        sizes.append(layout.local_extent(d) if grows else size)
+        if sizes[-1] is None:
+            raise ShapeError(f"axis {j} of T{e.out.name} has no fixed size to grow to")
+    bind_fresh(view.expand(sizes).clone(memory_format=torch.contiguous_format))
+
+
+def _check_kept_sizes(e: ir.BroadcastInDimOp, src: torch.Tensor) -> None:
+    """A kept axis given a fixed size must have it (across ranks)."""
+    out = e.out.logical_runtime()
+    for i, (d, j) in enumerate(zip(e.input.logical_runtime(), e.dims)):
+        o = out[j]
+        if d.is_broadcast or o.is_broadcast or not o.extent.is_constant or src.shape[i] == 0:
+            continue
+        whole = src.shape[i]
+        for leaf in d.loop_leaves():
+            if leaf.is_device_parallel and e.input.mesh is not None:
+                whole *= e.input.mesh.size_along(leaf.parallel_type)
+        if whole != o.extent.value:
+            raise ShapeError(
+                f"broadcast_in_dim: axis {i} of T{e.input.name} has size {whole}, but output axis {j} "
+                f"is {o.extent.value}; only a size-1 axis grows"
+            )
+
+
 @impl(ir.PermuteOp)
 def _permute(frame: Frame, e: ir.PermuteOp) -> None:
     src = frame.full_rank(e.input, frame.get(e.input))

@@ -886,9 +886,27 @@ class SelectOp(Expr):
         return zip(self.out.logical_runtime(), ins)
 
 
+@_op
+class BroadcastInDimOp(Expr):
+    """`out` = `input` with input axis i as out axis `dims[i]`, out's other
+    axes new, and size-1 input axes grown to out's sizes (nvFuser's
+    broadcast_in_dim, torch's unsqueeze then expand), as a copy. Writes
+    into `out` if bound. Runs on the current stream."""
+
+    out: TensorView
+    input: TensorView
+    dims: tuple
+    INPUTS = ("input",)
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        out = self.out.logical_runtime()
+        return zip([out[d] for d in self.dims], self.input.logical_runtime())
+
+
 SHAPE_OPS = (PermuteOp, ReshapeOp, SliceOp, SelectOp)
-FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp) + SHAPE_OPS
-COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp)
+FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp) + SHAPE_OPS
+COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp)
 
 
 @_op

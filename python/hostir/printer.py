@@ -81,6 +81,11 @@ def _linear(e: ir.LinearOp, pad):
     return _assign(pad, e.out, f"linear( {', '.join(format_tv(a) for a in args)}{_partial(e)} )")
 
 
+def _broadcast_in_dim(e: ir.BroadcastInDimOp, pad):
+    dims = ", ".join(map(str, e.dims))
+    return _assign(pad, e.out, f"broadcast_in_dim( {format_tv(e.input)}, dims = {{{dims}}} )")
+
+
 def _permute(e: ir.PermuteOp, pad):
     dims = ", ".join(map(str, e.dims))
     return _assign(pad, e.out, f"permute( {format_tv(e.input)}, dims = {{{dims}}} )")
@@ -201,6 +206,7 @@ _FORMATS = {
     ir.ReductionOp: _reduction,
     ir.MatmulOp: _matmul,
     ir.LinearOp: _linear,
+    ir.BroadcastInDimOp: _broadcast_in_dim,
     ir.PermuteOp: _permute,
     ir.ReshapeOp: _reshape,
     ir.SliceOp: _slice,
