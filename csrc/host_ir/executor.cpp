@@ -299,6 +299,22 @@ class Run {
         return *lhs * *rhs;
       case ScalarNode::kDiv:
         return floorDiv(*lhs, *rhs);
+      case ScalarNode::kEq:
+        return *lhs == *rhs;
+      case ScalarNode::kNe:
+        return *lhs != *rhs;
+      case ScalarNode::kLt:
+        return *lhs < *rhs;
+      case ScalarNode::kLe:
+        return *lhs <= *rhs;
+      case ScalarNode::kGt:
+        return *lhs > *rhs;
+      case ScalarNode::kGe:
+        return *lhs >= *rhs;
+      case ScalarNode::kAnd:
+        return *lhs != 0 && *rhs != 0;
+      case ScalarNode::kOr:
+        return *lhs != 0 || *rhs != 0;
       default:
         return floorMod(*lhs, *rhs);
     }
@@ -320,7 +336,7 @@ class Run {
     if (n.kind == ScalarNode::kSlot) {
       return p_.int_names[n.value];
     }
-    static const char* ops[] = {"", "", "+", "-", "*", "/", "%"};
+    static const char* ops[] = {"", "", "+", "-", "*", "/", "%", "==", "!=", "<", "<=", ">", ">=", "&&", "||"};
     return text("( ", scalarText(n.lhs), " ", ops[n.kind], " ", scalarText(n.rhs), " )");
   }
 
@@ -447,6 +463,17 @@ class Run {
       try {
         if (ins.op == Opcode::kFor) {
           runFor(ins);
+        } else if (ins.op == Opcode::kIf) {
+          // A failure inside a branch names its own instruction.
+          bool taken = get(ins.cond) != 0;
+          ++executed_;
+          if (taken) {
+            scope(i + 1, ins.end);
+          } else {
+            scope(ins.end, ins.else_end);
+          }
+          i = ins.else_end;
+          continue;
         } else {
           exec(ins);
         }
@@ -551,6 +578,7 @@ class Run {
   void exec(const Instr& ins) {
     switch (ins.op) {
       case Opcode::kFor:
+      case Opcode::kIf:
         break;
       case Opcode::kGetStream:
         if (uses_streams_) {

@@ -185,6 +185,9 @@ def body_locals(container: HostIrContainer) -> dict[int, list]:
                 local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
                 found[id(e)] = list(local - keep - seen)
                 scan(e.body, seen)
+            elif isinstance(e, ir.IfThenElse):
+                scan(e.then_body, seen)
+                scan(e.else_body, seen)
             seen.update(resolve(t) for t in ir.defined_tvs(e))
 
     scan(container.exprs, set())
@@ -425,6 +428,16 @@ def _for(frame: Frame, e: ir.ForLoop) -> None:
     # sources alive past a Deallocate after the loop.
     for tv in local:
         frame.bind(tv, None)
+
+
+@impl(ir.IfThenElse)
+def _if(frame: Frame, e: ir.IfThenElse) -> None:
+    value = frame.get(e.predicate)
+    if isinstance(value, torch.Tensor) or not isinstance(value, (bool, int)):
+        raise ProgramError(
+            f"the predicate {printer.format_scalar(e.predicate)} is {value!r}; an IF takes a bool or an integer"
+        )
+    frame.run_scope(e.then_body if value else e.else_body)
 
 
 @impl(ir.GetCurrentStream)
@@ -768,10 +781,21 @@ def _check_kept_sizes(e: ir.BroadcastInDimOp, src: torch.Tensor) -> None:
             )
 
 
+def _view_out(frame: Frame, e, result: torch.Tensor) -> None:
+    """Write `result` into the bound output, or bind it as it is: a view
+    of the operand where torch made one (permute always, reshape where the
+    strides allow), as torch's own ops return."""
+    out, bind_fresh = _full_rank_out(frame, e)
+    if out is not None:
+        out.copy_(result)
+        return
+    bind_fresh(result)
+
+
 @impl(ir.PermuteOp)
 def _permute(frame: Frame, e: ir.PermuteOp) -> None:
     src = frame.full_rank(e.input, frame.get(e.input))
-    _copy_out(frame, e, src.permute(e.dims), src)
+    _view_out(frame, e, src.permute(e.dims))
 
 
 @impl(ir.ReshapeOp)
@@ -779,7 +803,7 @@ def _reshape(frame: Frame, e: ir.ReshapeOp) -> None:
     src = frame.get(e.input)
     if src.numel() != _numel_of(e.shape, src.numel()):
         raise ShapeError(f"cannot reshape T{e.input.name} of shape {list(src.shape)} to {list(e.shape)}")
-    _copy_out(frame, e, src.reshape(e.shape), src)
+    _view_out(frame, e, src.reshape(e.shape))
 
 
 def _numel_of(shape, numel: int) -> int:

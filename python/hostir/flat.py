@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hostir import ir, layout, printer
+from hostir import ir, layout, printer, unannotated
 from hostir.container import AliasError, HostIrContainer
 from hostir.evaluator import BindingError, MissingHandlerError, ProgramError
 
@@ -47,6 +47,7 @@ OPCODES = (
     "start_coalescing",
     "end_coalescing",
     "wait",
+    "if",
 )
 _CODE = {name: i for i, name in enumerate(OPCODES)}
 # Shared with csrc/host_ir/program.h (enum class CommType), in this order.
@@ -288,6 +289,16 @@ def _for(cc: _Compiler, e: ir.ForLoop) -> None:
     instr.fields["end"] = len(cc.instrs)
 
 
+@_compiles(ir.IfThenElse)
+def _if(cc: _Compiler, e: ir.IfThenElse) -> None:
+    # The then-branch is [here + 1, end), the else-branch [end, else_end).
+    instr = cc.emit("if", e, cond=cc.scalar(e.predicate), end=-1, else_end=-1)
+    cc.scope(e.then_body)
+    instr.fields["end"] = len(cc.instrs)
+    cc.scope(e.else_body)
+    instr.fields["else_end"] = len(cc.instrs)
+
+
 @_compiles(ir.GetCurrentStream)
 def _get_stream(cc, e) -> None:
     cc.emit("get_stream", e, slot=cc.streams.setdefault(e.stream, len(cc.streams)))
@@ -441,11 +452,11 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         "in_shape": _local_shape(cc, e.input),
         "out_shape": _local_shape(cc, e.out),
         "in_full": [cc.scalar(d.extent) for d in e.input.runtime_domain()],
-        "out_full": [cc.scalar(d.extent) for d in e.out.runtime_domain()],
+        "out_full": _out_full(cc, e),
         "dtype_in": _DTYPES[e.input.dtype],
         "dtype_out": _DTYPES[e.out.dtype],
-        "in_axis": _mesh_axis(e.input) if e.input.device_axes() else -1,
-        "out_axis": _mesh_axis(e.out) if e.out.device_axes() else -1,
+        "in_axis": _mesh_axis(e.input) if e.input.device_axes() else (0 if unannotated.inferred(e) else -1),
+        "out_axis": _mesh_axis(e.out) if e.out.device_axes() else (0 if unannotated.inferred(e) else -1),
         "in_order": order == tuple(e.team),
         "perm": [],
         "identity": _identity(e.out.dtype, e.red_op) if e.red_op else 0.0,
@@ -469,6 +480,15 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         f["self_copy"] = receiver == e.root
         f["peer"] = order.index(receiver) if rank == e.root else order.index(e.root)
     cc.emit("communication", e, **f)
+
+
+def _out_full(cc: _Compiler, e: ir.Communication) -> list[int]:
+    """The whole output's extents; for a ReduceScatter without annotations,
+    the team's pieces along its outermost axis."""
+    extents = [d.extent for d in e.out.runtime_domain()]
+    if e.type is ir.CommunicationType.ReduceScatter and unannotated.inferred(e):
+        extents[0] = ir.ScalarExpr("*", extents[0], ir.Scalar.constant(len(e.team)))
+    return [cc.scalar(x) for x in extents]
 
 
 @_compiles(ir.P2PCommunication)
@@ -580,7 +600,7 @@ def _scalar_text(p: FlatProgram, node: int) -> str:
 
 
 def _field_text(p: FlatProgram, name: str, value) -> str:
-    if name in ("start", "stop", "index", "peer", "stream_index") and isinstance(value, int):
+    if name in ("start", "stop", "index", "peer", "stream_index", "cond") and isinstance(value, int):
         return "-" if value < 0 else _scalar_text(p, value)
     if name in ("shape", "in_shape", "out_shape", "in_full", "out_full"):
         return "(" + ", ".join(_scalar_text(p, n) for n in value) + ")"
@@ -653,5 +673,7 @@ def _dump(p: FlatProgram) -> str:
         lines.append(f"{pad}{i}: {instr.op} " + " ".join(fields))
         if instr.op == "for":
             depth_end.append(instr.fields["end"])
+        elif instr.op == "if":
+            depth_end.append(instr.fields["else_end"])
     lines.append("} // %FlatProgram")
     return "\n".join(lines) + "\n"

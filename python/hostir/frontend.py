@@ -133,12 +133,13 @@ class Ops:
         return broadcast_ops.expand(x, shape)
 
     def permute(self, x: ir.TensorView, dims) -> ir.TensorView:
-        """A copy of `x` with its axes in the order `dims` (torch.permute)."""
+        """`x` with its axes in the order `dims`: a view, as torch.permute."""
         self._check(x)
         return shape_ops.permute(x, dims)
 
     def reshape(self, x: ir.TensorView, shape) -> ir.TensorView:
-        """A copy of `x` with shape `shape` (ints, one of them may be -1)."""
+        """`x` with shape `shape` (ints, one of them may be -1): a view where
+        torch.reshape makes one, else a copy."""
         self._check(x)
         return shape_ops.reshape(x, shape)
 

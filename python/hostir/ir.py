@@ -156,7 +156,17 @@ class ScalarExpr(Scalar):
         "-": lambda a, b: a - b,
         "/": lambda a, b: a // b,
         "ceilDiv": lambda a, b: -(-a // b),
+        # Comparisons and logic: an IfThenElse's predicate.
+        "==": lambda a, b: a == b,
+        "!=": lambda a, b: a != b,
+        "<": lambda a, b: a < b,
+        "<=": lambda a, b: a <= b,
+        ">": lambda a, b: a > b,
+        ">=": lambda a, b: a >= b,
+        "&&": lambda a, b: bool(a) and bool(b),
+        "||": lambda a, b: bool(a) or bool(b),
     }
+    COMPARISONS = ("==", "!=", "<", "<=", ">", ">=", "&&", "||")
 
     def __init__(self, op: str, lhs: Scalar, rhs: Scalar):
         if op not in self.OPS:
@@ -822,8 +832,9 @@ class LinearOp(Expr):
 
 @_op
 class PermuteOp(Expr):
-    """`out = input.permute(dims)` as a copy: out axis i is input axis
-    dims[i]. Writes into `out` if bound. Runs on the current stream."""
+    """`out = input.permute(dims)`: out axis i is input axis dims[i]. Binds
+    a view of `input` (no copy, as torch's permute), or writes into `out`
+    if it is bound. Runs on the current stream."""
 
     out: TensorView
     input: TensorView
@@ -839,9 +850,10 @@ class PermuteOp(Expr):
 
 @_op
 class ReshapeOp(Expr):
-    """`out = input.reshape(shape)` as a copy (`shape` as given, -1 for the
-    one inferred size). No axis of `out` iterates with one of `input`, so
-    it cannot be stream-parallel. Writes into `out` if bound."""
+    """`out = input.reshape(shape)` (`shape` as given, -1 for the one
+    inferred size): a view of `input` where torch's reshape makes one (its
+    strides allow), else a copy; writes into `out` if it is bound. No axis
+    of `out` iterates with one of `input`, so it cannot be stream-parallel."""
 
     out: TensorView
     input: TensorView
@@ -949,6 +961,36 @@ class ForLoop(Expr):
     iter_domain: IterDomain | None = None
     schedule: str | None = None
     INPUTS = ("start", "stop")
+
+
+@_op
+class IfThenElse(Expr):
+    """Runs `then_body` if `predicate` (a scalar: a bool, or an integer
+    that is true when non-zero) holds when it is reached, else `else_body`.
+    What a branch defines is visible only inside it."""
+
+    predicate: Scalar
+    then_body: list
+    else_body: list = dataclasses.field(default_factory=list)
+    INPUTS = ("predicate",)
+
+
+def compare(op: str, lhs: Scalar | int | bool, rhs: Scalar | int | bool) -> ScalarExpr:
+    """The predicate `( lhs <op> rhs )`, op one of ==, !=, <, <=, >, >=,
+    && and ||, for an `IfThenElse`."""
+    if op not in ScalarExpr.COMPARISONS:
+        raise DefinitionError(f"compare: unknown op {op!r}; expected one of {list(ScalarExpr.COMPARISONS)}")
+    return ScalarExpr(op, _scalar(lhs), _scalar(rhs))
+
+
+def bodies(e: Expr) -> list[list]:
+    """The nested scopes of a control-flow expr (a loop's body, a
+    conditional's two branches), none for any other."""
+    if isinstance(e, ForLoop):
+        return [e.body]
+    if isinstance(e, IfThenElse):
+        return [e.then_body, e.else_body]
+    return []
 
 
 @_op
@@ -1151,8 +1193,8 @@ def walk(exprs: Sequence[Expr]) -> Iterator[Expr]:
     """Every expr, loop bodies included, in program order."""
     for e in exprs:
         yield e
-        if isinstance(e, ForLoop):
-            yield from walk(e.body)
+        for body in bodies(e):
+            yield from walk(body)
 
 
 def defined_tvs(e: Expr) -> list[TensorView]:

@@ -119,6 +119,17 @@ def _synchronize(e: ir.Synchronize, pad):
     return [f"{pad}Synchronize {format_stream(e.stream)}"]
 
 
+def _if(e: ir.IfThenElse, pad):
+    lines = [f"{pad}IF {format_scalar(e.predicate)}:"]
+    for inner in e.then_body:
+        lines += _lines(inner, pad + INDENT)
+    if e.else_body:
+        lines.append(f"{pad}ELSE:")
+        for inner in e.else_body:
+            lines += _lines(inner, pad + INDENT)
+    return lines
+
+
 def _for(e: ir.ForLoop, pad):
     index = format_scalar(e.index)
     if e.iter_domain is not None:
@@ -215,6 +226,7 @@ _FORMATS = {
     ir.SetCurrentStream: _set_stream,
     ir.Synchronize: _synchronize,
     ir.ForLoop: _for,
+    ir.IfThenElse: _if,
     ir.HirAliasSelect: _select,
     ir.HirAliasChunk: _chunk,
     ir.Allocate: _allocate,
@@ -243,7 +255,7 @@ def format_expr(e: ir.Expr, indent: int = 0) -> str:
 
 def format_expr_head(e: ir.Expr) -> str:
     """One expr without a loop's body: what an error message quotes."""
-    if isinstance(e, ir.ForLoop):
+    if isinstance(e, (ir.ForLoop, ir.IfThenElse)):
         return _lines(e, "")[0]
     return "\n".join(line.strip() for line in _lines(e, ""))
 

@@ -134,3 +134,33 @@ def test_sharded_batch_sizes_that_differ_are_refused_before_communicating(world,
     a_t, b_t = torch.randn(D + 1, 3, 4, device=device), torch.randn(D, 4, 5, device=device)
     with pytest.raises(hostir.HostIrError, match="size"):
         fd.execute([a_t, shard_tensor(b_t, b)])
+
+
+@pytest.mark.parametrize("schedule", ["ring", "collective", "sequential"])
+@pytest.mark.parametrize("form", ["linear", "matmul"])
+def test_column_parallel_with_the_stream_on_the_gathered_axis(world, device, form, schedule):
+    """The weight sharded on its output-feature pieces [D, n, K] (or
+    [D, K, n] for matmul), gathered with the stream on the gathered axis:
+    each step multiplies the replicated input by one rank's piece (a ring
+    of P2P steps, one broadcast per step, or a gather first)."""
+    D = world.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        w = fd.define_tensor([D, -1, -1])
+        wg = fd.ops.set(w)
+        y = fd.ops.linear(x, wg) if form == "linear" else fd.ops.matmul(x, wg)
+        fd.add_output(y)
+    place(DeviceMesh(range(D)), x, w, wg, y)
+    w.axis(0).parallelize(MESH_X)
+    wg.axis(0).parallelize(STREAM)
+    y.axis(1 if form == "linear" else 0).parallelize(STREAM)
+    x_t = torch.randn(4, 3, device=device)
+    w_t = torch.randn(D, 5, 3, device=device) if form == "linear" else torch.randn(D, 3, 5, device=device)
+    inputs = [x_t, shard_tensor(w_t, w)]
+    fd.dry_run(inputs, world_size=D, schedule=schedule)
+    (out,) = fd.execute(inputs, schedule=schedule, number_of_streams=2)
+    if form == "linear":
+        expected = torch.nn.functional.linear(x_t, w_t.reshape(-1, 3)).unflatten(-1, (D, 5))
+    else:
+        expected = torch.matmul(x_t, w_t)
+    torch.testing.assert_close(out, expected)
