@@ -61,7 +61,7 @@ def check(e: ir.Communication) -> None:
                 f"put both tensors on a mesh and parallelize the sharded axis with {e.parallel_type.name}"
                 if e.type not in _INFERRED
                 else "leave both tensors without meshes and sharded axes (pieces along the outermost axis), "
-                f"or annotate both"
+                "or annotate both"
             )
             + f":\n{head}"
         )
