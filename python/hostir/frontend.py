@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hostir import broadcast_ops, ir, layout, printer, shape_ops
+from hostir import broadcast_ops, ir, printer, shape_ops
 from hostir.dtensor import Adapter, has_dtensors, is_dtensor
 from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
 from hostir.executor import ExecutorParams, FusionExecutor, InputError, InputTypeError
