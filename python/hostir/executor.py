@@ -52,7 +52,7 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, cpp, flat, ir, layout, prepared, printer, profiling, schedule
+from hostir import communicator, cpp, flat, ir, layout, mesh_extents, prepared, printer, profiling, schedule
 from hostir.agreement import Offer, RankMismatchError, check, exchange, input_signature
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError, UsageError
@@ -879,6 +879,7 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
             if d.is_device_parallel:
                 continue
             sizes.setdefault(d.extent, _whole_size(tv, d, size))
+    mesh_extents.check(fusion, sizes)
     return sizes
 
 
