@@ -11,7 +11,7 @@ import torch
 import hostir
 from hostir import DefinitionError, FusionDefinition, ParallelType
 from hostir.errors import DefinitionIndexError
-from hostir import flat
+from hostir.runtime import flat
 
 STREAM = ParallelType.stream
 

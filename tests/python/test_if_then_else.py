@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from hostir import check_races, ir
-from hostir import cpp, flat
+from hostir import cpp
+from hostir.runtime import flat
 from hostir.container import HostIrContainer, VerifyError
-from hostir.evaluator import HostIrEvaluator, MissingHandlerError
+from hostir.runtime.evaluator import HostIrEvaluator, MissingHandlerError
 
 
 def _vector(c: HostIrContainer, extent: ir.Scalar) -> ir.TensorView:

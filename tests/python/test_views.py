@@ -8,7 +8,7 @@ import torch
 
 from hostir import FusionDefinition, check_races, ir
 from hostir.container import HostIrContainer
-from hostir.evaluator import HostIrEvaluator
+from hostir.runtime.evaluator import HostIrEvaluator
 
 
 def _peak(build, shape=(64, 32)) -> int:

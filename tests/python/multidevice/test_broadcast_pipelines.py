@@ -13,7 +13,7 @@ import torch
 
 from hostir import DeviceMesh, FusionDefinition, ParallelType, shard_tensor
 from hostir.lower import lower
-from hostir.schedule import Schedule
+from hostir.lower.schedule import Schedule
 
 MESH_X, STREAM = ParallelType.mesh_x, ParallelType.stream
 

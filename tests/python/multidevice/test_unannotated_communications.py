@@ -11,7 +11,7 @@ import torch
 import hostir
 from hostir import ir
 from hostir.container import HostIrContainer
-from hostir.streams import streams_for
+from hostir.runtime.streams import streams_for
 
 
 def _tensor(c: HostIrContainer, shape) -> ir.TensorView:
