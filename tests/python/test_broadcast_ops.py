@@ -61,7 +61,7 @@ def test_expand_as_torch():
 
 
 @pytest.mark.parametrize("axis", [0, 1, 2], ids=["kept", "new", "kept_inner"])
-def test_stream_axis_on_a_kept_or_new_axis(axis):
+def test_stream_axis_on_a_kept_or_new_axis(axis, device):
     def build(fd):
         x = fd.define_tensor([-1, -1])
         y = fd.ops.broadcast_in_dim(x, [-1, 4, -1], [0, 2])
@@ -70,7 +70,7 @@ def test_stream_axis_on_a_kept_or_new_axis(axis):
     fd, (z,) = _program(build)
     z.axis(axis).parallelize(STREAM)
     assert fd.host_ir().count("FOR StreamIdx") == 1
-    x = torch.randn(3, 5)
+    x = torch.randn(3, 5, device=device)
     (out,) = fd.execute([x], number_of_streams=2)
     torch.testing.assert_close(out, x.unsqueeze(1).expand(3, 4, 5) + 1.0)
 

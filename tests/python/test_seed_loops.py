@@ -81,9 +81,9 @@ def test_pipeline_gives_the_reference_dump(case):
 
 @pytest.mark.parametrize("number_of_streams", [1, 3])
 @pytest.mark.parametrize("case", sorted(SEEDS))
-def test_seed_matches_eager(case, number_of_streams, evaluator):
+def test_seed_matches_eager(case, number_of_streams, evaluator, device):
     fd = SEEDS[case]()
-    x = torch.randn(6, 5)
+    x = torch.randn(6, 5, device=device)
     (out,) = fd.execute([x], number_of_streams=number_of_streams)
     torch.testing.assert_close(out, x)
 

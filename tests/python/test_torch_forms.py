@@ -38,10 +38,10 @@ def _matmul(a_shape, b_shape):
 
 
 @pytest.mark.parametrize("form", sorted(MATMUL_FORMS))
-def test_matmul_broadcasts_like_torch(form, evaluator):
+def test_matmul_broadcasts_like_torch(form, evaluator, device):
     a_shape, b_shape, a_size, b_size = MATMUL_FORMS[form]
     fd, c = _matmul(a_shape, b_shape)
-    a, b = torch.randn(a_size), torch.randn(b_size)
+    a, b = torch.randn(a_size, device=device), torch.randn(b_size, device=device)
     expected = torch.matmul(a, b)
     assert c.logical_ndim == expected.dim()
     (out,) = fd.execute([a, b])
@@ -50,12 +50,12 @@ def test_matmul_broadcasts_like_torch(form, evaluator):
 
 @pytest.mark.parametrize("axis", [0, 1])
 @pytest.mark.parametrize("form", ["2d_at_batched", "fewer_batch_axes", "outer_broadcast"])
-def test_broadcast_matmul_with_a_stream_axis(form, axis, evaluator):
+def test_broadcast_matmul_with_a_stream_axis(form, axis, evaluator, device):
     a_shape, b_shape, a_size, b_size = MATMUL_FORMS[form]
     fd, c = _matmul(a_shape, b_shape)
     c.axis(axis).parallelize(STREAM)
     assert fd.host_ir().count("FOR StreamIdx") == 1
-    a, b = torch.randn(a_size), torch.randn(b_size)
+    a, b = torch.randn(a_size, device=device), torch.randn(b_size, device=device)
     (out,) = fd.execute([a, b], number_of_streams=2)
     torch.testing.assert_close(out, torch.matmul(a, b))
 
@@ -87,7 +87,7 @@ def linear_nd_reference(x, w, b):
 
 
 @pytest.mark.parametrize("bias", ["none", "full", "last_axis"])
-def test_linear_with_a_split_weight(bias, evaluator):
+def test_linear_with_a_split_weight(bias, evaluator, device):
     d, e = 2, 4
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1, -1])
@@ -95,8 +95,8 @@ def test_linear_with_a_split_weight(bias, evaluator):
         b = None if bias == "none" else fd.define_tensor([-1, -1] if bias == "full" else [-1])
         y = fd.ops.linear(x, w, b)
         fd.add_output(y)
-    x_t, w_t = torch.randn(3, 5, e), torch.randn(d, e, e)
-    b_t = {"none": None, "full": torch.randn(d, e), "last_axis": torch.randn(e)}[bias]
+    x_t, w_t = torch.randn(3, 5, e, device=device), torch.randn(d, e, e, device=device)
+    b_t = {"none": None, "full": torch.randn(d, e, device=device), "last_axis": torch.randn(e, device=device)}[bias]
     expected = linear_nd_reference(x_t, w_t, b_t)
     assert expected.shape == (3, 5, d, e) and y.logical_ndim == 4
     (out,) = fd.execute([x_t, w_t] + ([] if b_t is None else [b_t]))
