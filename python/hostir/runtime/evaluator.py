@@ -117,13 +117,17 @@ class HostIrEvaluator:
             if isinstance(e, ir.HirAliasChunk) and e.input in self.slice_dim:
                 self.slice_dim[e.out] = self.slice_dim[e.input]
         # For each compute op, the operand axes it reads this rank's slice
-        # of (replicated where its output is sharded).
-        sliced = set(self.slice_dim)
+        # of (replicated where its output is sharded), in a stream loop's
+        # body too (a replicated operand beside an output sharded on
+        # another axis than the one the loop walks).
         multi_device = bool(container.meshes())
+        source = {
+            e.out: e.input for e in container.walk() if isinstance(e, (ir.HirAliasSelect, ir.HirAliasChunk))
+        }
         self.local_slices = {
-            id(e): _local_slices(e)
+            id(e): _local_slices(e, source)
             for e in container.walk()
-            if multi_device and isinstance(e, ir.COMPUTE_OPS) and not sliced & set(e.inputs() + e.outputs())
+            if multi_device and isinstance(e, ir.COMPUTE_OPS)
         }
         self.observers: list[OpObserver] = []
         # Whether runs report to the profiler and traces; a dry run's
@@ -483,22 +487,41 @@ def _deallocate(frame: Frame, e: ir.Deallocate) -> None:
 # rank's slice.
 
 
-def _local_slices(e: ir.Expr) -> dict[int, list]:
-    """operand id -> [(logical position, output axis)] to slice."""
+def _local_slices(e: ir.Expr, source: dict) -> dict[int, list]:
+    """operand id -> [(position, output axis, operand axis)] to slice. In
+    a loop body the op's slices are read as the whole tensors they come
+    from (`source`: slice -> what it slices), so positions count the axis
+    a select removed."""
     if isinstance(e, ir.Set):
         return {}
+    back: dict[int, ir.TensorView] = {}
+    fields = {}
+    for f in e.INPUTS + e.OUTPUTS:
+        v = getattr(e, f)
+        if not isinstance(v, ir.TensorView):
+            continue
+        w = v
+        while w in source:
+            w = source[w]
+        if w is not v:
+            fields[f] = w
+        back.setdefault(id(w), v)
     partial = getattr(e, "partial", None)
+    if fields and partial is not None:
+        # A chunk of partial sums: the decomposition already cut its operands.
+        return {}
+    whole = e.replace(**fields) if fields else e
     found: dict[int, list] = {}
-    for o, i in e.id_pairs():
+    for o, i in whole.id_pairs():
         if o.is_reduction and partial is None:
             continue
         missing = _types(o) - _types(i)
         if not missing or i.is_broadcast:
             # A broadcast operand axis is the same size-1 dim on every rank.
             continue
-        for v in e.inputs():
+        for v in whole.inputs():
             if isinstance(v, ir.TensorView) and i in v.logical:
-                found.setdefault(id(v), []).append((v.logical_runtime().index(i), o))
+                found.setdefault(id(back[id(v)]), []).append((v.logical_runtime().index(i), o, i))
     return found
 
 
@@ -540,12 +563,20 @@ def _operand(frame: Frame, e, tv, full_rank: bool = False):
     t = frame.get(tv)
     if not isinstance(tv, ir.TensorView):
         return t
-    if tv in frame.evaluator.slice_dim:
-        return frame.full_rank(tv, t) if full_rank else t
-    t = as_logical(tv, t)
-    for pos, o in frame.evaluator.local_slices.get(id(e), {}).get(id(tv), ()):
+    cuts = frame.evaluator.local_slices.get(id(e), {}).get(id(tv), ())
+    removed = frame.evaluator.slice_dim.get(tv)
+    if removed is not None:
+        # A slice a stream loop selected: at full rank its dims are the
+        # whole tensor's; without, the selected one is gone.
+        if full_rank:
+            t = frame.full_rank(tv, t)
+        else:
+            cuts = [(pos - (pos > removed), o, i) for pos, o, i in cuts if pos != removed]
+    else:
+        t = as_logical(tv, t)
+    for pos, o, i in cuts:
         mesh = e.out.mesh
-        missing = _types(o) - _types(tv.logical_runtime()[pos])
+        missing = _types(o) - _types(i)
         sizes = _leaf_sizes(o, t.shape[pos], missing, mesh)
         pieces = t.reshape(list(t.shape[:pos]) + sizes + list(t.shape[pos + 1 :]))
         for j, x in enumerate(o.loop_leaves()):

@@ -164,3 +164,22 @@ def test_column_parallel_with_the_stream_on_the_gathered_axis(world, device, for
     else:
         expected = torch.matmul(x_t, w_t)
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("stream_axis", [1, 2], ids=["rows", "columns"])
+def test_product_sharded_on_its_batch_axis_with_a_stream_on_another(world, device, stream_axis):
+    """Replicated operands, the product [B, M, N] sharded on B and walked on
+    streams along M or N: each loop step multiplies this rank's batch
+    entries only, reading its slice of the replicated weight."""
+    D = world.size
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1, -1, -1])
+        c = fd.ops.matmul(a, b)
+        fd.add_output(c)
+    place(DeviceMesh(range(D)), a, b, c)
+    c.axis(0).parallelize(MESH_X)
+    c.axis(stream_axis).parallelize(STREAM)
+    a_t, b_t = torch.randn(3, 4, device=device), torch.randn(D, 4, 5, device=device)
+    (out,) = fd.execute([a_t, b_t], number_of_streams=2)
+    torch.testing.assert_close(out, piece(torch.matmul(a_t, b_t), 0, world))
