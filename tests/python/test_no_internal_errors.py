@@ -82,3 +82,45 @@ def test_sharding_rows_a_replicated_input_has_too_many_of_is_named():
         fd.dry_run([torch.randn(4, 3), torch.randn(D, 3, 5)], world_size=D)
     assert issubclass(MeshExtentError, hostir.HostIrError)
     fd.dry_run([torch.randn(D, 3), torch.randn(D, 3, 5)], world_size=D)
+
+
+@st.composite
+def linears(draw):
+    x_shape = draw(st.sampled_from([[-1, -1], [-1, -1, -1]]))
+    w_shape = draw(st.sampled_from([[-1, -1], [D, -1, -1]]))
+    b_shape = draw(st.sampled_from([None, [-1], [-1, -1][: len(w_shape) - 1]]))
+    n_out = len(x_shape) - 1 + len(w_shape) - 1
+    pick = lambda n: draw(st.one_of(st.none(), st.integers(0, n - 1)))  # noqa: E731
+    placements = (pick(len(x_shape)), pick(len(w_shape)), pick(len(b_shape)) if b_shape else None, pick(n_out))
+    return x_shape, w_shape, b_shape, placements, pick(n_out)
+
+
+@pytest.mark.filterwarnings("error")
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(linears())
+def test_every_linear_placement_plans_or_names_its_error(program):
+    x_shape, w_shape, b_shape, (sx, sw, sb, so), stream = program
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(x_shape)
+        w = fd.define_tensor(w_shape)
+        b = fd.define_tensor(b_shape) if b_shape else None
+        y = fd.ops.linear(x, w, b)
+        fd.add_output(y)
+    mesh = DeviceMesh(range(D))
+    for tv in (x, w, b, y):
+        if tv is not None:
+            tv.set_device_mesh(mesh)
+    for tv, axis in ((x, sx), (w, sw), (b, sb), (y, so)):
+        if axis is not None:
+            tv.axis(axis).parallelize(ParallelType.mesh_x)
+    if stream is not None and stream != so:
+        y.axis(stream).parallelize(ParallelType.stream)
+    whole = [torch.randn([D] * (len(x_shape) - 1) + [4]), torch.randn([D] * (len(w_shape) - 1) + [4])]
+    tvs = [x, w]
+    if b_shape:
+        whole.append(torch.randn([D] * len(b_shape)))
+        tvs.append(b)
+    try:
+        fd.dry_run([shard_tensor(t, tv, rank=0) for t, tv in zip(whole, tvs)], world_size=D)
+    except hostir.HostIrError as err:
+        assert not any(word in str(err) for word in INTERNAL), str(err)
