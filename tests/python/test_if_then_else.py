@@ -116,6 +116,7 @@ def _branch_on_input(dtype: torch.dtype):
 def test_condition_on_a_program_input(dtype, values):
     c, x, flag = _branch_on_input(dtype)
     assert "IF b" in str(c) or "IF i" in str(c)
+    assert check_races(c) == []
     t = torch.randn(5)
     ev = HostIrEvaluator(c)
     for v in values:

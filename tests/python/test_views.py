@@ -88,3 +88,14 @@ def test_the_race_checker_sees_a_view_as_its_operand():
         t = torch.randn(3, 4)
         (result,) = HostIrEvaluator(c).run({x: t})
         torch.testing.assert_close(result, t.permute(1, 0) if kind == "permute" else t.reshape(-1))
+
+
+def test_streamed_shape_programs_stay_race_free_with_views():
+    """The shape-op programs (permutes and reshapes feeding stream loops,
+    a scalar input among them) check clean with views as their operands'
+    buffers."""
+    import test_shape_ops
+
+    for name, build in test_shape_ops.CASES.items():
+        fd, _, _ = test_shape_ops._define(build)
+        assert check_races(fd.host_program()) == [], name

@@ -167,7 +167,8 @@ class _Checker:
     def run(self) -> list[Race]:
         line = "(before the program, the caller writes its inputs)"
         for tv in self.container.inputs:
-            self.access("write", self.fresh(tv), CALLER, line)
+            if isinstance(tv, ir.TensorView):  # a scalar input has no buffer
+                self.access("write", self.fresh(tv), CALLER, line)
         self.scope(self.container.exprs)
         for tl in self.used:
             self.join(CALLER, tl)
@@ -177,7 +178,8 @@ class _Checker:
             if self.container.holds(tv):
                 self.access("read", self.region(tv), CALLER, end)
         for tv in self.container.inputs:
-            self.access("write", self.region(tv), CALLER, end)
+            if isinstance(tv, ir.TensorView):
+                self.access("write", self.region(tv), CALLER, end)
         return find_races(self.accesses)
 
     def scope(self, exprs) -> None:
