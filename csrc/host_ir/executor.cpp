@@ -254,7 +254,12 @@ class Run {
         " inputs, got ",
         inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
-      bindTensor(p_.inputs[i], inputs[i]);
+      if (p_.inputs[i] <= -2) {
+        // A scalar input: its integer slot, from a 0-d tensor.
+        bindInt(-2 - p_.inputs[i], inputs[i].item<int64_t>());
+      } else {
+        bindTensor(p_.inputs[i], inputs[i]);
+      }
     }
     if (!outputs.empty()) {
       HOSTIR_CHECK(

@@ -1,9 +1,8 @@
 """The host IR's IfThenElse in hand-built containers: predicates on loop
 indices (comparisons, integers true when non-zero) and on program inputs
 (bool and integer scalars), printed in the dump, run by the Python
-evaluator and by the C++ executor (which runs conditions on loop indices
-and leaves programs with scalar inputs to the Python evaluator, saying
-why), verified (a branch's definitions stay inside it) and race-checked.
+evaluator and by the C++ executor (integer and bool scalar inputs are integer slots there; a float scalar
+input keeps a program on the Python evaluator, which says why), verified (a branch's definitions stay inside it) and race-checked.
 """
 
 from __future__ import annotations
@@ -11,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hostir import check_races, ir
-from hostir import cpp
+import hostir
+from hostir import FusionDefinition, check_races, ir
 from hostir.runtime import flat
 from hostir.container import HostIrContainer, VerifyError
-from hostir.runtime.evaluator import HostIrEvaluator, MissingHandlerError
 
 
 def _vector(c: HostIrContainer, extent: ir.Scalar) -> ir.TensorView:
@@ -113,25 +111,53 @@ def _branch_on_input(dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("dtype, values", [(torch.bool, [True, False]), (torch.int64, [3, 0, -1])])
-def test_condition_on_a_program_input(dtype, values):
+def test_condition_on_a_program_input(dtype, values, evaluator_class):
     c, x, flag = _branch_on_input(dtype)
     assert "IF b" in str(c) or "IF i" in str(c)
     assert check_races(c) == []
     t = torch.randn(5)
-    ev = HostIrEvaluator(c)
+    ev = evaluator_class(c)
     for v in values:
         (out,) = ev.run({x: t, flag: v})
         torch.testing.assert_close(out, t * 2 if v else t)
 
 
-def test_the_cpp_executor_leaves_input_conditions_to_python():
+def test_a_scalar_input_of_the_wrong_type_is_refused(evaluator_class):
     c, x, flag = _branch_on_input(torch.bool)
-    reason = flat.unsupported(c)
-    assert reason is not None and "scalar inputs" in reason
-    if not cpp.available():
-        pytest.skip(f"hostir._C is not built: {cpp.reason()}")
-    with pytest.raises(MissingHandlerError, match="the C\\+\\+ executor cannot run this program: it takes scalar inputs"):
-        cpp.CppEvaluator(c).run({x: torch.randn(3), flag: True})
+    with pytest.raises(Exception, match="bool|takes a torch.bool|must be bound"):
+        evaluator_class(c).run({x: torch.randn(3), flag: "yes"})
+
+
+def test_integer_scalar_inputs_run_in_cpp_and_float_ones_say_why_not(evaluator):
+    """Through fd.execute: an integer scalar operand runs on either
+    evaluator; a float scalar keeps the program on the Python evaluator,
+    and asking for the C++ one says why."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        k = fd.define_scalar(int)
+        fd.add_output(fd.ops.mul(x, k))
+    t = torch.randn(3, 4)
+    for v in (3, -2):
+        torch.testing.assert_close(fd.execute([t, v])[0], t * v)
+    assert flat.unsupported(fd.host_program()) is None
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        a = fd.define_scalar(float)
+        fd.add_output(fd.ops.mul(x, a))
+    assert "floating scalar inputs" in flat.unsupported(fd.host_program())
+    if evaluator == "python":
+        torch.testing.assert_close(fd.execute([t, 1.5])[0], t * 1.5)
+    else:
+        with pytest.raises(hostir.HostIrError, match="floating scalar inputs"):
+            fd.execute([t, 1.5])
+
+
+def test_a_bool_input_an_op_computes_with_runs_in_python():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1], dtype=torch.int64)
+        b = fd.define_scalar(bool)
+        fd.add_output(fd.ops.add(x, b))
+    assert "computes with a bool scalar input" in flat.unsupported(fd.host_program())
 
 
 def test_a_tensor_defined_in_a_branch_is_not_visible_after_it():
@@ -141,12 +167,6 @@ def test_a_tensor_defined_in_a_branch_is_not_visible_after_it():
     c.push_back(ir.Set(extra, tmp))
     with pytest.raises(VerifyError, match="is read before it is defined"):
         c.verify()
-
-
-def test_a_predicate_that_is_not_a_number_is_refused():
-    c, x, flag = _branch_on_input(torch.bool)
-    with pytest.raises(Exception, match="must be bound|bool"):
-        HostIrEvaluator(c).run({x: torch.randn(3), flag: "yes"})
 
 
 def test_unknown_comparison_is_refused():

@@ -181,7 +181,8 @@ class _Compiler:
                 f"A communicator must be provided: the program has communications, such as\n"
                 f"{printer.format_expr_head(needs[0])}"
             )
-        inputs = [self.tensor(tv) for tv in c.inputs]
+        # A scalar input is an integer slot, listed as -2 - slot.
+        inputs = [self.tensor(v) if isinstance(v, ir.TensorView) else -2 - self.int_slot(v) for v in c.inputs]
         outputs = [self.tensor(tv) if c.holds(tv) else -1 for tv in c.outputs]
         named = c.named_scalars()
         nos = named.get("numberOfStreams")
@@ -189,7 +190,7 @@ class _Compiler:
         self.body_locals = self._find_body_locals()
         self.scope(c.exprs)
         rules = {}
-        for tv in c.inputs + [t for t in c.outputs if c.holds(t)]:
+        for tv in [t for t in c.inputs if isinstance(t, ir.TensorView)] + [t for t in c.outputs if c.holds(t)]:
             rules[self.tensor(tv)] = self.extent_rules(tv)
         world = -1
         if self.comm is not None and any(isinstance(e, ir.P2PCommunication) for e in c.walk()):
@@ -541,9 +542,17 @@ def unsupported(container: HostIrContainer) -> str | None:
     it has no instruction for, or a communication only Python posts (the
     copy-engine transport, a root chosen at run time, symmetric memory), a
     scalar input, or a loop that walks chunks of a split axis."""
-    scalars = [v for v in container.inputs if not isinstance(v, ir.TensorView)]
-    if scalars:
-        return f"it takes scalar inputs ({', '.join(printer.format_val(v) for v in scalars)})"
+    # Integer and bool scalar inputs are integer slots (predicates, loop
+    # bounds, integer operands); a float, or a bool an op computes with
+    # (torch promotes a bool unlike its integer), runs in Python.
+    floats = [v for v in container.inputs if isinstance(v, ir.InputScalar) and v.dtype is torch.float64]
+    if floats:
+        return f"it takes floating scalar inputs ({', '.join(printer.format_val(v) for v in floats)})"
+    bools = {v for v in container.inputs if isinstance(v, ir.InputScalar) and v.dtype is torch.bool}
+    for e in container.walk():
+        used = [v for v in e.inputs() if v in bools and not isinstance(e, ir.IfThenElse)]
+        if used:
+            return f"it computes with a bool scalar input ({printer.format_val(used[0])}): {printer.format_expr_head(e)}"
     for e in container.walk():
         split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and _split_layout(v)), None)
         if split is not None:
@@ -640,7 +649,7 @@ def _stream_text(fields: dict) -> str:
 
 def _dump(p: FlatProgram) -> str:
     head = (
-        f"%FlatProgram {{ ({', '.join(f'%t{i}' for i in p.inputs)}) -> "
+        f"%FlatProgram {{ ({', '.join(f'%t{i}' if i >= 0 else f'${-2 - i}' for i in p.inputs)}) -> "
         f"({', '.join('-' if o < 0 else f'%t{o}' for o in p.outputs)}) :"
     )
     lines = [head]
