@@ -36,26 +36,31 @@ def test_allgather_of_an_expanded_broadcast(world, device):
     assert "type=Allgather" in fd.host_ir()
 
 
-def _matmul_reduce_scatter(D, m, k, n, partials_outer: bool):
+def _matmul_reduce_scatter(D, m, k, n, partials_outer: bool, weight: str = "broadcast_in_dim"):
     """a: [D(K pieces), D(rows), m, k] (partials outer) or [D(rows), D(K
-    pieces), m, k]; the weight [D, k, n] broadcast against the rows axis;
-    the product walked on streams along the rows axis, summed over the K
-    pieces into an output sharded on the rows."""
+    pieces), m, k]; the weight [D, k, n] broadcast against the rows axis
+    (by broadcast_in_dim, or given with its size-1 axis); the product walked
+    on streams along the rows axis, summed over the K pieces into an output
+    sharded on the rows."""
     p, r = (0, 1) if partials_outer else (1, 0)
+    shape = [1] * 2 + [k, n]
+    shape[p] = D
     with FusionDefinition() as fd:
         a = fd.define_tensor([-1, -1, -1, -1])
-        w = fd.define_tensor([-1, -1, -1])
-        shape = [1] * 2 + [k, n]
-        shape[p] = D
-        wb = fd.ops.broadcast_in_dim(w, shape, [p, 2, 3])
+        if weight == "broadcast_in_dim":
+            w = fd.define_tensor([-1, -1, -1])
+            wb = fd.ops.broadcast_in_dim(w, shape, [p, 2, 3])
+        else:
+            w = wb = fd.define_tensor([-1 if s != 1 else 1 for s in shape])
         partials = fd.ops.matmul(a, wb)
         c = fd.ops.sum(partials, [p])
         fd.add_output(c)
     mesh = DeviceMesh(range(D))
-    for tv in (a, w, wb, partials, c):
+    for tv in {a, w, wb, partials, c}:
         tv.set_device_mesh(mesh)
     a.axis(p).parallelize(MESH_X)
-    w.axis(0).parallelize(MESH_X)
+    if w is not wb:
+        w.axis(0).parallelize(MESH_X)
     wb.axis(p).parallelize(MESH_X)
     partials.axis(p).parallelize(MESH_X)
     partials.axis(r).parallelize(STREAM)
@@ -68,11 +73,12 @@ def _expected(a_t, w_t, partials_outer: bool):
     return torch.matmul(a_t, w_t.unsqueeze(1 - p)).sum(p)
 
 
+@pytest.mark.parametrize("weight", ["broadcast_in_dim", "input"])
 @pytest.mark.parametrize("partials_outer", [True, False], ids=["partials_outer", "partials_inner"])
 @pytest.mark.parametrize("decomposition", ["ring", "collective"])
-def test_matmul_reduce_scatter_pipeline(world, device, partials_outer, decomposition):
+def test_matmul_reduce_scatter_pipeline(world, device, partials_outer, decomposition, weight):
     D, m, k, n = world.size, 3, 4, 5
-    fd, a, w = _matmul_reduce_scatter(D, m, k, n, partials_outer)
+    fd, a, w = _matmul_reduce_scatter(D, m, k, n, partials_outer, weight)
     program = str(lower(fd.fusion, rank=world.rank, backend="gloo", schedule=Schedule(decomposition)))
     loop = program[program.index(f"({decomposition}") :]
     if decomposition == "ring":
@@ -80,7 +86,8 @@ def test_matmul_reduce_scatter_pipeline(world, device, partials_outer, decomposi
     else:
         assert "type=Reduce" in loop, program
     a_t, w_t = torch.randn(D, D, m, k, device=device), torch.randn(D, k, n, device=device)
-    (out,) = fd.execute([shard_tensor(a_t, a), shard_tensor(w_t, w)], schedule=decomposition)
+    w_in = w_t if weight == "broadcast_in_dim" else w_t.unsqueeze(1 if partials_outer else 0)
+    (out,) = fd.execute([shard_tensor(a_t, a), shard_tensor(w_in, w)], schedule=decomposition)
     expected = _expected(a_t, w_t, partials_outer)
     torch.testing.assert_close(out, expected.chunk(D, 0)[world.rank])
 
