@@ -99,3 +99,24 @@ def test_streamed_shape_programs_stay_race_free_with_views():
     for name, build in test_shape_ops.CASES.items():
         fd, _, _ = test_shape_ops._define(build)
         assert check_races(fd.host_program()) == [], name
+
+
+def test_views_on_repeated_calls_and_into_preallocated_outputs():
+    """The fast path of a repeated call returns the views too; preallocated
+    outputs (a reshape's inferred size included) are written, not viewed."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.permute(x, [1, 0]))
+        fd.add_output(fd.ops.mul(fd.ops.reshape(x, [-1]), 2.0))
+    for _ in range(3):
+        t = torch.randn(3, 4)
+        permuted, doubled = fd.execute([t])
+        assert permuted.data_ptr() == t.data_ptr()
+        torch.testing.assert_close(permuted, t.permute(1, 0))
+        torch.testing.assert_close(doubled, t.reshape(-1) * 2.0)
+    t = torch.randn(3, 4)
+    out = [torch.empty(4, 3), torch.empty(12)]
+    fd.execute([t], outputs=out)
+    torch.testing.assert_close(out[0], t.permute(1, 0))
+    torch.testing.assert_close(out[1], t.reshape(-1) * 2.0)
+    assert fd.num_programs == 1

@@ -281,7 +281,7 @@ def _local_output_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None
     fixed = layout.local_extent(d)
     if fixed is not None:
         return fixed
-    size = sizes.get(d.extent)
+    size = _whole_extent(d.extent, sizes)
     if size is None:
         return None
     for leaf in d.loop_leaves():
@@ -306,3 +306,16 @@ def _overlaps(a: torch.Tensor, b) -> bool:
         return False
     (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
     return a0 < b1 and b0 < a1
+
+
+def _whole_extent(extent: ir.Scalar, sizes) -> int | None:
+    """An extent's whole size: a constant, an input's symbolic extent, or
+    an expression of them (a reshape's inferred size); None where unknown."""
+    if isinstance(extent, ir.ScalarExpr):
+        lhs, rhs = _whole_extent(extent.lhs, sizes), _whole_extent(extent.rhs, sizes)
+        if lhs is None or rhs is None or (extent.op in ("/", "%", "ceilDiv") and rhs == 0):
+            return None
+        return int(ir.ScalarExpr.OPS[extent.op](lhs, rhs))
+    if extent.is_constant:
+        return int(extent.value)
+    return sizes.get(extent)
