@@ -112,8 +112,7 @@ class HostIrContainer(ir.IrContainer):
 
     # -- building
     def add_input(self, tv: ir.TensorView) -> None:
-        if self.aliases.is_alias(tv):
-            raise AliasError(f"Inputs cannot be aliased: T{tv.name} is an alias")
+        self.check_inputs_unaliased(inputs=[tv])
         self.inputs.append(tv)
 
     def add_output(self, tv: ir.TensorView) -> None:
@@ -169,9 +168,7 @@ class HostIrContainer(ir.IrContainer):
         for one), no input is an alias, and every communication says, by
         annotations or by its type and team, which piece each rank holds
         (`hostir.unannotated`)."""
-        for tv in self.inputs:
-            if self.aliases.is_alias(tv):
-                raise VerifyError(f"Inputs cannot be aliased: T{tv.name} is an alias")
+        self.check_inputs_unaliased(VerifyError)
         resolve = self.aliases.resolve
         defined = {resolve(t) for t in self.inputs}
         self._verify_scope(self.exprs, defined, resolve)
@@ -189,7 +186,15 @@ class HostIrContainer(ir.IrContainer):
 
     def holds(self, tv: ir.TensorView) -> bool:
         """Whether this program's rank holds `tv` (always, before pruning)."""
-        return self.rank is None or tv.mesh is None or self.rank in tv.mesh
+        return tv.held_by(self.rank)
+
+    def check_inputs_unaliased(self, error: type[Exception] | None = None, inputs=None) -> None:
+        """Raise `error` (AliasError by default) if an input (of `inputs`,
+        by default the program's) is an alias: an input is bound by the
+        caller, so its buffer is its own."""
+        for tv in self.inputs if inputs is None else inputs:
+            if self.aliases.is_alias(tv):
+                raise (error or AliasError)(f"Inputs cannot be aliased: T{tv.name} is an alias")
 
     def _verify_scope(self, exprs: Sequence[ir.Expr], defined: set, resolve) -> None:
         for e in exprs:

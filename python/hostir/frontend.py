@@ -14,12 +14,13 @@ whenever the definition or the inputs' signature changes.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Sequence
 
 import torch
 
-from hostir import broadcast_ops, communicator, ir, printer, shape_ops
+from hostir import broadcast_ops, communicator, ir, layout, printer, shape_ops
 from hostir.analysis.dry_run import dry_run
 from hostir.dtensor import Adapter, has_dtensors, is_dtensor
 from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
@@ -278,6 +279,13 @@ class FusionDefinition:
         return dry_run(self, inputs, world_size=world_size, **kwargs)
 
     @property
+    def last_runner(self):
+        """What ran the latest `execute` and why: a `hostir.executor.Runner`
+        with `name` ("cpp", "python" or "fake") and `reason` (every reason
+        the C++ executor is not used); None before the first call."""
+        return self.executor.last_runner
+
+    @property
     def num_programs(self) -> int:
         """How many lowered programs are cached (one per input signature and
         per set of static sizes)."""
@@ -323,23 +331,13 @@ def shard_tensor(t: torch.Tensor, tv: ir.TensorView, rank: int | None = None) ->
                 n *= mesh.size_along(x.parallel_type)
         if size % n:
             raise InputError(f"axis {axis} of T{tv.name}: extent {size} not divisible by mesh size {n}")
-        pieces = _leaf_sizes(leaves, size, mesh)
+        pieces = layout.leaf_sizes(leaves, size, mesh)
+        known = math.prod(p for p, x in zip(pieces, leaves) if x.is_device_parallel or x.extent.is_constant)
+        if size % known:
+            raise InputError(f"extent {size} not divisible by {known}")
         view = t.reshape(list(t.shape[:axis]) + pieces + list(t.shape[axis + 1 :]))
         for j, x in enumerate(leaves):
             if x.is_device_parallel:
                 view = view.narrow(axis + j, mesh.index_along(rank, x.parallel_type), 1)
         t = view.reshape(list(t.shape[:axis]) + [size // n] + list(t.shape[axis + 1 :]))
     return t
-
-
-def _leaf_sizes(leaves: list[ir.IterDomain], size: int, mesh: ir.DeviceMesh) -> list[int]:
-    known = [
-        mesh.size_along(x.parallel_type) if x.is_device_parallel else (x.extent.value if x.extent.is_constant else None)
-        for x in leaves
-    ]
-    prod = 1
-    for v in known:
-        prod *= v or 1
-    if size % prod:
-        raise InputError(f"extent {size} not divisible by {prod}")
-    return [size // prod if v is None else v for v in known]

@@ -16,12 +16,13 @@ import dataclasses
 import enum
 import math
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from hostir import communicator
 from hostir.errors import DefinitionError, DefinitionIndexError, DefinitionTypeError
+from hostir.kinds import BinaryKind, ReductionKind, UnaryKind
 
 
 class ParallelType(enum.Enum):
@@ -135,13 +136,6 @@ class Scalar:
     def __rsub__(self, other: int) -> ScalarExpr:
         return ScalarExpr("-", _scalar(other), self)
 
-    def key(self) -> tuple:
-        """What makes two scalars the same value: a constant's value, a
-        named leaf's name, an expression's op and operands' keys."""
-        if self.label is not None:
-            return ("name", self.label)
-        return ("constant", type(self.value).__name__, self.value)
-
     def __repr__(self) -> str:
         return format_scalar(self)
 
@@ -179,9 +173,6 @@ class ScalarExpr(Scalar):
     @property
     def is_constant(self) -> bool:
         return False
-
-    def key(self) -> tuple:
-        return (self.op, self.lhs.key(), self.rhs.key())
 
 
 class InputScalar(Scalar):
@@ -328,10 +319,6 @@ class DeviceMesh:
             if rank in team:
                 return team
         raise DefinitionError(f"rank {rank} is not in {self}")
-
-    def x_index(self, rank: int) -> int:
-        """The position of `rank` along the last dimension: which shard it holds."""
-        return self.team_of(rank).index(rank)
 
     def _dim(self, parallel_type: ParallelType) -> int:
         if parallel_type is ParallelType.mesh_x:
@@ -482,7 +469,10 @@ class TensorView:
         """Number of axes of the tensor a user passes or gets back."""
         return sum(1 for d in self.logical if not d.is_reduction)
 
-    def runtime_domain(self) -> list[IterDomain]:
+    def loop_axes(self) -> list[IterDomain]:
+        """The loop axes without reductions: each split axis as its pieces.
+        (The dims a rank holds are `layout.dims`: there the pieces of a
+        split axis other than a mesh_x one stay merged.)"""
         return [d for d in self.domain if not d.is_reduction]
 
     def logical_runtime(self) -> list[IterDomain]:
@@ -498,6 +488,12 @@ class TensorView:
 
     def stream_axes(self) -> list[IterDomain]:
         return [d for d in self.domain if d.parallel_type is ParallelType.stream]
+
+    def held_by(self, rank: int | None) -> bool:
+        """Whether rank `rank` holds this tensor: always without a mesh or
+        a rank (a program not yet pruned for one), else if the mesh names
+        it."""
+        return rank is None or self.mesh is None or rank in self.mesh
 
     def device_axes(self) -> list[IterDomain]:
         return [d for d in self.domain if d.is_device_parallel and not d.is_reduction]
@@ -652,12 +648,20 @@ def format_stream(s: Stream) -> str:
 # ---------------------------------------------------------------- exprs
 
 
+# What an op does when it runs, as the profiler groups ops.
+EFFECTS = ("compute", "communication", "copy", "sync", "host")
+
+
 class Expr:
-    """Base of all ops. Subclasses are dataclasses whose operand fields are
-    listed in `INPUTS` and whose result fields are listed in `OUTPUTS`."""
+    """Base of all ops. Subclasses are dataclasses that declare their
+    operand fields (`INPUTS`), their result fields (`OUTPUTS`), the fields
+    whose tensors they bind when they run (`BINDS`; their outputs unless
+    said otherwise) and their effect (`EFFECT`, one of `EFFECTS`)."""
 
     INPUTS: tuple[str, ...] = ()
     OUTPUTS: tuple[str, ...] = ()
+    BINDS: tuple[str, ...] | None = None
+    EFFECT: str = "host"
 
     def inputs(self) -> list:
         vals = []
@@ -692,6 +696,14 @@ def _op(cls):
     return dataclasses.dataclass(eq=False, repr=False)(cls)
 
 
+def _kind(kinds: type, kind, what: str):
+    """`kind` (a name or a member) as a member of the enum `kinds`."""
+    try:
+        return kinds(kind)
+    except ValueError:
+        raise DefinitionError(f"unknown {what} {kind!r}; expected one of {[k.value for k in kinds]}") from None
+
+
 def _zip_axes(out: TensorView, inp: TensorView) -> Iterator[tuple[IterDomain, IterDomain]]:
     # An operand's reduction axes (left by the op that made it) take no part.
     yield from zip(out.logical_runtime(), inp.logical_runtime())
@@ -701,6 +713,8 @@ def _zip_axes(out: TensorView, inp: TensorView) -> Iterator[tuple[IterDomain, It
 class Set(Expr):
     """`out = in` as a copy. Writes into `out` if its buffer is bound,
     otherwise binds a fresh copy. Runs on the current stream."""
+
+    EFFECT = "copy"
 
     out: TensorView
     input: TensorView
@@ -717,13 +731,17 @@ class BinaryOp(Expr):
     broadcasting of size-1 broadcast axes and its type promotion). A Scalar
     operand is a constant. Writes into `out` if bound (the `out=` variant)."""
 
+    EFFECT = "compute"
+
     out: TensorView
-    kind: str
+    kind: BinaryKind
     lhs: TensorView | Scalar
     rhs: TensorView | Scalar
     INPUTS = ("lhs", "rhs")
     OUTPUTS = ("out",)
-    KINDS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+
+    def __post_init__(self):
+        self.kind = _kind(BinaryKind, self.kind, "binary op")
 
     def id_pairs(self):
         # Aligned from the last axis, as torch broadcasts.
@@ -739,14 +757,16 @@ class UnaryOp(Expr):
     `gelu` is the exact (erf) form. Writes into `out` if bound (the `out=`
     variant). Runs on the current stream."""
 
+    EFFECT = "compute"
+
     out: TensorView
-    kind: str
+    kind: UnaryKind
     input: TensorView
     INPUTS = ("input",)
     OUTPUTS = ("out",)
-    # Kinds defined for floating inputs only.
-    FLOATING = ("gelu", "silu", "exp", "tanh", "sigmoid")
-    KINDS = ("relu", "neg", "abs", "cast") + FLOATING
+
+    def __post_init__(self):
+        self.kind = _kind(UnaryKind, self.kind, "unary op")
 
     def id_pairs(self):
         return _zip_axes(self.out, self.input)
@@ -757,12 +777,16 @@ class ReductionOp(Expr):
     """`out = <kind>(input)` over the axes of `out` that are reductions
     (sum, max, min). Writes into `out` if bound."""
 
+    EFFECT = "compute"
+
     out: TensorView
-    kind: str
+    kind: ReductionKind
     input: TensorView
     INPUTS = ("input",)
     OUTPUTS = ("out",)
-    KINDS = {"sum": "add", "max": "max", "min": "min"}
+
+    def __post_init__(self):
+        self.kind = _kind(ReductionKind, self.kind, "reduction")
 
     def id_pairs(self):
         return zip(self.out.logical, self.input.logical_runtime())
@@ -773,6 +797,8 @@ class MatmulOp(Expr):
     """`out = a @ b` with torch.matmul's semantics (batch axes broadcast,
     aligned from the right); `out`'s last axis is the reduction over K.
     Writes into `out` if bound."""
+
+    EFFECT = "compute"
 
     out: TensorView
     a: TensorView
@@ -803,6 +829,8 @@ class MatmulOp(Expr):
 class LinearOp(Expr):
     """`out = input @ weight.T + bias`; `out`'s last axis is the reduction
     over K. Writes into `out` if bound."""
+
+    EFFECT = "compute"
 
     out: TensorView
     input: TensorView
@@ -909,6 +937,7 @@ class BroadcastInDimOp(Expr):
     dims: tuple
     INPUTS = ("input",)
     OUTPUTS = ("out",)
+    EFFECT = "compute"
 
     def id_pairs(self):
         out = self.out.logical_runtime()
@@ -925,12 +954,16 @@ class GetCurrentStream(Expr):
     """Binds `stream` to the caller's current stream, on every run. Does not
     block and enqueues nothing."""
 
+    EFFECT = "sync"
+
     stream: Stream
 
 
 @_op
 class SetCurrentStream(Expr):
     """Makes `stream` the current stream: the ops after it enqueue there."""
+
+    EFFECT = "sync"
 
     stream: Stream
     INPUTS = ("stream",)
@@ -940,6 +973,8 @@ class SetCurrentStream(Expr):
 class Synchronize(Expr):
     """The current stream waits for all work enqueued so far on `stream`.
     The host does not block."""
+
+    EFFECT = "sync"
 
     stream: Stream
     INPUTS = ("stream",)
@@ -1002,6 +1037,8 @@ class HirAliasSelect(Expr):
     shorter or empty). `out` is bound, not defined, so it is not an SSA
     output. Does not block and enqueues nothing."""
 
+    BINDS = ("out",)
+
     out: TensorView
     input: TensorView
     axis: IterDomain
@@ -1018,6 +1055,8 @@ class HirAliasChunk(Expr):
     """Binds `out` to the view of piece `index` of `parts` equal pieces of
     `input` along `axis` (a narrow, no copy): an op writing `out` writes
     `input`'s buffer. The axis's extent must divide by `parts`."""
+
+    BINDS = ("out",)
 
     out: TensorView
     input: TensorView
@@ -1037,6 +1076,8 @@ class Allocate(Expr):
     device, unless it is bound already (a caller's preallocated output).
     The allocation is stream-ordered on the current stream."""
 
+    BINDS = ("buffer",)
+
     buffer: TensorView
     memory_type: MemoryType = MemoryType.global_
     zero_init: bool = False
@@ -1050,30 +1091,110 @@ class Deallocate(Expr):
     INPUTS = ("buffer",)
 
 
+def _nbytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+# The traffic of one collective on rank `me`: (bytes sent to each peer,
+# bytes received from each peer), from this rank's input and output
+# tensors (None where it holds none) and the root of this post.
+
+
+def _all_pairs_traffic(size):
+    def traffic(e, me, root, input, out):
+        each = size(e, input, out)
+        others = [p for p in e.team if p != me]
+        return {p: each for p in others}, {p: each for p in others}
+
+    return traffic
+
+
+def _broadcast_traffic(e, me, root, input, out):
+    size = _nbytes(out) if out is not None else _nbytes(input)
+    if me == root:
+        return {p: size for p in e.team if p != me}, {}
+    return {}, {root: size}
+
+
+def _gather_traffic(e, me, root, input, out):
+    senders = [p for p in e.team if p in e.input.mesh]
+    if me == root:
+        piece = _nbytes(out) // max(len(senders), 1)
+        return {}, {p: piece for p in senders if p != me}
+    return ({root: _nbytes(input)} if input is not None else {}), {}
+
+
+def _scatter_traffic(e, me, root, input, out):
+    receivers = [p for p in e.team if p in e.out.mesh]
+    if me == root:
+        piece = _nbytes(input) // max(len(e.out.mesh.devices), 1)
+        return {p: piece for p in receivers if p != me}, {}
+    return {}, ({root: _nbytes(out)} if out is not None else {})
+
+
+def _reduce_traffic(e, me, root, input, out):
+    if me == root:
+        return {}, {p: _nbytes(out) for p in e.team if p != me}
+    piece = _nbytes(input)
+    for d in e.local_reduce:
+        piece //= max(input.shape[d], 1)
+    return {root: piece}, {}
+
+
+def _send_recv_traffic(e, me, root, input, out):
+    sender, receiver = root, (e.team[-1] if len(e.team) > 1 else e.team[0])
+    if sender == receiver:
+        return {}, {}
+    if me == sender:
+        return {receiver: _nbytes(input)}, {}
+    if me == receiver:
+        return {}, {sender: _nbytes(out)}
+    return {}, {}
+
+
+def _all_to_all_traffic(e, me, root, input, out):
+    # Each rank keeps its own piece and trades one with every other.
+    n = max(len(e.team), 1)
+    others = [p for p in e.team if p != me]
+    return {p: _nbytes(input) // n for p in others}, {p: _nbytes(out) // n for p in others}
+
+
 class CommunicationType(enum.Enum):
-    Allgather = "Allgather"
-    Allreduce = "Allreduce"
-    ReduceScatter = "ReduceScatter"
-    Broadcast = "Broadcast"
-    Gather = "Gather"
-    Scatter = "Scatter"
-    Reduce = "Reduce"
-    SendRecv = "SendRecv"
-    AllToAll = "AllToAll"
+    """A collective's kind, with every fact the package reads about it:
+    `has_root` (it names a root), `reduces` (it takes a `red_op`), who
+    sends (`sends`: "all" the team, or the "root") and who receives
+    (`receives`: "all", the "root", or "others" than the root), `in_cpp`
+    (the C++ core has a path for it; the opcode order is the declaration
+    order), and `traffic(e, me, root, input, out)`: the bytes rank `me`
+    sends to and receives from each peer, as dicts."""
 
-    @property
-    def has_root(self) -> bool:
-        return self in (
-            CommunicationType.Broadcast,
-            CommunicationType.Gather,
-            CommunicationType.Scatter,
-            CommunicationType.Reduce,
-            CommunicationType.SendRecv,
-        )
+    has_root: bool
+    reduces: bool
+    sends: str
+    receives: str
+    in_cpp: bool
+    traffic: Callable
 
-    @property
-    def reduces(self) -> bool:
-        return self in (CommunicationType.Allreduce, CommunicationType.ReduceScatter, CommunicationType.Reduce)
+    def __new__(cls, value: str, has_root: bool, reduces: bool, sends: str, receives: str, in_cpp: bool, traffic):
+        member = object.__new__(cls)
+        member._value_ = value
+        member.has_root = has_root
+        member.reduces = reduces
+        member.sends = sends
+        member.receives = receives
+        member.in_cpp = in_cpp
+        member.traffic = traffic
+        return member
+
+    Allgather = "Allgather", False, False, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(i))
+    Allreduce = "Allreduce", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(o))
+    ReduceScatter = "ReduceScatter", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(o))
+    Broadcast = "Broadcast", True, False, "root", "others", True, _broadcast_traffic
+    Gather = "Gather", True, False, "all", "root", True, _gather_traffic
+    Scatter = "Scatter", True, False, "root", "all", True, _scatter_traffic
+    Reduce = "Reduce", True, True, "all", "root", True, _reduce_traffic
+    SendRecv = "SendRecv", True, False, "root", "others", True, _send_recv_traffic
+    AllToAll = "AllToAll", False, False, "all", "all", False, _all_to_all_traffic
 
 
 @_op
@@ -1089,13 +1210,15 @@ class Communication(Expr):
     decomposition's loop names the root by its index); `red_op` is sum, max
     or min."""
 
+    EFFECT = "communication"
+
     name: int
     type: CommunicationType
     out: TensorView
     input: TensorView
     team: tuple
     root: int | Scalar | None = None
-    red_op: str | None = None
+    red_op: ReductionKind | None = None
     backend: str = "NCCL"
     # Dims of the input's local tensor that each rank reduces itself first
     # (the rows of a split mesh_x axis that a rank holds).
@@ -1108,6 +1231,8 @@ class Communication(Expr):
     OUTPUTS = ("out",)
 
     def __post_init__(self):
+        if self.red_op is not None:
+            self.red_op = _kind(ReductionKind, self.red_op, "reduction")
         if not self.team:
             raise DefinitionError("a Communication needs a non-empty team")
         if self.type.has_root != (self.root is not None):
@@ -1119,7 +1244,7 @@ class Communication(Expr):
 
     def id_pairs(self):
         if self.out.ndim == self.input.ndim:
-            yield from zip(self.out.runtime_domain(), self.input.runtime_domain())
+            yield from zip(self.out.loop_axes(), self.input.loop_axes())
 
 
 @_op
@@ -1130,6 +1255,8 @@ class P2PCommunication(Expr):
     must be bound before (a recv writes into it). A one-sided transport
     (cuda) pushes a send into the peer's buffer at `into`: the view of the
     receiver's window that the peer's recv binds, named on the sender."""
+
+    EFFECT = "communication"
 
     name: int
     type: str  # "send" or "recv"
@@ -1150,11 +1277,15 @@ class StartCoalescing(Expr):
     grouped and posted together (one NCCL group), so a send and a recv
     between two ranks cannot deadlock each other."""
 
+    EFFECT = "communication"
+
 
 @_op
 class EndCoalescing(Expr):
     """Posts the group opened by `StartCoalescing`; a `Wait` on it completes
     every communication of the group."""
+
+    EFFECT = "communication"
 
     name: int
 
@@ -1164,6 +1295,8 @@ class Wait(Expr):
     """Completes `communication`: on NCCL the current stream waits for it
     (the host does not block); on gloo the host waits, with the
     communicator's timeout. After it, the output buffer holds the result."""
+
+    EFFECT = "sync"
 
     communication: Expr
 
@@ -1187,12 +1320,9 @@ def walk(exprs: Sequence[Expr]) -> Iterator[Expr]:
 
 
 def defined_tvs(e: Expr) -> list[TensorView]:
-    """TensorViews an expr binds when it runs."""
-    if isinstance(e, (HirAliasSelect, HirAliasChunk)):
-        return [e.out]
-    if isinstance(e, Allocate):
-        return [e.buffer]
-    return [v for v in e.outputs() if isinstance(v, TensorView)]
+    """TensorViews an expr binds when it runs (its declared `BINDS`)."""
+    fields = e.OUTPUTS if e.BINDS is None else e.BINDS
+    return [v for v in (getattr(e, f) for f in fields) if isinstance(v, TensorView)]
 
 
 def read_vals(e: Expr) -> list:
@@ -1423,8 +1553,7 @@ def _probe(v):
 
 
 def binary(kind: str, lhs, rhs) -> TensorView:
-    if kind not in BinaryOp.KINDS:
-        raise DefinitionError(f"unknown binary op {kind!r}; expected one of {list(BinaryOp.KINDS)}")
+    kind = _kind(BinaryKind, kind, "binary op")
     lhs, rhs = _as_operand(lhs), _as_operand(rhs)
     fusion = _owner(lhs, rhs)
     tensors = [v for v in (lhs, rhs) if isinstance(v, TensorView)]
@@ -1435,7 +1564,7 @@ def binary(kind: str, lhs, rhs) -> TensorView:
     probe = [_probe(v) for v in (lhs, rhs)]
     if not isinstance(probe[0], torch.Tensor):
         probe[0] = torch.tensor(probe[0])
-    dtype = getattr(torch, kind)(*probe).dtype
+    dtype = kind.torch_fn(*probe).dtype
     domain = []
     for axes in zip(*(t.logical_runtime() for t in tensors)):
         wide = [d for d in axes if not d.is_broadcast]
@@ -1449,19 +1578,18 @@ def binary(kind: str, lhs, rhs) -> TensorView:
 
 
 def unary(kind: str, x: TensorView, dtype: torch.dtype | None = None) -> TensorView:
-    if kind not in UnaryOp.KINDS:
-        raise DefinitionError(f"unknown unary op {kind!r}; expected one of {list(UnaryOp.KINDS)}")
+    kind = _kind(UnaryKind, kind, "unary op")
     if not isinstance(x, TensorView):
         raise DefinitionTypeError(f"{kind} takes a TensorView, got {type(x).__name__}")
     fusion = _owner(x)
-    if kind == "cast":
+    if kind is UnaryKind.cast:
         if not isinstance(dtype, torch.dtype):
             raise DefinitionTypeError(f"cast needs a torch.dtype, got {dtype!r}")
         if dtype not in _DTYPE_NAMES:
             raise DefinitionTypeError(f"cast: dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES)}")
     elif dtype is not None:
         raise DefinitionTypeError(f"{kind} takes no dtype")
-    if kind in UnaryOp.FLOATING and not x.dtype.is_floating_point:
+    if kind.floating and not x.dtype.is_floating_point:
         raise DefinitionTypeError(f"{kind}: T{x.name} is {x.dtype}; {kind} takes a floating-point tensor")
     out = TensorView(fusion, [d.clone(fusion) for d in x.logical_runtime()], dtype or x.dtype)
     return _emit(fusion, UnaryOp(out, kind, x))
@@ -1485,12 +1613,11 @@ def _normalize_dims(x: TensorView, dims, what: str) -> list[int]:
 
 
 def reduction(kind: str, x: TensorView, dims) -> TensorView:
-    if kind not in ReductionOp.KINDS:
-        raise DefinitionError(f"unknown reduction {kind!r}; expected one of {list(ReductionOp.KINDS)}")
+    kind = _kind(ReductionKind, kind, "reduction")
     fusion = _owner(x)
     reduced = _normalize_dims(x, dims, kind)
     dtype = x.dtype
-    if kind == "sum" and not (dtype.is_floating_point or dtype.is_complex):
+    if kind is ReductionKind.sum and not (dtype.is_floating_point or dtype.is_complex):
         dtype = torch.int64
     domain = [
         d.clone(fusion, IterType.reduction if i in reduced else None)

@@ -47,7 +47,7 @@ def _binary(e: ir.BinaryOp, pad):
     return [
         f"{pad}{format_tv(e.out)}",
         f"{pad}   = {format_val(e.lhs)}",
-        f"{pad}   {ir.BinaryOp.KINDS[e.kind]} {format_val(e.rhs)};",
+        f"{pad}   {e.kind.symbol} {format_val(e.rhs)};",
     ]
 
 
@@ -55,12 +55,9 @@ def _unary(e: ir.UnaryOp, pad):
     return _assign(pad, e.out, f"{e.kind}( {format_tv(e.input)} )")
 
 
-_INIT = {"sum": "0", "max": "-inf", "min": "inf"}
-
-
 def _reduction(e: ir.ReductionOp, pad):
-    init = f"{ir.dtype_name(e.out.dtype)}({_INIT[e.kind]})"
-    op = ir.ReductionOp.KINDS[e.kind]
+    init = f"{ir.dtype_name(e.out.dtype)}({e.kind.initial})"
+    op = e.kind.dump_name
     return _assign(
         pad,
         e.out,
@@ -237,20 +234,6 @@ _FORMATS = {
     ir.EndCoalescing: _end_coalescing,
     ir.Wait: _wait,
 }
-
-
-def register_format(op_class):
-    """Decorator: the text format of an op class defined outside this module."""
-
-    def wrap(fn):
-        _FORMATS[op_class] = fn
-        return fn
-
-    return wrap
-
-
-def format_expr(e: ir.Expr, indent: int = 0) -> str:
-    return "\n".join(_lines(e, INDENT * indent))
 
 
 def format_expr_head(e: ir.Expr) -> str:

@@ -66,7 +66,7 @@ def check(e: ir.Communication) -> None:
             + f":\n{head}"
         )
     piece, whole = (e.input, e.out) if e.type is ir.CommunicationType.Allgather else (e.out, e.input)
-    p, w = piece.runtime_domain(), whole.runtime_domain()
+    p, w = piece.loop_axes(), whole.loop_axes()
     n = len(e.team)
     why = None
     if len(p) != len(w) or not p:

@@ -348,7 +348,7 @@ def _communication(ck: _Checker, e: ir.Communication) -> None:
     if not _participates(ck, e):
         return
     writes = [e.out]
-    if e.type in (ir.CommunicationType.Reduce, ir.CommunicationType.Gather) and ck.container.rank is not None:
+    if e.type.receives == "root" and ck.container.rank is not None:
         # Only the root receives.
         root = ck.value(e.root) if isinstance(e.root, ir.Scalar) else e.root
         if root is not None and root != ck.container.rank:

@@ -27,7 +27,7 @@ import torch
 from hostir import ir, layout, printer
 from hostir.runtime import profiling, transports
 from hostir.communicator import CommunicatorTimeout, PeerLostError, classify_error
-from hostir.container import AliasError, HostIrContainer, body_locals
+from hostir.container import HostIrContainer, body_locals
 from hostir.errors import HostIrError
 from hostir.runtime.streams import NullStreams
 
@@ -82,9 +82,7 @@ class HostIrEvaluator:
     """
 
     def __init__(self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None):
-        for tv in container.inputs:
-            if container.aliases.is_alias(tv):
-                raise AliasError(f"Inputs cannot be aliased: T{tv.name} is an alias")
+        container.check_inputs_unaliased()
         missing = {type(e).__name__ for e in container.walk() if type(e) not in _HANDLERS}
         if missing:
             raise MissingHandlerError(f"the evaluator has no handler for {', '.join(sorted(missing))}")
@@ -529,34 +527,6 @@ def _types(d: ir.IterDomain) -> set:
     return {x.parallel_type for x in d.loop_leaves() if x.is_device_parallel}
 
 
-def _leaf_sizes(d: ir.IterDomain, size: int, whole: set, mesh) -> list[int]:
-    """The sizes of `d`'s pieces in a dim of `size`: a piece sharded on a
-    mesh dimension in `whole` has the mesh's size along it, any other
-    sharded piece 1, a constant piece its extent, the symbolic one the rest."""
-    sizes = []
-    for x in d.loop_leaves():
-        if x.is_device_parallel:
-            sizes.append(mesh.size_along(x.parallel_type) if x.parallel_type in whole else 1)
-        elif x.extent.is_constant:
-            sizes.append(x.extent.value)
-        else:
-            sizes.append(None)
-    known = 1
-    for v in sizes:
-        known *= v if v is not None else 1
-    return [size // known if v is None else v for v in sizes]
-
-
-def as_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
-    """`t` (runtime layout) with one dim per logical axis of `tv`."""
-    return layout.to_logical(tv, t)
-
-
-def as_loop(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
-    """`t` (logical layout, this rank's sizes) in `tv`'s runtime layout."""
-    return layout.to_runtime(tv, t)
-
-
 def _operand(frame: Frame, e, tv, full_rank: bool = False):
     """Operand `tv` of `e` in logical layout, cut to this rank's slice
     where `e`'s output is sharded and `tv` is not."""
@@ -573,11 +543,11 @@ def _operand(frame: Frame, e, tv, full_rank: bool = False):
         else:
             cuts = [(pos - (pos > removed), o, i) for pos, o, i in cuts if pos != removed]
     else:
-        t = as_logical(tv, t)
+        t = layout.to_logical(tv, t)
     for pos, o, i in cuts:
         mesh = e.out.mesh
         missing = _types(o) - _types(i)
-        sizes = _leaf_sizes(o, t.shape[pos], missing, mesh)
+        sizes = layout.leaf_sizes(o.loop_leaves(), t.shape[pos], mesh, missing)
         pieces = t.reshape(list(t.shape[:pos]) + sizes + list(t.shape[pos + 1 :]))
         for j, x in enumerate(o.loop_leaves()):
             if x.parallel_type in missing:
@@ -609,9 +579,9 @@ def _store(
         result = fresh()
         if partial is not None:
             result = result.unsqueeze(0)
-        frame.bind(tv, as_loop(tv, result))
+        frame.bind(tv, layout.to_runtime(tv, result))
         return
-    view = as_logical(tv, out)
+    view = layout.to_logical(tv, out)
     into(view.squeeze(0) if partial is not None else view)
 
 
@@ -633,34 +603,19 @@ def _set(frame: Frame, e: ir.Set) -> None:
         out.copy_(src)
 
 
-_UNARY = {
-    "relu": torch.relu,
-    "neg": torch.neg,
-    "abs": torch.abs,
-    "gelu": torch.nn.functional.gelu,
-    "silu": torch.nn.functional.silu,
-    "exp": torch.exp,
-    "tanh": torch.tanh,
-    "sigmoid": torch.sigmoid,
-}
-
-
 @impl(ir.UnaryOp)
 def _unary(frame: Frame, e: ir.UnaryOp) -> None:
     x = _operand(frame, e, e.input)
-    if e.kind == "cast":
+    fn = e.kind.torch_fn
+    if fn is None:  # cast
         _store(frame, e, lambda: x.to(e.out.dtype), lambda out: out.copy_(x))
         return
-    fn = _UNARY[e.kind]
     _store(frame, e, lambda: fn(x), lambda out: out.copy_(fn(x)))
-
-
-_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 
 
 @impl(ir.BinaryOp)
 def _binary(frame: Frame, e: ir.BinaryOp) -> None:
-    fn = _BINARY[e.kind]
+    fn = e.kind.torch_fn
     lhs, rhs = _operand(frame, e, e.lhs), _operand(frame, e, e.rhs)
     if not isinstance(lhs, torch.Tensor):
         # torch takes a number only on the right; a 0-d tensor of the
@@ -675,10 +630,10 @@ def _reduction(frame: Frame, e: ir.ReductionOp) -> None:
     src = _operand(frame, e, e.input)
     dims = [i for i, d in enumerate(e.out.logical) if d.is_reduction]
 
+    fn, dtype = e.kind.torch_fn, e.out.dtype
+
     def run(**out):
-        if e.kind == "sum":
-            return torch.sum(src, dims, dtype=e.out.dtype, **out)
-        return (torch.amax if e.kind == "max" else torch.amin)(src, dims, **out)
+        return fn(src, dims, dtype=dtype, **out)
 
     _store(frame, e, run, lambda out: run(out=out))
 
