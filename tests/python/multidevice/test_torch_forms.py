@@ -183,3 +183,32 @@ def test_product_sharded_on_its_batch_axis_with_a_stream_on_another(world, devic
     a_t, b_t = torch.randn(3, 4, device=device), torch.randn(D, 4, 5, device=device)
     (out,) = fd.execute([a_t, b_t], number_of_streams=2)
     torch.testing.assert_close(out, piece(torch.matmul(a_t, b_t), 0, world))
+
+
+@pytest.mark.parametrize("schedule", ["ring", "collective", "sequential"])
+@pytest.mark.parametrize("weight", ["split_weight", "split_axis"])
+def test_column_parallel_linear_streamed_on_its_sharded_axis_without_a_set(world, device, weight, schedule):
+    """The same with no gathering set written: the weight [D, n, K] (or
+    [N, K] split on N) sharded, the product streamed on the sharded
+    features; the lowering gathers the weight piece by piece."""
+    D = world.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        w = fd.define_tensor([D, -1, -1] if weight == "split_weight" else [-1, -1])
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+    place(DeviceMesh(range(D)), x, w, y)
+    if weight == "split_weight":
+        w.axis(0).parallelize(MESH_X)
+        y.axis(1).parallelize(STREAM)
+        w_t = torch.randn(D, 5, 3, device=device)
+    else:
+        w.outer_split(0, D)
+        w.axis(0).parallelize(MESH_X)
+        y.outer_split(1, D)
+        y.axis(1).parallelize(STREAM)
+        w_t = torch.randn(D * 5, 3, device=device)
+    x_t = torch.randn(4, 3, device=device)
+    (out,) = fd.execute([x_t, shard_tensor(w_t, w)], schedule=schedule, number_of_streams=2)
+    expected = torch.nn.functional.linear(x_t, w_t.reshape(-1, 3))
+    torch.testing.assert_close(out, expected.unflatten(-1, (D, 5)) if weight == "split_weight" else expected)
