@@ -34,7 +34,8 @@ matmul), unless `keep_gathered` asks for the gathered tensor itself.
 Rules: set; unary relu, gelu (erf and tanh), silu, neg, abs, exp, tanh,
 sigmoid, cast; binary add, sub, mul, div (with broadcasting); sum, max, min
 (ties share the gradient equally, as torch's amax/amin do); matmul; linear
-(bias included); permute, reshape, slice, select. An op without a rule is a
+(bias included); permute, reshape, slice, select, broadcast_in_dim and
+expand. An op without a rule is a
 `NoTransposeRuleError` naming the op's dump line when the backward is first
 derived.
 """
@@ -424,8 +425,6 @@ class _Deriver:
     def permute(self, tv: ir.TensorView, dims) -> ir.TensorView:
         """`tv` transposed for a product: a view, not a copy."""
         out = shape_ops.permute(tv, dims)
-        op = self.bwd.exprs[-1]
-        op.view = True
         lay = self.known.get(tv)
         if lay is not None:
             lay = lay.without_streams().permuted(dims)
@@ -682,6 +681,23 @@ def _linear_rule(d: _Deriver, e: ir.LinearOp, needs) -> None:
         d.contribute(w, d.made(gw))
     if bias is not None and _wants(d, bias, needs):
         d.contribute(bias, d.made(ir.reduction("sum", g, lead)))
+
+
+@rule(ir.BroadcastInDimOp)
+def _broadcast_in_dim_rule(d: _Deriver, e: ir.BroadcastInDimOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not _wants(d, e.input, needs):
+        return
+    out_axes = e.out.logical_runtime()
+    x_axes = e.input.logical_runtime()
+    new = [k for k in range(len(out_axes)) if k not in e.dims]
+    # Input axes of size 1 that the op grew: summed, and kept as size 1.
+    grown = [i for i, a in enumerate(x_axes) if a.is_broadcast and not out_axes[e.dims[i]].is_broadcast]
+    summed = sorted(new + [e.dims[i] for i in grown])
+    gx = ir.reduction("sum", g, summed) if summed else ir.set_(g)
+    if grown:
+        gx = _emit_expand(gx, d.shaped_like(e.input), grown)
+    d.contribute(e.input, d.made(gx))
 
 
 @rule(ir.PermuteOp)

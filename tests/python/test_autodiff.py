@@ -364,3 +364,13 @@ def test_training_dry_run_on_one_device():
     assert [(shape, dtype) for _, shape, dtype in r.saved] == [([4, 5], "float64")]
     assert r.saved_bytes == 4 * 5 * 8
     assert r.saved_input_bytes == (4 * 3 + 3 * 5) * 8
+
+
+def test_broadcast_in_dim_and_expand_rules():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 1], F64)
+        b = fd.ops.broadcast_in_dim(x, [2, 3, 4], [1, 2])
+        e = fd.ops.expand(x, [-1, 4])
+        fd.add_output(fd.ops.mul(b, b))
+        fd.add_output(fd.ops.tanh(e))
+    check(fd, leaf(3, 1))
