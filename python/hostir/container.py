@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-from hostir import ir, printer
+from hostir import ir, printer, unannotated
 from hostir.errors import DefinitionTypeError, HostIrError
 
 
@@ -165,11 +165,19 @@ class HostIrContainer(ir.IrContainer):
         """Raise VerifyError unless every TensorView an expr reads is bound
         before it (an input, or defined earlier in an enclosing scope),
         every output is defined (on this rank, once the program is pruned
-        for one), and no input is an alias."""
+        for one), no input is an alias, and every communication says, by
+        annotations or by its type and team, which piece each rank holds
+        (`hostir.unannotated`)."""
         self.check_inputs_unaliased(VerifyError)
         resolve = self.aliases.resolve
         defined = {resolve(t) for t in self.inputs}
         self._verify_scope(self.exprs, defined, resolve)
+        for e in self.walk():
+            if isinstance(e, ir.Communication):
+                try:
+                    unannotated.check(e)
+                except unannotated.UnannotatedCommunicationError as err:
+                    raise VerifyError(str(err)) from err
         for tv in self.outputs:
             if not self.holds(tv):
                 continue
@@ -196,10 +204,10 @@ class HostIrContainer(ir.IrContainer):
                         f"{printer.format_tv(v)} is read before it is defined, by:\n"
                         f"{printer.format_expr_head(e)}"
                     )
-            if isinstance(e, ir.ForLoop):
-                # A loop may run zero times: what its body defines is not
-                # visible after it.
-                self._verify_scope(e.body, set(defined), resolve)
+            # A loop may run zero times and a branch may not run: what
+            # their bodies define is not visible after them.
+            for body in ir.bodies(e):
+                self._verify_scope(body, set(defined), resolve)
             defined.update(resolve(t) for t in ir.defined_tvs(e))
 
 
@@ -221,6 +229,9 @@ def body_locals(container: HostIrContainer) -> dict[int, list]:
                 local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
                 found[id(e)] = list(local - keep - seen)
                 scan(e.body, seen)
+            elif isinstance(e, ir.IfThenElse):
+                scan(e.then_body, seen)
+                scan(e.else_body, seen)
             seen.update(resolve(t) for t in ir.defined_tvs(e))
 
     scan(container.exprs, set())

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hostir import communicator, ir, layout, printer, shape_ops
+from hostir import broadcast_ops, communicator, ir, layout, printer, shape_ops
 from hostir.analysis.dry_run import dry_run
 from hostir.dtensor import Adapter, has_dtensors, is_dtensor
 from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
@@ -123,13 +123,27 @@ class Ops:
         return ir.linear(x, weight, bias)
 
 
+    def broadcast_in_dim(self, x: ir.TensorView, shape, broadcast_dims) -> ir.TensorView:
+        """`x` with its axis i at output axis `broadcast_dims[i]`, new axes
+        of size `shape[j]` elsewhere, and size-1 axes grown to `shape`
+        (nvFuser's broadcast_in_dim), as a copy."""
+        self._check(x)
+        return broadcast_ops.broadcast_in_dim(x, shape, broadcast_dims)
+
+    def expand(self, x: ir.TensorView, shape) -> ir.TensorView:
+        """`x` with its size-1 axes grown to `shape` (-1 keeps an axis), as
+        torch's expand, as a copy."""
+        self._check(x)
+        return broadcast_ops.expand(x, shape)
+
     def permute(self, x: ir.TensorView, dims) -> ir.TensorView:
-        """A copy of `x` with its axes in the order `dims` (torch.permute)."""
+        """`x` with its axes in the order `dims`: a view, as torch.permute."""
         self._check(x)
         return shape_ops.permute(x, dims)
 
     def reshape(self, x: ir.TensorView, shape) -> ir.TensorView:
-        """A copy of `x` with shape `shape` (ints, one of them may be -1)."""
+        """`x` with shape `shape` (ints, one of them may be -1): a view where
+        torch.reshape makes one, else a copy."""
         self._check(x)
         return shape_ops.reshape(x, shape)
 

@@ -151,7 +151,17 @@ class ScalarExpr(Scalar):
         "-": lambda a, b: a - b,
         "/": lambda a, b: a // b,
         "ceilDiv": lambda a, b: -(-a // b),
+        # Comparisons and logic: an IfThenElse's predicate.
+        "==": lambda a, b: a == b,
+        "!=": lambda a, b: a != b,
+        "<": lambda a, b: a < b,
+        "<=": lambda a, b: a <= b,
+        ">": lambda a, b: a > b,
+        ">=": lambda a, b: a >= b,
+        "&&": lambda a, b: bool(a) and bool(b),
+        "||": lambda a, b: bool(a) or bool(b),
     }
+    COMPARISONS = ("==", "!=", "<", "<=", ">", ">=", "&&", "||")
 
     def __init__(self, op: str, lhs: Scalar, rhs: Scalar):
         if op not in self.OPS:
@@ -356,7 +366,7 @@ class IterDomain:
     An axis made by splitting another records the logical axis it came from
     (`parent`); a split logical axis lists the axes it became (`leaves`)."""
 
-    __slots__ = ("name", "extent", "iter_type", "parallel_type", "owner", "parent", "leaves")
+    __slots__ = ("name", "extent", "iter_type", "parallel_type", "owner", "parent", "leaves", "scheduled")
 
     def __init__(
         self,
@@ -373,6 +383,9 @@ class IterDomain:
         self.parallel_type = parallel_type
         self.parent: IterDomain | None = None
         self.leaves: list[IterDomain] | None = None
+        # Set by `parallelize`: the user chose this axis's parallel type,
+        # `serial` included, so propagation leaves its tensor alone.
+        self.scheduled = False
 
     def clone(self, owner: IrContainer, iter_type: IterType | None = None) -> IterDomain:
         return IterDomain(owner, self.extent, iter_type or self.iter_type, self.parallel_type)
@@ -402,6 +415,7 @@ class IterDomain:
                 f"{self!r} has been split; parallelize one of the axes it was split into"
             )
         self.parallel_type = parallel_type
+        self.scheduled = True
         bump = getattr(self.owner, "bump_version", None)
         if bump is not None:
             bump()
@@ -780,8 +794,9 @@ class ReductionOp(Expr):
 
 @_op
 class MatmulOp(Expr):
-    """`out = a @ b` with torch.matmul's semantics; `out`'s last axis is the
-    reduction over K. Writes into `out` if bound."""
+    """`out = a @ b` with torch.matmul's semantics (batch axes broadcast,
+    aligned from the right); `out`'s last axis is the reduction over K.
+    Writes into `out` if bound."""
 
     EFFECT = "compute"
 
@@ -829,19 +844,24 @@ class LinearOp(Expr):
 
     def id_pairs(self):
         x, w = self.input.logical_runtime(), self.weight.logical_runtime()
-        *lead, n, k = [d for d in self.out.logical if d is not self.partial]
+        out = [d for d in self.out.logical if d is not self.partial]
+        k = out[-1]
+        # A weight [*W, N, K] gives out [*lead, *W, N]: W and N pair with
+        # the weight's (and the bias's) leading axes.
+        lead, wn = out[: len(x) - 1], out[len(x) - 1 : -1]
         yield from zip(lead, x[:-1])
-        yield n, w[0]
+        yield from zip(wn, w[:-1])
         if self.bias is not None:
-            yield n, self.bias.logical_runtime()[0]
+            yield from zip(reversed(wn), reversed(self.bias.logical_runtime()))
         yield k, x[-1]
-        yield k, w[1]
+        yield k, w[-1]
 
 
 @_op
 class PermuteOp(Expr):
-    """`out = input.permute(dims)` as a copy: out axis i is input axis
-    dims[i]. Writes into `out` if bound. Runs on the current stream."""
+    """`out = input.permute(dims)`: out axis i is input axis dims[i]. Binds
+    a view of `input` (no copy, as torch's permute), or writes into `out`
+    if it is bound. Runs on the current stream."""
 
     out: TensorView
     input: TensorView
@@ -857,9 +877,10 @@ class PermuteOp(Expr):
 
 @_op
 class ReshapeOp(Expr):
-    """`out = input.reshape(shape)` as a copy (`shape` as given, -1 for the
-    one inferred size). No axis of `out` iterates with one of `input`, so
-    it cannot be stream-parallel. Writes into `out` if bound."""
+    """`out = input.reshape(shape)` (`shape` as given, -1 for the one
+    inferred size): a view of `input` where torch's reshape makes one (its
+    strides allow), else a copy; writes into `out` if it is bound. No axis
+    of `out` iterates with one of `input`, so it cannot be stream-parallel."""
 
     out: TensorView
     input: TensorView
@@ -904,9 +925,28 @@ class SelectOp(Expr):
         return zip(self.out.logical_runtime(), ins)
 
 
+@_op
+class BroadcastInDimOp(Expr):
+    """`out` = `input` with input axis i as out axis `dims[i]`, out's other
+    axes new, and size-1 input axes grown to out's sizes (nvFuser's
+    broadcast_in_dim, torch's unsqueeze then expand), as a copy. Writes
+    into `out` if bound. Runs on the current stream."""
+
+    out: TensorView
+    input: TensorView
+    dims: tuple
+    INPUTS = ("input",)
+    OUTPUTS = ("out",)
+    EFFECT = "compute"
+
+    def id_pairs(self):
+        out = self.out.logical_runtime()
+        return zip([out[d] for d in self.dims], self.input.logical_runtime())
+
+
 SHAPE_OPS = (PermuteOp, ReshapeOp, SliceOp, SelectOp)
-FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp) + SHAPE_OPS
-COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp)
+FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp) + SHAPE_OPS
+COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp)
 
 
 @_op
@@ -955,6 +995,36 @@ class ForLoop(Expr):
     iter_domain: IterDomain | None = None
     schedule: str | None = None
     INPUTS = ("start", "stop")
+
+
+@_op
+class IfThenElse(Expr):
+    """Runs `then_body` if `predicate` (a scalar: a bool, or an integer
+    that is true when non-zero) holds when it is reached, else `else_body`.
+    What a branch defines is visible only inside it."""
+
+    predicate: Scalar
+    then_body: list
+    else_body: list = dataclasses.field(default_factory=list)
+    INPUTS = ("predicate",)
+
+
+def compare(op: str, lhs: Scalar | int | bool, rhs: Scalar | int | bool) -> ScalarExpr:
+    """The predicate `( lhs <op> rhs )`, op one of ==, !=, <, <=, >, >=,
+    && and ||, for an `IfThenElse`."""
+    if op not in ScalarExpr.COMPARISONS:
+        raise DefinitionError(f"compare: unknown op {op!r}; expected one of {list(ScalarExpr.COMPARISONS)}")
+    return ScalarExpr(op, _scalar(lhs), _scalar(rhs))
+
+
+def bodies(e: Expr) -> list[list]:
+    """The nested scopes of a control-flow expr (a loop's body, a
+    conditional's two branches), none for any other."""
+    if isinstance(e, ForLoop):
+        return [e.body]
+    if isinstance(e, IfThenElse):
+        return [e.then_body, e.else_body]
+    return []
 
 
 @_op
@@ -1245,8 +1315,8 @@ def walk(exprs: Sequence[Expr]) -> Iterator[Expr]:
     """Every expr, loop bodies included, in program order."""
     for e in exprs:
         yield e
-        if isinstance(e, ForLoop):
-            yield from walk(e.body)
+        for body in bodies(e):
+            yield from walk(body)
 
 
 def defined_tvs(e: Expr) -> list[TensorView]:
@@ -1566,20 +1636,19 @@ def matmul(a: TensorView, b: TensorView) -> TensorView:
             raise DefinitionError(f"matmul: T{t.name} must have at least 2 axes, got {t.logical_ndim}")
     if a.dtype != b.dtype:
         raise DefinitionTypeError(f"matmul: dtypes differ, T{a.name} is {a.dtype} and T{b.name} is {b.dtype}")
-    if b.logical_ndim != 2 and b.logical_ndim != a.logical_ndim:
-        raise DefinitionError(
-            f"matmul: T{b.name} must have 2 axes or as many as T{a.name} ({a.logical_ndim}), got {b.logical_ndim}"
-        )
     ad, bd = a.logical_runtime(), b.logical_runtime()
     _check_same_size(ad[-1], bd[-2], "matmul: K of a and b")
+    # torch's batch broadcasting: batch axes align from the right; a
+    # broadcast (size-1) axis takes the other operand's.
+    n_batch = max(len(ad), len(bd)) - 2
     batch = []
-    for i, d in enumerate(ad[:-2]):
-        if b.logical_ndim > 2:
-            if d.is_broadcast:
-                d = bd[i]
-            elif not bd[i].is_broadcast:
-                _check_same_size(d, bd[i], f"matmul: batch axis {i}")
-        batch.append(d.clone(fusion))
+    for i in range(n_batch):
+        j_a, j_b = len(ad) - 2 - n_batch + i, len(bd) - 2 - n_batch + i
+        pair = [d for d in (ad[j_a] if j_a >= 0 else None, bd[j_b] if j_b >= 0 else None) if d is not None]
+        wide = [d for d in pair if not d.is_broadcast]
+        if len(wide) == 2:
+            _check_same_size(wide[0], wide[1], f"matmul: batch axis {i}")
+        batch.append((wide or pair)[0].clone(fusion))
     domain = batch + [
         ad[-2].clone(fusion),
         bd[-1].clone(fusion),
@@ -1590,22 +1659,36 @@ def matmul(a: TensorView, b: TensorView) -> TensorView:
 
 
 def linear(x: TensorView, weight: TensorView, bias: TensorView | None = None) -> TensorView:
+    """`x @ weight.T + bias` for a weight [N, K]; a weight [*W, N, K] (its
+    leading axes a logical split of N, as nvFuser allows) gives out
+    [..., *W, N], with a bias [*W, N] or [N]."""
     fusion = _owner(x, weight, bias)
-    if x.logical_ndim < 1 or weight.logical_ndim != 2:
-        raise DefinitionError(f"linear: weight T{weight.name} must have 2 axes [N, K], got {weight.logical_ndim}")
-    if bias is not None and bias.logical_ndim != 1:
-        raise DefinitionError(f"linear: bias T{bias.name} must have 1 axis [N], got {bias.logical_ndim}")
+    for t in (x, weight, bias):
+        if t is not None and not isinstance(t, TensorView):
+            raise DefinitionTypeError(f"linear takes TensorViews, got {type(t).__name__}")
+    if x.logical_ndim < 1 or weight.logical_ndim < 2:
+        raise DefinitionError(
+            f"linear: weight T{weight.name} must have at least 2 axes [N, K], got {weight.logical_ndim}"
+        )
+    wd = weight.logical_runtime()
+    if bias is not None and not 1 <= bias.logical_ndim <= len(wd) - 1:
+        raise DefinitionError(
+            f"linear: bias T{bias.name} must have the weight's leading axes {len(wd) - 1} or 1 axis [N], "
+            f"got {bias.logical_ndim}"
+        )
     for t in (weight, bias):
         if t is not None and t.dtype != x.dtype:
             raise DefinitionTypeError(f"linear: T{t.name} is {t.dtype} but T{x.name} is {x.dtype}")
-    xd, wd = x.logical_runtime(), weight.logical_runtime()
-    _check_same_size(xd[-1], wd[1], "linear: K of input and weight")
+    xd = x.logical_runtime()
+    _check_same_size(xd[-1], wd[-1], "linear: K of input and weight")
     if bias is not None:
-        _check_same_size(wd[0], bias.logical_runtime()[0], "linear: N of weight and bias")
-    domain = [d.clone(fusion) for d in xd[:-1]] + [
-        wd[0].clone(fusion, IterType.iteration),
-        xd[-1].clone(fusion, IterType.reduction),
-    ]
+        for i, (wa, ba) in enumerate(zip(reversed(wd[:-1]), reversed(bias.logical_runtime()))):
+            _check_same_size(wa, ba, f"linear: axis {len(wd) - 2 - i} of weight and bias")
+    domain = (
+        [d.clone(fusion) for d in xd[:-1]]
+        + [d.clone(fusion, IterType.iteration) for d in wd[:-1]]
+        + [xd[-1].clone(fusion, IterType.reduction)]
+    )
     out = TensorView(fusion, domain, x.dtype)
     return _emit(fusion, LinearOp(out, x, weight, bias))
 

@@ -181,13 +181,27 @@ def local_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None:
     fixed = local_extent(d)
     if fixed is not None:
         return fixed
-    size = sizes.get(d.extent)
+    size = whole_extent(d.extent, sizes)
     if size is None:
         return None
     for leaf in d.loop_leaves():
         if leaf.is_device_parallel:
             size //= tv.mesh.size_along(leaf.parallel_type)
     return size
+
+
+def whole_extent(extent: ir.Scalar, sizes) -> int | None:
+    """An extent's whole size: a constant, an input's symbolic extent (from
+    `sizes`), or an expression of them (a reshape's inferred size); None
+    where unknown."""
+    if isinstance(extent, ir.ScalarExpr):
+        lhs, rhs = whole_extent(extent.lhs, sizes), whole_extent(extent.rhs, sizes)
+        if lhs is None or rhs is None or (extent.op in ("/", "%", "ceilDiv") and rhs == 0):
+            return None
+        return int(ir.ScalarExpr.OPS[extent.op](lhs, rhs))
+    if extent.is_constant:
+        return int(extent.value)
+    return sizes.get(extent)
 
 
 def select_kind(tv: ir.TensorView, axis: ir.IterDomain) -> str:

@@ -78,6 +78,11 @@ def _linear(e: ir.LinearOp, pad):
     return _assign(pad, e.out, f"linear( {', '.join(format_tv(a) for a in args)}{_partial(e)} )")
 
 
+def _broadcast_in_dim(e: ir.BroadcastInDimOp, pad):
+    dims = ", ".join(map(str, e.dims))
+    return _assign(pad, e.out, f"broadcast_in_dim( {format_tv(e.input)}, dims = {{{dims}}} )")
+
+
 def _permute(e: ir.PermuteOp, pad):
     dims = ", ".join(map(str, e.dims))
     return _assign(pad, e.out, f"permute( {format_tv(e.input)}, dims = {{{dims}}} )")
@@ -109,6 +114,17 @@ def _set_stream(e: ir.SetCurrentStream, pad):
 
 def _synchronize(e: ir.Synchronize, pad):
     return [f"{pad}Synchronize {format_stream(e.stream)}"]
+
+
+def _if(e: ir.IfThenElse, pad):
+    lines = [f"{pad}IF {format_scalar(e.predicate)}:"]
+    for inner in e.then_body:
+        lines += _lines(inner, pad + INDENT)
+    if e.else_body:
+        lines.append(f"{pad}ELSE:")
+        for inner in e.else_body:
+            lines += _lines(inner, pad + INDENT)
+    return lines
 
 
 def _for(e: ir.ForLoop, pad):
@@ -198,6 +214,7 @@ _FORMATS = {
     ir.ReductionOp: _reduction,
     ir.MatmulOp: _matmul,
     ir.LinearOp: _linear,
+    ir.BroadcastInDimOp: _broadcast_in_dim,
     ir.PermuteOp: _permute,
     ir.ReshapeOp: _reshape,
     ir.SliceOp: _slice,
@@ -206,6 +223,7 @@ _FORMATS = {
     ir.SetCurrentStream: _set_stream,
     ir.Synchronize: _synchronize,
     ir.ForLoop: _for,
+    ir.IfThenElse: _if,
     ir.HirAliasSelect: _select,
     ir.HirAliasChunk: _chunk,
     ir.Allocate: _allocate,
@@ -220,7 +238,7 @@ _FORMATS = {
 
 def format_expr_head(e: ir.Expr) -> str:
     """One expr without a loop's body: what an error message quotes."""
-    if isinstance(e, ir.ForLoop):
+    if isinstance(e, (ir.ForLoop, ir.IfThenElse)):
         return _lines(e, "")[0]
     return "\n".join(line.strip() for line in _lines(e, ""))
 

@@ -591,9 +591,15 @@ def dry_run(
     or a dict from rank to such a list. `world_size` defaults to the number
     of ranks the fusion's meshes name (1 for a single-device fusion).
     `backend`, `schedule` and `resharding` are what the programs are lowered
-    with (as `hostir.lower.lower` takes them; an execute passes its own). With
+    with (as `hostir.lower.lower` takes them, or a schedule's text as
+    `execute` takes it; an execute passes its own). With
     `check`, the ranks' communications are matched and a mismatch raises
     `CommunicationMismatchError`."""
+    from hostir.lower.schedule import parse
+
+    if isinstance(schedule, str):
+        # As an execute takes it: `ring:chunks=2`, `collective`, ...
+        schedule = parse(schedule)
     fusion = getattr(fd, "fusion", fd)
     if not isinstance(fusion, ir.Fusion):
         raise DryRunTypeError(f"dry_run takes a FusionDefinition, got {type(fd).__name__}")

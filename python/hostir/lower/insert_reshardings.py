@@ -120,7 +120,7 @@ def _refuse(e: ir.Expr, why: str = "") -> None:
 def _k_axes(e) -> list[ir.IterDomain]:
     if isinstance(e, ir.MatmulOp):
         return [e.a.logical_runtime()[-1], e.b.logical_runtime()[-2]]
-    return [e.input.logical_runtime()[-1], e.weight.logical_runtime()[1]]
+    return [e.input.logical_runtime()[-1], e.weight.logical_runtime()[-1]]
 
 
 def _sharded_k(e) -> ir.IterDomain | None:

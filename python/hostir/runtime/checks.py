@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hostir import ir, layout
+from hostir import ir, layout, mesh_extents
 from hostir.errors import HostIrError, ScheduleError
 from hostir.kinds import ReductionKind
 from hostir.container import HostIrContainer
@@ -192,6 +192,7 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
             if d.is_device_parallel:
                 continue
             sizes.setdefault(d.extent, layout.whole_size(tv, d, size))
+    mesh_extents.check(fusion, sizes)
     return sizes
 
 
@@ -278,3 +279,4 @@ def _overlaps(a: torch.Tensor, b) -> bool:
         return False
     (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
     return a0 < b1 and b0 < a1
+

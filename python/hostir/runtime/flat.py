@@ -21,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from hostir import ir, layout, printer
+from hostir import ir, layout, printer, unannotated
 from hostir.container import HostIrContainer
 from hostir.runtime.evaluator import BindingError, MissingHandlerError, ProgramError
 
@@ -46,6 +47,7 @@ OPCODES = (
     "start_coalescing",
     "end_coalescing",
     "wait",
+    "if",
 )
 _CODE = {name: i for i, name in enumerate(OPCODES)}
 # Shared with csrc/host_ir/program.h (enum class CommType), in this order.
@@ -176,7 +178,8 @@ class _Compiler:
                 f"A communicator must be provided: the program has communications, such as\n"
                 f"{printer.format_expr_head(needs[0])}"
             )
-        inputs = [self.tensor(tv) for tv in c.inputs]
+        # A scalar input is an integer slot, listed as -2 - slot.
+        inputs = [self.tensor(v) if isinstance(v, ir.TensorView) else -2 - self.int_slot(v) for v in c.inputs]
         outputs = [self.tensor(tv) if c.holds(tv) else -1 for tv in c.outputs]
         named = c.named_scalars()
         nos = named.get("numberOfStreams")
@@ -184,7 +187,7 @@ class _Compiler:
         self.body_locals = self._find_body_locals()
         self.scope(c.exprs)
         rules = {}
-        for tv in c.inputs + [t for t in c.outputs if c.holds(t)]:
+        for tv in [t for t in c.inputs if isinstance(t, ir.TensorView)] + [t for t in c.outputs if c.holds(t)]:
             rules[self.tensor(tv)] = self.extent_rules(tv)
         world = -1
         if self.comm is not None and any(isinstance(e, ir.P2PCommunication) for e in c.walk()):
@@ -282,6 +285,16 @@ def _for(cc: _Compiler, e: ir.ForLoop) -> None:
     )
     cc.scope(e.body)
     instr.fields["end"] = len(cc.instrs)
+
+
+@_compiles(ir.IfThenElse)
+def _if(cc: _Compiler, e: ir.IfThenElse) -> None:
+    # The then-branch is [here + 1, end), the else-branch [end, else_end).
+    instr = cc.emit("if", e, cond=cc.scalar(e.predicate), end=-1, else_end=-1)
+    cc.scope(e.then_body)
+    instr.fields["end"] = len(cc.instrs)
+    cc.scope(e.else_body)
+    instr.fields["else_end"] = len(cc.instrs)
 
 
 @_compiles(ir.GetCurrentStream)
@@ -428,11 +441,11 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         "in_shape": _local_shape(cc, e.input),
         "out_shape": _local_shape(cc, e.out),
         "in_full": [cc.scalar(d.extent) for d in e.input.loop_axes()],
-        "out_full": [cc.scalar(d.extent) for d in e.out.loop_axes()],
+        "out_full": _out_full(cc, e),
         "dtype_in": _DTYPES[e.input.dtype],
         "dtype_out": _DTYPES[e.out.dtype],
-        "in_axis": _mesh_axis(e.input) if e.input.device_axes() else -1,
-        "out_axis": _mesh_axis(e.out) if e.out.device_axes() else -1,
+        "in_axis": _mesh_axis(e.input) if e.input.device_axes() else (0 if unannotated.inferred(e) else -1),
+        "out_axis": _mesh_axis(e.out) if e.out.device_axes() else (0 if unannotated.inferred(e) else -1),
         "in_order": order == tuple(e.team),
         "perm": [],
         "identity": float(e.red_op.identity(e.out.dtype)) if e.red_op else 0.0,
@@ -456,6 +469,15 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         f["self_copy"] = receiver == e.root
         f["peer"] = order.index(receiver) if rank == e.root else order.index(e.root)
     cc.emit("communication", e, **f)
+
+
+def _out_full(cc: _Compiler, e: ir.Communication) -> list[int]:
+    """The whole output's extents; for a ReduceScatter without annotations,
+    the team's pieces along its outermost axis."""
+    extents = [d.extent for d in e.out.loop_axes()]
+    if e.type is ir.CommunicationType.ReduceScatter and unannotated.inferred(e):
+        extents[0] = ir.ScalarExpr("*", extents[0], ir.Scalar.constant(len(e.team)))
+    return [cc.scalar(x) for x in extents]
 
 
 @_compiles(ir.P2PCommunication)
@@ -505,16 +527,28 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
     """Every reason the C++ executor cannot run `container`, each kind once
     (with its first op): an op it has no instruction for, a communication
     only Python posts (the copy-engine transport, a root chosen at run time,
-    symmetric memory), a scalar input, or a loop that walks chunks of a
-    split axis."""
+    symmetric memory), a float scalar input (or a bool one an op computes with), or a loop
+    that walks chunks of a split axis."""
     found: dict[str, str] = {}
 
     def note(kind: str, text: str) -> None:
         found.setdefault(kind, text)
 
-    scalars = [v for v in container.inputs if not isinstance(v, ir.TensorView)]
-    if scalars:
-        note("scalars", f"it takes scalar inputs ({', '.join(printer.format_val(v) for v in scalars)})")
+    # Integer and bool scalar inputs are integer slots (predicates, loop
+    # bounds, integer operands); a float, or a bool an op computes with
+    # (torch promotes a bool unlike its integer), runs in Python.
+    floats = [v for v in container.inputs if isinstance(v, ir.InputScalar) and v.dtype is torch.float64]
+    if floats:
+        note("scalars", f"it takes scalar inputs ({', '.join(printer.format_val(v) for v in floats)}) of a floating type")
+    bools = {v for v in container.inputs if isinstance(v, ir.InputScalar) and v.dtype is torch.bool}
+    for e in container.walk():
+        used = [v for v in e.inputs() if v in bools and not isinstance(e, ir.IfThenElse)]
+        if used:
+            note(
+                "bool scalars",
+                f"it computes with a bool scalar input ({printer.format_val(used[0])}): {printer.format_expr_head(e)}",
+            )
+            break
     for e in container.walk():
         split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and layout.is_split(v)), None)
         if split is not None:
@@ -572,7 +606,7 @@ def _scalar_text(p: FlatProgram, node: int) -> str:
 
 
 def _field_text(p: FlatProgram, name: str, value) -> str:
-    if name in ("start", "stop", "index", "peer", "stream_index") and isinstance(value, int):
+    if name in ("start", "stop", "index", "peer", "stream_index", "cond") and isinstance(value, int):
         return "-" if value < 0 else _scalar_text(p, value)
     if name in ("shape", "in_shape", "out_shape", "in_full", "out_full"):
         return "(" + ", ".join(_scalar_text(p, n) for n in value) + ")"
@@ -612,7 +646,7 @@ def _stream_text(fields: dict) -> str:
 
 def _dump(p: FlatProgram) -> str:
     head = (
-        f"%FlatProgram {{ ({', '.join(f'%t{i}' for i in p.inputs)}) -> "
+        f"%FlatProgram {{ ({', '.join(f'%t{i}' if i >= 0 else f'${-2 - i}' for i in p.inputs)}) -> "
         f"({', '.join('-' if o < 0 else f'%t{o}' for o in p.outputs)}) :"
     )
     lines = [head]
@@ -645,5 +679,7 @@ def _dump(p: FlatProgram) -> str:
         lines.append(f"{pad}{i}: {instr.op} " + " ".join(fields))
         if instr.op == "for":
             depth_end.append(instr.fields["end"])
+        elif instr.op == "if":
+            depth_end.append(instr.fields["else_end"])
     lines.append("} // %FlatProgram")
     return "\n".join(lines) + "\n"

@@ -77,10 +77,13 @@ def _staged(out: torch.Tensor, shape) -> tuple[torch.Tensor, Callable[[], None] 
 
 
 def _mesh_axis(tv: ir.TensorView, parallel_type: ir.ParallelType = ir.ParallelType.mesh_x) -> int:
-    """The local dim of `tv` that is sharded along `parallel_type`."""
+    """The local dim of `tv` that is sharded along `parallel_type`; for a
+    tensor without annotations, the outermost (`hostir.unannotated`)."""
     for axis in tv.device_axes():
         if axis.parallel_type is parallel_type:
             return layout.position(tv, axis)
+    if tv.mesh is None and not tv.device_axes():
+        return 0
     raise TransportUsageError(f"{printer.format_tv(tv)} has no {parallel_type.name} axis")
 
 
@@ -163,7 +166,7 @@ def _post_reduce_scatter(calls: Calls, frame, e, group, root=None) -> Posted:
     out = frame.get(e.out)
     b = _mesh_axis(e.out, e.parallel_type)
     # The output's local shape with the team's pieces of its sharded dim.
-    full = [len(e.team) if i == b else s for i, s in enumerate(out.shape)]
+    full = [len(e.team) * s if i == b else s for i, s in enumerate(out.shape)]
     whole = src.reshape(full)
     if not _outermost(full, b):
         whole = whole.movedim(b, 0)
