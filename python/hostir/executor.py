@@ -60,10 +60,12 @@ from hostir.evaluator import HostIrEvaluator
 from hostir.graphs import CudaGraphs
 from hostir.log import logger
 from hostir.lower import RESHARDING_MODES, lower
+from hostir.lower.hoist_transfers import forced as forced_hoisting
 from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
 from hostir.streams import streams_for
 
 CHECK_RANKS = ("always", "first")
+HOST_INPUTS = ("copy", "stream")
 
 __all__ = [
     "CHECK_RANKS",
@@ -129,6 +131,16 @@ class ExecutorParams:
         `hostir.schedule.Schedule` or its text (`ring:chunks=2`,
         `collective`, `sequential`, ...); by default `HOSTIR_SCHEDULE`, else
         the machine model's choice for the inputs' shapes.
+    host_inputs: "copy" (default) copies CPU inputs of a program that runs
+        on a GPU there before it starts; "stream" keeps them in host memory
+        and lets the program move each where an op reads it, on a copy
+        stream, as early as the memory budget allows (as inputs defined with
+        `memory="host"` always are).
+    hoist: how far communications and transfers are posted ahead of their
+        use (`lower/hoist_transfers.py`): "auto" (default: `HOSTIR_HOIST`,
+        else the machine model's choice for the inputs' shapes), a
+        `Hoisting` or its text (`hoist`, `hoist:budget=2GiB,lookahead=3`,
+        `sequential`).
     """
 
     number_of_streams: int = 4
@@ -140,6 +152,8 @@ class ExecutorParams:
     resharding: str = "auto"
     schedule: object = None
     cuda_graph: bool = False
+    host_inputs: str = "copy"
+    hoist: object = "auto"
 
     def validate(self) -> None:
         n = self.number_of_streams
@@ -153,6 +167,9 @@ class ExecutorParams:
             raise ExecuteArgumentError(f"check_ranks must be one of {list(CHECK_RANKS)}, got {self.check_ranks!r}")
         if self.resharding not in RESHARDING_MODES:
             raise ExecuteArgumentError(f"resharding must be one of {list(RESHARDING_MODES)}, got {self.resharding!r}")
+        if self.host_inputs not in HOST_INPUTS:
+            raise ExecuteArgumentError(f"host_inputs must be one of {list(HOST_INPUTS)}, got {self.host_inputs!r}")
+        forced_hoisting(self.hoist)
 
     def evaluator_name(self) -> str:
         """"python" or "cpp": the evaluator this run uses."""
@@ -359,16 +376,17 @@ class FusionExecutor:
         if comm is not None:
             check_world(self.fusion, comm.world_size)
         device = self._device(inputs, params, comm)
-        inputs = self._place(inputs, device)
+        host = host_positions(self.fusion, inputs, params.host_inputs)
+        inputs = self._place(inputs, device, host)
         if comm is not None:
             # Never hand a strided view to a collective (gloo would read the
             # wrong memory): compact first, which also keeps contiguity out
             # of the program cache's key so that all ranks hit or miss it
             # together.
             inputs = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs]
-        device = check_inputs(self.fusion, inputs, device, sharded=comm is not None)
+        device = check_inputs(self.fusion, inputs, device, sharded=comm is not None, host=host)
         self._warn_requires_grad(inputs)
-        program, lowered = self._program(inputs, device, params, comm)
+        program, lowered = self._program(inputs, device, params, comm, host)
         sizes = check_sizes(self.fusion, inputs, program.equal_axes)
         check_reductions(self.fusion, sizes)
         check_chunks(program.container, sizes)
@@ -470,13 +488,15 @@ class FusionExecutor:
                 return t.device
         return tensors[0].device if tensors else torch.device("cpu")
 
-    def _place(self, inputs: list, device: torch.device) -> list:
+    def _place(self, inputs: list, device: torch.device, host: frozenset = frozenset()) -> list:
         """Copy CPU inputs to `device` if the program runs elsewhere (one
-        warning per fusion names them and the bytes copied)."""
+        warning per fusion names them and the bytes copied), except those in
+        host memory (`host`: their positions), which the program streams."""
         if device.type != "cuda":
             return inputs
         moved = [
-            i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+            i for i, t in enumerate(inputs)
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and i not in host
         ]
         if not moved:
             return inputs
@@ -518,7 +538,9 @@ class FusionExecutor:
                 outputs = None
         return inputs, outputs
 
-    def _program(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> tuple[_Program, bool]:
+    def _program(
+        self, inputs, device: torch.device, params: ExecutorParams, comm=None, host: frozenset = frozenset()
+    ) -> tuple[_Program, bool]:
         static = tuple(
             (i, axis, inputs[i].shape[axis])
             for i, tv in enumerate(self.fusion.inputs)
@@ -526,6 +548,7 @@ class FusionExecutor:
         )
         evaluator = params.evaluator_name()
         chosen = schedule.for_inputs(self.fusion, inputs, comm, params.schedule)
+        hoisting = schedule.hoisting_for_inputs(self.fusion, inputs, device, comm, host, params.hoist)
         key = (
             tuple(
                 (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else "scalar"
@@ -536,6 +559,8 @@ class FusionExecutor:
             params.resharding,
             static,
             None if chosen is None else chosen.key(),
+            host,
+            None if hoisting is None else hoisting.key(),
         )
         with self._lock:
             # A program holds the communicator it was lowered for: after a
@@ -553,18 +578,28 @@ class FusionExecutor:
             if debug:
                 logger.debug("program cache miss for %s on %s: lowering", _key_text(key), device)
             strict = (params.evaluator or evaluator_choice()) == "cpp"
-            program = self._programs[key] = self._lower(device, evaluator, comm, chosen, params.resharding, strict)
+            program = self._programs[key] = self._lower(
+                device, evaluator, comm, chosen, params.resharding, strict, host, hoisting
+            )
             program.static_sizes = static
             return program, True
 
     def _lower(
-        self, device: torch.device, evaluator: str, comm=None, chosen=None, resharding: str = "auto", strict=False
+        self,
+        device: torch.device,
+        evaluator: str,
+        comm=None,
+        chosen=None,
+        resharding: str = "auto",
+        strict=False,
+        host: frozenset = frozenset(),
+        hoisting=None,
     ) -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
         if comm is None:
-            container = lower(self.fusion, dumper, resharding=resharding)
+            container = lower(self.fusion, dumper, resharding=resharding, host_inputs=host, hoisting=hoisting)
         else:
             container = lower(
                 self.fusion,
@@ -573,16 +608,20 @@ class FusionExecutor:
                 backend=_BACKEND_NAMES[comm.backend],
                 schedule=chosen,
                 resharding=resharding,
+                host_inputs=host,
+                hoisting=hoisting,
             )
         dumper.emit("host_ir", "Host program:", str(container))
         self.lowerings += 1
         streams = self._streams.get(device)
         if streams is None:
             streams = self._streams[device] = streams_for(device)
-        if evaluator == "cpp" and not strict and flat.unsupported(container) is not None:
+        fallback = flat.unsupported(container) if evaluator == "cpp" and not strict else None
+        if fallback is not None:
             # "auto": a program with ops the C++ executor lacks (a copy-engine
-            # transport, chunked views) runs on the Python evaluator.
+            # transport, chunked views, transfers) runs on the Python evaluator.
             evaluator = "python"
+            logger.info("the C++ executor cannot run this program: %s; it runs on the Python evaluator", fallback)
         make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
         run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper)
         if logger.isEnabledFor(logging.INFO):
@@ -721,7 +760,7 @@ def _exclusive(comm):
 
 
 def _key_text(key: tuple) -> str:
-    inputs, _, evaluator, resharding, static, chosen = key
+    inputs, _, evaluator, resharding, static, chosen, host, hoisting = key
     parts = ", ".join(
         f"{str(dtype).removeprefix('torch.')}/{ndim}d{'' if contiguous else ' strided'}"
         for dtype, ndim, contiguous in inputs
@@ -729,6 +768,9 @@ def _key_text(key: tuple) -> str:
     text = f"inputs ({parts}), evaluator {evaluator}, resharding {resharding}"
     if static:
         text += ", static sizes " + ", ".join(f"input {i} axis {axis} = {size}" for i, axis, size in static)
+    if host:
+        text += ", streamed inputs " + ", ".join(map(str, sorted(host)))
+    text += "" if hoisting is None else f", hoisting {hoisting}"
     return text + ("" if chosen is None else f", schedule {chosen}")
 
 
@@ -757,11 +799,14 @@ def _check_tensor(what: str, tv: ir.TensorView, t) -> None:
         raise InputTypeError(f"{what}: expected dtype {tv.dtype}, got {t.dtype}")
 
 
-def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = False) -> torch.device:
+def check_inputs(
+    fusion: ir.Fusion, inputs: list, device=None, sharded: bool = False, host: frozenset = frozenset()
+) -> torch.device:
     """Raise unless `inputs` match the fusion's inputs in count, type, dtype,
     rank, fixed sizes and device; return the device to run on. Sizes are
     those of this rank's pieces: 1 on a mesh_x axis, extent / mesh size on
-    a split axis sharded by the mesh."""
+    a split axis sharded by the mesh. An input in host memory (defined with
+    `memory="host"`, or at a position in `host`) must be on the CPU."""
     if len(inputs) != len(fusion.inputs):
         raise InputError(
             f"Wrong number of inputs: the fusion takes {len(fusion.inputs)} {signature(fusion)}, "
@@ -788,9 +833,17 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
                 ways = d.extent.value // expected if expected else 0
                 whole = f" (extent {d.extent.value} sharded over {ways} ranks)" if expected != d.extent.value else ""
                 raise InputError(f"{what}: axis {axis} must have size {expected}{whole}, got {size}")
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    in_host = host | {i for i, tv in enumerate(fusion.inputs) if ir.in_host_memory(tv)}
+    tensors = [t for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and i not in in_host]
     expected = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
     for i, t in enumerate(inputs):
+        if i in in_host and isinstance(t, torch.Tensor):
+            if t.device.type != "cpu" and not (t.device.type == "meta" and expected.type == "meta"):
+                raise InputError(
+                    f'input {i} (T{fusion.inputs[i].name}) is in host memory (memory="host") but is on '
+                    f"{t.device}; pass a CPU tensor (pinned, to stream at full speed)"
+                )
+            continue
         if isinstance(t, torch.Tensor) and t.device != expected:
             where = " (the device of input 0)" if device is None else (" (this rank's device)" if sharded else "")
             raise InputError(
@@ -800,6 +853,18 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
 
 
 _PYTHON_TYPES = {torch.float64: "float (or int)", torch.int64: "int", torch.bool: "bool"}
+
+
+def host_positions(fusion: ir.Fusion, inputs: list, host_inputs: str = "copy") -> frozenset:
+    """Positions of the inputs a call passes in host memory to stream: with
+    `host_inputs="stream"`, every CPU tensor input (inputs defined with
+    `memory="host"` are in host memory whatever the option)."""
+    if host_inputs != "stream":
+        return frozenset()
+    return frozenset(
+        i for i, (tv, t) in enumerate(zip(fusion.inputs, inputs))
+        if isinstance(tv, ir.TensorView) and isinstance(t, torch.Tensor) and t.device.type == "cpu"
+    )
 
 
 def is_multi_device(fusion: ir.Fusion) -> bool:
@@ -925,7 +990,10 @@ def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device:
     for i, (tv, t) in enumerate(zip(tvs or fusion.outputs, outputs)):
         what = f"preallocated output {i} (T{tv.name})"
         _check_tensor(what, tv, t)
-        if t.device != device:
+        where = torch.device("cpu") if ir.in_host_memory(tv) and device.type != "meta" else device
+        if t.device != where:
+            if where != device:
+                raise InputError(f"{what} is on {t.device} but is in host memory: pass a CPU tensor")
             raise InputError(f"{what} is on {t.device} but the fusion runs on {device}")
         shape = [_local_output_size(d, sizes) for d in tv.logical_runtime()]
         if list(t.shape) != shape:

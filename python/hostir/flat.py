@@ -530,6 +530,11 @@ def unsupported(container: HostIrContainer) -> str | None:
             return f"it has a split axis (ceilDiv extents, merged runtime dims): {printer.format_tv(split)}"
         if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk":
             return f"it walks chunks of a split axis: {printer.format_expr_head(e)}"
+        if isinstance(e, ir.Transfer):
+            return (
+                f"it moves data between host and device memory, which the C++ executor has no "
+                f"instruction for (transfers run on the Python evaluator's copy streams): {printer.format_expr_head(e)}"
+            )
         if type(e) not in _COMPILERS:
             return f"it has no instruction for {type(e).__name__}"
         if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):

@@ -94,13 +94,20 @@ class MachineModel:
     """Measured throughputs: `gemm_tflops` (bf16 GEMM), `copy_gbps` (one-way
     peer copy with the copy engine; 0 without P2P), `collective_gbps`
     (NCCL/gloo all-gather bus bandwidth), `step_us` (fixed cost of one ring
-    step: host issue, signal and launch)."""
+    step: host issue, signal and launch), `h2d_gbps` and `d2h_gbps` (copies
+    between pinned host memory and the device)."""
 
     device: str
     gemm_tflops: float
     copy_gbps: float
     collective_gbps: float
     step_us: float
+    h2d_gbps: float = 10.0
+    d2h_gbps: float = 10.0
+
+    def transfer_ms(self, nbytes: float, direction: str = "H2D") -> float:
+        gbps = self.h2d_gbps if direction == "H2D" else self.d2h_gbps
+        return nbytes / (gbps * 1e9) * 1e3
 
     def gemm_ms(self, flops: float) -> float:
         return flops / (self.gemm_tflops * 1e12) * 1e3
@@ -112,7 +119,9 @@ class MachineModel:
 
 # CPU ranks over gloo: nothing overlaps on one core, and the ring's extra
 # steps cost host time; the model still decides by the same arithmetic.
-CPU_MODEL = MachineModel("cpu", gemm_tflops=0.05, copy_gbps=0.0, collective_gbps=2.0, step_us=200.0)
+CPU_MODEL = MachineModel(
+    "cpu", gemm_tflops=0.05, copy_gbps=0.0, collective_gbps=2.0, step_us=200.0, h2d_gbps=5.0, d2h_gbps=5.0
+)
 
 
 def cache_dir() -> pathlib.Path:
@@ -121,7 +130,8 @@ def cache_dir() -> pathlib.Path:
 
 def _model_path(device_name: str) -> pathlib.Path:
     safe = "".join(ch if ch.isalnum() else "_" for ch in device_name)
-    return cache_dir() / f"machine_{safe}.json"
+    # v2: with host-device copy throughputs.
+    return cache_dir() / f"machine_{safe}.v2.json"
 
 
 def load_model(device_name: str) -> MachineModel | None:
@@ -191,6 +201,9 @@ def measure(device) -> MachineModel:
     src = torch.empty(64 << 20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_ms = timed(lambda: dst.copy_(src))
+    pinned = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+    h2d_ms = timed(lambda: dst.copy_(pinned, non_blocking=True))
+    d2h_ms = timed(lambda: pinned.copy_(dst, non_blocking=True))
     name = torch.cuda.get_device_name(device)
     return MachineModel(
         name,
@@ -198,6 +211,8 @@ def measure(device) -> MachineModel:
         copy_gbps=src.numel() / (copy_ms * 1e-3) / 1e9,
         collective_gbps=150.0,
         step_us=30.0,
+        h2d_gbps=src.numel() / (h2d_ms * 1e-3) / 1e9,
+        d2h_gbps=src.numel() / (d2h_ms * 1e-3) / 1e9,
     )
 
 
@@ -301,3 +316,97 @@ def for_inputs(fusion, inputs, comm, forced=None) -> Schedule | None:
     rows, k, n, itemsize = _shape_hint(fusion, inputs, D)
     backend = "NCCL" if comm.backend == "nccl" else "gloo"
     return choose(model_for(comm), D, rows, k, n, itemsize, p2p_reason(comm), backend)
+
+
+# ---------------------------------------------------------------- hoisting transfers
+
+# Hoisting pays only where the compute it hides under is a fair part of the
+# program: below this share of the sequential time, the streams' extra
+# synchronization costs more than the overlap saves (one H100: a two-stream
+# prefetch of 768 MiB of weights lost 1.4-2.9 ms to sequential at M <= 512,
+# where the compute is 2-4% of the copy).
+HOIST_MIN_GAIN = 0.10
+
+
+def choose_hoisting(model: MachineModel, transfers: list[float], computes: list[float]) -> tuple[str, str]:
+    """("hoist" or "sequential", why) for a program whose posts take
+    `transfers` ms each, in order, and whose compute between them takes
+    `computes` ms (computes[i] follows transfers[i])."""
+    copy, compute = sum(transfers), sum(computes)
+    sequential = copy + compute
+    if not transfers:
+        return "hoist", "nothing to move"
+    # Hoisted one ahead: each post runs under the compute before it; the
+    # first post and the last compute stay exposed.
+    hoisted = transfers[0] + sum(max(t, c) for t, c in zip(transfers[1:], computes[:-1])) + computes[-1]
+    numbers = f"hoisted {hoisted:.3f} ms, sequential {sequential:.3f} ms"
+    if sequential - hoisted <= HOIST_MIN_GAIN * sequential:
+        return "sequential", f"model ({model.device}): {numbers}, gain under {HOIST_MIN_GAIN:.0%}"
+    return "hoist", f"model ({model.device}): {numbers}"
+
+
+def _posts_and_computes(fusion, inputs, host: frozenset, model: MachineModel, comm) -> tuple[list, list] | None:
+    """Per post (a host input's transfer, or a sharded input's Allgather, in
+    the order ops first read them) its time, and the compute time of the
+    ops from that one to the next, from the inputs' shapes (a linear or
+    matmul costs 2·M·N·K, M the rows of the largest input that stays);
+    None when the fusion has neither."""
+    import torch
+
+    from hostir import ir
+
+    moved, whole = {}, {}
+    for i, (tv, t) in enumerate(zip(fusion.inputs, inputs)):
+        if not isinstance(tv, ir.TensorView) or not isinstance(t, torch.Tensor):
+            continue
+        nbytes = t.numel() * t.element_size()
+        if ir.in_host_memory(tv) or i in host:
+            moved[tv], whole[tv] = model.transfer_ms(nbytes), t.numel()
+        elif comm is not None and tv.device_axes():
+            moved[tv] = model.move_ms(nbytes * (comm.world_size - 1), False)
+            whole[tv] = t.numel() * comm.world_size
+    if not moved:
+        return None
+    for tv, t in zip(fusion.inputs, inputs):
+        if isinstance(tv, ir.TensorView) and isinstance(t, torch.Tensor) and tv not in whole:
+            whole[tv] = t.numel()
+    stays = [t for tv, t in zip(fusion.inputs, inputs) if isinstance(t, torch.Tensor) and tv not in moved and t.dim()]
+    rows = max((max(1, t.numel() // max(1, t.shape[-1])) for t in stays), default=1)
+    origin = {tv: tv for tv in whole}
+    transfers: list[float] = []
+    computes: list[float] = []
+    for e in fusion.exprs:
+        if isinstance(e, ir.Set) and e.input in origin:
+            origin[e.out] = origin[e.input]
+            continue
+        read = [origin[v] for v in e.inputs() if v in origin]
+        for tv in read:
+            if tv in moved:
+                transfers.append(moved.pop(tv))
+                computes.append(0.0)
+        second = getattr(e, "weight", None) or getattr(e, "b", None)
+        if computes and isinstance(e, (ir.LinearOp, ir.MatmulOp)) and second in origin:
+            computes[-1] += 2.0 * rows * whole[origin[second]] / (model.gemm_tflops * 1e12) * 1e3
+    return transfers, computes
+
+
+def hoisting_for_inputs(fusion, inputs, device, comm, host: frozenset, option="auto"):
+    """How `hoist_transfers` moves this fusion's posts for these inputs: the
+    forced choice (`option`, else `HOSTIR_HOIST`), or the machine model's;
+    None where the fusion moves nothing between memories or ranks. Every
+    rank gets the same answer for the same input shapes."""
+    from hostir import ir
+    from hostir.lower.hoist_transfers import Hoisting, forced
+
+    chosen = forced(option)
+    if chosen is not None:
+        return chosen
+    has_host = bool(host) or any(ir.in_host_memory(tv) for tv in fusion.inputs)
+    if not has_host and comm is None:
+        return None
+    model = model_for(comm) if comm is not None else machine_model(device)
+    found = _posts_and_computes(fusion, inputs, host, model, comm)
+    if found is None:
+        return Hoisting(note="no transfer to time") if has_host else None
+    mode, note = choose_hoisting(model, *found)
+    return Hoisting(mode=mode, note=note)

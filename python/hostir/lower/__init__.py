@@ -24,7 +24,9 @@ from hostir.lower.decompose_device_axis import decompose_device_axis
 from hostir.lower.insert_deallocations import insert_deallocations
 from hostir.lower.insert_reshardings import MODES as RESHARDING_MODES
 from hostir.lower.insert_reshardings import insert_reshardings
+from hostir.lower.hoist_transfers import Hoisting, hoist_transfers
 from hostir.lower.lower_communications import lower_communications
+from hostir.lower.lower_transfers import lower_transfers
 from hostir.lower.parallelize_streams import parallelize_streams
 from hostir.lower.propagate_shardings import propagate_shardings
 from hostir.lower.propagate_stream_axes import propagate_stream_axes
@@ -38,7 +40,9 @@ PIPELINE = [
     decompose_device_axis,
     parallelize_streams,
     lower_communications,
+    lower_transfers,
     insert_deallocations,
+    hoist_transfers,
 ]
 RANK_PIPELINE = [
     prune_for_rank,
@@ -66,20 +70,28 @@ def lower(
     backend: str = "NCCL",
     resharding: str = "auto",
     schedule=None,
+    host_inputs: frozenset = frozenset(),
+    hoisting: Hoisting | None = None,
 ) -> HostIrContainer:
     """The host program of `fusion`; with `rank`, the part that rank runs.
     `backend` is the communication backend the dump names; `resharding` is
     `insert_reshardings`' mode ("auto", "before", "after", or "strict",
     which refuses an op that computes and reshards); `schedule` (a
     `hostir.schedule.Schedule`) how a device axis walked as a stream axis
-    is decomposed (by default a ring, one chunk per peer). The returned
-    program's `digest` hashes the program before pruning for a rank."""
+    is decomposed (by default a ring, one chunk per peer). `host_inputs`
+    are positions of inputs passed in host memory to stream (as if defined
+    with `memory="host"`); `hoisting` (a `Hoisting`) how far
+    `hoist_transfers` moves communications and transfers (by default
+    `Hoisting()`: as early as operands and the default budget allow). The
+    returned program's `digest` hashes the program before pruning for a
+    rank."""
     if resharding not in RESHARDING_MODES:
         raise LoweringError(f"resharding must be one of {list(RESHARDING_MODES)}, got {resharding!r}")
-    container = _run_one(build_host_program, fusion, dumper)
+    container = _run_one(build_host_program, fusion, dumper, {"host_inputs": frozenset(host_inputs)})
     container.backend = backend
     container.schedule = schedule
-    container = run_passes(container, dumper=dumper, options={insert_reshardings: {"mode": resharding}})
+    options = {insert_reshardings: {"mode": resharding}, hoist_transfers: {"hoisting": hoisting}}
+    container = run_passes(container, dumper=dumper, options=options)
     digest = hashlib.sha256(str(container).encode()).hexdigest()
     teams = container.teams()
     if rank is not None and container.meshes():

@@ -3,7 +3,8 @@
 The evaluator asks for a communication, handing over the run's frame; the
 transport the op names (`backend=` in the dump: NCCL, gloo or cuda)
 translates it, each in one module: `torch_dist` for NCCL and gloo, `cuda`
-for copy-engine pushes into memory that peers map. A root given as a scalar (a loop index) is resolved here,
+for copy-engine pushes into memory that peers map, `host` for transfers
+between host and device memory. A root given as a scalar (a loop index) is resolved here,
 once, for every transport. Importing this package needs no CUDA.
 """
 
@@ -18,9 +19,11 @@ from hostir.transports.base import (
     TransportUnsupported,
     TransportUsageError,
 )
+from hostir.transports.host import HostStaging, allocate_host, post_transfer
 from hostir.transports.torch_dist import TorchDistTransport
 
 __all__ = [
+    "HostStaging",
     "NoWork",
     "Posted",
     "Transport",
@@ -28,9 +31,11 @@ __all__ = [
     "TransportUnsupported",
     "TransportUsageError",
     "allocate",
+    "allocate_host",
     "end_coalescing",
     "post",
     "post_p2p",
+    "post_transfer",
     "transport_for",
 ]
 

@@ -1,0 +1,238 @@
+"""Post each communication and transfer as early as its operands and a
+memory budget allow, so that it overlaps the compute before it.
+
+Precondition: communications and transfers are lowered (each top-level
+`Communication` or `Transfer` follows the `Allocate` of its output, if any,
+and its `Wait` stays before the first use of its output) and deallocations
+are inserted.
+Postcondition: with `Hoisting.mode` "hoist", each top-level post, with the
+`Allocate` of its output, sits as early as it can: not above an op that
+binds, writes or reads what it reads or writes, another post (the ranks'
+collectives keep their order), a stream switch or a loop; not above more
+compute ops than `lookahead`; and not so far that the bytes of the program's
+constant-size buffers live at once exceed the budget (by default twice the
+sequential program's peak of them, double buffering, capped by the device
+memory free when the program was lowered). Its `Wait` stays where it was,
+so the post runs on its own stream (a collective's, or the transfer's copy
+stream) under the compute in between. The hoisted post's dump line says how
+far it moved and why; with mode "sequential" nothing moves and each post
+says why. Deallocations stay right: a buffer is still freed after its last
+use, which a `Wait` counts as.
+
+    T3 = ALLOCATE(W1 copy)                 T3 = ALLOCATE(W1 copy)
+    Transfer 1 (W1 -> T3)                  Transfer 1 (W1 -> T3, hoisted above 2 compute ops)
+    Wait Transfer 1                        T2 = linear( T0, W0 ); T4 = gelu( T2 )
+    ...                              ->    Wait Transfer 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from hostir import ir
+from hostir.container import HostIrContainer
+from hostir.errors import HostIrError
+
+MODES = ("hoist", "sequential")
+ENV = "HOSTIR_HOIST"
+
+
+class HoistingError(HostIrError, ValueError):
+    """A malformed hoisting option (`HOSTIR_HOIST` or `execute(hoist=)`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hoisting:
+    """How far `hoist_transfers` moves posts. `mode`: "hoist" or
+    "sequential". `budget_bytes`: the most bytes of constant-size buffers
+    live at once (None: twice the sequential program's peak of them).
+    `free_bytes`: device memory free beyond the program's own (caps the
+    budget; None: no cap). `lookahead`: the most compute ops a post moves
+    above (None: no limit). `note`: why this choice (printed)."""
+
+    mode: str = "hoist"
+    budget_bytes: int | None = None
+    lookahead: int | None = None
+    free_bytes: int | None = None
+    note: str = ""
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise HoistingError(f"hoisting mode must be one of {list(MODES)}, got {self.mode!r}")
+        for name in ("budget_bytes", "lookahead", "free_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise HoistingError(f"hoisting {name} must be an integer >= 0, got {v!r}")
+
+    def key(self) -> tuple:
+        return (self.mode, self.budget_bytes, self.lookahead, self.free_bytes, self.note)
+
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}
+
+
+def _bytes(text: str, whole: str) -> int:
+    t = text.strip().lower()
+    number = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(number):]
+    if unit not in _UNITS:
+        raise HoistingError(f"hoisting {whole!r}: unknown unit {unit!r} in budget (B, KiB, MiB, GiB)")
+    try:
+        return int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise HoistingError(f"hoisting {whole!r}: budget must be a number of bytes, got {text!r}") from None
+
+
+def parse(text: str) -> Hoisting:
+    """`hoist`, `hoist:budget=2GiB,lookahead=3` or `sequential`."""
+    name, _, rest = text.strip().partition(":")
+    fields: dict = {"mode": name.strip(), "note": "forced"}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in ("budget", "lookahead"):
+            raise HoistingError(f"hoisting {text!r}: expected budget=<bytes> or lookahead=<ops>, got {item!r}")
+        if key == "budget":
+            fields["budget_bytes"] = _bytes(value, text)
+        else:
+            try:
+                fields["lookahead"] = int(value)
+            except ValueError:
+                raise HoistingError(f"hoisting {text!r}: lookahead must be an integer, got {value!r}") from None
+    return Hoisting(**fields)
+
+
+def forced(option) -> Hoisting | None:
+    """The hoisting an execute's `hoist` option (a `Hoisting` or its text)
+    or else `HOSTIR_HOIST` forces; None when neither does (the machine
+    model chooses)."""
+    if option is None or option == "auto":
+        option = os.environ.get(ENV, "").strip() or None
+    if option is None or option == "auto":
+        return None
+    if isinstance(option, Hoisting):
+        return option
+    if not isinstance(option, str):
+        raise HoistingError(f"hoist must be 'auto', a hoisting text or a Hoisting, got {option!r}")
+    return parse(option)
+
+
+_POSTS = (ir.Communication, ir.Transfer)
+_BARRIERS = (
+    ir.ForLoop, ir.GetCurrentStream, ir.SetCurrentStream, ir.Synchronize,
+    ir.P2PCommunication, ir.StartCoalescing, ir.EndCoalescing,
+) + _POSTS
+
+
+def hoist_transfers(container: HostIrContainer, hoisting: Hoisting | None = None) -> HostIrContainer:
+    hoisting = hoisting or Hoisting()
+    exprs = list(container.exprs)
+    if not any(isinstance(e, _POSTS) for e in exprs):
+        return container
+    resolve = container.aliases.resolve
+    if hoisting.mode == "sequential":
+        exprs = [_noted(e, f"sequential: {hoisting.note}" if hoisting.note else "sequential") for e in exprs]
+    else:
+        sequential_peak = _peak(exprs, resolve)
+        budget = hoisting.budget_bytes if hoisting.budget_bytes is not None else 2 * sequential_peak
+        if hoisting.free_bytes is not None:
+            budget = min(budget, sequential_peak + hoisting.free_bytes)
+        for post in [e for e in exprs if isinstance(e, _POSTS)]:
+            exprs = _hoist(exprs, post, budget, hoisting, resolve)
+    result = container.derive()
+    for e in _rewait(exprs, container.exprs):
+        result.push_back(e)
+    return result
+
+
+def _noted(e: ir.Expr, note: str) -> ir.Expr:
+    if not isinstance(e, _POSTS) or e.schedule is not None:
+        return e
+    return e.replace(schedule=note)
+
+
+def _rewait(exprs: list, original: list) -> list:
+    """`exprs` with each Wait on a post that `_noted` replaced waiting on
+    the replacement (a Wait names its post by identity)."""
+    by_name = {(type(e), e.name): e for e in original if isinstance(e, _POSTS)}
+    renamed = {}
+    for new in exprs:
+        old = by_name.get((type(new), getattr(new, "name", None)))
+        if old is not None and old is not new:
+            renamed[id(old)] = new
+    return [ir.Wait(renamed[id(e.communication)]) if isinstance(e, ir.Wait) and id(e.communication) in renamed else e
+            for e in exprs]
+
+
+def _hoist(exprs: list, post: ir.Expr, budget: int, hoisting: Hoisting, resolve) -> list:
+    at = exprs.index(post)
+    start = at
+    before = exprs[at - 1] if at else None
+    if isinstance(before, ir.Allocate) and resolve(before.buffer) is resolve(post.out):
+        start = at - 1
+    group = exprs[start : at + 1]
+    touched = {resolve(v) for e in group for v in e.inputs() + e.outputs() + ir.defined_tvs(e) if isinstance(v, ir.TensorView)}
+    rest = exprs[:start] + exprs[at + 1 :]
+    # Moving above ops that neither compute nor wait (a Deallocate) gains
+    # nothing: the post lands just above the last such op it passes.
+    to, passed, best = start, 0, start
+    while to > 0:
+        prev = rest[to - 1]
+        if isinstance(prev, _BARRIERS) or _conflicts(prev, touched, resolve):
+            break
+        compute = isinstance(prev, ir.FUSION_OPS)
+        if compute and hoisting.lookahead is not None and passed + 1 > hoisting.lookahead:
+            break
+        if _peak(rest[: to - 1] + group + rest[to - 1 :], resolve) > budget:
+            break
+        to -= 1
+        passed += compute
+        if compute or isinstance(prev, ir.Wait):
+            # Above a Wait too: one that blocks the host (gloo, D2H) would
+            # otherwise hold the post back.
+            best = to
+    to = best
+    if passed == 0:
+        return exprs
+    note = f"hoisted above {passed} compute op{'s' if passed != 1 else ''}"
+    if hoisting.note:
+        note += f"; {hoisting.note}"
+    moved = [_noted(e, note) for e in group]
+    return rest[:to] + moved + rest[to:]
+
+
+def _conflicts(e: ir.Expr, touched: set, resolve) -> bool:
+    """Whether `e` binds, reads or writes a buffer the post touches (a Wait
+    touches its communication's buffers)."""
+    vals = list(e.inputs()) + list(e.outputs()) + ir.defined_tvs(e)
+    if isinstance(e, ir.Wait):
+        target = e.communication
+        vals += list(target.inputs()) + list(target.outputs())
+    return any(isinstance(v, ir.TensorView) and resolve(v) in touched for v in vals)
+
+
+def constant_bytes(tv: ir.TensorView) -> int | None:
+    """The bytes of `tv`'s buffer when every extent is a constant."""
+    n = tv.dtype.itemsize
+    for d in tv.runtime_domain():
+        if not d.extent.is_constant:
+            return None
+        n *= 1 if d.is_device_parallel else d.extent.value
+    return n
+
+
+def _peak(exprs: list, resolve) -> int:
+    """The most bytes of constant-size device buffers (`Allocate`d) live at
+    once in top-level program order."""
+    live, peak, sizes = 0, 0, {}
+    for e in exprs:
+        if isinstance(e, ir.Allocate) and e.memory_type is not ir.MemoryType.host:
+            n = constant_bytes(e.buffer)
+            if n is not None and resolve(e.buffer) not in sizes:
+                sizes[resolve(e.buffer)] = n
+                live += n
+                peak = max(peak, live)
+        elif isinstance(e, ir.Deallocate):
+            live -= sizes.pop(resolve(e.buffer), 0)
+    return peak
