@@ -856,12 +856,13 @@ _PYTHON_TYPES = {torch.float64: "float (or int)", torch.int64: "int", torch.bool
 
 
 def host_positions(fusion: ir.Fusion, inputs: list, host_inputs: str = "copy") -> frozenset:
-    """Positions of the inputs a call passes in host memory to stream: with
-    `host_inputs="stream"`, every CPU tensor input (inputs defined with
-    `memory="host"` are in host memory whatever the option)."""
+    """Positions of the inputs a call passes in host memory: those defined
+    with `memory="host"`, and with `host_inputs="stream"` every CPU tensor
+    input too. The program streams them; nothing copies them before it."""
+    defined = {i for i, tv in enumerate(fusion.inputs) if ir.in_host_memory(tv)}
     if host_inputs != "stream":
-        return frozenset()
-    return frozenset(
+        return frozenset(defined)
+    return frozenset(defined) | frozenset(
         i for i, (tv, t) in enumerate(zip(fusion.inputs, inputs))
         if isinstance(tv, ir.TensorView) and isinstance(t, torch.Tensor) and t.device.type == "cpu"
     )

@@ -320,6 +320,7 @@ def for_inputs(fusion, inputs, comm, forced=None) -> Schedule | None:
 
 # ---------------------------------------------------------------- hoisting transfers
 
+CHUNKS = 4
 # Hoisting pays only where the compute it hides under is a fair part of the
 # program: below this share of the sequential time, the streams' extra
 # synchronization costs more than the overlap saves (one H100: a two-stream
@@ -328,21 +329,49 @@ def for_inputs(fusion, inputs, comm, forced=None) -> Schedule | None:
 HOIST_MIN_GAIN = 0.10
 
 
-def choose_hoisting(model: MachineModel, transfers: list[float], computes: list[float]) -> tuple[str, str]:
-    """("hoist" or "sequential", why) for a program whose posts take
-    `transfers` ms each, in order, and whose compute between them takes
-    `computes` ms (computes[i] follows transfers[i])."""
-    copy, compute = sum(transfers), sum(computes)
-    sequential = copy + compute
+CHUNKS = 4
+
+
+def pipeline_ms(transfers: list[float], computes: list[float], pieces: int = 1, depth: int = 2,
+                step_ms: float = 0.0) -> float:
+    """The time of a program whose posts take `transfers` ms each, in order
+    on one copy engine, and whose compute that reads post i takes
+    `computes[i]` ms, when each post moves as `pieces` pieces and the
+    compute of piece j waits for that piece only, and the post of layer l
+    starts once layer l - depth has computed (its buffer is free): depth 1
+    is the sequential program, 2 double buffering. `step_ms` is the fixed
+    cost of each extra piece."""
+    copy_free = compute_free = 0.0
+    done: list[float] = []
+    for layer, (t, c) in enumerate(zip(transfers, computes)):
+        allowed = done[layer - depth] if layer >= depth else 0.0
+        ready = []
+        for _ in range(pieces):
+            copy_free = max(copy_free, allowed) + t / pieces
+            ready.append(copy_free)
+        for j in range(pieces):
+            compute_free = max(compute_free, ready[j]) + c / pieces + (step_ms if j else 0.0)
+        done.append(compute_free)
+    return compute_free
+
+
+def choose_hoisting(model: MachineModel, transfers: list[float], computes: list[float]) -> tuple[str, int, str]:
+    """("hoist" or "sequential", chunks, why) for a program whose posts take
+    `transfers` ms each and whose compute reading post i takes `computes[i]`
+    ms (`pipeline_ms`): the sequential program, posts hoisted one layer
+    ahead (double buffering), or hoisted in CHUNKS pieces (each extra piece
+    costing `step_us`) — the fastest, unless it beats the sequential program
+    by less than HOIST_MIN_GAIN, which then runs."""
     if not transfers:
-        return "hoist", "nothing to move"
-    # Hoisted one ahead: each post runs under the compute before it; the
-    # first post and the last compute stay exposed.
-    hoisted = transfers[0] + sum(max(t, c) for t, c in zip(transfers[1:], computes[:-1])) + computes[-1]
-    numbers = f"hoisted {hoisted:.3f} ms, sequential {sequential:.3f} ms"
-    if sequential - hoisted <= HOIST_MIN_GAIN * sequential:
-        return "sequential", f"model ({model.device}): {numbers}, gain under {HOIST_MIN_GAIN:.0%}"
-    return "hoist", f"model ({model.device}): {numbers}"
+        return "hoist", 1, "nothing to move"
+    sequential = pipeline_ms(transfers, computes, depth=1)
+    hoisted = pipeline_ms(transfers, computes)
+    chunked = pipeline_ms(transfers, computes, CHUNKS, step_ms=model.step_us * 1e-3)
+    numbers = f"sequential {sequential:.3f} ms, hoisted {hoisted:.3f} ms, in {CHUNKS} chunks {chunked:.3f} ms"
+    best, chunks = (chunked, CHUNKS) if chunked < hoisted else (hoisted, 1)
+    if sequential - best <= HOIST_MIN_GAIN * sequential:
+        return "sequential", 1, f"model ({model.device}): {numbers}; gain under {HOIST_MIN_GAIN:.0%}"
+    return "hoist", chunks, f"model ({model.device}): {numbers}"
 
 
 def _posts_and_computes(fusion, inputs, host: frozenset, model: MachineModel, comm) -> tuple[list, list] | None:
@@ -408,5 +437,5 @@ def hoisting_for_inputs(fusion, inputs, device, comm, host: frozenset, option="a
     found = _posts_and_computes(fusion, inputs, host, model, comm)
     if found is None:
         return Hoisting(note="no transfer to time") if has_host else None
-    mode, note = choose_hoisting(model, *found)
-    return Hoisting(mode=mode, note=note)
+    mode, chunks, note = choose_hoisting(model, *found)
+    return Hoisting(mode=mode, chunks=chunks, note=note)

@@ -160,14 +160,36 @@ def _stack_times(model, m: int, layers: int = 6, h: int = 8192):
 @pytest.mark.parametrize("m", [1, 512, 2048, 8192, 16384])
 def test_the_model_never_picks_a_schedule_it_thinks_slower(m):
     transfers, computes = _stack_times(H100, m)
-    mode, note = schedule.choose_hoisting(H100, transfers, computes)
-    sequential = sum(transfers) + sum(computes)
-    hoisted = transfers[0] + sum(max(t, c) for t, c in zip(transfers[1:], computes[:-1])) + computes[-1]
-    assert hoisted <= sequential
-    if mode == "hoist":
-        assert sequential - hoisted > schedule.HOIST_MIN_GAIN * sequential, note
-    # At small M the compute hides almost nothing: the sequential program.
-    assert mode == ("sequential" if m <= 512 else "hoist"), note
+    mode, chunks, note = schedule.choose_hoisting(H100, transfers, computes)
+    step = H100.step_us * 1e-3
+    sequential = schedule.pipeline_ms(transfers, computes, depth=1)
+    estimates = {
+        ("sequential", 1): sequential,
+        ("hoist", 1): schedule.pipeline_ms(transfers, computes),
+        ("hoist", 4): schedule.pipeline_ms(transfers, computes, 4, step_ms=step),
+    }
+    chosen = estimates[(mode, chunks)]
+    assert chosen <= sequential, note
+    if mode != "sequential":
+        assert chosen == min(estimates.values()), note
+        assert sequential - chosen > schedule.HOIST_MIN_GAIN * sequential, note
+    # At small M the compute hides almost nothing: the sequential program;
+    # from 8192 rows up, chunks also hide most of the first copy or the last
+    # compute.
+    if m <= 512:
+        assert mode == "sequential", note
+    elif m >= 8192:
+        assert (mode, chunks) == ("hoist", 4), note
+    else:
+        assert mode == "hoist", note
+
+
+def test_pipeline_estimates_bound_the_copy_and_the_compute():
+    transfers, computes = [2.0] * 4, [1.0] * 4
+    assert schedule.pipeline_ms(transfers, computes, depth=1) == 12.0
+    assert schedule.pipeline_ms(transfers, computes) == 9.0  # all copies, then the last compute
+    assert schedule.pipeline_ms(transfers, computes, 4) == 8.25
+    assert schedule.pipeline_ms([1.0] * 4, [2.0] * 4, 4) == 8.25  # a piece of the first copy, then all compute
 
 
 def test_the_model_chooses_per_input_signature(monkeypatch, capsys):
@@ -186,3 +208,35 @@ def test_the_model_chooses_per_input_signature(monkeypatch, capsys):
     assert "schedule=(sequential: model (cpu)" in dump
     assert "schedule=(hoisted above 2 compute ops; model (cpu)" in dump
     assert fd.num_programs == 2
+
+
+def test_chunked_transfers_match_eager_torch_and_have_no_races():
+    torch.manual_seed(0)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, H])
+        ws = [fd.define_tensor([H, H], memory="host") for _ in range(3)]
+        b = fd.define_tensor([H], memory="host")
+        y = x
+        for i, w in enumerate(ws):
+            y = fd.ops.gelu(fd.ops.linear(y, w, b if i == 1 else None))
+        fd.add_output(y)
+    program = lower(fd.fusion, hoisting=Hoisting(chunks=4))
+    assert sum(isinstance(e, ir.Transfer) for e in program.exprs) == 3 * 4 + 1
+    assert sum(isinstance(e, ir.LinearOp) for e in program.exprs) == 3 * 4
+    assert live_weights(program) == 2 * WEIGHT + H * 4  # two layers' weights and the bias
+    assert hostir.check_races(program) == []
+    x, ws, b = torch.randn(5, H), [torch.randn(H, H) for _ in range(3)], torch.randn(H)
+    (out,) = fd.execute([x, *ws, b], hoist="hoist:chunks=4")
+    expected = x
+    for i, w in enumerate(ws):
+        expected = torch.nn.functional.gelu(torch.nn.functional.linear(expected, w, b if i == 1 else None))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_golden_dump_of_chunked_transfers():
+    check_golden("hoist_mlp_chunks2", lower(mlp(2).fusion, hoisting=Hoisting(chunks=2)))
+
+
+def test_a_weight_the_chunks_do_not_divide_moves_whole():
+    program = lower(mlp(2).fusion, hoisting=Hoisting(chunks=3))
+    assert sum(isinstance(e, ir.Transfer) for e in program.exprs) == 2

@@ -90,7 +90,11 @@ def lower(
     container = _run_one(build_host_program, fusion, dumper, {"host_inputs": frozenset(host_inputs)})
     container.backend = backend
     container.schedule = schedule
-    options = {insert_reshardings: {"mode": resharding}, hoist_transfers: {"hoisting": hoisting}}
+    options = {
+        insert_reshardings: {"mode": resharding},
+        lower_transfers: {"chunks": hoisting.chunks if hoisting is not None else 1},
+        hoist_transfers: {"hoisting": hoisting},
+    }
     container = run_passes(container, dumper=dumper, options=options)
     digest = hashlib.sha256(str(container).encode()).hexdigest()
     teams = container.teams()

@@ -3,8 +3,8 @@ memory budget allow, so that it overlaps the compute before it.
 
 Precondition: communications and transfers are lowered (each top-level
 `Communication` or `Transfer` follows the `Allocate` of its output, if any,
-and its `Wait` stays before the first use of its output) and deallocations
-are inserted.
+and the views of a chunk it moves, and its `Wait` stays before the first
+use of its output) and deallocations are inserted.
 Postcondition: with `Hoisting.mode` "hoist", each top-level post, with the
 `Allocate` of its output, sits as early as it can: not above an op that
 binds, writes or reads what it reads or writes, another post (the ranks'
@@ -49,13 +49,16 @@ class Hoisting:
     live at once (None: twice the sequential program's peak of them).
     `free_bytes`: device memory free beyond the program's own (caps the
     budget; None: no cap). `lookahead`: the most compute ops a post moves
-    above (None: no limit). `note`: why this choice (printed)."""
+    above (None: no limit). `chunks`: pieces `lower_transfers` cuts a
+    linear's weight transfer into (1: whole). `note`: why this choice
+    (printed)."""
 
     mode: str = "hoist"
     budget_bytes: int | None = None
     lookahead: int | None = None
     free_bytes: int | None = None
     note: str = ""
+    chunks: int = 1
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -64,9 +67,11 @@ class Hoisting:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise HoistingError(f"hoisting {name} must be an integer >= 0, got {v!r}")
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+            raise HoistingError(f"hoisting chunks must be an integer >= 1, got {self.chunks!r}")
 
     def key(self) -> tuple:
-        return (self.mode, self.budget_bytes, self.lookahead, self.free_bytes, self.note)
+        return (self.mode, self.budget_bytes, self.lookahead, self.free_bytes, self.note, self.chunks)
 
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}
@@ -85,21 +90,23 @@ def _bytes(text: str, whole: str) -> int:
 
 
 def parse(text: str) -> Hoisting:
-    """`hoist`, `hoist:budget=2GiB,lookahead=3` or `sequential`."""
+    """`hoist`, `hoist:budget=2GiB,lookahead=3,chunks=4` or `sequential`."""
     name, _, rest = text.strip().partition(":")
     fields: dict = {"mode": name.strip(), "note": "forced"}
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in ("budget", "lookahead"):
-            raise HoistingError(f"hoisting {text!r}: expected budget=<bytes> or lookahead=<ops>, got {item!r}")
+        if not sep or key not in ("budget", "lookahead", "chunks"):
+            raise HoistingError(
+                f"hoisting {text!r}: expected budget=<bytes>, lookahead=<ops> or chunks=<pieces>, got {item!r}"
+            )
         if key == "budget":
             fields["budget_bytes"] = _bytes(value, text)
         else:
             try:
-                fields["lookahead"] = int(value)
+                fields["lookahead" if key == "lookahead" else "chunks"] = int(value)
             except ValueError:
-                raise HoistingError(f"hoisting {text!r}: lookahead must be an integer, got {value!r}") from None
+                raise HoistingError(f"hoisting {text!r}: {key} must be an integer, got {value!r}") from None
     return Hoisting(**fields)
 
 
@@ -168,9 +175,18 @@ def _rewait(exprs: list, original: list) -> list:
 def _hoist(exprs: list, post: ir.Expr, budget: int, hoisting: Hoisting, resolve) -> list:
     at = exprs.index(post)
     start = at
-    before = exprs[at - 1] if at else None
-    if isinstance(before, ir.Allocate) and resolve(before.buffer) is resolve(post.out):
-        start = at - 1
+    # The post moves with the views it reads and writes (a chunk of a
+    # weight) and the Allocate of the buffer it writes, when they lead it.
+    bound = {resolve(post.out), resolve(post.input)}
+    while start > 0:
+        before = exprs[start - 1]
+        if isinstance(before, (ir.HirAliasChunk, ir.HirAliasSelect)) and resolve(before.out) in bound:
+            bound.add(resolve(before.input))
+            start -= 1
+            continue
+        if isinstance(before, ir.Allocate) and resolve(before.buffer) in bound:
+            start -= 1
+        break
     group = exprs[start : at + 1]
     touched = {resolve(v) for e in group for v in e.inputs() + e.outputs() + ir.defined_tvs(e) if isinstance(v, ir.TensorView)}
     rest = exprs[:start] + exprs[at + 1 :]
