@@ -210,7 +210,7 @@ def run(args) -> tuple[list[Row], dict]:
                 rows.append(Row(m, name, ms, peak, note))
                 print(f"M={m:>6} {name:<13} {'-' if ms is None else f'{ms:9.3f} ms'}  "
                       f"peak {'-' if peak is None else f'{peak / 2**20:8.1f} MiB'}  {note}", flush=True)
-            del x, expected
+            x = expected = None  # free this M's tensors before the next
     hand.free()
     env = {
         "device": torch.cuda.get_device_name(device),

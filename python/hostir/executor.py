@@ -60,6 +60,7 @@ from hostir.evaluator import HostIrEvaluator
 from hostir.graphs import CudaGraphs
 from hostir.log import logger
 from hostir.lower import RESHARDING_MODES, lower
+from hostir.lower.hoist_transfers import for_inputs as hoisting_for_inputs
 from hostir.lower.hoist_transfers import forced as forced_hoisting
 from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
 from hostir.streams import streams_for
@@ -548,7 +549,7 @@ class FusionExecutor:
         )
         evaluator = params.evaluator_name()
         chosen = schedule.for_inputs(self.fusion, inputs, comm, params.schedule)
-        hoisting = schedule.hoisting_for_inputs(self.fusion, inputs, device, comm, host, params.hoist)
+        hoisting = hoisting_for_inputs(self.fusion, inputs, device, comm, host, params.hoist)
         key = (
             tuple(
                 (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else "scalar"
