@@ -73,7 +73,9 @@ class Hoisting:
             raise HoistingError(f"hoisting chunks must be an integer >= 1, got {self.chunks!r}")
 
     def key(self) -> tuple:
-        return (self.mode, self.budget_bytes, self.lookahead, self.free_bytes, self.note, self.chunks)
+        # Not the free bytes: they move from call to call, and a program
+        # lowered with some serves the calls after it.
+        return (self.mode, self.budget_bytes, self.lookahead, self.note, self.chunks)
 
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}
@@ -317,4 +319,5 @@ def for_inputs(fusion, inputs, device, comm, host: frozenset, option="auto") -> 
     if found is None:
         return Hoisting(note="no transfer to time") if has_host else None
     mode, chunks, note = schedule.choose_hoisting(model, *found)
-    return Hoisting(mode=mode, chunks=chunks, note=note)
+    free = torch.cuda.mem_get_info(device)[0] if getattr(device, "type", "cpu") == "cuda" else None
+    return Hoisting(mode=mode, chunks=chunks, note=note, free_bytes=free)

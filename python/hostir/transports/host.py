@@ -68,7 +68,10 @@ class HostStaging:
     def pinned(self, tv, t: torch.Tensor) -> torch.Tensor:
         """`t` itself when pinned and contiguous, else its staging buffer,
         refreshed if `t` is another tensor or was written since."""
-        if t.is_pinned() and t.is_contiguous():
+        if t.is_contiguous() and (torch.cuda.is_current_stream_capturing() or t.is_pinned()):
+            # Under a CUDA graph's capture the inputs in host memory were
+            # checked pinned before it began (asking the driver again is
+            # no call to make while capturing).
             return t
         stamp = (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype)
         with self._lock:
