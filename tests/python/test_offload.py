@@ -147,3 +147,15 @@ def test_hugging_face_model_offloaded_on_cuda(cuda_device):
         want = expected(ids).logits
         for _ in range(2):
             torch.testing.assert_close(offloaded(ids).logits, want)
+
+
+def test_offloaded_stack_in_chunks_matches_the_module():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16))
+    expected = copy.deepcopy(module)
+    offloaded = hostir.offload(module, "cpu", hoist="hoist:chunks=4")
+    with torch.no_grad():
+        for x in (torch.randn(2, 3, 32), torch.randn(5, 32)):
+            torch.testing.assert_close(offloaded(x), expected(x), rtol=1e-4, atol=1e-5)
+    program = lower(offloaded.fusion().fusion, hoisting=hostir.lower.hoist_transfers.parse("hoist:chunks=4"))
+    assert sum(isinstance(e, ir.Transfer) for e in program.exprs) == 2 * 4 + 2  # the weights in pieces, the biases whole
