@@ -16,6 +16,7 @@ from torch import nn
 import hostir
 from hostir import ir
 from hostir.lower import lower
+from hostir.lower.hoist_transfers import parse
 
 
 def stack(layers: int = 3, width: int = 32, bias: bool = False) -> nn.Sequential:
@@ -157,5 +158,5 @@ def test_offloaded_stack_in_chunks_matches_the_module():
     with torch.no_grad():
         for x in (torch.randn(2, 3, 32), torch.randn(5, 32)):
             torch.testing.assert_close(offloaded(x), expected(x), rtol=1e-4, atol=1e-5)
-    program = lower(offloaded.fusion().fusion, hoisting=hostir.lower.hoist_transfers.parse("hoist:chunks=4"))
+    program = lower(offloaded.fusion().fusion, hoisting=parse("hoist:chunks=4"))
     assert sum(isinstance(e, ir.Transfer) for e in program.exprs) == 2 * 4 + 2  # the weights in pieces, the biases whole
