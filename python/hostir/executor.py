@@ -217,6 +217,8 @@ class _Program:
     # Dry-run reports of this program, per exact input shapes (and number
     # of streams): a report holds every size, so it serves no other.
     reports: dict = dataclasses.field(default_factory=dict)
+    # How its communications and transfers were hoisted (None: the default).
+    hoisting: object = None
 
 
 _MAX_REPORTS = 64
@@ -428,6 +430,7 @@ class FusionExecutor:
                 number_of_streams=params.number_of_streams,
                 backend=program.container.backend,
                 schedule=program.container.schedule,
+                hoisting=program.hoisting,
                 resharding=params.resharding,
             )
         self.dry_runs += 1
@@ -583,6 +586,7 @@ class FusionExecutor:
                 device, evaluator, comm, chosen, params.resharding, strict, host, hoisting
             )
             program.static_sizes = static
+            program.hoisting = hoisting
             return program, True
 
     def _lower(

@@ -657,6 +657,7 @@ def dry_run(
     check: bool = True,
     schedule=None,
     resharding: str = "auto",
+    hoisting=None,
 ) -> DryRunReport:
     """Run every rank's program of `fd` (a FusionDefinition or a Fusion) on
     meta tensors and return the report.
@@ -665,8 +666,8 @@ def dry_run(
     any device, meta or fake tensors, or shapes), the same for every rank,
     or a dict from rank to such a list. `world_size` defaults to the number
     of ranks the fusion's meshes name (1 for a single-device fusion).
-    `backend`, `schedule` and `resharding` are what the programs are lowered
-    with (as `hostir.lower.lower` takes them; an execute passes its own). With
+    `backend`, `schedule`, `resharding` and `hoisting` are what the programs
+    are lowered with (as `hostir.lower.lower` takes them; an execute passes its own). With
     `check`, the ranks' communications are matched and a mismatch raises
     `CommunicationMismatchError`."""
     from hostir import executor
@@ -695,6 +696,7 @@ def dry_run(
             multi,
             schedule=schedule,
             resharding=resharding,
+            hoisting=hoisting,
         )
         for r in range(world_size)
     ]
@@ -725,6 +727,7 @@ def run_rank(
     raw_errors: bool = False,
     schedule=None,
     resharding: str = "auto",
+    hoisting=None,
 ) -> RankReport:
     """One rank's part of a dry run (`container`: that rank's lowered
     program, if the caller has it; `raw_errors`: see `_run_container`)."""
@@ -739,9 +742,11 @@ def run_rank(
         executor.check_inputs(fusion, metas, "meta", sharded=multi)
         if container is None:
             if multi:
-                container = lower(fusion, rank=rank, backend=backend, schedule=schedule, resharding=resharding)
+                container = lower(
+                    fusion, rank=rank, backend=backend, schedule=schedule, resharding=resharding, hoisting=hoisting
+                )
             else:
-                container = lower(fusion, resharding=resharding)
+                container = lower(fusion, resharding=resharding, hoisting=hoisting)
         executor.check_sizes(fusion, metas, executor.equal_input_axes(fusion))
     except Exception as err:
         raise DryRunError(f"rank {rank}: {type(err).__name__}: {err}") from err
