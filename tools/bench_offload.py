@@ -226,7 +226,7 @@ def run(args) -> tuple[list[Row], dict]:
         "weight_bytes": weight_bytes,
         "iters": args.iters,
         "warmup": args.warmup,
-        "machine_model": dataclasses.asdict(hostir.schedule.machine_model(device)),
+        "machine_model": dataclasses.asdict(hostir.machine.machine_model(device)),
     }
     return rows, env
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import hostir
 from hostir import DeviceMesh, FusionDefinition, ParallelType
-from hostir.executor import input_key
+from hostir.runtime.checks import input_key
 from hostir.options import fake_mode
 
 
@@ -48,7 +48,7 @@ def test_fake_1_returns_meta_results_without_running(monkeypatch):
         runs.append({t.device.type for t in bindings.values()})
         return run(self, bindings, **kwargs)
 
-    monkeypatch.setattr("hostir.evaluator.HostIrEvaluator.run", spy)
+    monkeypatch.setattr("hostir.runtime.evaluator.HostIrEvaluator.run", spy)
     (out,) = fd.execute([torch.randn(6, 4), torch.randn(4, 7)])
     assert out.device.type == "meta" and out.shape == (6, 7) and out.dtype == torch.float32
     (out,) = fd.execute([torch.empty(3, 4, device="meta"), torch.empty(4, 2, device="meta")])
@@ -103,7 +103,7 @@ def test_auto_dry_run_error_comes_before_the_real_run(monkeypatch):
         raise hostir.DryRunError("rank 0: planted failure")
 
     monkeypatch.setattr("hostir.analysis.dry_run.run_rank", failing)
-    monkeypatch.setattr("hostir.evaluator.HostIrEvaluator.run", lambda *a, **k: real.append(1))
+    monkeypatch.setattr("hostir.runtime.evaluator.HostIrEvaluator.run", lambda *a, **k: real.append(1))
     with pytest.raises(hostir.DryRunError, match="planted failure"):
         fd.execute([torch.randn(6, 4), torch.randn(4, 7)])
     assert real == []

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import hostir
 from conftest import check_golden
-from hostir import FusionDefinition, ir, schedule
+from hostir import FusionDefinition, ir, machine
 from hostir.lower import lower
 from hostir.lower.hoist_transfers import Hoisting, HoistingError, constant_bytes, parse
 
@@ -147,7 +147,7 @@ def test_parse_reads_budgets_and_lookaheads():
     assert parse("sequential").mode == "sequential"
 
 
-H100 = schedule.MachineModel("H100", gemm_tflops=700.0, copy_gbps=0.0, collective_gbps=150.0, step_us=30.0,
+H100 = machine.MachineModel("H100", gemm_tflops=700.0, copy_gbps=0.0, collective_gbps=150.0, step_us=30.0,
                              h2d_gbps=51.7, d2h_gbps=50.0)
 
 
@@ -160,19 +160,19 @@ def _stack_times(model, m: int, layers: int = 6, h: int = 8192):
 @pytest.mark.parametrize("m", [1, 512, 2048, 8192, 16384])
 def test_the_model_never_picks_a_schedule_it_thinks_slower(m):
     transfers, computes = _stack_times(H100, m)
-    mode, chunks, note = schedule.choose_hoisting(H100, transfers, computes)
+    mode, chunks, note = machine.choose_hoisting(H100, transfers, computes)
     step = H100.step_us * 1e-3
-    sequential = schedule.pipeline_ms(transfers, computes, depth=1)
+    sequential = machine.pipeline_ms(transfers, computes, depth=1)
     estimates = {
         ("sequential", 1): sequential,
-        ("hoist", 1): schedule.pipeline_ms(transfers, computes),
-        ("hoist", 4): schedule.pipeline_ms(transfers, computes, 4, step_ms=step),
+        ("hoist", 1): machine.pipeline_ms(transfers, computes),
+        ("hoist", 4): machine.pipeline_ms(transfers, computes, 4, step_ms=step),
     }
     chosen = estimates[(mode, chunks)]
     assert chosen <= sequential, note
     if mode != "sequential":
         assert chosen == min(estimates.values()), note
-        assert sequential - chosen > schedule.HOIST_MIN_GAIN * sequential, note
+        assert sequential - chosen > machine.HOIST_MIN_GAIN * sequential, note
     # At small M the compute hides almost nothing: the sequential program;
     # from 8192 rows up, chunks also hide most of the first copy or the last
     # compute.
@@ -186,16 +186,16 @@ def test_the_model_never_picks_a_schedule_it_thinks_slower(m):
 
 def test_pipeline_estimates_bound_the_copy_and_the_compute():
     transfers, computes = [2.0] * 4, [1.0] * 4
-    assert schedule.pipeline_ms(transfers, computes, depth=1) == 12.0
-    assert schedule.pipeline_ms(transfers, computes) == 9.0  # all copies, then the last compute
-    assert schedule.pipeline_ms(transfers, computes, 4) == 8.25
-    assert schedule.pipeline_ms([1.0] * 4, [2.0] * 4, 4) == 8.25  # a piece of the first copy, then all compute
+    assert machine.pipeline_ms(transfers, computes, depth=1) == 12.0
+    assert machine.pipeline_ms(transfers, computes) == 9.0  # all copies, then the last compute
+    assert machine.pipeline_ms(transfers, computes, 4) == 8.25
+    assert machine.pipeline_ms([1.0] * 4, [2.0] * 4, 4) == 8.25  # a piece of the first copy, then all compute
 
 
 def test_the_model_chooses_per_input_signature(monkeypatch, capsys):
     # A machine whose copies take as long as a 4096-row layer computes.
-    slow_copies = schedule.MachineModel("cpu", 0.05, 0.0, 2.0, 200.0, h2d_gbps=0.02, d2h_gbps=0.02)
-    monkeypatch.setattr(schedule, "CPU_MODEL", slow_copies)
+    slow_copies = machine.MachineModel("cpu", 0.05, 0.0, 2.0, 200.0, h2d_gbps=0.02, d2h_gbps=0.02)
+    monkeypatch.setattr(machine, "CPU_MODEL", slow_copies)
     monkeypatch.setenv("HOSTIR_DUMP", "host_ir")
     fd = mlp(3)
     ws = [torch.randn(H, H) for _ in range(3)]

@@ -30,9 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import torch
-
-from hostir import ir, schedule
+from hostir import ir
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 
@@ -256,68 +254,3 @@ def _peak(exprs: list, resolve) -> int:
         elif isinstance(e, ir.Deallocate):
             live -= sizes.pop(resolve(e.buffer), 0)
     return peak
-
-
-# ---------------------------------------------------------------- the choice per input signature
-
-
-def _posts_and_computes(fusion, inputs, host: frozenset, model, comm) -> tuple[list, list] | None:
-    """Per post (a host input's transfer, or a sharded input's Allgather, in
-    the order ops first read them) its time, and the compute time of the
-    ops from that one to the next, from the inputs' shapes (a linear or
-    matmul costs 2·M·N·K, M the rows of the largest input that stays);
-    None when the fusion has neither."""
-    moved, whole = {}, {}
-    for i, (tv, t) in enumerate(zip(fusion.inputs, inputs)):
-        if not isinstance(tv, ir.TensorView) or not isinstance(t, torch.Tensor):
-            continue
-        nbytes = t.numel() * t.element_size()
-        if ir.in_host_memory(tv) or i in host:
-            moved[tv], whole[tv] = model.transfer_ms(nbytes), t.numel()
-        elif comm is not None and tv.device_axes():
-            moved[tv] = model.move_ms(nbytes * (comm.world_size - 1), False)
-            whole[tv] = t.numel() * comm.world_size
-    if not moved:
-        return None
-    for tv, t in zip(fusion.inputs, inputs):
-        if isinstance(tv, ir.TensorView) and isinstance(t, torch.Tensor) and tv not in whole:
-            whole[tv] = t.numel()
-    stays = [t for tv, t in zip(fusion.inputs, inputs) if isinstance(t, torch.Tensor) and tv not in moved and t.dim()]
-    rows = max((max(1, t.numel() // max(1, t.shape[-1])) for t in stays), default=1)
-    origin = {tv: tv for tv in whole}
-    transfers: list[float] = []
-    computes: list[float] = []
-    for e in fusion.exprs:
-        if isinstance(e, ir.Set) and e.input in origin:
-            origin[e.out] = origin[e.input]
-            continue
-        read = [origin[v] for v in e.inputs() if v in origin]
-        for tv in read:
-            if tv in moved:
-                transfers.append(moved.pop(tv))
-                computes.append(0.0)
-        second = getattr(e, "weight", None) or getattr(e, "b", None)
-        if computes and isinstance(e, (ir.LinearOp, ir.MatmulOp)) and second in origin:
-            computes[-1] += 2.0 * rows * whole[origin[second]] / (model.gemm_tflops * 1e12) * 1e3
-    return transfers, computes
-
-
-def for_inputs(fusion, inputs, device, comm, host: frozenset, option="auto") -> Hoisting | None:
-    """How `hoist_transfers` moves this fusion's posts for these inputs: the
-    forced choice (`option`, else `HOSTIR_HOIST`), or the machine model's
-    (`schedule.choose_hoisting`); None where the fusion moves nothing
-    between memories or ranks. Every rank gets the same answer for the same
-    input shapes."""
-    chosen = forced(option)
-    if chosen is not None:
-        return chosen
-    has_host = bool(host) or any(ir.in_host_memory(tv) for tv in fusion.inputs)
-    if not has_host and comm is None:
-        return None
-    model = schedule.model_for(comm) if comm is not None else schedule.machine_model(device)
-    found = _posts_and_computes(fusion, inputs, host, model, comm)
-    if found is None:
-        return Hoisting(note="no transfer to time") if has_host else None
-    mode, chunks, note = schedule.choose_hoisting(model, *found)
-    free = torch.cuda.mem_get_info(device)[0] if getattr(device, "type", "cpu") == "cuda" else None
-    return Hoisting(mode=mode, chunks=chunks, note=note, free_bytes=free)

@@ -1,16 +1,14 @@
-"""How a decomposed device axis runs: decomposition, chunks, direction,
-transport — and the choice of them per input signature.
+"""The choice of a `Schedule` per input signature, from a model of this
+machine.
 
-A `Schedule` is what `lower` hands `decompose_device_axis`. `choose` picks
-one for a fusion's inputs from a `MachineModel` (GEMM and copy throughput
-of this machine, measured once and cached per machine under
-`~/.cache/hostir/`, the first rank to measure writing it for all, or the
-CPU defaults): the sequential program where
-overlap cannot pay (the time a ring could hide is smaller than what it
-costs), else the ring with the transport the probe allows and the chunk
-count the model prefers. `HOSTIR_SCHEDULE` (or `ExecutorParams.schedule`)
-forces a choice: `ring`, `collective`, `sequential`, with optional
-`:chunks=<n>,direction=<+1|-1>,transport=<cuda|NCCL|gloo>`.
+`choose` picks a schedule for a fusion's inputs from a `MachineModel` (GEMM
+and copy throughput of this machine, measured once and cached per machine
+under `~/.cache/hostir/`, the first rank to measure writing it for all, or
+the CPU defaults): the sequential program where overlap cannot pay (the
+time a ring could hide is smaller than what it costs), else the ring with
+the transport the probe allows and the chunk count the model prefers.
+`HOSTIR_SCHEDULE` (or `ExecutorParams.schedule`) forces a choice (its text
+form: `hostir.lower.schedule`).
 """
 
 from __future__ import annotations
@@ -20,71 +18,11 @@ import json
 import os
 import pathlib
 
-from hostir.errors import HostIrError
-
-DECOMPOSITIONS = ("ring", "collective", "sequential")
-TRANSPORTS = ("cuda", "NCCL", "gloo")
-
-
-class ScheduleError(HostIrError, ValueError):
-    """A forced schedule that is malformed or cannot run on these inputs."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """`decomposition`: ring, collective (broadcast on the gather side,
-    reduce on the reduce side) or sequential. `chunks`: row pieces per peer.
-    `direction`: +1 receives from position p+i at step i, -1 from p-i.
-    `transport`: backend of the ring's P2P communications (None: the
-    program's backend). `note`: why (printed in the loop's head)."""
-
-    decomposition: str = "ring"
-    chunks: int = 1
-    direction: int = 1
-    transport: str | None = None
-    note: str = ""
-
-    def __post_init__(self):
-        if self.decomposition not in DECOMPOSITIONS:
-            raise ScheduleError(f"unknown decomposition {self.decomposition!r}; expected one of {list(DECOMPOSITIONS)}")
-        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
-            raise ScheduleError(f"chunks per peer must be an integer >= 1, got {self.chunks!r}")
-        if self.direction not in (1, -1):
-            raise ScheduleError(f"ring direction must be +1 or -1, got {self.direction!r}")
-        if self.transport is not None and self.transport not in TRANSPORTS:
-            raise ScheduleError(f"unknown transport {self.transport!r}; expected one of {list(TRANSPORTS)}")
-
-    def with_chunks(self, chunks: int) -> Schedule:
-        return dataclasses.replace(self, chunks=chunks)
-
-    def key(self) -> tuple:
-        return (self.decomposition, self.chunks, self.direction, self.transport, self.note)
-
-
-def parse(text: str) -> Schedule:
-    """`ring:chunks=2,direction=-1,transport=cuda` -> Schedule."""
-    name, _, rest = text.strip().partition(":")
-    fields: dict = {"decomposition": name.strip()}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ScheduleError(f"schedule {text!r}: expected key=value, got {item!r}")
-        key = key.strip()
-        if key == "chunks":
-            try:
-                fields["chunks"] = int(value)
-            except ValueError:
-                raise ScheduleError(f"schedule {text!r}: chunks must be an integer, got {value!r}") from None
-        elif key == "direction":
-            if value.strip() not in ("1", "+1", "-1"):
-                raise ScheduleError(f"schedule {text!r}: direction must be +1 or -1, got {value!r}")
-            fields["direction"] = int(value)
-        elif key == "transport":
-            fields["transport"] = value.strip()
-        else:
-            raise ScheduleError(f"schedule {text!r}: unknown key {key!r} (chunks, direction, transport)")
-    return Schedule(**fields)
-
+from hostir import ir
+from hostir.lower.decompose_device_axis import walks_device_axis
+from hostir.lower.hoist_transfers import Hoisting, forced
+from hostir.lower.schedule import Schedule, parse
+from hostir.runtime.transports import cuda
 
 # ---------------------------------------------------------------- the machine
 
@@ -249,8 +187,6 @@ def choose(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize: int
 
 def decomposable(fusion) -> bool:
     """Whether `fusion` may hold a device axis walked as a stream axis."""
-    from hostir.lower.decompose_device_axis import walks_device_axis
-
     # Other programs keep one lowering for every shape: their key holds no
     # schedule. Asked at every execute: the answer is kept per version.
     cached = getattr(fusion, "_walks_device_axis", None)
@@ -276,8 +212,6 @@ def p2p_reason(comm) -> str | None:
     """None when the cuda transport can run on every rank, else why not."""
     if comm.device.type != "cuda":
         return f"the ranks run on {comm.device.type}"
-    from hostir.transports import cuda
-
     return cuda.probe(comm)
 
 
@@ -320,6 +254,7 @@ def for_inputs(fusion, inputs, comm, forced=None) -> Schedule | None:
 
 # ---------------------------------------------------------------- hoisting transfers
 
+# The pieces a chunked transfer cuts a linear's weight into.
 CHUNKS = 4
 # Hoisting pays only where the compute it hides under is a fair part of the
 # program: below this share of the sequential time, the streams' extra
@@ -327,9 +262,6 @@ CHUNKS = 4
 # prefetch of 768 MiB of weights lost 1.4-2.9 ms to sequential at M <= 512,
 # where the compute is 2-4% of the copy).
 HOIST_MIN_GAIN = 0.10
-
-
-CHUNKS = 4
 
 
 def pipeline_ms(transfers: list[float], computes: list[float], pieces: int = 1, depth: int = 2,
@@ -372,3 +304,69 @@ def choose_hoisting(model: MachineModel, transfers: list[float], computes: list[
     if sequential - best <= HOIST_MIN_GAIN * sequential:
         return "sequential", 1, f"model ({model.device}): {numbers}; gain under {HOIST_MIN_GAIN:.0%}"
     return "hoist", chunks, f"model ({model.device}): {numbers}"
+
+
+def _posts_and_computes(fusion, inputs, host: frozenset, model: MachineModel, comm) -> tuple[list, list] | None:
+    """Per post (a host input's transfer, or a sharded input's Allgather, in
+    the order ops first read them) its time, and the compute time of the
+    ops from that one to the next, from the inputs' shapes (a linear or
+    matmul costs 2·M·N·K, M the rows of the largest input that stays);
+    None when the fusion has neither."""
+    import torch
+
+    moved, whole = {}, {}
+    for i, (tv, t) in enumerate(zip(fusion.inputs, inputs)):
+        if not isinstance(tv, ir.TensorView) or not isinstance(t, torch.Tensor):
+            continue
+        nbytes = t.numel() * t.element_size()
+        if ir.in_host_memory(tv) or i in host:
+            moved[tv], whole[tv] = model.transfer_ms(nbytes), t.numel()
+        elif comm is not None and tv.device_axes():
+            moved[tv] = model.move_ms(nbytes * (comm.world_size - 1), False)
+            whole[tv] = t.numel() * comm.world_size
+    if not moved:
+        return None
+    for tv, t in zip(fusion.inputs, inputs):
+        if isinstance(tv, ir.TensorView) and isinstance(t, torch.Tensor) and tv not in whole:
+            whole[tv] = t.numel()
+    stays = [t for tv, t in zip(fusion.inputs, inputs) if isinstance(t, torch.Tensor) and tv not in moved and t.dim()]
+    rows = max((max(1, t.numel() // max(1, t.shape[-1])) for t in stays), default=1)
+    origin = {tv: tv for tv in whole}
+    transfers: list[float] = []
+    computes: list[float] = []
+    for e in fusion.exprs:
+        if isinstance(e, ir.Set) and e.input in origin:
+            origin[e.out] = origin[e.input]
+            continue
+        read = [origin[v] for v in e.inputs() if v in origin]
+        for tv in read:
+            if tv in moved:
+                transfers.append(moved.pop(tv))
+                computes.append(0.0)
+        second = getattr(e, "weight", None) or getattr(e, "b", None)
+        if computes and isinstance(e, (ir.LinearOp, ir.MatmulOp)) and second in origin:
+            computes[-1] += 2.0 * rows * whole[origin[second]] / (model.gemm_tflops * 1e12) * 1e3
+    return transfers, computes
+
+
+def hoisting_for_inputs(fusion, inputs, device, comm, host: frozenset, option="auto") -> Hoisting | None:
+    """How `hoist_transfers` moves this fusion's posts for these inputs: the
+    forced choice (`option`, else `HOSTIR_HOIST`), or the machine model's
+    (`choose_hoisting`); None where the fusion moves nothing
+    between memories or ranks. Every rank gets the same answer for the same
+    input shapes."""
+    chosen = forced(option)
+    if chosen is not None:
+        return chosen
+    has_host = bool(host) or any(ir.in_host_memory(tv) for tv in fusion.inputs)
+    if not has_host and comm is None:
+        return None
+    model = model_for(comm) if comm is not None else machine_model(device)
+    found = _posts_and_computes(fusion, inputs, host, model, comm)
+    if found is None:
+        return Hoisting(note="no transfer to time") if has_host else None
+    import torch
+
+    mode, chunks, note = choose_hoisting(model, *found)
+    free = torch.cuda.mem_get_info(device)[0] if getattr(device, "type", "cpu") == "cuda" else None
+    return Hoisting(mode=mode, chunks=chunks, note=note, free_bytes=free)

@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from hostir.transports.base import NoWork, Posted
+from hostir.runtime.transports.base import NoWork, Posted
 
 
 class CopyWork:
