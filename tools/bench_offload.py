@@ -205,8 +205,8 @@ def run(args) -> tuple[list[Row], dict]:
                     peak = memory["bytes"] + held
                 except Exception as err:  # noqa: BLE001 - one variant's failure is reported, the rest run
                     ms, peak, note = None, None, f"failed: {type(err).__name__}: {str(err).splitlines()[0]}"
-                if name.startswith("hostir") and note == "":
-                    note = hostir_choice(offloaded, m)
+                if name == "hostir" and note == "":
+                    note = hostir_choice(offloaded, x)
                 rows.append(Row(m, name, ms, peak, note))
                 print(f"M={m:>6} {name:<13} {'-' if ms is None else f'{ms:9.3f} ms'}  "
                       f"peak {'-' if peak is None else f'{peak / 2**20:8.1f} MiB'}  {note}", flush=True)
@@ -231,14 +231,17 @@ def run(args) -> tuple[list[Row], dict]:
     return rows, env
 
 
-def hostir_choice(offloaded, m: int) -> str:
-    """What the machine model chose for this M, from the program's dump."""
-    fd = offloaded.fusion(2)
-    for program in fd.executor._programs.values():
-        lines = [e for e in program.container.exprs if type(e).__name__ == "Transfer" and e.schedule]
-        if lines and program.reports and any(k[0][0][0][0] == m for k in program.reports):
-            return lines[-1].schedule.split(";")[0] if "hoisted" in lines[-1].schedule else lines[-1].schedule
-    return ""
+def hostir_choice(offloaded, x) -> str:
+    """What hostir runs for this input: sequential, hoisted or in chunks,
+    and the machine model's numbers."""
+    try:
+        h = offloaded.hoisting(x)
+    except Exception as err:  # noqa: BLE001 - a note, never a failure of the run
+        return f"(choice unknown: {err})"
+    if h is None:
+        return ""
+    how = h.mode if h.chunks == 1 else f"{h.mode} in {h.chunks} chunks"
+    return f"{how}: {h.note}" if h.note else how
 
 
 # ---------------------------------------------------------------- reporting

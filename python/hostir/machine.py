@@ -293,7 +293,8 @@ def choose_hoisting(model: MachineModel, transfers: list[float], computes: list[
     ms (`pipeline_ms`): the sequential program, posts hoisted one layer
     ahead (double buffering), or hoisted in CHUNKS pieces (each extra piece
     costing `step_us`) — the fastest, unless it beats the sequential program
-    by less than HOIST_MIN_GAIN, which then runs."""
+    by less than HOIST_MIN_GAIN of it, or than one `step_us` per post:
+    then the sequential program runs."""
     if not transfers:
         return "hoist", 1, "nothing to move"
     sequential = pipeline_ms(transfers, computes, depth=1)
@@ -301,8 +302,10 @@ def choose_hoisting(model: MachineModel, transfers: list[float], computes: list[
     chunked = pipeline_ms(transfers, computes, CHUNKS, step_ms=model.step_us * 1e-3)
     numbers = f"sequential {sequential:.3f} ms, hoisted {hoisted:.3f} ms, in {CHUNKS} chunks {chunked:.3f} ms"
     best, chunks = (chunked, CHUNKS) if chunked < hoisted else (hoisted, 1)
-    if sequential - best <= HOIST_MIN_GAIN * sequential:
-        return "sequential", 1, f"model ({model.device}): {numbers}; gain under {HOIST_MIN_GAIN:.0%}"
+    # The gain must also pay for a cross-stream hand-off per post.
+    floor = max(HOIST_MIN_GAIN * sequential, len(transfers) * model.step_us * 1e-3)
+    if sequential - best <= floor:
+        return "sequential", 1, f"model ({model.device}): {numbers}; gain under {floor:.3f} ms"
     return "hoist", chunks, f"model ({model.device}): {numbers}"
 
 

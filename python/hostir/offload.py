@@ -33,8 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from hostir import machine
 from hostir.errors import UsageError
 from hostir.frontend import FusionDefinition
+from hostir.runtime.checks import host_positions
 
 __all__ = ["OffloadedStack", "offload"]
 
@@ -149,6 +151,14 @@ class OffloadedStack(nn.Module):
                     y = getattr(fd.ops, kind)(y)
             fd.add_output(y)
         return fd
+
+    def hoisting(self, x: torch.Tensor) -> Any:
+        """The `Hoisting` a call on `x` runs with (forced, or the machine
+        model's choice for its shape): sequential, hoisted, or in chunks."""
+        fd = self.fusion(x.dim())
+        inputs = [x.to(self.dtype), *self.host_tensors()]
+        host = host_positions(fd.fusion, inputs)
+        return machine.hoisting_for_inputs(fd.fusion, inputs, x.device, None, host, self.hoist)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):

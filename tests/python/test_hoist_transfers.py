@@ -7,6 +7,8 @@ machine model's choice per input signature."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -173,6 +175,7 @@ def test_the_model_never_picks_a_schedule_it_thinks_slower(m):
     if mode != "sequential":
         assert chosen == min(estimates.values()), note
         assert sequential - chosen > machine.HOIST_MIN_GAIN * sequential, note
+        assert sequential - chosen > len(transfers) * H100.step_us * 1e-3, note
     # At small M the compute hides almost nothing: the sequential program;
     # from 8192 rows up, chunks also hide most of the first copy or the last
     # compute.
@@ -194,7 +197,7 @@ def test_pipeline_estimates_bound_the_copy_and_the_compute():
 
 def test_the_model_chooses_per_input_signature(monkeypatch, capsys):
     # A machine whose copies take as long as a 4096-row layer computes.
-    slow_copies = machine.MachineModel("cpu", 0.05, 0.0, 2.0, 200.0, h2d_gbps=0.02, d2h_gbps=0.02)
+    slow_copies = machine.MachineModel("cpu", 0.05, 0.0, 2.0, 1.0, h2d_gbps=0.02, d2h_gbps=0.02)
     monkeypatch.setattr(machine, "CPU_MODEL", slow_copies)
     monkeypatch.setenv("HOSTIR_DUMP", "host_ir")
     fd = mlp(3)
@@ -202,11 +205,12 @@ def test_the_model_chooses_per_input_signature(monkeypatch, capsys):
     for rows in (1, 4096):
         x = torch.randn(rows, H)
         (out,) = fd.execute([x, *ws])
-        torch.testing.assert_close(out, reference(x, ws))
+        # Chunked linears sum in another order.
+        torch.testing.assert_close(out, reference(x, ws), rtol=1e-4, atol=1e-4)
     dump = capsys.readouterr().out
     # One row computes nothing worth hiding a copy under; 4096 rows do.
     assert "schedule=(sequential: model (cpu)" in dump
-    assert "schedule=(hoisted above 2 compute ops; model (cpu)" in dump
+    assert re.search(r"schedule=\(hoisted above \d+ compute ops; model \(cpu\)", dump), dump
     assert fd.num_programs == 2
 
 
