@@ -192,6 +192,7 @@ def _hoist(exprs: list, post: ir.Expr, budget: int, hoisting: Hoisting, resolve)
     group = exprs[start : at + 1]
     touched = {resolve(v) for e in group for v in e.inputs() + e.outputs() + ir.defined_tvs(e) if isinstance(v, ir.TensorView)}
     rest = exprs[:start] + exprs[at + 1 :]
+    peak_if_at = _peaks(rest, group, start, resolve)
     # Moving above ops that neither compute nor wait (a Deallocate) gains
     # nothing: the post lands just above the last such op it passes.
     to, passed, best = start, 0, start
@@ -202,7 +203,7 @@ def _hoist(exprs: list, post: ir.Expr, budget: int, hoisting: Hoisting, resolve)
         compute = isinstance(prev, ir.FUSION_OPS)
         if compute and hoisting.lookahead is not None and passed + 1 > hoisting.lookahead:
             break
-        if _peak(rest[: to - 1] + group + rest[to - 1 :], resolve) > budget:
+        if peak_if_at(to - 1) > budget:
             break
         to -= 1
         passed += compute
@@ -240,17 +241,48 @@ def constant_bytes(tv: ir.TensorView) -> int | None:
     return n
 
 
-def _peak(exprs: list, resolve) -> int:
-    """The most bytes of constant-size device buffers (`Allocate`d) live at
-    once in top-level program order."""
-    live, peak, sizes = 0, 0, {}
+def _live_after(exprs: list, resolve) -> list[int]:
+    """The bytes of constant-size device buffers (`Allocate`d) live after
+    each op, in top-level program order."""
+    live, sizes, found = 0, {}, []
     for e in exprs:
         if isinstance(e, ir.Allocate) and e.memory_type is not ir.MemoryType.host:
             n = constant_bytes(e.buffer)
             if n is not None and resolve(e.buffer) not in sizes:
                 sizes[resolve(e.buffer)] = n
                 live += n
-                peak = max(peak, live)
         elif isinstance(e, ir.Deallocate):
             live -= sizes.pop(resolve(e.buffer), 0)
-    return peak
+        found.append(live)
+    return found
+
+
+def _peak(exprs: list, resolve) -> int:
+    """The most bytes of constant-size device buffers live at once."""
+    return max(_live_after(exprs, resolve), default=0)
+
+
+def _peaks(rest: list, group: list, start: int, resolve):
+    """`peak_if_at(p)`: the peak of `rest` with `group` inserted before
+    rest[p], for p walking down from `start` one step at a time. The group's
+    own buffer (if it allocates one of constant size) is live from there to
+    its Deallocate in `rest`; nothing else changes, so each step costs O(1)."""
+    live = _live_after(rest, resolve)
+    held = _peak(group, resolve)
+    made = {resolve(e.buffer) for e in group if isinstance(e, ir.Allocate)}
+    end = next((i for i, e in enumerate(rest) if isinstance(e, ir.Deallocate) and resolve(e.buffer) in made), len(rest))
+    before = [0] * (len(rest) + 1)  # before[p]: max of live[:p]
+    for i, v in enumerate(live):
+        before[i + 1] = max(before[i], v)
+    after = max(live[end:], default=0)
+    region = max(live[start:end], default=0)
+    state = {"at": start, "region": region}
+
+    def peak_if_at(p: int) -> int:
+        while state["at"] > p:
+            state["at"] -= 1
+            state["region"] = max(state["region"], live[state["at"]])
+        entering = (live[p - 1] if p > 0 else 0) + held
+        return max(before[p], entering, state["region"] + held, after)
+
+    return peak_if_at
