@@ -258,3 +258,19 @@ def test_every_pass_of_a_hoisted_chunked_program_is_race_free(monkeypatch):
     x, ws = torch.randn(4, H), [torch.randn(H, H) for _ in range(3)]
     (out,) = fd.execute([x, *ws], hoist="hoist:chunks=4")
     torch.testing.assert_close(out, mlp_reference(x, ws), rtol=1e-4, atol=1e-5)
+
+
+def test_a_rank_outside_a_host_tensors_mesh_drops_its_transfer_and_wait():
+    from hostir import DeviceMesh
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, H])
+        w = fd.define_tensor([H, H], memory="host")
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+    for tv in (x, w, y):
+        tv.set_device_mesh(DeviceMesh([0]))
+    on_mesh = lower(fd.fusion, rank=0, backend="gloo")
+    assert [type(e).__name__ for e in on_mesh.exprs if isinstance(e, (ir.Transfer, ir.Wait))] == ["Transfer", "Wait"]
+    elsewhere = lower(fd.fusion, rank=1, backend="gloo")
+    assert not any(isinstance(e, (ir.Transfer, ir.Wait)) for e in elsewhere.exprs)
