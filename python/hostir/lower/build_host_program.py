@@ -2,10 +2,10 @@
 
 Precondition: a `Fusion` whose ops each have one output.
 Postcondition: a verified `HostIrContainer` holding copies of the fusion's
-TensorViews (same names, meshes, splits and parallel types; memory type
-host for a tensor in host memory, and for each input in `host_inputs`,
-else global) and one top-level op per fusion op, in definition order. The
-user's fusion is not changed.
+TensorViews (same names, meshes, splits, parallel types and explicit
+schedules; memory type host for a tensor in host memory, and for each input
+in `host_inputs`, else global) and one top-level op per fusion op, in
+definition order. The user's fusion is not changed.
 
     %Fusion { (T0_g_float[iS0{i0}]) -> (T1_l_float[iS1{i0}]) :
       T1_l_float[iS1{i0}] = Set( T0_g_float[iS0{i0}], cache_op=Streaming )
@@ -30,6 +30,7 @@ def build_host_program(fusion: ir.Fusion, host_inputs: frozenset = frozenset()) 
     def copy_id(d: ir.IterDomain) -> ir.IterDomain:
         if d not in ids:
             new = ids[d] = ir.IterDomain(container, d.extent, d.iter_type, d.parallel_type, name=d.name)
+            new.scheduled = d.scheduled
             if d.parent is not None:
                 new.parent = copy_id(d.parent)
             if d.leaves is not None:

@@ -234,7 +234,7 @@ def _conflicts(e: ir.Expr, touched: set, resolve) -> bool:
 def constant_bytes(tv: ir.TensorView) -> int | None:
     """The bytes of `tv`'s buffer when every extent is a constant."""
     n = tv.dtype.itemsize
-    for d in tv.runtime_domain():
+    for d in tv.loop_axes():
         if not d.extent.is_constant:
             return None
         n *= 1 if d.is_device_parallel else d.extent.value

@@ -105,7 +105,7 @@ def _chunked_linear(container, e: ir.LinearOp, chunks: int, copies: dict) -> lis
         moves.append((t, dev_piece))
     out = e.out
     made.append(ir.Allocate(out, ir.MemoryType.global_))
-    n_axis = out.runtime_domain()[-1]
+    n_axis = out.loop_axes()[-1]
     for c, (t, dev_piece) in enumerate(moves):
         out_piece, bind_out = _chunk_view(container, out, n_axis, c, chunks, ir.MemoryType.global_)
         fields = {"weight": dev_piece, "out": out_piece}

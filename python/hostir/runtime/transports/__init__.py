@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from hostir import ir
 from hostir.runtime.transports.base import (
+    Capabilities,
     NoWork,
     Posted,
     Transport,
@@ -24,6 +25,7 @@ from hostir.runtime.transports.host import HostStaging, allocate_host, post_tran
 from hostir.runtime.transports.torch_dist import TorchDistTransport
 
 __all__ = [
+    "Capabilities",
     "HostStaging",
     "NoWork",
     "Posted",
@@ -32,6 +34,7 @@ __all__ = [
     "TransportUnsupported",
     "TransportUsageError",
     "allocate",
+    "capabilities",
     "allocate_host",
     "end_coalescing",
     "post",
@@ -41,6 +44,21 @@ __all__ = [
 ]
 
 _TORCH = {"NCCL": TorchDistTransport("NCCL"), "gloo": TorchDistTransport("gloo")}
+
+# Each transport's declared capabilities, by the name an op gives as its backend.
+_CAPABILITIES = {
+    "NCCL": TorchDistTransport.capabilities,
+    "gloo": TorchDistTransport.capabilities,
+    "cuda": cuda.CudaTransport.capabilities,
+}
+
+
+def capabilities(backend: str) -> Capabilities:
+    """What the transport named `backend` (NCCL, gloo or cuda) can do."""
+    found = _CAPABILITIES.get(backend)
+    if found is None:
+        raise TransportUsageError(f"unknown backend {backend!r}; expected one of {list(_CAPABILITIES)}")
+    return found
 
 
 def transport_for(frame, backend: str) -> Transport:
