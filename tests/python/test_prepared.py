@@ -58,8 +58,8 @@ def _warmed(**kwargs) -> FusionDefinition:
 def test_repeated_calls_skip_the_full_path_and_match_eager(evaluator, stream, monkeypatch):
     fd = _warmed(stream=stream, number_of_streams=2)
     full_path = []
-    real = fd.executor._prepare
-    monkeypatch.setattr(fd.executor, "_prepare", lambda *a, **k: full_path.append(1) or real(*a, **k))
+    real = fd.executor._normalize
+    monkeypatch.setattr(fd.executor, "_normalize", lambda *a, **k: full_path.append(1) or real(*a, **k))
     for _ in range(3):
         a, b = torch.randn(4, 5), torch.randn(4, 5)
         (out,) = fd.execute([a, b], number_of_streams=2)

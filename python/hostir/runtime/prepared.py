@@ -25,7 +25,7 @@ With `cuda_graph=True` a prepared call holds the captured graph and goes
 straight to its replay.
 
 A record holds no runner of its own: the executor runs a prepared call
-through the same stage as the full path (`bind.run`).
+through the same stages as the full path (bind, run, convert back).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _device_is_exact(device) -> bool:
 class Prepared:
     """What the full path's first four stages decided for one signature
     (normalize, check, program, agree): a call of that signature enters at
-    bind with it, through the same run stage (`bind.run`)."""
+    bind with it, through the same stages as the full path."""
 
     version: int  # the fusion's version it was made for
     program: Any  # the executor's program: its container, binding, evaluator and runner
