@@ -61,6 +61,7 @@ from hostir.container import HostIrContainer
 from hostir.errors import HostIrError, UsageError
 from hostir.log import logger
 from hostir.lower import RESHARDING_MODES, lower
+from hostir.lower.hoist_transfers import forced as forced_hoisting
 from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
 from hostir.runtime import flat, prepared, profiling
 from hostir.runtime.agreement import Offer, RankMismatchError, check, exchange, input_signature
@@ -78,6 +79,7 @@ from hostir.runtime.checks import (
     check_sizes,
     check_world,
     equal_input_axes,
+    host_positions,
     input_key,
     is_multi_device,
     ranks_needed,
@@ -88,6 +90,7 @@ from hostir.runtime.graphs import CudaGraphs
 from hostir.runtime.streams import streams_for
 
 CHECK_RANKS = ("always", "first")
+HOST_INPUTS = ("copy", "stream")
 
 __all__ = [
     "CHECK_RANKS",
@@ -142,6 +145,16 @@ class ExecutorParams:
         `hostir.lower.schedule.Schedule` or its text (`ring:chunks=2`,
         `collective`, `sequential`, ...); by default `HOSTIR_SCHEDULE`, else
         the machine model's choice for the inputs' shapes.
+    host_inputs: "copy" (default) copies CPU inputs of a program that runs
+        on a GPU there before it starts; "stream" keeps them in host memory
+        and lets the program move each where an op reads it, on a copy
+        stream, as early as the memory budget allows (as inputs defined with
+        `memory="host"` always are).
+    hoist: how far communications and transfers are posted ahead of their
+        use (`lower/hoist_transfers.py`): "auto" (default: `HOSTIR_HOIST`,
+        else the machine model's choice for the inputs' shapes), a
+        `Hoisting` or its text (`hoist`, `hoist:budget=2GiB,lookahead=3,chunks=4`,
+        `sequential`).
     """
 
     number_of_streams: int = 4
@@ -153,6 +166,8 @@ class ExecutorParams:
     resharding: str = "auto"
     schedule: object = None
     cuda_graph: bool = False
+    host_inputs: str = "copy"
+    hoist: object = "auto"
 
     def validate(self) -> None:
         n = self.number_of_streams
@@ -166,6 +181,9 @@ class ExecutorParams:
             raise ExecuteArgumentError(f"check_ranks must be one of {list(CHECK_RANKS)}, got {self.check_ranks!r}")
         if self.resharding not in RESHARDING_MODES:
             raise ExecuteArgumentError(f"resharding must be one of {list(RESHARDING_MODES)}, got {self.resharding!r}")
+        if self.host_inputs not in HOST_INPUTS:
+            raise ExecuteArgumentError(f"host_inputs must be one of {list(HOST_INPUTS)}, got {self.host_inputs!r}")
+        forced_hoisting(self.hoist)
 
     def evaluator_choice(self) -> tuple[str, tuple[str, ...]]:
         """The evaluator this run uses, "python" or "cpp", and why the C++
@@ -246,6 +264,8 @@ class _Program:
     # Dry-run reports of this program, per exact input shapes (and number
     # of streams): a report holds every size, so it serves no other.
     reports: dict = dataclasses.field(default_factory=dict)
+    # How its communications and transfers were hoisted (None: the default).
+    hoisting: object = None
 
 
 _MAX_REPORTS = 64
@@ -355,7 +375,7 @@ class FusionExecutor:
                     raise error
                 params = ExecutorParams.from_arguments(params, kwargs)
                 inputs, outputs, device = self._normalize(inputs, outputs, params, comm, mode)
-                device = self._check(inputs, device, comm, mode)
+                device = self._check(inputs, device, comm, mode, host_positions(self.fusion, inputs, params.host_inputs))
                 call = self._program(inputs, outputs, device, params, comm, mode)
             except Exception as err:
                 if comm is None or _agrees_first_only(params):
@@ -438,7 +458,7 @@ class FusionExecutor:
         if mode == "1":
             return inputs, outputs, None
         device = self._device(inputs, params, comm)
-        inputs = self._place(inputs, device)
+        inputs = self._place(inputs, device, host_positions(self.fusion, inputs, params.host_inputs))
         if comm is not None:
             # Never hand a strided view to a collective (gloo would read the
             # wrong memory): compact first, which also keeps contiguity out
@@ -448,7 +468,7 @@ class FusionExecutor:
         return inputs, outputs, device
 
     # -- 2: check
-    def _check(self, inputs, device, comm, mode: str):
+    def _check(self, inputs, device, comm, mode: str, host: frozenset = frozenset()):
         """Every input against the fusion, before any work starts; the
         device the inputs are on. (The fake runner's dry run checks every
         rank's inputs with the same checks, in the program stage.)"""
@@ -456,7 +476,7 @@ class FusionExecutor:
             return device
         if comm is not None:
             check_world(self.fusion, comm.world_size)
-        device = check_inputs(self.fusion, inputs, device, sharded=comm is not None)
+        device = check_inputs(self.fusion, inputs, device, sharded=comm is not None, host=host)
         self._warn_requires_grad(inputs)
         return device
 
@@ -543,6 +563,7 @@ class FusionExecutor:
                 backend=program.container.backend,
                 schedule=program.container.schedule,
                 resharding=params.resharding,
+                hoisting=program.hoisting,
             )
         self.dry_runs += 1
         with self._lock:
@@ -565,13 +586,15 @@ class FusionExecutor:
                 return t.device
         return tensors[0].device if tensors else torch.device("cpu")
 
-    def _place(self, inputs: list, device: torch.device) -> list:
+    def _place(self, inputs: list, device: torch.device, host: frozenset = frozenset()) -> list:
         """Copy CPU inputs to `device` if the program runs elsewhere (one
-        warning per fusion names them and the bytes copied)."""
+        warning per fusion names them and the bytes copied), except those in
+        host memory (`host`: their positions), which the program streams."""
         if device.type != "cuda":
             return inputs
         moved = [
-            i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+            i for i, t in enumerate(inputs)
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and i not in host
         ]
         if not moved:
             return inputs
@@ -625,6 +648,8 @@ class FusionExecutor:
         )
         evaluator, reasons = params.evaluator_choice()
         chosen = machine.for_inputs(self.fusion, inputs, comm, params.schedule)
+        host = host_positions(self.fusion, inputs, params.host_inputs)
+        hoisting = machine.hoisting_for_inputs(self.fusion, inputs, device, comm, host, params.hoist)
         key = (
             tuple(
                 (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else "scalar"
@@ -635,6 +660,8 @@ class FusionExecutor:
             params.resharding,
             static,
             None if chosen is None else chosen.key(),
+            host,
+            None if hoisting is None else hoisting.key(),
         )
         with self._lock:
             # A program holds the communicator it was lowered for: after a
@@ -652,8 +679,11 @@ class FusionExecutor:
             if debug:
                 logger.debug("program cache miss for %s on %s: lowering", _key_text(key), device)
             strict = (params.evaluator or evaluator_choice()) == "cpp"
-            program = self._programs[key] = self._lower(device, evaluator, reasons, comm, chosen, params.resharding, strict)
+            program = self._programs[key] = self._lower(
+                device, evaluator, reasons, comm, chosen, params.resharding, strict, host, hoisting
+            )
             program.static_sizes = static
+            program.hoisting = hoisting
             return program, True
 
     def _lower(
@@ -665,12 +695,14 @@ class FusionExecutor:
         chosen=None,
         resharding: str = "auto",
         strict=False,
+        host: frozenset = frozenset(),
+        hoisting=None,
     ) -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
         if comm is None:
-            container = lower(self.fusion, dumper, resharding=resharding)
+            container = lower(self.fusion, dumper, resharding=resharding, host_inputs=host, hoisting=hoisting)
         else:
             container = lower(
                 self.fusion,
@@ -679,6 +711,8 @@ class FusionExecutor:
                 backend=_BACKEND_NAMES[comm.backend],
                 schedule=chosen,
                 resharding=resharding,
+                host_inputs=host,
+                hoisting=hoisting,
             )
         self.lowerings += 1
         streams = self._streams.get(device)
@@ -686,7 +720,7 @@ class FusionExecutor:
             streams = self._streams[device] = streams_for(device)
         if evaluator == "cpp" and not strict:
             # "auto": a program with ops the C++ executor lacks (a copy-engine
-            # transport, chunked views) runs on the Python evaluator.
+            # transport, chunked views, transfers) runs on the Python evaluator.
             reasons = tuple(flat.unsupported_reasons(container))
             if reasons:
                 evaluator = "python"
@@ -876,7 +910,7 @@ def _exclusive(comm):
 
 
 def _key_text(key: tuple) -> str:
-    inputs, _, evaluator, resharding, static, chosen = key
+    inputs, _, evaluator, resharding, static, chosen, host, hoisting = key
     parts = ", ".join(
         f"{str(dtype).removeprefix('torch.')}/{ndim}d{'' if contiguous else ' strided'}"
         for dtype, ndim, contiguous in inputs
@@ -884,6 +918,9 @@ def _key_text(key: tuple) -> str:
     text = f"inputs ({parts}), evaluator {evaluator}, resharding {resharding}"
     if static:
         text += ", static sizes " + ", ".join(f"input {i} axis {axis} = {size}" for i, axis, size in static)
+    if host:
+        text += ", streamed inputs " + ", ".join(map(str, sorted(host)))
+    text += "" if hoisting is None else f", hoisting {hoisting}"
     return text + ("" if chosen is None else f", schedule {chosen}")
 
 

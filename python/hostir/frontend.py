@@ -43,10 +43,14 @@ class Ops:
             if isinstance(v, ir.InputScalar) and not any(v is s for s in self._fd.fusion.inputs):
                 raise DefinitionError(f"scalar {v!r} belongs to another FusionDefinition")
 
-    def set(self, x: ir.TensorView) -> ir.TensorView:
-        """A copy of `x`."""
+    def set(self, x: ir.TensorView, memory: str | None = None) -> ir.TensorView:
+        """A copy of `x`; with `memory="host"` a copy in host memory (a
+        transfer from the device), with `memory="device"` a copy in device
+        memory (a transfer of a tensor in host memory)."""
         self._check(x)
-        return ir.set_(x)
+        if memory is None:
+            return ir.set_(x)
+        return ir.set_(x, ir.MemoryType.from_word(memory))
 
     def add(self, lhs, rhs) -> ir.TensorView:
         self._check(lhs, rhs)
@@ -186,15 +190,22 @@ class FusionDefinition:
         if self._state != "defining":
             raise UsageError(f"{what} must be defined inside `with FusionDefinition() as fd:`")
 
-    def define_tensor(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> ir.TensorView:
+    def define_tensor(
+        self, shape: Sequence[int], dtype: torch.dtype = torch.float32, memory: str = "device"
+    ) -> ir.TensorView:
         """An input of the fusion. In `shape`, -1 is a symbolic extent (any
-        size), 1 a broadcast axis, and any other size a fixed extent."""
+        size), 1 a broadcast axis, and any other size a fixed extent.
+        `memory="host"` takes the input in host memory (a CPU tensor, also
+        when the program runs on a GPU): the program moves it to the device
+        where an op reads it, on a copy stream, as early as the memory
+        budget allows (see docs/offload.md)."""
         self._require_defining("define_tensor")
+        memory_type = ir.MemoryType.from_word(memory)
         if not isinstance(dtype, torch.dtype):
             raise DefinitionTypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         if isinstance(shape, (int, torch.Tensor)) or not isinstance(shape, Sequence):
             raise DefinitionTypeError(f"shape must be a list of ints, got {shape!r}")
-        return self.fusion.new_tensor(list(shape), dtype)
+        return self.fusion.new_tensor(list(shape), dtype, memory_type)
 
     def define_scalar(self, dtype: torch.dtype | type = torch.float64) -> ir.InputScalar:
         """A scalar input of the fusion: `execute` takes a Python number in

@@ -212,6 +212,13 @@ def _p2p(e: ir.P2PCommunication, pad):
     ]
 
 
+def _transfer(e: ir.Transfer, pad):
+    fields = [f"type={e.direction}", f"input={format_tv(e.input)}", f"output={format_tv(e.out)}"]
+    if e.schedule is not None:
+        fields.append(f"schedule=({e.schedule})")
+    return [f"{pad}Transfer {e.name} ({', '.join(fields)})"]
+
+
 def _start_coalescing(e: ir.StartCoalescing, pad):
     return [f"{pad}StartCoalescing"]
 
@@ -221,7 +228,8 @@ def _end_coalescing(e: ir.EndCoalescing, pad):
 
 
 def _wait(e: ir.Wait, pad):
-    return [f"{pad}Wait Communication {e.communication.name}"]
+    what = "Transfer" if isinstance(e.communication, ir.Transfer) else "Communication"
+    return [f"{pad}Wait {what} {e.communication.name}"]
 
 
 _FORMATS = {
@@ -252,6 +260,7 @@ _FORMATS = {
     ir.StartCoalescing: _start_coalescing,
     ir.EndCoalescing: _end_coalescing,
     ir.Wait: _wait,
+    ir.Transfer: _transfer,
 }
 
 

@@ -91,7 +91,7 @@ class HostIrEvaluator:
         self.device = torch.device(device)
         self.communicator = communicator
         self.dumper = dumper
-        needs = [e for e in container.walk() if isinstance(e, ir.COMMUNICATION_OPS)]
+        needs = [e for e in container.walk() if ir.needs_communicator(e)]
         if needs and communicator is None:
             raise BindingError(
                 f"A communicator must be provided: the program has communications, such as\n"
@@ -133,6 +133,8 @@ class HostIrEvaluator:
         self.profiled = True
         # Numbers the runs, for the call parity of each frame.
         self.calls = itertools.count()
+        # Pinned host copies of the program's host inputs, made once.
+        self.staging = transports.HostStaging()
 
     # -- the one entry point
     def run(self, bindings: Mapping[Any, Any], number_of_streams: int = 4) -> list:
@@ -466,6 +468,9 @@ def _allocate(frame: Frame, e: ir.Allocate) -> None:
         frame.bind(e.buffer, transports.allocate(frame, e.buffer, shape))
         return
     make = torch.zeros if e.zero_init else torch.empty
+    if e.memory_type is ir.MemoryType.host:
+        frame.bind(e.buffer, transports.allocate_host(frame, make, shape, e.buffer.dtype))
+        return
     frame.bind(e.buffer, make(shape, dtype=e.buffer.dtype, device=frame.device))
 
 
@@ -866,6 +871,11 @@ def _communication(frame: Frame, e: ir.Communication) -> None:
         raise classified from err
 
 
+@impl(ir.Transfer)
+def _transfer(frame: Frame, e: ir.Transfer) -> None:
+    frame.works[e] = transports.post_transfer(frame, e)
+
+
 @impl(ir.P2PCommunication)
 def _p2p(frame: Frame, e: ir.P2PCommunication) -> None:
     comm = frame.communicator
@@ -928,6 +938,8 @@ def _wait(frame: Frame, e: ir.Wait) -> None:
         for work in posted.works:
             work.wait()
     except Exception as err:
+        if isinstance(target, ir.Transfer):
+            raise
         classified = _classify(err, target, frame)
         if classified is err:
             raise

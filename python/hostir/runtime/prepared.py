@@ -6,8 +6,8 @@ signature, the dry run of their shapes, the evaluator, the conversions to
 runtime and logical axes — depends on the call's exact *signature* alone:
 for each tensor argument its type, shape, strides, dtype, device and
 requires_grad; the execution parameters (each with its type); the
-environment variables that pick the evaluator and the dry run
-(HOSTIR_EVALUATOR, HOSTIR_FAKE); and the fusion's version. Once a call has
+environment variables that pick the evaluator, the dry run and the hoisting
+(HOSTIR_EVALUATOR, HOSTIR_FAKE, HOSTIR_HOIST); and the fusion's version. Once a call has
 taken the full path and run, a `Prepared` record keeps what that path
 decided, under its signature; a later call with the same signature runs
 from it. A call that a profiler or trace watches, or that a DEBUG log
@@ -93,7 +93,7 @@ def signature(inputs, outputs, params, kwargs: dict) -> tuple | None:
         return None
     # Hashed once, by the lookup: an unhashable parameter makes the lookup
     # find nothing and the store keep nothing.
-    return (arguments, given, settings, fake, _environ("HOSTIR_EVALUATOR"))
+    return (arguments, given, settings, fake, _environ("HOSTIR_EVALUATOR"), _environ("HOSTIR_HOIST"))
 
 
 def _tensor_signatures(values) -> tuple | None:
