@@ -141,10 +141,13 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
     outs = base(x)
     grads = [torch.randn_like(o) for o in outs]
     rows = {}
+    steps = {}  # the hostir rows' steps, profiled with --profile
 
     def run(name, fn):
         try:
             rows[name] = {"ms": fn()}
+            if args.profile and name in steps:
+                rows[name]["profile"] = profile(steps[name], device)
         except Exception as err:  # a row that cannot run says why
             rows[name] = {"ms": None, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
             if args.verbose:
@@ -164,6 +167,7 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
             outs = fd.execute(ins)
             torch.autograd.backward(outs, grads)
 
+        steps["hostir fusion"] = step
         return timer(step, args.warmup, args.iters)
 
     run("hostir fusion", fused)
@@ -177,7 +181,10 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
         if world > 1:
             # Colwise outputs (k, v) are local shards; the rowwise output is replicated.
             local_grads = [g if g.shape[-1] == h else g.chunk(world, -1)[rank].contiguous() for g in grads]
-        return timer(module_step(m, x, local_grads), args.warmup, args.iters)
+        step = module_step(m, x, local_grads)
+        if style_module is hostir_parallelize:
+            steps["hostir.parallel"] = step
+        return timer(step, args.warmup, args.iters)
 
     from hostir.parallel import parallelize_module as hostir_parallelize
     from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
@@ -208,6 +215,29 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
     return rows
 
 
+def profile(step, device) -> str:
+    """One step under torch's profiler: the ops by host time, then by
+    device time, and the host-device synchronizations it made."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with torch_profile(activities=activities, record_shapes=True) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages(group_by_input_shape=True)
+    parts = [events.table(sort_by="self_cpu_time_total", row_limit=30)]
+    if device.type == "cuda":
+        parts.append(events.table(sort_by="self_cuda_time_total", row_limit=30))
+    syncs = [e for e in prof.key_averages() if "ynchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")]
+    parts.append("synchronizations: " + (", ".join(f"{e.key} x{e.count}" for e in syncs) or "none"))
+    return "\n".join(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -221,6 +251,8 @@ def main() -> None:
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--tag", default=None)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one step of each hostir row (torch profiler; written to bench_training_<tag>_profile.txt)")
     args = ap.parse_args()
 
     world, rank, local = hostir.world_size(), hostir.rank(), hostir.local_rank()
@@ -263,6 +295,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     tag = args.tag or f"{device.type}_ws{world}"
     (out / f"bench_training_{tag}.md").write_text(text)
+    profiles = [f"## {kind}, {name}\n{r.pop('profile')}" for kind, rows in results["kinds"].items()
+                for name, r in rows.items() if "profile" in r]
+    if profiles:
+        (out / f"bench_training_{tag}_profile.txt").write_text("\n\n".join(profiles) + "\n")
     (out / f"bench_training_{tag}.json").write_text(json.dumps(results, indent=2))
 
 

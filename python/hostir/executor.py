@@ -88,6 +88,7 @@ from hostir.runtime.checks import (
 from hostir.runtime.evaluator import HostIrEvaluator
 from hostir.runtime.graphs import CudaGraphs
 from hostir.runtime.streams import streams_for
+from hostir.runtime.transports import torch_dist
 
 CHECK_RANKS = ("always", "first")
 HOST_INPUTS = ("copy", "stream")
@@ -647,7 +648,7 @@ class FusionExecutor:
             for axis in getattr(tv, "static_dims", ())
         )
         evaluator, reasons = params.evaluator_choice()
-        chosen = machine.for_inputs(self.fusion, inputs, comm, params.schedule)
+        chosen = machine.for_inputs(self.fusion, inputs, comm, params.schedule, device)
         host = host_positions(self.fusion, inputs, params.host_inputs)
         hoisting = machine.hoisting_for_inputs(self.fusion, inputs, device, comm, host, params.hoist)
         key = (
@@ -715,6 +716,7 @@ class FusionExecutor:
                 hoisting=hoisting,
             )
         self.lowerings += 1
+        torch_dist.check_p2p_memory(container, device)
         streams = self._streams.get(device)
         if streams is None:
             streams = self._streams[device] = streams_for(device)
@@ -779,6 +781,13 @@ class FusionExecutor:
         error, and make the process groups the program needs; nothing to do
         for one rank (or the fake runner, which makes no group)."""
         if comm is None:
+            return
+        if comm.world_size == 1:
+            # One rank: no one to disagree with; its own error is the call's.
+            if error is not None:
+                raise error
+            if comm.missing_teams(call.program.container.all_teams):
+                comm.ensure_groups(call.program.container.all_teams)
             return
         if first_only and not call.lowered:
             # No agreement: each rank makes the groups it lacks (a

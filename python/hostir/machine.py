@@ -18,6 +18,8 @@ import json
 import os
 import pathlib
 
+import torch
+
 from hostir import ir
 from hostir.lower.decompose_device_axis import walks_device_axis
 from hostir.lower.hoist_transfers import Hoisting, forced
@@ -208,11 +210,15 @@ def model_for(comm) -> MachineModel:
     return model
 
 
-def p2p_reason(comm) -> str | None:
-    """None when the cuda transport can run on every rank, else why not."""
-    if comm.device.type != "cuda":
-        return f"the ranks run on {comm.device.type}"
-    return cuda.probe(comm)
+def p2p_reason(comm, device=None) -> str | None:
+    """None when the cuda transport can run on every rank for a program on
+    `device` (default: the communicator's), else why not. A gloo
+    communicator's own device is the CPU, but its ranks may run programs on
+    a GPU (ranks sharing one): the program's device decides."""
+    device = comm.device if device is None else torch.device(device)
+    if device.type != "cuda":
+        return f"the ranks run on {device.type}"
+    return cuda.probe(comm, device)
 
 
 def _shape_hint(fusion, inputs, D: int) -> tuple[int, int, int, int]:
@@ -230,7 +236,7 @@ def _shape_hint(fusion, inputs, D: int) -> tuple[int, int, int, int]:
     return rows, k, n, t.element_size()
 
 
-def for_inputs(fusion, inputs, comm, forced=None) -> Schedule | None:
+def for_inputs(fusion, inputs, comm, forced=None, device=None) -> Schedule | None:
     """The schedule of `fusion` on these inputs: `forced` (a Schedule or its
     text; else `HOSTIR_SCHEDULE`) or the model's choice. None where the
     fusion has nothing to decompose. Every rank gets the same answer for
@@ -242,14 +248,14 @@ def for_inputs(fusion, inputs, comm, forced=None) -> Schedule | None:
     if forced is not None:
         schedule = parse(forced) if isinstance(forced, str) else forced
         if schedule.transport == "cuda":
-            reason = p2p_reason(comm)
+            reason = p2p_reason(comm, device)
             if reason is not None:
                 schedule = dataclasses.replace(schedule, transport=None, note=f"cuda transport unavailable: {reason}")
         return schedule
     D = comm.world_size
     rows, k, n, itemsize = _shape_hint(fusion, inputs, D)
     backend = "NCCL" if comm.backend == "nccl" else "gloo"
-    return choose(model_for(comm), D, rows, k, n, itemsize, p2p_reason(comm), backend)
+    return choose(model_for(comm), D, rows, k, n, itemsize, p2p_reason(comm, device), backend)
 
 
 # ---------------------------------------------------------------- hoisting transfers

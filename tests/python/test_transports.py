@@ -54,11 +54,70 @@ def test_cuda_transport_refuses_cpu_ranks_with_a_reason():
     assert "the ranks run on cpu" in cuda.local_reason(_fake_comm("cpu"))
 
 
-def test_cuda_transport_probe_is_asked_once_per_communicator():
+def test_cuda_transport_probe_is_asked_once_per_communicator_and_device(monkeypatch):
     comm = _fake_comm("cpu", world=1)
+    asked = []
+    real = cuda.local_reason
+    monkeypatch.setattr(cuda, "local_reason", lambda c, d=None: asked.append(d) or real(c, d))
     first = cuda.probe(comm)
-    comm.device = torch.device("cuda", 0)  # a later change is not seen: the answer is cached
-    assert cuda.probe(comm) == first
+    assert cuda.probe(comm) == first and asked == [torch.device("cpu")]
+    cuda.probe(comm, torch.device("cuda", 0))
+    cuda.probe(comm, "cuda:0")
+    assert asked == [torch.device("cpu"), torch.device("cuda", 0)]
+
+
+def test_p2p_capability_follows_the_program_device_not_the_gloo_communicator():
+    # A gloo communicator's device is the CPU; its ranks may still run the
+    # program on a GPU (two ranks sharing one), where the cuda transport is
+    # the one that can move device memory: the program's device decides.
+    from hostir import machine
+
+    comm = _fake_comm("cpu")
+    assert machine.p2p_reason(comm) == "the ranks run on cpu"
+    on_gpu = machine.p2p_reason(comm, torch.device("cuda", 0))
+    assert on_gpu != "the ranks run on cpu"
+    assert on_gpu == cuda.local_reason(comm, torch.device("cuda", 0))
+    if not torch.cuda.is_available():
+        assert on_gpu == "CUDA is unavailable"
+
+
+def _p2p_program(backend: str, memory: ir.MemoryType) -> HostIrContainer:
+    c = HostIrContainer()
+    axes = [ir.IterDomain(c, ir.Scalar.constant(4)), ir.IterDomain(c, ir.Scalar.constant(8))]
+    buf = ir.TensorView(c, axes, torch.float32, memory)
+    c.push_back(ir.P2PCommunication(c.next_name("comm"), "send", buf, ir.Scalar.constant(1), backend=backend))
+    return c
+
+
+def test_a_gloo_send_of_device_memory_is_refused_when_lowered():
+    from hostir.errors import HostIrError
+    from hostir.runtime.transports import torch_dist
+
+    program = _p2p_program("gloo", ir.MemoryType.global_)
+    with pytest.raises(transports.TransportUnsupported, match="gloo sends and receives only host memory") as err:
+        torch_dist.check_p2p_memory(program, torch.device("cuda", 0))
+    assert isinstance(err.value, HostIrError) and "cuda:0" in str(err.value)
+    # Host memory, the CPU, and the other transports are fine.
+    torch_dist.check_p2p_memory(program, torch.device("cpu"))
+    torch_dist.check_p2p_memory(_p2p_program("gloo", ir.MemoryType.host), torch.device("cuda", 0))
+    torch_dist.check_p2p_memory(_p2p_program("NCCL", ir.MemoryType.global_), torch.device("cuda", 0))
+    torch_dist.check_p2p_memory(_p2p_program("cuda", ir.MemoryType.symmetric), torch.device("cuda", 0))
+
+
+def test_a_gloo_send_of_a_cuda_buffer_is_refused_before_it_is_posted(monkeypatch):
+    from hostir.runtime.transports import torch_dist
+
+    posted = []
+    monkeypatch.setattr(torch_dist.dist, "isend", lambda *a, **k: posted.append(a))
+    program = _p2p_program("gloo", ir.MemoryType.global_)
+    (e,) = list(program.walk())
+    buf = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    gloo = transports.transport_for(types.SimpleNamespace(communicator=_fake_comm()), "gloo")
+    with pytest.raises(transports.TransportUnsupported, match="gloo sends and receives only host memory"):
+        gloo.post_p2p(None, e, buf, 1, None)
+    with pytest.raises(transports.TransportUnsupported):
+        gloo.post_p2p(None, e, buf, 1, [])
+    assert posted == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without CUDA")

@@ -72,7 +72,7 @@ def transport_for(frame, backend: str) -> Transport:
     if found is not None:
         return found
     if backend == "cuda":
-        return cuda.for_communicator(frame.communicator)
+        return cuda.for_communicator(frame.communicator, getattr(frame, "device", None))
     raise TransportUsageError(f"unknown backend {backend!r}; expected NCCL, gloo or cuda")
 
 

@@ -53,10 +53,19 @@ def _symm_mem():
     return symm_mem
 
 
-def local_reason(comm) -> str | None:
-    """Why this rank cannot use the cuda transport, or None if it can."""
-    if comm.device.type != "cuda":
-        return f"the ranks run on {comm.device.type}, not on CUDA devices"
+def _run_device(comm, device) -> torch.device:
+    """The device the program runs on: `device` where the call names one
+    (ranks of a gloo communicator, whose own device is the CPU, running on
+    a GPU), else the communicator's."""
+    return comm.device if device is None else torch.device(device)
+
+
+def local_reason(comm, device=None) -> str | None:
+    """Why this rank cannot use the cuda transport for a program running on
+    `device` (default: the communicator's), or None if it can."""
+    device = _run_device(comm, device)
+    if device.type != "cuda":
+        return f"the ranks run on {device.type}, not on CUDA devices"
     if not torch.cuda.is_available():
         return "CUDA is unavailable"
     try:
@@ -69,24 +78,24 @@ def local_reason(comm) -> str | None:
     launch = comm.launch
     if launch.local_size is not None and launch.local_size != comm.world_size:
         return f"the ranks span several nodes ({comm.world_size} ranks, {launch.local_size} on this one)"
-    me = comm.device.index if comm.device.index is not None else torch.cuda.current_device()
+    me = device.index if device.index is not None else torch.cuda.current_device()
     for other in range(torch.cuda.device_count()):
         if other != me and not torch.cuda.can_device_access_peer(me, other):
             return f"cuda:{me} has no peer access to cuda:{other}"
     return None
 
 
-def probe(comm) -> str | None:
-    """None when this rank can use the cuda transport, else why not; asked
-    once per communicator. No collective (the schedule is chosen before
-    the ranks agree): ranks that answer differently lower different
-    programs and fail the agreement on the program with a clear error."""
-    cached = getattr(comm, "_cuda_transport_probe", False)
-    if cached is not False:
-        return cached
-    found = local_reason(comm)
-    comm._cuda_transport_probe = found
-    return found
+def probe(comm, device=None) -> str | None:
+    """None when this rank can use the cuda transport on `device` (default:
+    the communicator's), else why not; asked once per communicator and
+    device. No collective (the schedule is chosen before the ranks agree):
+    ranks that answer differently lower different programs and fail the
+    agreement on the program with a clear error."""
+    device = _run_device(comm, device)
+    cache = comm.__dict__.setdefault("_cuda_transport_probe", {})
+    if device not in cache:
+        cache[device] = local_reason(comm, device)
+    return cache[device]
 
 
 def window_kind(comm) -> str:
@@ -109,12 +118,17 @@ def window_kind(comm) -> str:
     return "symm_mem" if torch.cuda.device_count() >= local else "ipc"
 
 
-def for_communicator(comm) -> CudaTransport:
-    """The transport of `comm`'s ranks (one per communicator: it holds the
-    window cache and the send stream)."""
-    t = _INSTANCES.get(comm)
+def for_communicator(comm, device=None) -> CudaTransport:
+    """The transport of `comm`'s ranks on `device` (default: the
+    communicator's; one per communicator and device: it holds the window
+    cache and the send stream)."""
+    device = _run_device(comm, device)
+    per_device = _INSTANCES.get(comm)
+    if per_device is None:
+        per_device = _INSTANCES[comm] = {}
+    t = per_device.get(device)
     if t is None:
-        t = _INSTANCES[comm] = CudaTransport(comm)
+        t = per_device[device] = CudaTransport(comm, device)
     return t
 
 
@@ -301,11 +315,11 @@ class CudaTransport(Transport):
     name = "cuda"
     capabilities = Capabilities(one_sided=True, needs_symmetric_buffers=True, uses_no_sms=True)
 
-    def __init__(self, comm):
+    def __init__(self, comm, device=None):
         import torch.distributed as dist
 
         self.comm = comm
-        self.device = comm.device
+        self.device = _run_device(comm, device)
         self.group_name = dist.group.WORLD.group_name
         self.timeout_ms = int(comm.timeout * 1000)
         self._windows: dict[tuple, Window] = {}

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hostir import ir, layout, printer
 from hostir.kinds import ReductionKind
-from hostir.runtime.transports.base import NoWork, Posted, Transport, TransportUsageError
+from hostir.runtime.transports.base import NoWork, Posted, Transport, TransportUnsupported, TransportUsageError
 
 
 
@@ -381,6 +381,10 @@ class TorchDistTransport(Transport):
         return POST[e.type](self.calls, frame, e, group, root)
 
     def post_p2p(self, frame, e, buf, peer: int, ops: list | None) -> Posted:
+        if self.name == "gloo" and buf.is_cuda:
+            # `check_p2p_memory` refuses such a program when it is lowered,
+            # on every rank; this guards a program built by hand.
+            raise TransportUnsupported(gloo_p2p_on_device(e, buf.device))
         if ops is not None:
             fn = dist.isend if e.type == "send" else dist.irecv
             ops.append(dist.P2POp(fn, buf, peer))
@@ -390,3 +394,25 @@ class TorchDistTransport(Transport):
 
     def end_coalescing(self, frame, ops: list) -> Posted:
         return Posted(list(dist.batch_isend_irecv(ops)) if ops else [])
+
+
+def gloo_p2p_on_device(e, device) -> str:
+    return (
+        f"{printer.format_expr_head(e)}: gloo sends and receives only host memory, but the program runs on "
+        f"{device}; run the ring on the cuda transport (schedule='ring:transport=cuda'), use backend='nccl' "
+        f"(one GPU per rank), or a sequential schedule"
+    )
+
+
+def check_p2p_memory(container, device) -> None:
+    """Refuses a program running on a GPU whose gloo sends or receives move
+    device memory (gloo's point-to-point transport reads and writes host
+    addresses only and would abort the process). Called when the program
+    is lowered, before anything is posted: every rank lowers the same
+    program and fails the same way, for the Python and the C++ evaluator
+    alike."""
+    if torch.device(device).type != "cuda":
+        return
+    for e in container.walk():
+        if isinstance(e, ir.P2PCommunication) and e.backend == "gloo" and e.buffer.memory_type is not ir.MemoryType.host:
+            raise TransportUnsupported(gloo_p2p_on_device(e, device))
