@@ -359,7 +359,10 @@ class FusionExecutor:
         key = None
         if not self._multi_device():
             key = prepared.signature(inputs, outputs, params, kwargs)
-            ready = None if key is None else self._prepared.get(key, self.fusion.version)
+        else:
+            key = self._one_rank_signature(inputs, outputs, params, kwargs)
+        if key is not None:
+            ready = self._prepared.get(key, self.fusion.version)
             if ready is not None:
                 results = self._finish(self._recall(ready, inputs, outputs))
                 if results is not None:
@@ -387,6 +390,17 @@ class FusionExecutor:
         if key is not None:
             self._keep(key, call, params, inputs)
         return results
+
+    def _one_rank_signature(self, inputs, outputs, params, kwargs) -> tuple | None:
+        """The prepared-call signature of a multi-device fusion's call on a
+        live one-rank communicator, or None. One rank has no peer to agree
+        with, so such calls are prepared like a single device's, per
+        communicator (a new communicator lowers and checks again)."""
+        comm = communicator.live()
+        if comm is None or comm.world_size != 1:
+            return None
+        found = prepared.signature(inputs, outputs, params, kwargs)
+        return None if found is None else (comm, found)
 
     def graph_inputs(
         self,
@@ -716,7 +730,6 @@ class FusionExecutor:
                 hoisting=hoisting,
             )
         self.lowerings += 1
-        torch_dist.check_p2p_memory(container, device)
         streams = self._streams.get(device)
         if streams is None:
             streams = self._streams[device] = streams_for(device)
@@ -731,6 +744,7 @@ class FusionExecutor:
             # The program's dump ends with a newline; the runner is its last line.
             dumper.emit("host_ir", f"Host program{self.label}:", f"{container}{runner}\n")
         logger.info("%s", runner)
+        torch_dist.check_p2p_memory(container, device)
         make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
         run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper)
         if logger.isEnabledFor(logging.INFO):

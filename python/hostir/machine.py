@@ -241,17 +241,22 @@ def for_inputs(fusion, inputs, comm, forced=None, device=None) -> Schedule | Non
     text; else `HOSTIR_SCHEDULE`) or the model's choice. None where the
     fusion has nothing to decompose. Every rank gets the same answer for
     the same input shapes."""
-    if comm is None or not decomposable(fusion):
+    if comm is None:
         return None
     if forced is None:
         forced = os.environ.get("HOSTIR_SCHEDULE") or None
     if forced is not None:
+        # Kept also where the fusion walks no device axis itself: a pass may
+        # still make a ring of a resharding (a backward's gather of its
+        # output gradient), and it must run on the transport asked for.
         schedule = parse(forced) if isinstance(forced, str) else forced
         if schedule.transport == "cuda":
             reason = p2p_reason(comm, device)
             if reason is not None:
                 schedule = dataclasses.replace(schedule, transport=None, note=f"cuda transport unavailable: {reason}")
         return schedule
+    if not decomposable(fusion):
+        return None
     D = comm.world_size
     rows, k, n, itemsize = _shape_hint(fusion, inputs, D)
     backend = "NCCL" if comm.backend == "nccl" else "gloo"
