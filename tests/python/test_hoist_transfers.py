@@ -201,3 +201,23 @@ def test_the_model_chooses_per_input_signature(monkeypatch, capsys):
     # Each signature's program says the model's estimates for its shapes.
     assert notes[0] != notes[1] and all("sequential" in n for n in notes)
     assert fd.num_programs == 2
+
+
+@pytest.mark.parametrize("layers", [2, 3, 5])
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_weights_in_pieces_are_freed_like_whole_ones(layers, chunks):
+    # The dry run follows each device storage until its last view is
+    # dropped: the pieces a weight moves in are freed with it, so a hoisted
+    # stack holds two layers' weights whatever the chunking.
+    x, ws = torch.randn(8, H), [torch.randn(H, H) for _ in range(layers)]
+    fd = mlp(layers)
+    peak = fd.dry_run([x, *ws], hoisting=Hoisting(chunks=chunks))[0].peak_bytes
+    sequential = fd.dry_run([x, *ws], hoisting=Hoisting("sequential", chunks=chunks))[0].peak_bytes
+    activations = sequential - WEIGHT
+    assert WEIGHT + activations < peak <= 2 * WEIGHT + activations, (peak, activations)
+    program = lower(fd.fusion, hoisting=Hoisting(chunks=chunks))
+    freed = {e.buffer for e in program.exprs if isinstance(e, ir.Deallocate)}
+    views = [e.out for e in program.exprs if isinstance(e, ir.HirAliasChunk) and not ir.in_host_memory(e.out)]
+    assert len(views) == (2 * layers * chunks if chunks > 1 else 0)
+    assert all(v in freed for v in views if v not in program.outputs)
+    assert hostir.check_races(program) == []
