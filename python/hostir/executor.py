@@ -321,6 +321,8 @@ class FusionExecutor:
         self._prepared = prepared.PreparedCalls(self._lock)
         # What ran the latest call, and why (None before the first).
         self.last_runner: Runner | None = None
+        # Names the program in dumps: "" for a fusion's own, " (backward)" ...
+        self.label = ""
 
     @property
     def num_programs(self) -> int:
@@ -608,7 +610,9 @@ class FusionExecutor:
         return [t.to(device) if i in moved else t for i, t in enumerate(inputs)]
 
     def _warn_requires_grad(self, inputs: list) -> None:
-        if "grad" in self._warned:
+        # Under no_grad nothing is asked of autograd; with grad mode on, only
+        # a traced call comes here with inputs requiring grad.
+        if "grad" in self._warned or not torch.is_grad_enabled():
             return
         grads = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if grads:
@@ -723,7 +727,7 @@ class FusionExecutor:
         runner = Runner(evaluator, reasons)
         if dumper.enabled("host_ir"):
             # The program's dump ends with a newline; the runner is its last line.
-            dumper.emit("host_ir", "Host program:", f"{container}{runner}\n")
+            dumper.emit("host_ir", f"Host program{self.label}:", f"{container}{runner}\n")
         logger.info("%s", runner)
         make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
         run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper)

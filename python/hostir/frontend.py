@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hostir import broadcast_ops, communicator, ir, layout, printer, shape_ops
+from hostir import autograd, broadcast_ops, communicator, ir, layout, printer, shape_ops
 from hostir.analysis.dry_run import dry_run
 from hostir.dtensor import Adapter, has_dtensors, is_dtensor
 from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
@@ -76,9 +76,12 @@ class Ops:
     def relu(self, x: ir.TensorView) -> ir.TensorView:
         return self._unary("relu", x)
 
-    def gelu(self, x: ir.TensorView) -> ir.TensorView:
-        """The exact (erf) gelu, as torch.nn.functional.gelu."""
-        return self._unary("gelu", x)
+    def gelu(self, x: ir.TensorView, approximate: str = "none") -> ir.TensorView:
+        """torch.nn.functional.gelu: the exact (erf) form, or with
+        `approximate="tanh"` the tanh form."""
+        if approximate not in ("none", "tanh"):
+            raise DefinitionError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+        return self._unary("gelu" if approximate == "none" else "gelu_tanh", x)
 
     def silu(self, x: ir.TensorView) -> ir.TensorView:
         return self._unary("silu", x)
@@ -232,8 +235,11 @@ class FusionDefinition:
         """Run the fusion on `inputs` and return its outputs. With
         `outputs`, write into those tensors (all or none) and return them.
         Keyword arguments are fields of ExecutorParams (number_of_streams,
-        evaluator, device, ...). Runs without autograd: outputs never
-        require grad (inputs that require grad get one warning).
+        evaluator, device, ...). With grad mode on and an input that
+        requires grad, the outputs carry one autograd node whose backward
+        runs the fusion's backward program (`hostir.autograd`); set
+        `fd.keep_gathered = True` to save gathered operands instead of
+        gathering them again in the backward.
 
         Inputs may be DTensors: their placements shard the fusion's inputs
         (or are checked against the shardings set), and the outputs come
@@ -242,6 +248,8 @@ class FusionDefinition:
         Chrome / Perfetto trace to DIR/hostir_trace_rank<R>.json."""
         if self._state != "defined":
             raise UsageError("execute the fusion after its `with FusionDefinition() as fd:` block")
+        if torch.is_grad_enabled() and autograd.requires_grad(inputs) and trace is None:
+            return autograd.execute(self, inputs, outputs, params, return_dtensors, kwargs)
         wrap = bool(return_dtensors)
         if has_dtensors(inputs) or has_dtensors(outputs):
             wrap = return_dtensors is not False
@@ -282,11 +290,18 @@ class FusionDefinition:
             raise UsageError("ask for graph inputs after the `with FusionDefinition() as fd:` block")
         return self.executor.graph_inputs(inputs, outputs, params, **kwargs)
 
-    def dry_run(self, inputs, world_size: int | None = None, **kwargs):
+    def dry_run(self, inputs, world_size: int | None = None, backward: bool = False, **kwargs):
         """`hostir.dry_run(self, inputs, world_size, ...)`: every rank's
-        program on meta tensors, without running anything."""
+        program on meta tensors, without running anything. With
+        `backward=True`, the training step's: the training forward, the
+        backward, and per rank their peaks and the bytes saved between them
+        (`hostir.analysis.training`; `wrt=` picks the inputs to differentiate)."""
         if self._state != "defined":
             raise UsageError("dry-run the fusion after its `with FusionDefinition() as fd:` block")
+        if backward:
+            from hostir.analysis.training import dry_run_training
+
+            return dry_run_training(self, inputs, world_size=world_size, **kwargs)
         return dry_run(self, inputs, world_size=world_size, **kwargs)
 
     @property

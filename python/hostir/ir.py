@@ -937,6 +937,51 @@ class SelectOp(Expr):
 
 
 @_op
+class ExpandOp(Expr):
+    """`out = input` broadcast to `like`'s shape, as a copy: the axes of
+    `out` at `dims` are new (size-1 axes of `input` inserted there, then
+    expanded), the others iterate with `input`'s. `like` gives the sizes
+    only (the backward of a sum). Writes into `out` if bound."""
+
+    EFFECT = "compute"
+
+    out: TensorView
+    input: TensorView
+    like: TensorView
+    dims: tuple
+    INPUTS = ("input", "like")
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        out = self.out.logical_runtime()
+        kept = [d for k, d in enumerate(out) if k not in self.dims]
+        yield from zip(kept, self.input.logical_runtime())
+        yield from zip(out, self.like.logical_runtime())
+
+
+@_op
+class InsertOp(Expr):
+    """`out = zeros like `like`, with `input` written where a slice
+    (`ranges`, as SliceOp's) or a select (`dim`, `index`) of it reads`: the
+    backward of slice and select. `like` gives the sizes only. Writes into
+    `out` if bound."""
+
+    EFFECT = "compute"
+
+    out: TensorView
+    input: TensorView
+    like: TensorView
+    ranges: tuple | None = None
+    dim: int | None = None
+    index: Scalar | None = None
+    INPUTS = ("input", "like", "index")
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        yield from zip(self.out.logical_runtime(), self.like.logical_runtime())
+
+
+@_op
 class BroadcastInDimOp(Expr):
     """`out` = `input` with input axis i as out axis `dims[i]`, out's other
     axes new, and size-1 input axes grown to out's sizes (nvFuser's
@@ -956,8 +1001,8 @@ class BroadcastInDimOp(Expr):
 
 
 SHAPE_OPS = (PermuteOp, ReshapeOp, SliceOp, SelectOp)
-FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp) + SHAPE_OPS
-COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp)
+FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp) + SHAPE_OPS
+COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp)
 
 
 @_op

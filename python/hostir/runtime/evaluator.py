@@ -760,8 +760,51 @@ def _view_out(frame: Frame, e, result: torch.Tensor) -> None:
 
 @impl(ir.PermuteOp)
 def _permute(frame: Frame, e: ir.PermuteOp) -> None:
+    if e.input.device_axes() or e.out.device_axes():
+        # This rank's piece, permuted: its sharded axes move with it.
+        src = layout.to_logical(e.input, frame.get(e.input))
+        frame.bind(e.out, layout.to_runtime(e.out, src.permute(e.dims).contiguous()))
+        return
     src = frame.full_rank(e.input, frame.get(e.input))
     _view_out(frame, e, src.permute(e.dims))
+
+
+@impl(ir.ExpandOp)
+def _expand(frame: Frame, e: ir.ExpandOp) -> None:
+    # At full rank: inside a stream loop the dims `dims` counts are those of
+    # the whole tensors, a selected slice's dim put back as size 1.
+    src = _operand(frame, e, e.input, full_rank=True)
+    like = _operand(frame, e, e.like, full_rank=True)
+    for d in sorted(e.dims):
+        src = src.unsqueeze(d)
+
+    def run():
+        return src.expand(like.shape).contiguous()
+
+    _store(frame, e, run, lambda out: out.copy_(src.expand(like.shape)), full_rank=True)
+
+
+@impl(ir.InsertOp)
+def _insert(frame: Frame, e: ir.InsertOp) -> None:
+    src = _operand(frame, e, e.input, full_rank=True)
+    like = _operand(frame, e, e.like, full_rank=True)
+
+    def run():
+        out = torch.zeros(like.shape, dtype=e.out.dtype, device=like.device)
+        fill(out)
+        return out
+
+    def fill(out):
+        if e.ranges is not None:
+            out[tuple(slice(start, stop, step) for start, stop, step in e.ranges)] = src
+        else:
+            out.select(e.dim, int(frame.get(e.index))).copy_(src)
+
+    def into(out):
+        out.zero_()
+        fill(out)
+
+    _store(frame, e, run, into, full_rank=True)
 
 
 @impl(ir.ReshapeOp)

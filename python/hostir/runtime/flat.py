@@ -565,6 +565,8 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
         if type(e) not in _COMPILERS:
             note(f"op {type(e).__name__}", f"it has no instruction for {type(e).__name__}")
             continue
+        if isinstance(e, ir.BinaryOp) and e.kind.symbol is None:
+            note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
         if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):
             note(f"transport {e.backend}", f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and e.type.value not in COMMUNICATION_TYPES:
