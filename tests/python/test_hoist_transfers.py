@@ -159,20 +159,33 @@ def _stack_times(model, m: int, layers: int = 6, h: int = 8192):
     return [copy] * layers, [compute] * layers
 
 
-@pytest.mark.parametrize("m", [1, 512, 2048, 8192, 16384])
-def test_the_model_never_picks_a_schedule_it_thinks_slower(m):
+@pytest.mark.parametrize("m, expected", [
+    # A few rows hide less compute than the hand-offs cost: sequential.
+    (1, ("sequential", 1)),
+    (512, ("sequential", 1)),
+    # Chunks hide most of the first copy (compute bound) or the last
+    # compute (copy bound).
+    (2048, ("hoist", 4)),
+    (8192, ("hoist", 4)),
+    (16384, ("hoist", 4)),
+])
+def test_the_model_never_picks_a_schedule_it_thinks_slower(m, expected):
     transfers, computes = _stack_times(H100, m)
     mode, chunks, note = machine.choose_hoisting(H100, transfers, computes)
+    handoff = machine.HANDOFF_US * 1e-3
     estimates = {
         ("sequential", 1): machine.pipeline_ms(transfers, computes, depth=1),
-        ("hoist", 1): machine.pipeline_ms(transfers, computes),
-        ("hoist", 4): machine.pipeline_ms(transfers, computes, 4, step_ms=machine.PIECE_US * 1e-3),
+        ("hoist", 1): machine.pipeline_ms(transfers, computes, handoff_ms=handoff),
+        ("hoist", 4): machine.pipeline_ms(transfers, computes, 4, step_ms=machine.PIECE_US * 1e-3,
+                                          handoff_ms=handoff),
     }
     assert estimates[(mode, chunks)] == min(estimates.values()), note
-    assert estimates[("hoist", 1)] <= estimates[("sequential", 1)]
-    # Chunks hide most of the first copy (compute bound) or the last
-    # compute (copy bound), and cost nothing.
-    assert (mode, chunks) == ("hoist", 4), note
+    assert (mode, chunks) == expected, note
+
+
+def test_on_the_cpu_hoisting_pays_no_hand_off():
+    transfers, computes = _stack_times(H100, 1)
+    assert machine.choose_hoisting(H100, transfers, computes, pieces=False)[:2] == ("hoist", 1)
 
 
 def test_pipeline_estimates_bound_the_copy_and_the_compute():
