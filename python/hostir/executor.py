@@ -10,8 +10,9 @@
    device, contiguity, and the sizes of the axes marked static — no other
    sizes: extents are symbolic, so one program serves every shape), lowered
    on a miss; with `HOSTIR_FAKE=auto` (the default) each new input shape of
-   a program is dry-run once (every rank of a multi-device program, on meta
-   tensors), so that its errors come before any data moves;
+   a multi-device program is dry-run once (every rank, on meta tensors), so
+   that a cross-rank error comes before any data moves (a single-device
+   program has none to catch: its real run raises what a dry run would);
 4. agree and make groups: for a multi-device fusion, the ranks exchange a
    fixed-size record (`agreement.py`) — the call, the program, the inputs'
    shapes and any local error — and every rank raises together if they
@@ -280,11 +281,19 @@ class FusionExecutor:
             # A single-device call of a new signature: the full path, then
             # its record for the next call (the same depth of calls as
             # below, for the warnings' stack levels).
+            # No dry run under `auto`: a single-device program has no
+            # cross-rank error for it to catch, and its real run raises
+            # every error the dry run would.
             params = ExecutorParams.from_arguments(params, kwargs)
-            call = self._prepare(inputs, outputs, params, None, dry_run=mode == "auto")
+            call = self._prepare(inputs, outputs, params, None, dry_run=False)
             results = self._run(call, params, None)
             self._keep(key, call, params, inputs)
             return results
+        if mode == "auto" and self._multi_device():
+            # The dry run below comes after the rendezvous: load its imports meanwhile.
+            from hostir.analysis.dry_run import warm_up
+
+            warm_up()
         comm, error = self._communicator(params, kwargs) if self._multi_device() else (None, None)
         with _exclusive(comm):
             sequence = self._next_call(comm) if comm is not None else None
@@ -293,7 +302,7 @@ class FusionExecutor:
                 if error is not None:
                     raise error
                 params = ExecutorParams.from_arguments(params, kwargs)
-                call = self._prepare(inputs, outputs, params, comm, dry_run=mode == "auto")
+                call = self._prepare(inputs, outputs, params, comm, dry_run=mode == "auto" and comm is not None)
             except Exception as err:
                 if comm is None or _agrees_first_only(params):
                     raise

@@ -415,6 +415,8 @@ def _identity(dtype: torch.dtype, red_op: str) -> float:
         return 0.0
     if dtype.is_floating_point:
         return float("-inf") if red_op == "max" else float("inf")
+    if dtype == torch.bool:
+        return 0.0 if red_op == "max" else 1.0
     info = torch.iinfo(dtype)
     return float(info.min if red_op == "max" else info.max)
 

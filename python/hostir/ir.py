@@ -408,12 +408,22 @@ class IterDomain:
         return self.leaves if self.leaves is not None else [self]
 
     def parallelize(self, parallel_type: ParallelType) -> IterDomain:
-        """Mark this axis `stream`, `mesh_x` or back to `serial`."""
+        """Mark this axis `stream`, `mesh_x` or `mesh_y`, or back to
+        `serial`. An axis takes one parallel type: giving a parallelized
+        axis another one is an error naming both (make it `serial` first
+        to change it)."""
         if not isinstance(parallel_type, ParallelType):
             raise DefinitionTypeError(f"parallelize takes a ParallelType, got {parallel_type!r}")
         if self.leaves is not None:
             raise DefinitionError(
                 f"{self!r} has been split; parallelize one of the axes it was split into"
+            )
+        serial = ParallelType.serial
+        if serial not in (self.parallel_type, parallel_type) and parallel_type is not self.parallel_type:
+            raise DefinitionError(
+                f"{self!r} is already parallelized as {self.parallel_type.name}; it cannot also be "
+                f"{parallel_type.name} (an axis takes one parallel type: split it to use both, or "
+                f"parallelize it as serial first to change it)"
             )
         self.parallel_type = parallel_type
         bump = getattr(self.owner, "bump_version", None)
@@ -1018,6 +1028,19 @@ class CommunicationType(enum.Enum):
         return self in (CommunicationType.Allreduce, CommunicationType.ReduceScatter, CommunicationType.Reduce)
 
 
+BACKENDS = ("NCCL", "gloo", "cuda")
+
+
+def backend_name(name: object) -> str:
+    """The one spelling of a communication backend (`NCCL`, `gloo` or
+    `cuda`, as dumps print it), whatever the case `name` is written in."""
+    if isinstance(name, str):
+        for known in BACKENDS:
+            if name.strip().lower() == known.lower():
+                return known
+    raise DefinitionError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)} (in any case)")
+
+
 @_op
 class Communication(Expr):
     """A collective over `team` (global ranks) that moves `input` (this
@@ -1050,6 +1073,7 @@ class Communication(Expr):
     OUTPUTS = ("out",)
 
     def __post_init__(self):
+        self.backend = backend_name(self.backend)
         if not self.team:
             raise DefinitionError("a Communication needs a non-empty team")
         if self.type.has_root != (self.root is not None):
@@ -1082,6 +1106,7 @@ class P2PCommunication(Expr):
     INPUTS = ("buffer", "peer", "into")
 
     def __post_init__(self):
+        self.backend = backend_name(self.backend)
         if self.type not in ("send", "recv"):
             raise DefinitionError(f"P2PCommunication type must be send or recv, got {self.type!r}")
 

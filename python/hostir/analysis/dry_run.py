@@ -36,8 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import re
+import sys
+import threading
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
@@ -246,6 +249,26 @@ class _RecordedWork:
         return True
 
 
+_warming: threading.Thread | None = None
+
+
+def warm_up() -> None:
+    """Start importing, on a thread of its own, what a dry run's first meta
+    kernel imports (torch's symbolic-shape module and sympy, most of a
+    second on a CPU), so that it overlaps the rendezvous a multi-device
+    program's first call waits for. Once per process."""
+    global _warming
+    if _warming is not None or "torch.fx.experimental.symbolic_shapes" in sys.modules:
+        return
+
+    def load() -> None:
+        with contextlib.suppress(Exception):
+            importlib.import_module("torch.fx.experimental.symbolic_shapes")
+
+    _warming = threading.Thread(target=load, name="hostir-dry-run-imports", daemon=True)
+    _warming.start()
+
+
 class Allocations(TorchDispatchMode):
     """The allocator of a dry run: follows every storage an op makes while
     the mode is on, from the op that makes it until the last tensor on it
@@ -254,6 +277,13 @@ class Allocations(TorchDispatchMode):
     live bytes, where it happened and per stream. Storages in `excluded`
     (the inputs) are not counted; `where` is set by the recorder before
     every op."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch.compile never traces a dry run; saying so keeps torch from
+        # wrapping __torch_dispatch__ in a dynamo guard, whose first call
+        # imports torch._dynamo (most of a second on a CPU).
+        return False
 
     def __init__(self, excluded: set[int]):
         super().__init__()
@@ -488,7 +518,8 @@ def _count_traffic(e: ir.Communication, t: Transfer, input, out, me: int, root: 
             piece = _nbytes(out)
             t.received.update({p: piece for p in others})
         else:
-            piece = _nbytes(input)
+            # Sent in the output's dtype (a sum of integers is int64).
+            piece = input.numel() * e.out.dtype.itemsize
             for d in e.local_reduce:
                 piece //= max(input.shape[d], 1)
             t.sent[root] = piece

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 
-from hostir import ir
+import torch
+
+from hostir import ir, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 
@@ -77,9 +79,10 @@ def lower(
     if resharding not in RESHARDING_MODES:
         raise LoweringError(f"resharding must be one of {list(RESHARDING_MODES)}, got {resharding!r}")
     container = _run_one(build_host_program, fusion, dumper)
-    container.backend = backend
+    container.backend = ir.backend_name(backend)
     container.schedule = schedule
     container = run_passes(container, dumper=dumper, options={insert_reshardings: {"mode": resharding}})
+    check_communication_dtypes(container)
     digest = hashlib.sha256(str(container).encode()).hexdigest()
     teams = container.teams()
     if rank is not None and container.meshes():
@@ -88,6 +91,36 @@ def lower(
     container.digest = digest
     container.all_teams = teams
     return container
+
+
+# The dtypes each backend's collectives cannot move (gloo's and NCCL's own
+# type tables); the copy-engine transport moves bytes and takes any.
+_UNSUPPORTED_DTYPES = {
+    "gloo": (torch.int16, torch.uint16, torch.uint32, torch.uint64),
+    "NCCL": (torch.int16, torch.uint16),
+}
+
+
+def check_communication_dtypes(container: HostIrContainer) -> None:
+    """Refuse, when the program is lowered (on every rank alike, before any
+    communication), a communication of a dtype its backend cannot move,
+    rather than leave it to fail inside the backend."""
+    for e in container.walk():
+        if isinstance(e, ir.Communication):
+            tensors = [e.input, e.out]
+        elif isinstance(e, ir.P2PCommunication):
+            tensors = [e.buffer]
+        else:
+            continue
+        refused = _UNSUPPORTED_DTYPES.get(e.backend, ())
+        for tv in tensors:
+            if tv.dtype in refused:
+                wider = "int32" if tv.dtype in (torch.int16, torch.uint16) else "int64"
+                raise LoweringError(
+                    f"{e.backend} cannot communicate {str(tv.dtype).removeprefix('torch.')} tensors "
+                    f"({printer.format_expr_head(e)}); cast to {wider} before the communication "
+                    f"(fd.ops.cast) and back after it"
+                )
 
 
 def _run_one(p, program, dumper: Dumper | None, options: dict | None = None):

@@ -44,6 +44,10 @@ def transport_for(frame, backend: str) -> Transport:
     own = getattr(frame.communicator, "transport", None)
     if own is not None:
         return own
+    try:
+        backend = ir.backend_name(backend)
+    except ir.DefinitionError:
+        raise TransportUsageError(f"unknown backend {backend!r}; expected NCCL, gloo or cuda (in any case)") from None
     found = _TORCH.get(backend)
     if found is not None:
         return found
@@ -51,7 +55,6 @@ def transport_for(frame, backend: str) -> Transport:
         from hostir.transports import cuda
 
         return cuda.for_communicator(frame.communicator)
-    raise TransportUsageError(f"unknown backend {backend!r}; expected NCCL, gloo or cuda")
 
 
 def resolve_root(frame, e: ir.Communication) -> int | None:
