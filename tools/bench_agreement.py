@@ -7,7 +7,7 @@ Run on every rank (CPU, gloo):
 
 It times, in one process group, (1) the agreement step alone, as the
 executor runs it (the pickled `all_gather_object` of older versions, the
-fixed-size int64 record of `hostir.agreement` now), and (2) a whole execute
+fixed-size int64 record of `hostir.runtime.agreement` now), and (2) a whole execute
 of a small Allgather fusion with `check_ranks="always"` and with "first"
 (which skips the agreement): their difference is what the agreement costs a
 call. Medians over --iters calls after --warmup, max over ranks. Rank 0
@@ -61,7 +61,7 @@ def agreement_step(fd, inputs):
     program = next(iter(fd.executor._programs.values()))
     digest = program.container.digest
     try:
-        from hostir import agreement
+        from hostir.runtime import agreement
     except ImportError:
         from hostir import executor
 

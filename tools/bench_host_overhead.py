@@ -30,7 +30,7 @@ torch calls that do arithmetic) are ``S * L`` for the chunked variants and
 ``L`` for the flat ones.
 
 Every timed call repeats the signature of the first (the same input
-tensor), so `fd.execute` runs from its prepared record (`hostir.prepared`).
+tensor), so `fd.execute` runs from its prepared record (`hostir.runtime.prepared`).
 The ``core µs/run`` column times the part below `fd.execute` alone — the C++
 executor's `run` for the cpp rows, `CUDAGraph.replay()` for the graph rows —
 so that the Python around it is the difference; the ratio lines name each
@@ -68,7 +68,7 @@ import torch
 import hostir
 import hostir.cpp
 from hostir import FusionDefinition, ParallelType
-from hostir.evaluator import OpCounter
+from hostir.runtime.evaluator import OpCounter
 
 ADD_SCALAR = 1.0
 MUL_SCALAR = 1.0001

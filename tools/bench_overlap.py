@@ -30,7 +30,7 @@ one run on the same tensors:
   copy-engine ``cuda`` transport (1 and 2 chunks per peer, both directions),
   collective (a broadcast per rank), sequential — and the machine model's own
   choice (``auto``); ``_replay`` is the same captured in CUDA graphs
-  (``hostir.graphs.capture``) and replayed.
+  (``hostir.runtime.graphs.capture``) and replayed.
 
 ``--problem rs`` measures matmul + reduce-scatter instead (``--m`` is then the
 total rows M, ``--k`` the K of each rank, output ``[M/D, N]`` per rank):
@@ -117,7 +117,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 import hostir.cpp
 from hostir import DeviceMesh, FusionDefinition, ParallelType, overlap
 from hostir import communicator as hostir_communicator
-from hostir import graphs as hostir_graphs
+from hostir.runtime import graphs as hostir_graphs
 from hostir.timeline import save_timeline
 
 DEFAULT_OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks", "results")

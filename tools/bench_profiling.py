@@ -41,8 +41,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 import hostir
-from hostir import FusionDefinition, ParallelType, profiling
-from hostir.evaluator import OpCounter
+from hostir import FusionDefinition, ParallelType
+from hostir.runtime import profiling
+from hostir.runtime.evaluator import OpCounter
 
 DEFAULT_OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks", "results")
 

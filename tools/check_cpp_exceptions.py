@@ -63,7 +63,7 @@ void run(const std::string& what) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   if (std::getenv("CHECK_TRANSLATOR")) {
-    error_class = pybind11::module_::import("hostir.evaluator").attr("BindingError").ptr();
+    error_class = pybind11::module_::import("hostir.runtime.evaluator").attr("BindingError").ptr();
     Py_INCREF(error_class);
     pybind11::register_exception_translator(&translate);
   }
@@ -100,7 +100,7 @@ def main() -> int:
     if args.case:
         import torch
 
-        from hostir.evaluator import BindingError
+        from hostir.runtime.evaluator import BindingError
 
         torch._C._set_print_stack_traces_on_fatal_signal(True)
 

@@ -11,7 +11,7 @@ program captured in a CUDA graph per call parity and replayed. The process
 group is gloo (symmetric memory rendezvous goes through its store), so the
 ranks may share one GPU (`--share-gpu`, the default when there are fewer
 GPUs than ranks): NCCL refuses that, symmetric memory need not. It also
-measures this machine's model (`hostir.schedule.measure`). Rank 0 prints a
+measures this machine's model (`hostir.machine.measure`). Rank 0 prints a
 table and writes check_cuda_transport.json under --out.
 """
 
@@ -21,17 +21,17 @@ import argparse
 import json
 import os
 import sys
-import time
 import traceback
 
 import torch
 
-from hostir import DeviceMesh, FusionDefinition, ParallelType, communicator, schedule
-from hostir import graphs as hostir_graphs
-from hostir.evaluator import HostIrEvaluator
+from hostir import DeviceMesh, FusionDefinition, ParallelType, communicator, machine
+from hostir.lower.schedule import parse
+from hostir.runtime import graphs as hostir_graphs
+from hostir.runtime.evaluator import HostIrEvaluator
 from hostir.lower import lower
-from hostir.streams import CudaStreams
-from hostir.transports import cuda as cuda_transport
+from hostir.runtime.streams import CudaStreams
+from hostir.runtime.transports import cuda as cuda_transport
 
 
 def ag_fusion(D: int):
@@ -121,11 +121,11 @@ def main() -> int:
         if rank == 0:
             print(f"{'PASS' if ok else 'FAIL'}  {name}  {note}", flush=True)
 
-    info["probe"] = schedule.p2p_reason(comm)
+    info["probe"] = machine.p2p_reason(comm)
     info["windows"] = cuda_transport.window_kind(comm)
     record("cuda transport probe", True, f"reason={info['probe']!r}, windows={info['windows']}")
     try:
-        model = schedule.measure(dev)
+        model = machine.measure(dev)
         info["model"] = model.__dict__
         record("machine model measured", True, f"{model.gemm_tflops:.0f} TFLOP/s bf16, local copy {model.copy_gbps:.0f} GB/s")
     except Exception as err:  # noqa: BLE001
@@ -136,7 +136,7 @@ def main() -> int:
         for sched in ("ring:transport=cuda", "ring:transport=cuda,chunks=2", "ring:transport=cuda,direction=-1,chunks=2"):
             label = f"{name} {sched}"
             try:
-                program = lower(fd.fusion, rank=rank, backend="gloo", schedule=schedule.parse(sched))
+                program = lower(fd.fusion, rank=rank, backend="gloo", schedule=parse(sched))
                 if rank == 0 and sched.endswith("chunks=2") and name == "AG+matmul":
                     print(program, flush=True)
                 ev = HostIrEvaluator(program, streams=streams, device=dev, communicator=comm)
@@ -186,7 +186,7 @@ def main() -> int:
                 record(label, False, f"{type(err).__name__}: {str(err)[:300]}")
             comm.barrier()
     # The user's path: fd.execute with the schedule forced, then the same
-    # calls captured in CUDA graphs by hostir.graphs and replayed.
+    # calls captured in CUDA graphs by hostir.runtime.graphs and replayed.
     for name, fd, inputs, ref in cases(D, rank, dev, m, K, N):
         label = f"{name} fd.execute(schedule='ring:transport=cuda,chunks=2')"
         try:
@@ -200,7 +200,7 @@ def main() -> int:
                 (got,) = replay()
                 torch.cuda.synchronize()
                 ok = ok and torch.equal(got.reshape(ref.shape), ref)
-            record(f"{label}: hostir.graphs.capture, 6 replays", ok)
+            record(f"{label}: hostir.runtime.graphs.capture, 6 replays", ok)
         except Exception as err:  # noqa: BLE001
             traceback.print_exc()
             record(label, False, f"{type(err).__name__}: {str(err)[:300]}")

@@ -22,7 +22,7 @@ from hostir.container import AliasError, HostIrContainer
 from hostir.analysis.dry_run import CommunicationMismatchError, DryRunError, DryRunReport, dry_run
 from hostir.dtensor import DTensorPlacementError
 from hostir.errors import DefinitionError, HostIrError, UsageError
-from hostir.evaluator import HostIrEvaluator, HostIrRuntimeError
+from hostir.runtime.evaluator import HostIrEvaluator, HostIrRuntimeError
 from hostir.executor import ExecutorParams, InputError, InputTypeError, RankMismatchError
 from hostir.frontend import FusionDefinition, shard_tensor
 from hostir.ir import DeviceMesh, IterType, MemoryType, ParallelType

@@ -32,7 +32,13 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from hostir import communicator, lower
+from hostir._version import __version__
+from hostir.communicator import LAUNCHER_VARIABLES
 from hostir.errors import HostIrError
+from hostir.frontend import FusionDefinition
+from hostir.lower.build_host_program import build_host_program
+from hostir.runtime.checks import is_multi_device
 
 __all__ = ["main"]
 
@@ -49,38 +55,31 @@ class _Stop(HostIrError):
 
 
 def _pass_names() -> list[str]:
-    from hostir import lower
-    from hostir.lower.build_host_program import build_host_program
-
     return [p.__name__ for p in [build_host_program, *lower.PIPELINE, *lower.RANK_PIPELINE]]
 
 
 def host_program(fusion: Any, rank: int, pass_name: str | None = None, backend: str = "gloo") -> str:
     """The dump of `fusion`'s host program for `rank`, after `pass_name`
     (default: all passes)."""
-    from hostir import lower as lowering
-    from hostir.executor import is_multi_device
-    from hostir.lower.build_host_program import build_host_program
-
     names = _pass_names()
     if pass_name is not None and pass_name not in names:
         raise CommandLineError(f"hostir dump: unknown pass {pass_name!r}; passes in order: {', '.join(names)}")
     multi = is_multi_device(fusion)
     if pass_name is None:
-        return str(lowering.lower(fusion, rank=rank if multi else None, backend=backend))
-    container = lowering._run_one(build_host_program, fusion, None)
+        return str(lower.lower(fusion, rank=rank if multi else None, backend=backend))
+    container = lower._run_one(build_host_program, fusion, None)
     container.backend = backend
     if pass_name == build_host_program.__name__:
         return str(container)
-    for p in lowering.PIPELINE:
-        container = lowering._run_one(p, container, None)
+    for p in lower.PIPELINE:
+        container = lower._run_one(p, container, None)
         if p.__name__ == pass_name:
             return str(container)
     if multi and container.meshes():
         container.rank = rank
-    for p in lowering.RANK_PIPELINE:
+    for p in lower.RANK_PIPELINE:
         if multi and container.meshes():
-            container = lowering._run_one(p, container, None)
+            container = lower._run_one(p, container, None)
         if p.__name__ == pass_name:
             return str(container)
     raise CommandLineError(f"hostir dump: pass {pass_name!r} was not reached")
@@ -90,8 +89,6 @@ def host_program(fusion: Any, rank: int, pass_name: str | None = None, backend: 
 def _as_rank(rank: int, world_size: int) -> Iterator[None]:
     """The launcher variables of rank `rank` of `world_size` (torchrun's),
     with every other launcher's removed, for the block."""
-    from hostir.communicator import LAUNCHER_VARIABLES
-
     saved = dict(os.environ)
     for name in LAUNCHER_VARIABLES:
         os.environ.pop(name, None)
@@ -104,8 +101,6 @@ def _as_rank(rank: int, world_size: int) -> Iterator[None]:
 
 
 def _dump(args: argparse.Namespace) -> int:
-    from hostir.frontend import FusionDefinition
-
     if args.rank is not None and args.world_size is None:
         raise CommandLineError("hostir dump: --rank needs --world-size")
     world = args.world_size or 1
@@ -213,12 +208,9 @@ def environment() -> dict[str, Any]:
     """What hostir sees in this process."""
     import torch
 
-    import hostir
-    from hostir import communicator
-
     info: dict[str, Any] = {
         "versions": {
-            "hostir": hostir.__version__,
+            "hostir": __version__,
             "torch": torch.__version__,
             "python": platform.python_version(),
             "cuda": torch.version.cuda,

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from hostir import rendezvous
 from hostir.errors import HostIrError
 from hostir.network import GLOO_IFNAME, GlooInterface, InterfaceError, choose_gloo_interface
+from hostir import log
 from hostir.log import logger
 
 __all__ = [
@@ -1020,6 +1021,9 @@ def world_size() -> int:
     return _current().world_size
 
 
+log.set_rank_source(lambda: (rank(), world_size()))
+
+
 def local_rank() -> int:
     """This process's rank on its node, without initializing a process group."""
     return _current().local_rank
@@ -1034,3 +1038,17 @@ def _shutdown_live() -> None:
             communicator.shutdown()
         except Exception:
             pass
+
+
+def torch_mesh(devices, shape, device_type: str | None = None):
+    """A torch `DeviceMesh` of these ranks in this shape, on `device_type`
+    ("cuda" where CUDA is available, else "cpu"). Collective when it needs
+    process groups for a part of the world: every rank calls it. If
+    `torch.distributed` is not initialized yet, the communicator initializes
+    it first (from the launcher's variables)."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+    if not dist.is_initialized():
+        get()
+    ranks = torch.tensor(list(devices), dtype=torch.int64).reshape(shape)
+    return TorchDeviceMesh(device_type or ("cuda" if torch.cuda.is_available() else "cpu"), ranks)

@@ -90,7 +90,7 @@ class HostIrContainer(ir.IrContainer):
         # the communication backend its dump names.
         self.rank: int | None = None
         self.backend = "NCCL"
-        # How `decompose_device_axis` decomposes (a hostir.schedule.Schedule; None: the default).
+        # How `decompose_device_axis` decomposes (a hostir.lower.schedule.Schedule; None: the default).
         self.schedule = None
         # (extent, parts, where) of every axis a decomposition cuts into chunks.
         self.chunked: list = []
@@ -196,3 +196,27 @@ class HostIrContainer(ir.IrContainer):
                 # visible after it.
                 self._verify_scope(e.body, set(defined), resolve)
             defined.update(resolve(t) for t in ir.defined_tvs(e))
+
+
+def body_locals(container: HostIrContainer) -> dict[int, list]:
+    """For each loop, the buffers first defined in its body (unbound at
+    every iteration so that each writes fresh ones); program inputs and
+    outputs excepted, since the caller may bind those."""
+    resolve = container.aliases.resolve
+    keep = {resolve(t) for t in container.inputs + container.outputs}
+    found: dict[int, list] = {}
+
+    def scan(exprs, before: set) -> None:
+        # `before`: buffers bound ahead of this scope; an op in a loop
+        # that writes one of them (a communication into a slice made
+        # outside) writes it, it does not define a fresh one.
+        seen = set(before)
+        for e in exprs:
+            if isinstance(e, ir.ForLoop):
+                local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
+                found[id(e)] = list(local - keep - seen)
+                scan(e.body, seen)
+            seen.update(resolve(t) for t in ir.defined_tvs(e))
+
+    scan(container.exprs, set())
+    return found

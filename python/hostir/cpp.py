@@ -2,7 +2,7 @@
 
 `CppEvaluator` takes the same container as `HostIrEvaluator` and has the same
 `run(bindings, number_of_streams)`: it compiles the container into a flat
-program (`hostir.flat`) on first use — after the process groups of a
+program (`hostir.runtime.flat`) on first use — after the process groups of a
 multi-device program exist — and runs it in C++. A failure comes back as the
 failing instruction and its loop indices and is raised exactly as the Python
 evaluator raises it: hostir's errors as a `HostIrRuntimeError` quoting the
@@ -27,8 +27,8 @@ from hostir import ir, printer
 from hostir.communicator import CommunicatorTimeout, PeerLostError, classify_error
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
-from hostir.evaluator import BindingError, HostIrRuntimeError
-from hostir.flat import OPCODES, FlatProgram, compile_program
+from hostir.runtime.evaluator import BindingError, HostIrRuntimeError
+from hostir.runtime.flat import OPCODES, FlatProgram, compile_program
 
 try:
     from hostir import _C
@@ -39,7 +39,7 @@ else:
     _REASON = None
     if _C.OPCODE_COUNT != len(OPCODES):
         _REASON = (
-            f"hostir._C knows {_C.OPCODE_COUNT} opcodes but hostir.flat has {len(OPCODES)}: "
+            f"hostir._C knows {_C.OPCODE_COUNT} opcodes but hostir.runtime.flat has {len(OPCODES)}: "
             f"rebuild the extension (pip install --no-build-isolation -e .)"
         )
         _C = None

@@ -27,8 +27,10 @@ import torch
 from hostir import ir
 from hostir.errors import HostIrError
 from hostir.log import logger
+from hostir.lower.build_host_program import build_host_program
+from hostir.lower.propagate_shardings import propagate_shardings
 
-__all__ = ["DTensorPlacementError", "has_dtensors", "is_dtensor", "is_torch_mesh", "to_torch_mesh"]
+__all__ = ["DTensorPlacementError", "has_dtensors", "is_dtensor", "is_torch_mesh"]
 
 
 class DTensorPlacementError(HostIrError, ValueError):
@@ -53,26 +55,6 @@ def has_dtensors(values: object) -> bool:
 def is_torch_mesh(value: object) -> bool:
     module = sys.modules.get("torch.distributed.device_mesh")
     return module is not None and isinstance(value, module.DeviceMesh)
-
-
-def _default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def to_torch_mesh(mesh: ir.DeviceMesh, device_type: str | None = None) -> Any:
-    """A torch `DeviceMesh` of the same shape and ranks. Collective when it
-    needs process groups for a part of the world: every rank calls it. If
-    `torch.distributed` is not initialized yet, hostir's communicator
-    initializes it first (from the launcher's variables)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
-
-    if not dist.is_initialized():
-        from hostir import communicator
-
-        communicator.get()
-    ranks = torch.tensor(mesh.devices, dtype=torch.int64).reshape(mesh.shape)
-    return TorchDeviceMesh(device_type or _default_device_type(), ranks)
 
 
 def _placement_text(placements: Sequence[Any]) -> str:
@@ -257,16 +239,13 @@ class Adapter:
     def _torch_mesh(self, mesh: ir.DeviceMesh, device_type: str) -> Any:
         found = self._torch_meshes.get(mesh)
         if found is None or found.device_type != device_type:
-            found = self._torch_meshes[mesh] = to_torch_mesh(mesh, device_type)
+            found = self._torch_meshes[mesh] = mesh.to_torch(device_type)
         return found
 
     def _output_tvs(self) -> list[ir.TensorView]:
         """The fusion's outputs with the meshes and shardings that lowering
         propagates to them (computed once per fusion version)."""
         if self._outputs_at != self.fusion.version:
-            from hostir.lower.build_host_program import build_host_program
-            from hostir.lower.propagate_shardings import propagate_shardings
-
             self._outputs = list(propagate_shardings(build_host_program(self.fusion)).outputs)
             self._outputs_at = self.fusion.version
         return self._outputs

@@ -26,3 +26,7 @@ class UsageError(HostIrError, RuntimeError):
 
 class DefinitionIndexError(HostIrError, IndexError):
     """An axis index out of range for a tensor of the fusion."""
+
+
+class ScheduleError(HostIrError, ValueError):
+    """A forced schedule that is malformed or cannot run on these inputs."""

@@ -23,13 +23,13 @@
    Python reference (`HostIrEvaluator`) or the C++ executor (`hostir.cpp`),
    both built from the same lowered container; with `cuda_graph=True` the
    run is captured once per exact input signature and replayed
-   (`hostir.graphs`);
+   (`hostir.runtime.graphs`);
 7. convert the results back to the fusion's logical axes.
 
 A single-device call whose exact signature (every tensor's type, shape,
 strides, dtype, device and requires_grad; the parameters; the variables
 that pick the evaluator and the dry run) already ran goes from its record
-to step 6 (`hostir.prepared`): steps 1-3 decided nothing else for it but
+to step 6 (`hostir.runtime.prepared`): steps 1-3 decided nothing else for it but
 whether a preallocated output shares memory with an input, which the record
 checks again on every call.
 
@@ -53,16 +53,37 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, cpp, flat, ir, layout, prepared, printer, profiling, schedule
-from hostir.agreement import Offer, RankMismatchError, check, exchange, input_signature
+from hostir import communicator, cpp, ir, machine, printer
+from hostir.analysis import dry_run
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError, UsageError
-from hostir.evaluator import HostIrEvaluator
-from hostir.graphs import CudaGraphs
 from hostir.log import logger
 from hostir.lower import RESHARDING_MODES, lower
 from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
-from hostir.streams import streams_for
+from hostir.runtime import flat, prepared, profiling
+from hostir.runtime.agreement import Offer, RankMismatchError, check, exchange, input_signature
+from hostir.runtime.bind import Binding
+from hostir.runtime.checks import (
+    ExecuteArgumentError,
+    InputError,
+    InputTypeError,
+    as_list,
+    check_chunks,
+    check_inputs,
+    check_no_overlap,
+    check_outputs,
+    check_reductions,
+    check_sizes,
+    check_world,
+    equal_input_axes,
+    input_key,
+    is_multi_device,
+    ranks_needed,
+    signature,
+)
+from hostir.runtime.evaluator import HostIrEvaluator
+from hostir.runtime.graphs import CudaGraphs
+from hostir.runtime.streams import streams_for
 
 CHECK_RANKS = ("always", "first")
 
@@ -76,18 +97,6 @@ __all__ = [
     "InputTypeError",
     "RankMismatchError",
 ]
-
-
-class InputError(HostIrError, ValueError):
-    """An input or preallocated output does not fit the fusion."""
-
-
-class InputTypeError(HostIrError, TypeError):
-    """An input, output or parameter of `execute` is of the wrong type or dtype."""
-
-
-class ExecuteArgumentError(HostIrError, ValueError):
-    """A bad execution parameter, or a fusion that needs more ranks than run."""
 
 
 @dataclasses.dataclass
@@ -127,7 +136,7 @@ class ExecutorParams:
         or "after" the op where possible, or "strict", which refuses such
         an op and asks for an explicit `fd.ops.set`.
     schedule: how a device axis walked as a stream axis runs: a
-        `hostir.schedule.Schedule` or its text (`ring:chunks=2`,
+        `hostir.lower.schedule.Schedule` or its text (`ring:chunks=2`,
         `collective`, `sequential`, ...); by default `HOSTIR_SCHEDULE`, else
         the machine model's choice for the inputs' shapes.
     """
@@ -194,6 +203,8 @@ class _Program:
     evaluator: HostIrEvaluator | cpp.CppEvaluator
     # Input axes that ops iterate together: their sizes must be equal.
     equal_axes: list[list[tuple[int, int]]]
+    # The conversions between the call's tensors and the program's.
+    binding: Binding
     # (input, axis, size) of every static axis: the sizes this program was
     # made for, part of its key.
     static_sizes: tuple = ()
@@ -285,7 +296,7 @@ class FusionExecutor:
             # cross-rank error for it to catch, and its real run raises
             # every error the dry run would.
             params = ExecutorParams.from_arguments(params, kwargs)
-            call = self._prepare(inputs, outputs, params, None, dry_run=False)
+            call = self._prepare(inputs, outputs, params, None, with_dry_run=False)
             results = self._run(call, params, None)
             self._keep(key, call, params, inputs)
             return results
@@ -302,7 +313,7 @@ class FusionExecutor:
                 if error is not None:
                     raise error
                 params = ExecutorParams.from_arguments(params, kwargs)
-                call = self._prepare(inputs, outputs, params, comm, dry_run=mode == "auto" and comm is not None)
+                call = self._prepare(inputs, outputs, params, comm, with_dry_run=mode == "auto" and comm is not None)
             except Exception as err:
                 if comm is None or _agrees_first_only(params):
                     raise
@@ -326,7 +337,7 @@ class FusionExecutor:
         if self._multi_device():
             raise UsageError(
                 "graph_inputs is for single-device programs; a multi-device program's graphs are "
-                "captured with hostir.graphs.capture(fd, inputs), whose inputs are the ones it was given"
+                "captured with hostir.runtime.graphs.capture(fd, inputs), whose inputs are the ones it was given"
             )
         chosen = ExecutorParams.from_arguments(params, dict(kwargs))
         if not chosen.cuda_graph:
@@ -356,13 +367,13 @@ class FusionExecutor:
             return
         output_tvs = call.program.container.outputs
 
-        def check_no_overlap(outs, ins):
-            _check_no_overlap(self.fusion, outs, ins, output_tvs)
+        def no_overlap(outs, ins):
+            check_no_overlap(self.fusion, outs, ins, output_tvs)
 
-        self._prepared.put(key, prepared.prepare(self, call, params, check_no_overlap))
+        self._prepared.put(key, prepared.prepare(self, call, params, no_overlap))
 
     # -- 1-3: normalize, check, program
-    def _prepare(self, inputs, outputs, params: ExecutorParams, comm, dry_run: bool = True) -> _Call:
+    def _prepare(self, inputs, outputs, params: ExecutorParams, comm, with_dry_run: bool = True) -> _Call:
         params.validate()
         inputs, outputs = self._as_lists(inputs, outputs)
         if comm is not None:
@@ -383,15 +394,13 @@ class FusionExecutor:
         check_chunks(program.container, sizes)
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
-        if dry_run:
+        if with_dry_run:
             self._dry_run(program, inputs, params, comm.world_size if comm is not None else 1)
         return _Call(program, inputs, outputs, lowered)
 
     # -- the dry run
     def _dry_run(self, program: _Program, inputs, params: ExecutorParams, world_size: int):
         """Dry-run `program` once per exact input shape; raise its error."""
-        from hostir.analysis.dry_run import DryRunReport, dry_run, run_rank
-
         key = (input_key(inputs), params.number_of_streams)
         report = program.reports.get(key)
         if report is not None:
@@ -399,7 +408,7 @@ class FusionExecutor:
         if world_size == 1 and not self._multi_device():
             # One device: no ranks to match, the program is lowered, and an
             # error is the one the real run would raise.
-            only = run_rank(
+            only = dry_run.run_rank(
                 self.fusion,
                 inputs,
                 0,
@@ -409,9 +418,9 @@ class FusionExecutor:
                 container=program.container,
                 raw_errors=True,
             )
-            report = DryRunReport(1, params.number_of_streams, [only])
+            report = dry_run.DryRunReport(1, params.number_of_streams, [only])
         else:
-            report = dry_run(
+            report = dry_run.dry_run(
                 self.fusion,
                 inputs,
                 world_size=world_size,
@@ -432,8 +441,6 @@ class FusionExecutor:
         of every rank; nothing runs and no process group is made. Without a
         launcher, this process plays rank 0 of as many ranks as the
         fusion's meshes name."""
-        from hostir.analysis.dry_run import dry_run
-
         params = ExecutorParams.from_arguments(params, kwargs)
         params.validate()
         inputs, outputs = self._as_lists(inputs, outputs)
@@ -448,7 +455,7 @@ class FusionExecutor:
         with self._lock:
             report = self._fake_reports.get(key)
         if report is None:
-            report = dry_run(
+            report = dry_run.dry_run(
                 self.fusion,
                 inputs,
                 world_size=world,
@@ -520,9 +527,9 @@ class FusionExecutor:
         return self._is_multi_device
 
     def _as_lists(self, inputs, outputs) -> tuple[list, list | None]:
-        inputs = _as_list(inputs, "inputs")
+        inputs = as_list(inputs, "inputs")
         if outputs is not None:
-            outputs = _as_list(outputs, "outputs")
+            outputs = as_list(outputs, "outputs")
             if all(t is None for t in outputs) and len(outputs) == len(self.fusion.outputs):
                 outputs = None
         return inputs, outputs
@@ -534,7 +541,7 @@ class FusionExecutor:
             for axis in getattr(tv, "static_dims", ())
         )
         evaluator = params.evaluator_name()
-        chosen = schedule.for_inputs(self.fusion, inputs, comm, params.schedule)
+        chosen = machine.for_inputs(self.fusion, inputs, comm, params.schedule)
         key = (
             tuple(
                 (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else "scalar"
@@ -603,7 +610,7 @@ class FusionExecutor:
                 signature(self.fusion), len(exprs), comms, (getattr(container, "digest", None) or "")[:12],
                 type(run).__name__, device, type(streams).__name__,
             )
-        return _Program(container, run, equal_input_axes(self.fusion))
+        return _Program(container, run, equal_input_axes(self.fusion), Binding.of(container))
 
     # -- 4: agree and make groups
     def _communicator(self, params, kwargs):
@@ -666,14 +673,8 @@ class FusionExecutor:
 
     # -- 5-7: bind, run, convert back
     def _run(self, call: _Call, params: ExecutorParams, comm) -> list[torch.Tensor | None]:
-        container = call.program.container
-        bindings = {
-            tv: layout.to_runtime(tv, t) if isinstance(tv, ir.TensorView) else t
-            for tv, t in zip(container.inputs, call.inputs)
-        }
-        if call.outputs is not None:
-            for tv, t in zip(container.outputs, call.outputs):
-                bindings[tv] = layout.to_runtime(tv, t)
+        binding = call.program.binding
+        bindings = binding.bind(call.inputs, call.outputs)
         try:
             with torch.no_grad():
                 if params.cuda_graph:
@@ -686,19 +687,7 @@ class FusionExecutor:
             if comm is not None:
                 comm.failure = f"{type(err).__name__}: {err}"
             raise
-        return [None if r is None else layout.to_logical(tv, r) for tv, r in zip(container.outputs, results)]
-
-
-def input_key(inputs: list) -> tuple:
-    """Exact shapes and dtypes of the inputs: the key of size-dependent
-    artifacts such as a dry-run report."""
-    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (type(t).__name__,) for t in inputs)
-
-
-def ranks_needed(fusion: ir.Fusion) -> int:
-    """How many ranks the meshes of `fusion` name (1 without a mesh)."""
-    tvs = list(fusion.inputs) + [v for e in fusion.exprs for v in e.outputs()]
-    return max((max(tv.mesh.devices) + 1 for tv in tvs if getattr(tv, "mesh", None) is not None), default=1)
+        return list(binding.unbind(results))
 
 
 def _device_of(inputs: list) -> torch.device:
@@ -741,249 +730,6 @@ def _key_text(key: tuple) -> str:
     return text + ("" if chosen is None else f", schedule {chosen}")
 
 
-def _as_list(values, what: str) -> list:
-    if isinstance(values, torch.Tensor) or not isinstance(values, (list, tuple)):
-        raise InputTypeError(f"{what} must be a list of torch.Tensors, got {type(values).__name__}")
-    return list(values)
-
-
-def signature(fusion: ir.Fusion) -> str:
-    """`(T0: float32[?, 8], T1: ...)`: what `execute` expects."""
-    parts = []
-    for tv in fusion.inputs:
-        if isinstance(tv, ir.InputScalar):
-            parts.append(f"{tv.label}: {str(tv.dtype).removeprefix('torch.')} scalar")
-            continue
-        dims = ", ".join("?" if not d.extent.is_constant else str(d.extent.value) for d in tv.runtime_domain())
-        parts.append(f"T{tv.name}: {str(tv.dtype).removeprefix('torch.')}[{dims}]")
-    return "(" + ", ".join(parts) + ")"
-
-
-def _check_tensor(what: str, tv: ir.TensorView, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise InputTypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != tv.dtype:
-        raise InputTypeError(f"{what}: expected dtype {tv.dtype}, got {t.dtype}")
-
-
-def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = False) -> torch.device:
-    """Raise unless `inputs` match the fusion's inputs in count, type, dtype,
-    rank, fixed sizes and device; return the device to run on. Sizes are
-    those of this rank's pieces: 1 on a mesh_x axis, extent / mesh size on
-    a split axis sharded by the mesh."""
-    if len(inputs) != len(fusion.inputs):
-        raise InputError(
-            f"Wrong number of inputs: the fusion takes {len(fusion.inputs)} {signature(fusion)}, "
-            f"got {len(inputs)}"
-        )
-    for i, (tv, t) in enumerate(zip(fusion.inputs, inputs)):
-        if isinstance(tv, ir.InputScalar):
-            if not tv.accepts(t):
-                raise InputTypeError(
-                    f"input {i} (scalar {tv.label}) must be a Python {_PYTHON_TYPES[tv.dtype]}, "
-                    f"got {type(t).__name__} {t!r}"
-                )
-            continue
-        what = f"input {i} (T{tv.name})"
-        _check_tensor(what, tv, t)
-        if t.dim() != tv.logical_ndim:
-            raise InputError(
-                f"{what}: expected {tv.logical_ndim} dims, got {t.dim()} (shape {list(t.shape)}); "
-                f"the fusion takes {signature(fusion)}"
-            )
-        for axis, (d, size) in enumerate(zip(tv.logical_runtime(), t.shape)):
-            expected = layout.local_extent(d)
-            if expected is not None and size != expected:
-                ways = d.extent.value // expected if expected else 0
-                whole = f" (extent {d.extent.value} sharded over {ways} ranks)" if expected != d.extent.value else ""
-                raise InputError(f"{what}: axis {axis} must have size {expected}{whole}, got {size}")
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-    expected = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
-    for i, t in enumerate(inputs):
-        if isinstance(t, torch.Tensor) and t.device != expected:
-            where = " (the device of input 0)" if device is None else (" (this rank's device)" if sharded else "")
-            raise InputError(
-                f"input {i} (T{fusion.inputs[i].name}) is on {t.device} but the fusion runs on {expected}{where}"
-            )
-    return expected
-
-
-_PYTHON_TYPES = {torch.float64: "float (or int)", torch.int64: "int", torch.bool: "bool"}
-
-
-def is_multi_device(fusion: ir.Fusion) -> bool:
-    tvs = fusion.tensor_inputs() + list(fusion.outputs) + [v for e in fusion.exprs for v in e.outputs()]
-    return any(tv.mesh is not None or tv.device_axes() for tv in tvs)
-
-
-def check_world(fusion: ir.Fusion, world_size: int) -> None:
-    """A mesh names ranks the world must have."""
-    tvs = fusion.tensor_inputs() + [v for e in fusion.exprs for v in e.outputs()]
-    needed = max((max(tv.mesh.devices) + 1 for tv in tvs if tv.mesh is not None), default=1)
-    if needed > world_size:
-        hint = ""
-        if world_size == 1:
-            hint = (
-                " (no launcher variables were found: run every rank under mpirun or torchrun, which set "
-                "OMPI_COMM_WORLD_RANK/SIZE or RANK/WORLD_SIZE)"
-            )
-        raise ExecuteArgumentError(f"the fusion requests {needed} devices to run, but there are only {world_size} ranks{hint}")
-
-
 _BACKEND_NAMES = {"nccl": "NCCL", "gloo": "gloo"}
 
 
-def equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
-    """Groups of (input index, axis) whose whole sizes the program makes
-    equal: axes its ops iterate together, through any chain of ops (the
-    extents' classes), whether the axes are split or sharded or not."""
-    classes = ir.ExtentClasses(fusion.exprs)
-    by_class: dict = {}
-    for i, tv in enumerate(fusion.inputs):
-        if not isinstance(tv, ir.TensorView):
-            continue
-        for axis, d in enumerate(tv.logical_runtime()):
-            if d.is_broadcast:
-                continue
-            key = classes.key(d.extent)
-            by_class.setdefault(id(key) if isinstance(key, ir.Scalar) else ("c", key), []).append((i, axis))
-    return [sorted(found) for found in by_class.values() if len(found) > 1]
-
-
-def _whole_size(tv: ir.TensorView, d: ir.IterDomain, size: int) -> int:
-    """The size of logical axis `d` across all ranks, from this rank's."""
-    for leaf in d.loop_leaves():
-        if leaf.is_device_parallel:
-            # A sharded piece's extent is the mesh's size along it (checked
-            # when lowering); a symbolic one takes it from the mesh.
-            if leaf.extent.is_constant:
-                size *= leaf.extent.value
-            elif tv.mesh is not None:
-                size *= tv.mesh.size_along(leaf.parallel_type)
-    return size
-
-
-def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, int]:
-    """Raise if input axes that the program makes equal differ in whole
-    size (this rank's size times the ranks sharing the axis); return the
-    whole size of every symbolic extent."""
-    for group in equal_axes:
-        (i0, a0), *rest = group
-        t0 = fusion.inputs[i0]
-        s0 = _whole_size(t0, t0.logical_runtime()[a0], inputs[i0].shape[a0])
-        for i, a in rest:
-            t = fusion.inputs[i]
-            size = _whole_size(t, t.logical_runtime()[a], inputs[i].shape[a])
-            if size != s0:
-                raise InputError(
-                    f"input {i} (T{t.name}) axis {a} has size {size} but input {i0} "
-                    f"(T{t0.name}) axis {a0} has size {s0} (whole sizes, across ranks); an op of "
-                    f"the fusion needs them equal"
-                )
-    sizes = {}
-    for tv, t in zip(fusion.inputs, inputs):
-        if not isinstance(tv, ir.TensorView):
-            continue
-        for d, size in zip(tv.logical_runtime(), t.shape):
-            if d.is_device_parallel:
-                continue
-            sizes.setdefault(d.extent, _whole_size(tv, d, size))
-    return sizes
-
-
-def check_reductions(fusion: ir.Fusion, sizes: dict) -> None:
-    """A max or min over an empty axis has no value (torch raises): reject
-    it before any work."""
-    for e in fusion.exprs:
-        if not isinstance(e, ir.ReductionOp) or e.kind == "sum":
-            continue
-        for axis, d in enumerate(e.out.domain):
-            if not d.is_reduction:
-                continue
-            size = d.extent.value if d.extent.is_constant else sizes.get(d.extent)
-            if size == 0:
-                raise InputError(
-                    f"{e.kind} of T{e.input.name} over axis {axis}, which has size 0 for these inputs: "
-                    f"a {e.kind} over no values is undefined (torch.a{e.kind} raises too)"
-                )
-
-
-def check_chunks(container: HostIrContainer, sizes: dict) -> None:
-    """Raise unless every axis a decomposition splits into chunks divides."""
-    for extent, parts, where in container.chunked:
-        size = sizes.get(extent)
-        if size is not None and size % parts:
-            raise schedule.ScheduleError(
-                f"{where}: extent {size} does not split into {parts} chunks per peer; pick a chunk count "
-                f"that divides it (schedule chunks=)"
-            )
-
-
-def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device: torch.device, tvs=None) -> None:
-    """Raise unless every output is preallocated with the right shape, dtype
-    and device, contiguous, and sharing no memory with an input. `tvs` are
-    the lowered program's outputs (which carry propagated shardings)."""
-    unset = [i for i, t in enumerate(outputs) if t is None]
-    if unset and len(unset) < len(outputs):
-        raise InputError(f"outputs must be all or none preallocated: outputs {unset} are None")
-    if len(outputs) != len(fusion.outputs):
-        raise InputError(
-            f"outputs must be all or none preallocated: the fusion has {len(fusion.outputs)} "
-            f"outputs, got {len(outputs)} tensors"
-        )
-    for i, (tv, t) in enumerate(zip(tvs or fusion.outputs, outputs)):
-        what = f"preallocated output {i} (T{tv.name})"
-        _check_tensor(what, tv, t)
-        if t.device != device:
-            raise InputError(f"{what} is on {t.device} but the fusion runs on {device}")
-        shape = [_local_output_size(d, sizes) for d in tv.logical_runtime()]
-        if list(t.shape) != shape:
-            raise InputError(f"{what}: expected shape {shape}, got {list(t.shape)}")
-        if not t.is_contiguous():
-            raise InputError(f"{what} must be contiguous (strides {list(t.stride())})")
-    _check_no_overlap(fusion, outputs, inputs, tvs or fusion.outputs)
-
-
-def _check_no_overlap(fusion: ir.Fusion, outputs: list, inputs: list, tvs) -> None:
-    """A preallocated output may share no memory with another output or
-    an input: the program would read what it already overwrote, or two ops
-    would write one buffer."""
-    named = [(f"input {i} (T{tv.name})", t) for i, (tv, t) in enumerate(zip(fusion.inputs, inputs))]
-    spans = []
-    for i, (tv, t) in enumerate(zip(tvs, outputs)):
-        what = f"preallocated output {i} (T{tv.name})"
-        for other, x in named + spans:
-            if _overlaps(t, x):
-                raise InputError(f"{what} shares memory with {other}; pass separate buffers")
-        spans.append((what, t))
-
-
-def _local_output_size(d: ir.IterDomain, sizes) -> int | None:
-    fixed = layout.local_extent(d)
-    if fixed is not None:
-        return fixed
-    size = sizes.get(d.extent)
-    if size is None:
-        return None
-    for leaf in d.loop_leaves():
-        if leaf.is_device_parallel:
-            size //= tv.mesh.size_along(leaf.parallel_type)
-    return size
-
-
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes `t` may touch: [first, last) over its strides."""
-    start = t.data_ptr()
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if stride > 0)
-    return start, start + (last + 1) * t.element_size()
-
-
-def _overlaps(a: torch.Tensor, b) -> bool:
-    """Whether `a` and `b` may touch a common byte (exactly, for the
-    contiguous outputs; by span, for strided inputs)."""
-    if not isinstance(b, torch.Tensor) or a.device != b.device or a.device.type == "meta":
-        return False
-    if not a.numel() or not b.numel():
-        return False
-    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
-    return a0 < b1 and b0 < a1

@@ -19,10 +19,13 @@ from typing import Any, Sequence
 
 import torch
 
-from hostir import ir, layout, printer, shape_ops
+from hostir import communicator, ir, printer, shape_ops
+from hostir.analysis.dry_run import dry_run
 from hostir.dtensor import Adapter, has_dtensors, is_dtensor
 from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
-from hostir.executor import ExecutorParams, FusionExecutor, InputError, InputTypeError
+from hostir.executor import ExecutorParams, FusionExecutor
+from hostir.runtime import profiling
+from hostir.runtime.checks import InputError, InputTypeError
 
 
 class Ops:
@@ -224,8 +227,6 @@ class FusionDefinition:
         if trace is None:
             results = self.executor.execute(inputs, outputs, params, **kwargs)
         else:
-            from hostir import communicator, profiling
-
             with profiling.tracing(trace, communicator.rank()):
                 results = self.executor.execute(inputs, outputs, params, **kwargs)
         return self._dtensors().wrap_outputs(results) if wrap else results
@@ -258,8 +259,6 @@ class FusionDefinition:
     def dry_run(self, inputs, world_size: int | None = None, **kwargs):
         """`hostir.dry_run(self, inputs, world_size, ...)`: every rank's
         program on meta tensors, without running anything."""
-        from hostir.analysis.dry_run import dry_run
-
         if self._state != "defined":
             raise UsageError("dry-run the fusion after its `with FusionDefinition() as fd:` block")
         return dry_run(self, inputs, world_size=world_size, **kwargs)
@@ -280,8 +279,6 @@ def shard_tensor(t: torch.Tensor, tv: ir.TensorView, rank: int | None = None) ->
     size 1); for an axis split with a `mesh_x` piece, the matching rows
     (extent / mesh size of them). `t` is returned as is if `tv` is not
     sharded. `rank` defaults to this process's rank."""
-    from hostir import communicator
-
     if not isinstance(t, torch.Tensor):
         raise InputTypeError(f"shard_tensor takes a torch.Tensor, got {type(t).__name__}")
     logical = tv.logical_runtime()

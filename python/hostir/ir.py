@@ -20,6 +20,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from hostir import communicator
 from hostir.errors import DefinitionError, DefinitionIndexError, DefinitionTypeError
 
 
@@ -289,9 +290,7 @@ class DeviceMesh:
         and ranks, on `device_type` ("cuda" where CUDA is available, else
         "cpu"). Every rank calls it (torch may create process groups);
         torch.distributed is initialized first if it is not yet."""
-        from hostir.dtensor import to_torch_mesh
-
-        return to_torch_mesh(self, device_type)
+        return communicator.torch_mesh(self.devices, self.shape, device_type)
 
     @property
     def size(self) -> int:
@@ -982,16 +981,6 @@ class Allocate(Expr):
     buffer: TensorView
     memory_type: MemoryType = MemoryType.global_
     zero_init: bool = False
-
-    def size(self) -> Scalar:
-        from hostir import layout
-
-        extents = []
-        for dim in layout.dims(self.buffer):
-            parent = dim[0].parent
-            whole = parent is not None and len(dim) == len(parent.loop_leaves())
-            extents += [parent.extent] if whole else [d.extent for d in dim]
-        return product(extents)
 
 
 @_op

@@ -14,10 +14,24 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Callable
 
-__all__ = ["logger"]
+from hostir.options import OptionError
+
+__all__ = ["logger", "set_rank_source"]
 
 logger = logging.getLogger("hostir")
+
+
+# Where the rank comes from: the communicator registers its own `rank()`
+# and `world_size()` when it is imported (the log sits below it).
+_rank_source: Callable[[], tuple[int, int]] | None = None
+
+
+def set_rank_source(source: Callable[[], tuple[int, int]]) -> None:
+    """Take each record's (rank, world size) from `source`."""
+    global _rank_source
+    _rank_source = source
 
 
 class _RankPrefix(logging.Filter):
@@ -25,10 +39,9 @@ class _RankPrefix(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not getattr(record, "hostir_rank", None):
-            from hostir import communicator
-
             try:
-                where = f"[rank {communicator.rank()}/{communicator.world_size()}] "
+                rank, size = _rank_source()
+                where = f"[rank {rank}/{size}] "
             except Exception:
                 where = "[rank ?] "
             record.hostir_rank = where
@@ -45,8 +58,6 @@ def _configure_from_env() -> None:
         return
     value = logging.getLevelName(level.upper())
     if not isinstance(value, int):
-        from hostir.options import OptionError
-
         raise OptionError(f"HOSTIR_LOG={level!r}: expected a logging level such as debug, info, warning")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("hostir %(levelname)s %(message)s"))

@@ -24,6 +24,7 @@ from hostir.communicator import LAUNCHER_VARIABLES
 from hostir.errors import HostIrError
 from hostir.analysis.dry_run import CommunicationMismatchError, DryRunError, dry_run
 from hostir.executor import ExecutorParams, FusionExecutor
+from hostir.runtime.checks import is_multi_device
 
 
 @dataclasses.dataclass
@@ -99,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     params = captured.params
     fusion = captured.executor.fusion
-    from hostir.executor import is_multi_device
-
     world = ns.world_size if is_multi_device(fusion) else 1
     try:
         report = dry_run(fusion, captured.inputs, world_size=world, number_of_streams=params.number_of_streams)

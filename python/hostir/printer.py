@@ -8,7 +8,7 @@ two spaces, and an `Aliases:{...}` block when the alias map is not empty.
 
 from __future__ import annotations
 
-from hostir import ir
+from hostir import ir, layout
 from hostir.ir import format_id, format_scalar, format_stream, format_tv
 from hostir.errors import DefinitionTypeError
 
@@ -149,7 +149,7 @@ def _allocate(e: ir.Allocate, pad):
     zero = "true" if e.zero_init else "false"
     return [
         f"{pad}{tv} = ALLOCATE(buffer={tv}, mem_type={e.memory_type.word}, "
-        f"size={format_scalar(e.size())}, zero_init={zero}, resets_to_zero=false)"
+        f"size={format_scalar(_allocation_size(e))}, zero_init={zero}, resets_to_zero=false)"
     ]
 
 
@@ -264,3 +264,14 @@ def print_container(container) -> str:
         lines += [f"{INDENT}{format_tv(a)} -> {format_tv(o)}" for a, o in aliases]
         lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _allocation_size(e: ir.Allocate) -> ir.Scalar:
+    """The element count an Allocate prints: a split axis whose pieces are
+    all runtime dims counts as its whole extent."""
+    extents = []
+    for dim in layout.dims(e.buffer):
+        parent = dim[0].parent
+        whole = parent is not None and len(dim) == len(parent.loop_leaves())
+        extents += [parent.extent] if whole else [d.extent for d in dim]
+    return ir.product(extents)

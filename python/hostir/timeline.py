@@ -25,6 +25,7 @@ import pathlib
 import sys
 from typing import Any
 
+from hostir import communicator
 from hostir.errors import HostIrError
 
 class TraceError(HostIrError, ValueError):
@@ -137,8 +138,6 @@ def save_timeline(
     file per rank), then, once every rank has written its trace, draw it
     to `png` on rank 0 (if matplotlib is installed; else only the traces
     stay). Every rank calls it. Returns the PNG's path on rank 0, else None."""
-    from hostir import communicator
-
     fd.execute(inputs, trace=directory, **execute_kwargs)
     comm = communicator.live()
     if comm is not None and comm.world_size > 1:

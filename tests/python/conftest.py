@@ -102,6 +102,6 @@ def evaluator(request, monkeypatch) -> str:
 @pytest.fixture
 def evaluator_class(evaluator):
     from hostir import cpp
-    from hostir.evaluator import HostIrEvaluator
+    from hostir.runtime.evaluator import HostIrEvaluator
 
     return cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator

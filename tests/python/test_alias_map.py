@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hostir import ir
 from hostir.container import AliasError, HostIrContainer
-from hostir.evaluator import HostIrEvaluator
+from hostir.runtime.evaluator import HostIrEvaluator
 
 
 def _tvs(container: HostIrContainer, n: int, shape=(-1, -1)) -> list[ir.TensorView]:

@@ -32,7 +32,7 @@ def test_an_unknown_backend_is_refused_where_it_is_written():
 
 def test_lowering_and_schedules_take_any_case():
     from hostir.lower import lower
-    from hostir.schedule import parse
+    from hostir.lower.schedule import parse
 
     with FusionDefinition() as fd:
         x = fd.define_tensor(shape=[2, 4])

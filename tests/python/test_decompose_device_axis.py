@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hostir import overlap, schedule
+from hostir import machine, overlap
 from hostir.lower import LoweringError, lower
-from hostir.schedule import Schedule, ScheduleError
+from hostir.lower.schedule import Schedule, ScheduleError, parse
 
 from conftest import check_golden
 
@@ -128,52 +128,52 @@ def test_symbolic_rows_record_their_chunk_check():
 )
 def test_bad_schedules_are_rejected(text, message):
     with pytest.raises(ScheduleError, match=message):
-        schedule.parse(text)
+        parse(text)
 
 
 def test_schedule_text_round_trips():
-    assert schedule.parse("ring:chunks=2,direction=-1,transport=cuda") == Schedule("ring", 2, -1, "cuda")
-    assert schedule.parse("sequential") == Schedule("sequential")
+    assert parse("ring:chunks=2,direction=-1,transport=cuda") == Schedule("ring", 2, -1, "cuda")
+    assert parse("sequential") == Schedule("sequential")
 
 
 # ---------------------------------------------------------------- the model
 
-H200ISH = schedule.MachineModel("gpu", gemm_tflops=700.0, copy_gbps=370.0, collective_gbps=200.0, step_us=30.0)
+H200ISH = machine.MachineModel("gpu", gemm_tflops=700.0, copy_gbps=370.0, collective_gbps=200.0, step_us=30.0)
 
 
 def test_model_runs_small_shapes_sequentially():
-    s = schedule.choose(H200ISH, D=2, rows=16, k=256, n=256, itemsize=2, p2p=None, backend="NCCL")
+    s = machine.choose(H200ISH, D=2, rows=16, k=256, n=256, itemsize=2, p2p=None, backend="NCCL")
     assert s.decomposition == "sequential" and "a ring would take" in s.note
 
 
 def test_model_rings_large_shapes_over_the_copy_engine_with_chunks():
-    s = schedule.choose(H200ISH, D=2, rows=8192, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL")
+    s = machine.choose(H200ISH, D=2, rows=8192, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL")
     assert s.decomposition == "ring" and s.transport == "cuda" and s.chunks >= 1
 
 
 def test_model_falls_back_to_the_programs_backend_without_p2p_and_says_why():
-    s = schedule.choose(H200ISH, D=2, rows=8192, k=8192, n=4096, itemsize=2, p2p="rank 1: no peer access", backend="NCCL")
+    s = machine.choose(H200ISH, D=2, rows=8192, k=8192, n=4096, itemsize=2, p2p="rank 1: no peer access", backend="NCCL")
     assert s.transport == "NCCL" and "no P2P: rank 1: no peer access" in s.note
     fd = overlap.allgather_matmul(2)
     assert "no P2P: rank 1: no peer access" in _dump(fd, s, backend="NCCL")
 
 
 def test_model_never_picks_more_chunks_than_the_rows_divide_into():
-    s = schedule.choose(H200ISH, D=2, rows=8191, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL")
+    s = machine.choose(H200ISH, D=2, rows=8191, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL")
     assert s.chunks == 1
 
 
 def test_machine_model_is_cached_per_device_name(tmp_path, monkeypatch):
     monkeypatch.setenv("HOSTIR_CACHE_DIR", str(tmp_path))
-    assert schedule.load_model("Some GPU") is None
-    model = schedule.MachineModel("Some GPU", 1.0, 2.0, 3.0, 4.0)
-    path = schedule.save_model(model)
-    assert path.parent == tmp_path and schedule.load_model("Some GPU") == model
+    assert machine.load_model("Some GPU") is None
+    model = machine.MachineModel("Some GPU", 1.0, 2.0, 3.0, 4.0)
+    path = machine.save_model(model)
+    assert path.parent == tmp_path and machine.load_model("Some GPU") == model
     # The first writer wins: a rank that measured later reads the same model.
-    schedule.save_model(schedule.MachineModel("Some GPU", 9.0, 9.0, 9.0, 9.0))
-    assert schedule.load_model("Some GPU") == model
+    machine.save_model(machine.MachineModel("Some GPU", 9.0, 9.0, 9.0, 9.0))
+    assert machine.load_model("Some GPU") == model
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_cpu_ranks_use_the_cpu_model():
-    assert schedule.machine_model(torch.device("cpu")) is schedule.CPU_MODEL
+    assert machine.machine_model(torch.device("cpu")) is machine.CPU_MODEL

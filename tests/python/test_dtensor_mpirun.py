@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hostir.profiling import trace_path
+from hostir.runtime.profiling import trace_path
 from spawn import free_port
 from launchers import run_job
 from test_multidevice_mpirun import mpirun_command, requires_mpirun

@@ -11,8 +11,8 @@ import torch
 
 from hostir import FusionDefinition, HostIrRuntimeError, ParallelType, ir
 from hostir.container import HostIrContainer
-from hostir.evaluator import HostIrEvaluator
-from hostir.streams import CudaStreams
+from hostir.runtime.evaluator import HostIrEvaluator
+from hostir.runtime.streams import CudaStreams
 
 pytestmark = pytest.mark.usefixtures("evaluator")
 
@@ -213,7 +213,7 @@ def test_each_iteration_writes_a_fresh_buffer():
     seen = []
     original = ir.BinaryOp
 
-    from hostir import evaluator as evaluator_module
+    from hostir.runtime import evaluator as evaluator_module
 
     handler = evaluator_module._HANDLERS[original]
 

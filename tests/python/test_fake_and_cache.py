@@ -47,7 +47,7 @@ def test_fake_1_returns_meta_results_without_running(monkeypatch):
         runs.append({t.device.type for t in bindings.values()})
         return run(self, bindings, **kwargs)
 
-    monkeypatch.setattr("hostir.evaluator.HostIrEvaluator.run", spy)
+    monkeypatch.setattr("hostir.runtime.evaluator.HostIrEvaluator.run", spy)
     (out,) = fd.execute([torch.randn(6, 4), torch.randn(4, 7)])
     assert out.device.type == "meta" and out.shape == (6, 7) and out.dtype == torch.float32
     (out,) = fd.execute([torch.empty(3, 4, device="meta"), torch.empty(4, 2, device="meta")])

@@ -18,8 +18,8 @@ import torch
 from conftest import check_golden
 from hostir import FusionDefinition, HostIrRuntimeError, ParallelType, cpp, ir
 from hostir.container import HostIrContainer
-from hostir.evaluator import BindingError, HostIrEvaluator
-from hostir.flat import compile_program
+from hostir.runtime.evaluator import BindingError, HostIrEvaluator
+from hostir.runtime.flat import compile_program
 from hostir.lower import lower
 from hostir.options import OptionError, evaluator_choice
 from test_stream_lowering import CASES, _define
@@ -262,8 +262,8 @@ def test_cuda_graph_replays_into_the_same_outputs(cuda_device):
 def test_unsupported_names_what_only_python_runs():
     """`auto` runs such a program on the Python evaluator; compiling it for
     the C++ executor is an error that names the op."""
-    from hostir.evaluator import MissingHandlerError
-    from hostir.flat import unsupported
+    from hostir.runtime.evaluator import MissingHandlerError
+    from hostir.runtime.flat import unsupported
 
     class Mystery(ir.Expr):
         pass

@@ -228,3 +228,29 @@ def test_cpu_inputs_of_a_gpu_program_are_copied_with_one_warning():
         warnings.simplefilter("error")
         (out,) = fd.execute([torch.randn(8, 4), w, b], device="cuda")
     assert out.device.type == "cuda"
+
+
+# ---------------------------------------------------------------- sharded outputs
+
+
+def test_preallocated_output_on_a_sharded_symbolic_axis_gets_the_shape_check():
+    """A preallocated output whose symbolic axis is split by a mesh_x
+    piece: its expected size is the whole size over the mesh's size along
+    that piece (8 rows over 2 ranks: 4), and a wrong one is an InputError
+    naming both shapes."""
+    from hostir.runtime.checks import check_outputs, check_sizes, equal_input_axes
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.relu(x)
+        fd.add_output(y)
+    mesh = hostir.DeviceMesh([0, 1])
+    for tv in (x, y):
+        tv.set_device_mesh(mesh)
+        tv.outer_split(0, 2)
+        tv.axis(0).parallelize(ParallelType.mesh_x)
+    piece = torch.randn(4, 3)
+    sizes = check_sizes(fd.fusion, [piece], equal_input_axes(fd.fusion))
+    check_outputs(fd.fusion, [torch.empty(4, 3)], [piece], sizes, piece.device)
+    with pytest.raises(InputError, match=r"preallocated output 0 \(T\d+\): expected shape \[4, 3\], got \[8, 3\]"):
+        check_outputs(fd.fusion, [torch.empty(8, 3)], [piece], sizes, piece.device)

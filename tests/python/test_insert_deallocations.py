@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import check_golden
-from hostir import DeviceMesh, FusionDefinition, ParallelType, evaluator, ir
+from hostir import DeviceMesh, FusionDefinition, ParallelType, ir
+from hostir.runtime import evaluator
 from hostir.lower import lower, run_passes
 from hostir.lower.build_host_program import build_host_program
 from hostir.lower.insert_deallocations import insert_deallocations

@@ -1,4 +1,4 @@
-"""The fast path of a repeated call (`hostir.prepared`): a call whose exact
+"""The fast path of a repeated call (`hostir.runtime.prepared`): a call whose exact
 signature already ran skips the checks and the program lookup, and any
 other call takes the full path, with the full path's error.
 

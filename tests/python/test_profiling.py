@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from hostir import DeviceMesh, FusionDefinition, ParallelType, profiling, timeline
+from hostir import DeviceMesh, FusionDefinition, ParallelType, timeline
+from hostir.runtime import profiling
 from hostir.lower import lower
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -12,7 +12,6 @@ import pathlib
 import re
 
 import pytest
-import torch
 
 from hostir import DeviceMesh, FusionDefinition, ParallelType
 from hostir.lower import LoweringError, lower

@@ -10,11 +10,12 @@ import types
 import pytest
 import torch
 
-from hostir import ir, overlap, transports
+from hostir import ir, overlap
+from hostir.runtime import transports
 from hostir.container import HostIrContainer
 from hostir.lower import lower
-from hostir.schedule import Schedule
-from hostir.transports import cuda
+from hostir.lower.schedule import Schedule
+from hostir.runtime.transports import cuda
 
 
 def _fake_comm(device="cpu", world=2, local_size=2):

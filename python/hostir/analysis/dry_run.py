@@ -52,7 +52,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hostir import ir, layout, printer
 from hostir.errors import HostIrError
-from hostir.transports import Posted, Transport, torch_dist
+from hostir.lower import lower
+from hostir.runtime import checks
+from hostir.runtime.bind import Binding
+from hostir.runtime.checks import signature
+from hostir.runtime.evaluator import HostIrEvaluator
+from hostir.runtime.transports import Posted, Transport, torch_dist
 
 
 class DryRunError(HostIrError, RuntimeError):
@@ -633,8 +638,6 @@ def meta_inputs(fusion: ir.Fusion, inputs: Sequence) -> list[torch.Tensor]:
     if isinstance(inputs, torch.Tensor) or not isinstance(inputs, (list, tuple)):
         raise DryRunTypeError(f"inputs must be a list of tensors or shapes, got {type(inputs).__name__}")
     if len(inputs) != len(fusion.inputs):
-        from hostir.executor import signature
-
         raise DryRunInputError(
             f"Wrong number of inputs: the fusion takes {len(fusion.inputs)} {signature(fusion)}, got {len(inputs)}"
         )
@@ -665,15 +668,13 @@ def dry_run(
     with (as `hostir.lower.lower` takes them; an execute passes its own). With
     `check`, the ranks' communications are matched and a mismatch raises
     `CommunicationMismatchError`."""
-    from hostir import executor
-
     fusion = getattr(fd, "fusion", fd)
     if not isinstance(fusion, ir.Fusion):
         raise DryRunTypeError(f"dry_run takes a FusionDefinition, got {type(fd).__name__}")
     if isinstance(number_of_streams, bool) or not isinstance(number_of_streams, int) or number_of_streams < 1:
         raise DryRunInputError(f"number_of_streams must be an integer >= 1, got {number_of_streams!r}")
-    multi = executor.is_multi_device(fusion)
-    needed = executor.ranks_needed(fusion)
+    multi = checks.is_multi_device(fusion)
+    needed = checks.ranks_needed(fusion)
     if world_size is None:
         world_size = needed if multi else 1
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -724,26 +725,22 @@ def run_rank(
 ) -> RankReport:
     """One rank's part of a dry run (`container`: that rank's lowered
     program, if the caller has it; `raw_errors`: see `_run_container`)."""
-    from hostir import executor
-    from hostir.lower import lower
-
-    multi = executor.is_multi_device(fusion) if multi is None else multi
+    multi = checks.is_multi_device(fusion) if multi is None else multi
     try:
         metas = meta_inputs(fusion, inputs)
         if multi:
-            executor.check_world(fusion, world_size)
-        executor.check_inputs(fusion, metas, "meta", sharded=multi)
+            checks.check_world(fusion, world_size)
+        checks.check_inputs(fusion, metas, "meta", sharded=multi)
         if container is None:
             if multi:
                 container = lower(fusion, rank=rank, backend=backend, schedule=schedule, resharding=resharding)
             else:
                 container = lower(fusion, resharding=resharding)
-        executor.check_sizes(fusion, metas, executor.equal_input_axes(fusion))
+        checks.check_sizes(fusion, metas, checks.equal_input_axes(fusion))
     except Exception as err:
         raise DryRunError(f"rank {rank}: {type(err).__name__}: {err}") from err
-    bindings = {
-        tv: layout.to_runtime(tv, t) if isinstance(tv, ir.TensorView) else t for tv, t in zip(container.inputs, metas)
-    }
+    binding = Binding.of(container)
+    bindings = binding.bind(metas)
     report = _run_container(container, bindings, rank, world_size if multi else None, number_of_streams, raw_errors)
     report.inputs = [_input_entry(tv, t) for tv, t in zip(fusion.inputs, metas)]
     report.outputs = [
@@ -768,8 +765,6 @@ def _run_container(
     `world_size`, through a recording communicator. A failure is a
     `DryRunError` naming the rank, or with `raw_errors` the evaluator's own
     error (what a real run of the program would raise)."""
-    from hostir.evaluator import HostIrEvaluator
-
     comm = RecordingCommunicator(rank, world_size) if world_size is not None else None
     allocations = Allocations({t.untyped_storage()._cdata for t in bindings.values() if isinstance(t, torch.Tensor)})
     if comm is not None:

@@ -33,7 +33,7 @@ import dataclasses
 import itertools
 
 from hostir import ir, layout, printer
-from hostir.container import HostIrContainer
+from hostir.container import HostIrContainer, body_locals
 from hostir.errors import HostIrError
 
 UNROLL = 3
@@ -189,8 +189,6 @@ class _Checker:
 
     def _find_body_locals(self) -> dict:
         # The same buffers the evaluator unbinds at each iteration.
-        from hostir.evaluator import body_locals
-
         return body_locals(self.container)
 
 

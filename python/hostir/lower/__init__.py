@@ -18,6 +18,7 @@ import hashlib
 import torch
 
 from hostir import ir, printer
+from hostir.analysis.races import check_races
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 
@@ -73,7 +74,7 @@ def lower(
     `backend` is the communication backend the dump names; `resharding` is
     `insert_reshardings`' mode ("auto", "before", "after", or "strict",
     which refuses an op that computes and reshards); `schedule` (a
-    `hostir.schedule.Schedule`) how a device axis walked as a stream axis
+    `hostir.lower.schedule.Schedule`) how a device axis walked as a stream axis
     is decomposed (by default a ring, one chunk per peer). The returned
     program's `digest` hashes the program before pruning for a rank."""
     if resharding not in RESHARDING_MODES:
@@ -136,8 +137,6 @@ def _run_one(p, program, dumper: Dumper | None, options: dict | None = None):
     if dumper is not None:
         dumper.emit("host_ir_lowering", f"Host program after pass {name}:", str(result))
     if "races" in check_options():
-        from hostir.analysis.races import check_races
-
         races = check_races(result)
         if races:
             found = "\n".join(str(r) for r in races)

@@ -1,7 +1,7 @@
 """Decompose a device axis walked as a stream axis: a loop over the ranks.
 
 Precondition: `propagate_shardings` has run; `container.schedule` says how
-(a `hostir.schedule.Schedule`; the default is a ring, one chunk per peer).
+(a `hostir.lower.schedule.Schedule`; the default is a ring, one chunk per peer).
 Two patterns are rewritten, each on a 1-D mesh of consecutive ranks:
 
   gather side: `xg = set(x)` with x sharded on a mesh_x axis that maps to
@@ -48,7 +48,7 @@ from hostir import ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.lower.propagate_shardings import is_resharding
-from hostir.schedule import Schedule
+from hostir.lower.schedule import Schedule
 
 
 class DecompositionError(HostIrError, ValueError):

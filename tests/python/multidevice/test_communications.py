@@ -20,8 +20,8 @@ import hostir
 from hostir import DeviceMesh, FusionDefinition, ParallelType, shard_tensor
 from hostir import ir
 from hostir.container import HostIrContainer
-from hostir.evaluator import HostIrEvaluator
-from hostir.streams import streams_for
+from hostir.runtime.evaluator import HostIrEvaluator
+from hostir.runtime.streams import streams_for
 
 DTYPES = [torch.float32, torch.int64]
 

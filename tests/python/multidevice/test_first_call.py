@@ -10,8 +10,8 @@ import torch
 import hostir
 from hostir import DeviceMesh, FusionDefinition, ParallelType, ir
 from hostir.container import HostIrContainer
-from hostir.evaluator import HostIrEvaluator
-from hostir.streams import streams_for
+from hostir.runtime.evaluator import HostIrEvaluator
+from hostir.runtime.streams import streams_for
 
 
 def _allgather_matmul(d: int) -> FusionDefinition:
@@ -41,7 +41,7 @@ def test_auto_dry_runs_each_new_shape_once_on_every_rank(world, device, monkeypa
 
 def test_auto_dry_run_error_comes_before_any_data_moves(world, device, monkeypatch):
     monkeypatch.setenv("HOSTIR_FAKE", "auto")
-    d, rank = world.size, world.rank
+    d = world.size
     fd = _allgather_matmul(d)
     ran = []
 
@@ -49,7 +49,7 @@ def test_auto_dry_run_error_comes_before_any_data_moves(world, device, monkeypat
         raise hostir.DryRunError("rank 0: planted failure")
 
     monkeypatch.setattr("hostir.analysis.dry_run.run_rank", planted)
-    monkeypatch.setattr("hostir.evaluator.HostIrEvaluator.run", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr("hostir.runtime.evaluator.HostIrEvaluator.run", lambda *a, **k: ran.append(1))
     with pytest.raises(hostir.HostIrError, match="planted failure"):
         fd.execute([torch.randn(1, 4, 16, device=device), torch.randn(16, 8, device=device)])
     assert ran == []

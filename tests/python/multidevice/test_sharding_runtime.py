@@ -15,8 +15,8 @@ import hostir
 from hostir import DeviceMesh, FusionDefinition, ParallelType, RankMismatchError, shard_tensor
 from hostir import ir
 from hostir.container import HostIrContainer
-from hostir.evaluator import HostIrEvaluator
-from hostir.streams import streams_for
+from hostir.runtime.evaluator import HostIrEvaluator
+from hostir.runtime.streams import streams_for
 
 
 def rand_int(shape, dtype, device) -> torch.Tensor:

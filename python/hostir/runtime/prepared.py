@@ -20,7 +20,7 @@ shares memory with an input or another output (the addresses). A prepared
 call makes it on every call, with the full path's message.
 
 Only single-device calls are prepared: a multi-device call agrees with the
-other ranks on every run (`agreement.py`), which no local record can skip.
+other ranks on every run (`runtime/agreement.py`), which no local record can skip.
 With `cuda_graph=True` a prepared call holds the captured graph and goes
 straight to its replay.
 """
@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from hostir import layout, profiling
+from hostir.runtime import profiling
 from hostir.log import logger
 
 _MAX_PREPARED = 64
@@ -130,36 +130,13 @@ def prepare(executor, call, params, check_no_overlap) -> Prepared:
     and ran) with `params`; `check_no_overlap(outputs, inputs)` is the full
     path's aliasing check of preallocated outputs."""
     program = call.program
-    container = program.container
     nos = params.number_of_streams
-    input_tvs = list(container.inputs)
-    output_tvs = list(container.outputs)
-    # Where runtime dims differ from logical ones (a split axis), tensors
-    # are viewed across on the way in and out, as the full path does.
-    inputs_viewed = any(len(layout.dims(tv)) != len(tv.logical_runtime()) for tv in input_tvs)
-    outputs_viewed = any(len(layout.dims(tv)) != len(tv.logical_runtime()) for tv in output_tvs)
-    results_viewed = any(len(layout.dims(tv)) != tv.logical_ndim for tv in output_tvs)
-
-    def runtime_inputs(inputs):
-        if not inputs_viewed:
-            return list(inputs)
-        return [layout.to_runtime(tv, t) for tv, t in zip(input_tvs, inputs)]
-
-    def runtime_outputs(outputs):
-        if not outputs_viewed:
-            return list(outputs)
-        return [layout.to_runtime(tv, t) for tv, t in zip(output_tvs, outputs)]
-
-    def logical(results):
-        if not results_viewed:
-            return results
-        return [None if r is None else layout.to_logical(tv, r) for tv, r in zip(output_tvs, results)]
+    binding = program.binding
+    runtime_inputs, runtime_outputs, logical = binding.inputs, binding.outputs, binding.unbind
 
     if params.cuda_graph:
         run, buffers = _graph_runner(executor, call, nos, runtime_inputs, runtime_outputs, logical, check_no_overlap)
-        if inputs_viewed:
-            buffers = [layout.to_logical(tv, t) for tv, t in zip(input_tvs, buffers)]
-        return Prepared(executor.fusion.version, run, buffers)
+        return Prepared(executor.fusion.version, run, binding.logical_inputs(buffers))
     elif hasattr(program.evaluator, "run_tensors"):
         run_tensors = program.evaluator.run_tensors
 
@@ -172,11 +149,12 @@ def prepare(executor, call, params, check_no_overlap) -> Prepared:
     else:
         evaluator = program.evaluator
 
+        bind = binding.bind
+
         def run(inputs, outputs):
-            bindings = dict(zip(input_tvs, runtime_inputs(inputs)))
             if outputs is not None:
                 check_no_overlap(outputs, inputs)
-                bindings.update(zip(output_tvs, runtime_outputs(outputs)))
+            bindings = bind(inputs, outputs)
             with torch.no_grad():
                 return logical(evaluator.run(bindings, number_of_streams=nos))
 
@@ -189,10 +167,7 @@ def _graph_runner(executor, call, nos, runtime_inputs, runtime_outputs, logical,
     outputs must be the ones the graph writes; for others the full path
     captures another graph (the runner returns None to send the call
     there)."""
-    container = call.program.container
-    bindings = dict(zip(container.inputs, runtime_inputs(call.inputs)))
-    if call.outputs is not None:
-        bindings.update(zip(container.outputs, runtime_outputs(call.outputs)))
+    bindings = call.program.binding.bind(call.inputs, call.outputs)
     # The graph the full path just replayed for this call (a lookup).
     device = next((t.device for t in call.inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     captured = executor._graphs.captured(call.program, bindings, nos, device)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hostir import ir, layout, printer
-from hostir.transports.base import NoWork, Posted, Transport, TransportUsageError
+from hostir.runtime.transports.base import NoWork, Posted, Transport, TransportUsageError
 
 _RED_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -320,11 +320,9 @@ def _post_all_to_all(calls: Calls, frame, e, group, root=None) -> Posted:
     sharded axis of its input, and puts the piece from position j at the
     j-th place of the input's sharded axis. Works on logical layouts; the
     lowering checks that both sharded pieces are outermost."""
-    from hostir.evaluator import as_logical, as_loop  # the evaluator imports this module
-
     pt, team = e.parallel_type, e.team
     n = len(team)
-    src = as_logical(e.input, frame.get(e.input))
+    src = layout.to_logical(e.input, frame.get(e.input))
     out = frame.get(e.out)
     a = _sharded_logical_axis(e.input, pt)
     b = _sharded_logical_axis(e.out, pt)
@@ -336,7 +334,7 @@ def _post_all_to_all(calls: Calls, frame, e, group, root=None) -> Posted:
     def after():
         pieces = [recv[order.index(r)] for r in team]
         whole = torch.cat(pieces, dim=a)
-        out.copy_(as_loop(e.out, whole).reshape(out.shape))
+        out.copy_(layout.to_runtime(e.out, whole).reshape(out.shape))
 
     return Posted([calls.all_to_all_single(recv, send, group=group, async_op=True)], after)
 

@@ -10,7 +10,7 @@ once, for every transport. Importing this package needs no CUDA.
 from __future__ import annotations
 
 from hostir import ir
-from hostir.transports.base import (
+from hostir.runtime.transports.base import (
     NoWork,
     Posted,
     Transport,
@@ -18,7 +18,8 @@ from hostir.transports.base import (
     TransportUnsupported,
     TransportUsageError,
 )
-from hostir.transports.torch_dist import TorchDistTransport
+from hostir.runtime.transports import cuda
+from hostir.runtime.transports.torch_dist import TorchDistTransport
 
 __all__ = [
     "NoWork",
@@ -52,8 +53,6 @@ def transport_for(frame, backend: str) -> Transport:
     if found is not None:
         return found
     if backend == "cuda":
-        from hostir.transports import cuda
-
         return cuda.for_communicator(frame.communicator)
 
 

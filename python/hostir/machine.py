@@ -1,16 +1,14 @@
-"""How a decomposed device axis runs: decomposition, chunks, direction,
-transport — and the choice of them per input signature.
+"""The choice of a `Schedule` per input signature, from a model of this
+machine.
 
-A `Schedule` is what `lower` hands `decompose_device_axis`. `choose` picks
-one for a fusion's inputs from a `MachineModel` (GEMM and copy throughput
-of this machine, measured once and cached per machine under
-`~/.cache/hostir/`, the first rank to measure writing it for all, or the
-CPU defaults): the sequential program where
-overlap cannot pay (the time a ring could hide is smaller than what it
-costs), else the ring with the transport the probe allows and the chunk
-count the model prefers. `HOSTIR_SCHEDULE` (or `ExecutorParams.schedule`)
-forces a choice: `ring`, `collective`, `sequential`, with optional
-`:chunks=<n>,direction=<+1|-1>,transport=<cuda|NCCL|gloo>`.
+`choose` picks a schedule for a fusion's inputs from a `MachineModel` (GEMM
+and copy throughput of this machine, measured once and cached per machine
+under `~/.cache/hostir/`, the first rank to measure writing it for all, or
+the CPU defaults): the sequential program where overlap cannot pay (the
+time a ring could hide is smaller than what it costs), else the ring with
+the transport the probe allows and the chunk count the model prefers.
+`HOSTIR_SCHEDULE` (or `ExecutorParams.schedule`) forces a choice (its text
+form: `hostir.lower.schedule`).
 """
 
 from __future__ import annotations
@@ -20,74 +18,9 @@ import json
 import os
 import pathlib
 
-from hostir.errors import HostIrError
-
-DECOMPOSITIONS = ("ring", "collective", "sequential")
-TRANSPORTS = ("cuda", "NCCL", "gloo")
-
-
-class ScheduleError(HostIrError, ValueError):
-    """A forced schedule that is malformed or cannot run on these inputs."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """`decomposition`: ring, collective (broadcast on the gather side,
-    reduce on the reduce side) or sequential. `chunks`: row pieces per peer.
-    `direction`: +1 receives from position p+i at step i, -1 from p-i.
-    `transport`: backend of the ring's P2P communications (None: the
-    program's backend). `note`: why (printed in the loop's head)."""
-
-    decomposition: str = "ring"
-    chunks: int = 1
-    direction: int = 1
-    transport: str | None = None
-    note: str = ""
-
-    def __post_init__(self):
-        if self.decomposition not in DECOMPOSITIONS:
-            raise ScheduleError(f"unknown decomposition {self.decomposition!r}; expected one of {list(DECOMPOSITIONS)}")
-        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
-            raise ScheduleError(f"chunks per peer must be an integer >= 1, got {self.chunks!r}")
-        if self.direction not in (1, -1):
-            raise ScheduleError(f"ring direction must be +1 or -1, got {self.direction!r}")
-        if self.transport is not None:
-            known = {t.lower(): t for t in TRANSPORTS}.get(str(self.transport).lower())
-            if known is None:
-                raise ScheduleError(f"unknown transport {self.transport!r}; expected one of {list(TRANSPORTS)} (in any case)")
-            object.__setattr__(self, "transport", known)
-
-    def with_chunks(self, chunks: int) -> Schedule:
-        return dataclasses.replace(self, chunks=chunks)
-
-    def key(self) -> tuple:
-        return (self.decomposition, self.chunks, self.direction, self.transport, self.note)
-
-
-def parse(text: str) -> Schedule:
-    """`ring:chunks=2,direction=-1,transport=cuda` -> Schedule."""
-    name, _, rest = text.strip().partition(":")
-    fields: dict = {"decomposition": name.strip()}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ScheduleError(f"schedule {text!r}: expected key=value, got {item!r}")
-        key = key.strip()
-        if key == "chunks":
-            try:
-                fields["chunks"] = int(value)
-            except ValueError:
-                raise ScheduleError(f"schedule {text!r}: chunks must be an integer, got {value!r}") from None
-        elif key == "direction":
-            if value.strip() not in ("1", "+1", "-1"):
-                raise ScheduleError(f"schedule {text!r}: direction must be +1 or -1, got {value!r}")
-            fields["direction"] = int(value)
-        elif key == "transport":
-            fields["transport"] = value.strip()
-        else:
-            raise ScheduleError(f"schedule {text!r}: unknown key {key!r} (chunks, direction, transport)")
-    return Schedule(**fields)
-
+from hostir.lower.decompose_device_axis import walks_device_axis
+from hostir.lower.schedule import Schedule, parse
+from hostir.runtime.transports import cuda
 
 # ---------------------------------------------------------------- the machine
 
@@ -237,8 +170,6 @@ def choose(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize: int
 
 def decomposable(fusion) -> bool:
     """Whether `fusion` may hold a device axis walked as a stream axis."""
-    from hostir.lower.decompose_device_axis import walks_device_axis
-
     # Other programs keep one lowering for every shape: their key holds no
     # schedule. Asked at every execute: the answer is kept per version.
     cached = getattr(fusion, "_walks_device_axis", None)
@@ -264,8 +195,6 @@ def p2p_reason(comm) -> str | None:
     """None when the cuda transport can run on every rank, else why not."""
     if comm.device.type != "cuda":
         return f"the ranks run on {comm.device.type}"
-    from hostir.transports import cuda
-
     return cuda.probe(comm)
 
 

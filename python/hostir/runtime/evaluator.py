@@ -11,7 +11,7 @@ into it with torch's `out=` variants; otherwise its result is bound fresh.
 A failing op is reported with its dump line and the loop indices around it:
 hostir's errors become a `HostIrRuntimeError` quoting them; torch's own
 errors keep their type and carry them as a note (PEP 678).
-Communications are posted through `hostir.transports` (NCCL and gloo on
+Communications are posted through `hostir.runtime.transports` (NCCL and gloo on
 the process groups of a `Communicator`, or the copy-engine `cuda`
 transport) and complete at their `Wait`; a timeout or a lost peer keeps its
 type (`CommunicatorTimeout`, `PeerLostError`).
@@ -24,11 +24,12 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from hostir import ir, layout, printer, profiling, transports
-from hostir.communicator import CommunicatorTimeout, PeerLostError
-from hostir.container import AliasError, HostIrContainer
+from hostir import ir, layout, printer
+from hostir.runtime import profiling, transports
+from hostir.communicator import CommunicatorTimeout, PeerLostError, classify_error
+from hostir.container import AliasError, HostIrContainer, body_locals
 from hostir.errors import HostIrError
-from hostir.streams import NullStreams
+from hostir.runtime.streams import NullStreams
 
 _HANDLERS: dict[type, Callable[[Frame, Any], None]] = {}
 
@@ -165,30 +166,6 @@ class HostIrEvaluator:
 
     def _find_body_locals(self, container: HostIrContainer) -> dict[int, list]:
         return body_locals(container)
-
-
-def body_locals(container: HostIrContainer) -> dict[int, list]:
-    """For each loop, the buffers first defined in its body (unbound at
-    every iteration so that each writes fresh ones); program inputs and
-    outputs excepted, since the caller may bind those."""
-    resolve = container.aliases.resolve
-    keep = {resolve(t) for t in container.inputs + container.outputs}
-    found: dict[int, list] = {}
-
-    def scan(exprs, before: set) -> None:
-        # `before`: buffers bound ahead of this scope; an op in a loop
-        # that writes one of them (a communication into a slice made
-        # outside) writes it, it does not define a fresh one.
-        seen = set(before)
-        for e in exprs:
-            if isinstance(e, ir.ForLoop):
-                local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
-                found[id(e)] = list(local - keep - seen)
-                scan(e.body, seen)
-            seen.update(resolve(t) for t in ir.defined_tvs(e))
-
-    scan(container.exprs, set())
-    return found
 
 
 class MissingHandlerError(HostIrError, NotImplementedError):
@@ -851,7 +828,5 @@ def _wait(frame: Frame, e: ir.Wait) -> None:
 
 def _classify(err: Exception, e, frame: Frame) -> Exception:
     """The error of a failed collective, naming it and this rank."""
-    from hostir.communicator import classify_error
-
     comm = frame.communicator
     return classify_error(err, printer.format_expr_head(e), rank=comm.rank, timeout=comm.timeout)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hostir import ir, layout, printer
 from hostir.container import AliasError, HostIrContainer
-from hostir.evaluator import BindingError, MissingHandlerError, ProgramError
+from hostir.runtime.evaluator import BindingError, MissingHandlerError, ProgramError
 
 # Opcodes shared with csrc/host_ir/program.h (enum class Opcode).
 OPCODES = (

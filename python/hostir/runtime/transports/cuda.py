@@ -33,7 +33,8 @@ import weakref
 
 import torch
 
-from hostir.transports.base import (
+from hostir.runtime.transports import torch_dist
+from hostir.runtime.transports.base import (
     NoWork,
     Posted,
     Transport,
@@ -347,8 +348,6 @@ class CudaTransport(Transport):
 
     # -- communications
     def post(self, frame, e, group, root):
-        from hostir.transports import torch_dist
-
         # Collectives the cuda transport does not move itself go to NCCL.
         return torch_dist.POST[e.type](torch_dist.DIST, frame, e, group, root)
 

@@ -105,9 +105,7 @@ def op_name(e: ir.Expr) -> str:
 
 
 def _stream(s: ir.Stream) -> str:
-    from hostir.ir import format_stream
-
-    return format_stream(s)
+    return ir.format_stream(s)
 
 
 # Names per program, computed once: an op's name is fixed after lowering.

@@ -15,7 +15,7 @@ copies the outputs into the caller's preallocated ones only when those are
 other tensors than the captured ones. Without preallocated outputs a replay
 returns the graph's own output tensors, the same ones every time.
 A single-device call that repeats a signature goes from `execute` to its
-graph's `replay` through its prepared record (`hostir.prepared`), with no
+graph's `replay` through its prepared record (`hostir.runtime.prepared`), with no
 other Python on the way.
 
 Capture needs CUDA, and collectives that CUDA graphs can hold (NCCL): on the

@@ -5,7 +5,7 @@ A transport translates normalized communications (an `ir.Communication` or
 `ir.P2PCommunication` with its buffers already bound) into its own calls and
 returns a `Posted`; the `Wait` of the program waits for the posted works and
 then runs `after`. Evaluators never branch on the backend: they ask
-`hostir.transports.post(...)` and wait for what comes back.
+`hostir.runtime.transports.post(...)` and wait for what comes back.
 """
 
 from __future__ import annotations
