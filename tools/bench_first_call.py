@@ -89,7 +89,14 @@ def _multi() -> dict | None:
 
 
 def _child(kind: str, fake: str, nprocs: int = 1) -> dict:
-    env = dict(os.environ, HOSTIR_FAKE=fake, PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    # One intra-op thread: on a shared machine, waking torch's OpenMP
+    # workers costs more than these small ops, and would be what is measured.
+    env = dict(
+        os.environ,
+        HOSTIR_FAKE=fake,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]),
+    )
     for name in ("HOSTIR_DUMP", "NVFUSER_DUMP", "HOSTIR_TRACE", "HOSTIR_LOG"):
         env.pop(name, None)
     program = [sys.executable, __file__, "--child", kind]
@@ -101,7 +108,7 @@ def _child(kind: str, fake: str, nprocs: int = 1) -> dict:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         program = [mpirun, "-np", str(nprocs), "--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else []) + [
-            "-x", f"HOSTIR_MASTER_PORT={port}", "-x", f"HOSTIR_FAKE={fake}"] + program  # fmt: skip
+            "-x", f"HOSTIR_MASTER_PORT={port}", "-x", f"HOSTIR_FAKE={fake}", "-x", "OMP_NUM_THREADS=1"] + program  # fmt: skip
     done = subprocess.run(program, env=env, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(program)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
@@ -149,7 +156,7 @@ def main() -> None:
         )
     lines += [
         "",
-        f"Median of {args.repeat} fresh processes per row. The first call includes lowering and the first use of "
+        f"Median of {args.repeat} fresh processes per row, each with one intra-op thread (OMP_NUM_THREADS=1). The first call includes lowering and the first use of "
         "torch's ops (and, for 2 ranks, the rendezvous and the process groups); under `auto` a multi-device "
         "program's first call of each shape includes its dry run, a single-device program has none. "
         f"Importing torch and hostir took {_median(raw['single HOSTIR_FAKE=auto'], 'import'):.2f} s more.",
