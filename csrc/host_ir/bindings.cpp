@@ -52,6 +52,14 @@ ScalarNode scalarNode(const py::tuple& t) {
       : kind == "-"    ? ScalarNode::kSub
       : kind == "*"    ? ScalarNode::kMul
       : kind == "/"    ? ScalarNode::kDiv
+      : kind == "=="   ? ScalarNode::kEq
+      : kind == "!="   ? ScalarNode::kNe
+      : kind == "<"    ? ScalarNode::kLt
+      : kind == "<="   ? ScalarNode::kLe
+      : kind == ">"    ? ScalarNode::kGt
+      : kind == ">="   ? ScalarNode::kGe
+      : kind == "&&"   ? ScalarNode::kAnd
+      : kind == "||"   ? ScalarNode::kOr
                        : ScalarNode::kMod;
   return n;
 }
@@ -89,6 +97,8 @@ Instr instr(int opcode, const py::dict& f) {
   i.start = field(f, "start", -1);
   i.stop = field(f, "stop", -1);
   i.end = field(f, "end", -1);
+  i.cond = field(f, "cond", -1);
+  i.else_end = field(f, "else_end", -1);
   i.locals = field(f, "locals", std::vector<int>{});
   i.stream_index = field(f, "stream_index", -1);
   i.stream_key = field<int64_t>(f, "stream_key", 0);
@@ -235,7 +245,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("opcodes"))
       .def("run", &hostir::runExecutor, py::arg("inputs"), py::arg("outputs"), py::arg("number_of_streams"))
       .def_property_readonly("ops_executed", &hostir::Executor::opsExecuted);
-  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kWait) + 1;
+  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kIf) + 1;
   m.def(
       "stream_pool_size",
       []() { return hostir::streamPool().size(); },

@@ -260,7 +260,12 @@ class Run {
         " inputs, got ",
         inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
-      bindTensor(p_.inputs[i], inputs[i]);
+      if (p_.inputs[i] <= -2) {
+        // A scalar input: its integer slot, from a 0-d tensor.
+        bindInt(-2 - p_.inputs[i], inputs[i].item<int64_t>());
+      } else {
+        bindTensor(p_.inputs[i], inputs[i]);
+      }
     }
     if (!outputs.empty()) {
       HOSTIR_CHECK(
@@ -305,6 +310,22 @@ class Run {
         return *lhs * *rhs;
       case ScalarNode::kDiv:
         return floorDiv(*lhs, *rhs);
+      case ScalarNode::kEq:
+        return *lhs == *rhs;
+      case ScalarNode::kNe:
+        return *lhs != *rhs;
+      case ScalarNode::kLt:
+        return *lhs < *rhs;
+      case ScalarNode::kLe:
+        return *lhs <= *rhs;
+      case ScalarNode::kGt:
+        return *lhs > *rhs;
+      case ScalarNode::kGe:
+        return *lhs >= *rhs;
+      case ScalarNode::kAnd:
+        return *lhs != 0 && *rhs != 0;
+      case ScalarNode::kOr:
+        return *lhs != 0 || *rhs != 0;
       default:
         return floorMod(*lhs, *rhs);
     }
@@ -326,7 +347,7 @@ class Run {
     if (n.kind == ScalarNode::kSlot) {
       return p_.int_names[n.value];
     }
-    static const char* ops[] = {"", "", "+", "-", "*", "/", "%"};
+    static const char* ops[] = {"", "", "+", "-", "*", "/", "%", "==", "!=", "<", "<=", ">", ">=", "&&", "||"};
     return text("( ", scalarText(n.lhs), " ", ops[n.kind], " ", scalarText(n.rhs), " )");
   }
 
@@ -453,6 +474,17 @@ class Run {
       try {
         if (ins.op == Opcode::kFor) {
           runFor(ins);
+        } else if (ins.op == Opcode::kIf) {
+          // A failure inside a branch names its own instruction.
+          bool taken = get(ins.cond) != 0;
+          ++executed_;
+          if (taken) {
+            scope(i + 1, ins.end);
+          } else {
+            scope(ins.end, ins.else_end);
+          }
+          i = ins.else_end;
+          continue;
         } else {
           exec(ins);
         }
@@ -557,6 +589,7 @@ class Run {
   void exec(const Instr& ins) {
     switch (ins.op) {
       case Opcode::kFor:
+      case Opcode::kIf:
         break;
       case Opcode::kGetStream:
         if (uses_streams_) {
@@ -746,6 +779,22 @@ class Run {
     }
     const at::Tensor* out = maybeTensor(ins.out);
     bool linear = ins.op == Opcode::kLinear;
+    if (linear && b.dim() > 2) {
+      // A weight [*W, N, K]: linear on [W*N, K], the result unflattened
+      // to [..., *W, N]; the bias is [*W, N] or a trailing part of it.
+      std::vector<int64_t> lead(b.sizes().begin(), b.sizes().end() - 1);
+      std::optional<at::Tensor> flat_bias;
+      if (bias.has_value()) {
+        flat_bias = bias->expand(lead).reshape({-1});
+      }
+      at::Tensor r = at::linear(a, b.reshape({-1, b.size(-1)}), flat_bias).unflatten(-1, lead);
+      if (out == nullptr) {
+        bind(ins.out, ins.out_dim < 0 ? r : r.squeeze(ins.out_dim));
+      } else {
+        fullRank(*out, ins.out_dim).copy_(r);
+      }
+      return;
+    }
     if (out == nullptr) {
       at::Tensor r = linear ? at::linear(a, b, bias) : at::matmul(a, b);
       bind(ins.out, ins.out_dim < 0 ? r : r.squeeze(ins.out_dim));

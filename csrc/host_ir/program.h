@@ -106,6 +106,7 @@ enum class Opcode : int {
   kStartCoalescing,
   kEndCoalescing,
   kWait,
+  kIf,
 };
 
 // Shared with ir.CommunicationType (in declaration order).
@@ -123,7 +124,7 @@ enum class CommType : int {
 // A node of a scalar expression: a constant, an integer slot, or an
 // operation on two other nodes.
 struct ScalarNode {
-  enum Kind { kConst, kSlot, kAdd, kSub, kMul, kDiv, kMod } kind = kConst;
+  enum Kind { kConst, kSlot, kAdd, kSub, kMul, kDiv, kMod, kEq, kNe, kLt, kLe, kGt, kGe, kAnd, kOr } kind = kConst;
   int64_t value = 0;  // kConst: the value; kSlot: the slot
   int lhs = -1;
   int rhs = -1;
@@ -173,6 +174,10 @@ struct Instr {
   int start = -1;
   int stop = -1;
   int end = -1;
+  // Conditionals: the predicate's node; the then-branch is [this + 1, end),
+  // the else-branch [end, else_end).
+  int cond = -1;
+  int else_end = -1;
   std::vector<int> locals;
   // Streams: a stream slot (GetCurrentStream) or a pool key.
   int stream_slot = -1;

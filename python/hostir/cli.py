@@ -37,7 +37,6 @@ from hostir._version import __version__
 from hostir.communicator import LAUNCHER_VARIABLES
 from hostir.errors import HostIrError
 from hostir.frontend import FusionDefinition
-from hostir.lower.build_host_program import build_host_program
 from hostir.runtime.checks import is_multi_device
 
 __all__ = ["main"]
@@ -54,35 +53,14 @@ class _Stop(HostIrError):
     """Ends a dumped script at its first execute."""
 
 
-def _pass_names() -> list[str]:
-    return [p.__name__ for p in [build_host_program, *lower.PIPELINE, *lower.RANK_PIPELINE]]
-
-
 def host_program(fusion: Any, rank: int, pass_name: str | None = None, backend: str = "gloo") -> str:
     """The dump of `fusion`'s host program for `rank`, after `pass_name`
     (default: all passes)."""
-    names = _pass_names()
+    names = lower.pass_names()
     if pass_name is not None and pass_name not in names:
         raise CommandLineError(f"hostir dump: unknown pass {pass_name!r}; passes in order: {', '.join(names)}")
     multi = is_multi_device(fusion)
-    if pass_name is None:
-        return str(lower.lower(fusion, rank=rank if multi else None, backend=backend))
-    container = lower._run_one(build_host_program, fusion, None)
-    container.backend = backend
-    if pass_name == build_host_program.__name__:
-        return str(container)
-    for p in lower.PIPELINE:
-        container = lower._run_one(p, container, None)
-        if p.__name__ == pass_name:
-            return str(container)
-    if multi and container.meshes():
-        container.rank = rank
-    for p in lower.RANK_PIPELINE:
-        if multi and container.meshes():
-            container = lower._run_one(p, container, None)
-        if p.__name__ == pass_name:
-            return str(container)
-    raise CommandLineError(f"hostir dump: pass {pass_name!r} was not reached")
+    return str(lower.lower(fusion, rank=rank if multi else None, backend=backend, until=pass_name))
 
 
 @contextlib.contextmanager
@@ -107,7 +85,7 @@ def _dump(args: argparse.Namespace) -> int:
     rank = args.rank or 0
     if not 0 <= rank < world:
         raise CommandLineError(f"hostir dump: --rank {rank} is out of range for --world-size {world}")
-    names = _pass_names()
+    names = lower.pass_names()
     if args.pass_name is not None and args.pass_name not in names:
         raise CommandLineError(f"hostir dump: unknown pass {args.pass_name!r}; passes in order: {', '.join(names)}")
     found: list[Any] = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-from hostir import ir, printer
+from hostir import ir, printer, unannotated
 from hostir.errors import DefinitionTypeError, HostIrError
 
 
@@ -112,8 +112,7 @@ class HostIrContainer(ir.IrContainer):
 
     # -- building
     def add_input(self, tv: ir.TensorView) -> None:
-        if self.aliases.is_alias(tv):
-            raise AliasError(f"Inputs cannot be aliased: T{tv.name} is an alias")
+        self.check_inputs_unaliased(inputs=[tv])
         self.inputs.append(tv)
 
     def add_output(self, tv: ir.TensorView) -> None:
@@ -166,13 +165,19 @@ class HostIrContainer(ir.IrContainer):
         """Raise VerifyError unless every TensorView an expr reads is bound
         before it (an input, or defined earlier in an enclosing scope),
         every output is defined (on this rank, once the program is pruned
-        for one), and no input is an alias."""
-        for tv in self.inputs:
-            if self.aliases.is_alias(tv):
-                raise VerifyError(f"Inputs cannot be aliased: T{tv.name} is an alias")
+        for one), no input is an alias, and every communication says, by
+        annotations or by its type and team, which piece each rank holds
+        (`hostir.unannotated`)."""
+        self.check_inputs_unaliased(VerifyError)
         resolve = self.aliases.resolve
         defined = {resolve(t) for t in self.inputs}
         self._verify_scope(self.exprs, defined, resolve)
+        for e in self.walk():
+            if isinstance(e, ir.Communication):
+                try:
+                    unannotated.check(e)
+                except unannotated.UnannotatedCommunicationError as err:
+                    raise VerifyError(str(err)) from err
         for tv in self.outputs:
             if not self.holds(tv):
                 continue
@@ -181,7 +186,15 @@ class HostIrContainer(ir.IrContainer):
 
     def holds(self, tv: ir.TensorView) -> bool:
         """Whether this program's rank holds `tv` (always, before pruning)."""
-        return self.rank is None or tv.mesh is None or self.rank in tv.mesh
+        return tv.held_by(self.rank)
+
+    def check_inputs_unaliased(self, error: type[Exception] | None = None, inputs=None) -> None:
+        """Raise `error` (AliasError by default) if an input (of `inputs`,
+        by default the program's) is an alias: an input is bound by the
+        caller, so its buffer is its own."""
+        for tv in self.inputs if inputs is None else inputs:
+            if self.aliases.is_alias(tv):
+                raise (error or AliasError)(f"Inputs cannot be aliased: T{tv.name} is an alias")
 
     def _verify_scope(self, exprs: Sequence[ir.Expr], defined: set, resolve) -> None:
         for e in exprs:
@@ -191,10 +204,10 @@ class HostIrContainer(ir.IrContainer):
                         f"{printer.format_tv(v)} is read before it is defined, by:\n"
                         f"{printer.format_expr_head(e)}"
                     )
-            if isinstance(e, ir.ForLoop):
-                # A loop may run zero times: what its body defines is not
-                # visible after it.
-                self._verify_scope(e.body, set(defined), resolve)
+            # A loop may run zero times and a branch may not run: what
+            # their bodies define is not visible after them.
+            for body in ir.bodies(e):
+                self._verify_scope(body, set(defined), resolve)
             defined.update(resolve(t) for t in ir.defined_tvs(e))
 
 
@@ -216,6 +229,9 @@ def body_locals(container: HostIrContainer) -> dict[int, list]:
                 local = {resolve(t) for inner in ir.walk(e.body) for t in ir.defined_tvs(inner)}
                 found[id(e)] = list(local - keep - seen)
                 scan(e.body, seen)
+            elif isinstance(e, ir.IfThenElse):
+                scan(e.then_body, seen)
+                scan(e.else_body, seen)
             seen.update(resolve(t) for t in ir.defined_tvs(e))
 
     scan(container.exprs, set())

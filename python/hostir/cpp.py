@@ -86,6 +86,8 @@ class CppEvaluator:
         self._lock = threading.Lock()
         self._flat: FlatProgram | None = None
         self._executor = None
+        # Positions of the scalar inputs (bound as integers).
+        self._scalar_inputs = {i for i, v in enumerate(container.inputs) if not isinstance(v, ir.TensorView)}
         if communicator is None:
             # Without process groups to wait for, compile now: errors such
             # as a missing communicator surface when the program is made.
@@ -119,7 +121,10 @@ class CppEvaluator:
         inputs = []
         for tv in c.inputs:
             value = bindings[tv]
-            if not isinstance(value, torch.Tensor):
+            if isinstance(tv, ir.InputScalar):
+                if not tv.accepts(value):
+                    raise BindingError(f"scalar input {printer.format_val(tv)} takes a {tv.dtype}, got {value!r}")
+            elif not isinstance(value, torch.Tensor):
                 raise BindingError(
                     f"{printer.format_tv(tv)} must be bound to a torch.Tensor, got {type(value).__name__}"
                 )
@@ -131,6 +136,9 @@ class CppEvaluator:
         """`run` with the values as lists: one tensor per program input, and
         one per output to write into (None: not preallocated) or none at all."""
         executor = self._executor or self._compile()
+        if self._scalar_inputs:
+            # The executor binds a scalar input's integer slot from a 0-d tensor.
+            inputs = [torch.tensor(int(v)) if i in self._scalar_inputs else v for i, v in enumerate(inputs)]
         # Every error comes back as a failure tuple (no C++ exception crosses
         # into Python); instruction -1 is a bad binding, before any op runs.
         values, failure = executor.run(inputs, outputs, number_of_streams)

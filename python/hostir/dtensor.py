@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hostir import ir
+from hostir import ir, layout
 from hostir.errors import HostIrError
 from hostir.log import logger
 from hostir.lower.build_host_program import build_host_program
@@ -181,12 +181,12 @@ class Adapter:
         if _has_mesh_y(tv):
             raise mismatch("the input is sharded along the mesh's dimension before the last (mesh_y), "
                            "which the DTensor adapter does not map yet")
-        sharded = _sharded_logical_axis(tv)
+        sharded = layout.sharded_axis(tv)
         if sharded is None:
             if axis is not None:
                 raise mismatch(f"the DTensor shards axis {axis}, the input is replicated")
             return
-        index, outer = sharded
+        index, outer = sharded[0], sharded[1] == 0
         if axis is None:
             raise mismatch(f"the input is sharded on axis {index}, the DTensor is replicated")
         if index != axis:
@@ -230,7 +230,7 @@ class Adapter:
                 )
             torch_mesh = self._torch_mesh(mesh, local.device.type)
             placements: list[Any] = [Replicate()] * mesh.ndim
-            sharded = _sharded_logical_axis(tv)
+            sharded = layout.sharded_axis(tv)
             if sharded is not None:
                 placements[-1] = Shard(sharded[0])
             wrapped.append(DTensor.from_local(local, torch_mesh, placements, run_check=False))
@@ -249,17 +249,6 @@ class Adapter:
             self._outputs = list(propagate_shardings(build_host_program(self.fusion)).outputs)
             self._outputs_at = self.fusion.version
         return self._outputs
-
-
-def _sharded_logical_axis(tv: ir.TensorView) -> tuple[int, bool] | None:
-    """(logical axis, whether its outer part is the `mesh_x` one) of the
-    sharded axis of `tv`, or None if it is replicated."""
-    for index, d in enumerate(tv.logical_runtime()):
-        leaves = d.loop_leaves()
-        for at, leaf in enumerate(leaves):
-            if leaf.parallel_type is ir.ParallelType.mesh_x:
-                return index, at == 0
-    return None
 
 
 def _has_mesh_y(tv: ir.TensorView) -> bool:

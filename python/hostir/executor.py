@@ -62,6 +62,7 @@ from hostir.lower import RESHARDING_MODES, lower
 from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
 from hostir.runtime import flat, prepared, profiling
 from hostir.runtime.agreement import Offer, RankMismatchError, check, exchange, input_signature
+from hostir.runtime import bind
 from hostir.runtime.bind import Binding
 from hostir.runtime.checks import (
     ExecuteArgumentError,
@@ -96,6 +97,7 @@ __all__ = [
     "InputError",
     "InputTypeError",
     "RankMismatchError",
+    "Runner",
 ]
 
 
@@ -164,22 +166,26 @@ class ExecutorParams:
         if self.resharding not in RESHARDING_MODES:
             raise ExecuteArgumentError(f"resharding must be one of {list(RESHARDING_MODES)}, got {self.resharding!r}")
 
-    def evaluator_name(self) -> str:
-        """"python" or "cpp": the evaluator this run uses."""
-        choice = self.evaluator if self.evaluator is not None else evaluator_choice()
+    def evaluator_choice(self) -> tuple[str, tuple[str, ...]]:
+        """The evaluator this run uses, "python" or "cpp", and why the C++
+        executor is not used (before the program is known)."""
+        if self.evaluator is not None:
+            choice, given = self.evaluator, f"evaluator={self.evaluator!r} was passed"
+        else:
+            choice, given = evaluator_choice(), f"HOSTIR_EVALUATOR={evaluator_choice()}"
         if choice == "python":
-            return "python"
+            return "python", (given,)
         if choice == "auto" and profiling.watched():
             # The profiler's ranges and traces come from the Python evaluator.
-            return "python"
+            return "python", ("a profiler or trace is watching (its ranges come from the Python evaluator)",)
         if cpp.available():
-            return "cpp"
+            return "cpp", ()
         if choice == "cpp":
             raise ExecuteArgumentError(
                 f"evaluator='cpp' was requested but the C++ executor is unavailable: {cpp.reason()}"
             )
         cpp.warn_unavailable()
-        return "python"
+        return "python", (f"it is not built or does not load: {cpp.reason()}",)
 
     @classmethod
     def from_arguments(cls, params: ExecutorParams | None, kwargs: dict) -> ExecutorParams:
@@ -197,6 +203,32 @@ class ExecutorParams:
         return cls(**kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """What runs a call: "cpp" (the C++ executor), "python" (the reference
+    evaluator) or "fake" (HOSTIR_FAKE=1: the dry run's meta tensors), and
+    every reason the C++ executor is not used (empty for "cpp").
+    `str(runner)` is the line the `host_ir` dump and the `hostir` log show."""
+
+    name: str
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def reason(self) -> str:
+        """Why this runner: the reasons joined, or why the C++ executor runs."""
+        if not self.reasons:
+            return "the C++ executor is built and runs every op of the program"
+        return "; ".join(self.reasons)
+
+    def __str__(self) -> str:
+        if not self.reasons:
+            return f"runner: {self.name}"
+        return f"runner: {self.name} (the C++ executor is not used: {self.reason})"
+
+
+_FAKE = Runner("fake", ("HOSTIR_FAKE=1: the call returns the dry run's meta tensors and runs nothing",))
+
+
 @dataclasses.dataclass
 class _Program:
     container: HostIrContainer
@@ -205,6 +237,8 @@ class _Program:
     equal_axes: list[list[tuple[int, int]]]
     # The conversions between the call's tensors and the program's.
     binding: Binding
+    # What runs it, and why.
+    runner: Runner
     # (input, axis, size) of every static axis: the sizes this program was
     # made for, part of its key.
     static_sizes: tuple = ()
@@ -249,6 +283,8 @@ class FusionExecutor:
         self._fake_reports: dict = {}
         self._graphs = CudaGraphs()
         self._prepared = prepared.PreparedCalls(self._lock)
+        # What ran the latest call, and why (None before the first).
+        self.last_runner: Runner | None = None
 
     @property
     def num_programs(self) -> int:
@@ -282,7 +318,7 @@ class FusionExecutor:
             key = prepared.signature(inputs, outputs, params, kwargs)
             ready = None if key is None else self._prepared.get(key, self.fusion.version)
             if ready is not None:
-                results = ready.run(inputs, outputs)
+                results = self._run_prepared(ready, inputs, outputs)
                 if results is not None:
                     return results
         mode = fake_mode()
@@ -359,18 +395,35 @@ class FusionExecutor:
             )
         return list(ready.graph_inputs)
 
+    def _run_prepared(self, ready: prepared.Prepared, inputs, outputs) -> list | None:
+        """A call whose first four stages are `ready`'s: from bind on, the
+        full path's stage (None: its outputs are not the captured graph's)."""
+        program = ready.program
+        if outputs is not None:
+            check_no_overlap(self.fusion, outputs, inputs, program.binding.output_tvs)
+        results = bind.run(
+            program.binding, program.evaluator, inputs, outputs, ready.number_of_streams, ready.graph,
+            no_grad=ready.grad, exact_outputs=True,
+        )
+        if results is not None:
+            self.last_runner = program.runner
+        return results
+
     def _keep(self, key: tuple, call: _Call, params: ExecutorParams, inputs) -> None:
         """Keep the record of a single-device call that took the full path
         and ran, under its signature `key`. (Not a call whose CPU inputs
         were copied to the GPU: the full path warns and copies.)"""
         if not all(a is b for a, b in zip(call.inputs, inputs)):
             return
-        output_tvs = call.program.container.outputs
-
-        def no_overlap(outs, ins):
-            check_no_overlap(self.fusion, outs, ins, output_tvs)
-
-        self._prepared.put(key, prepared.prepare(self, call, params, no_overlap))
+        program = call.program
+        grad = any(t.requires_grad for t in call.inputs)
+        ready = prepared.Prepared(self.fusion.version, program, params.number_of_streams, grad)
+        if params.cuda_graph:
+            # The graph the full path just replayed for this call (a lookup).
+            bindings = program.binding.bind(call.inputs, call.outputs)
+            ready.graph = self._graphs.captured(program, bindings, params.number_of_streams, _device_of(call.inputs))
+            ready.graph_inputs = program.binding.logical_inputs(ready.graph.inputs)
+        self._prepared.put(key, ready)
 
     # -- 1-3: normalize, check, program
     def _prepare(self, inputs, outputs, params: ExecutorParams, comm, with_dry_run: bool = True) -> _Call:
@@ -467,6 +520,7 @@ class FusionExecutor:
                 if len(self._fake_reports) >= _MAX_REPORTS:
                     self._fake_reports.pop(next(iter(self._fake_reports)))
                 self._fake_reports[key] = report
+        self.last_runner = _FAKE
         return [
             None if shape is None else torch.empty(shape, dtype=tv.dtype, device="meta")
             for tv, (_, shape, _) in zip(self.fusion.outputs, report[rank].outputs)
@@ -540,7 +594,7 @@ class FusionExecutor:
             for i, tv in enumerate(self.fusion.inputs)
             for axis in getattr(tv, "static_dims", ())
         )
-        evaluator = params.evaluator_name()
+        evaluator, reasons = params.evaluator_choice()
         chosen = machine.for_inputs(self.fusion, inputs, comm, params.schedule)
         key = (
             tuple(
@@ -569,12 +623,19 @@ class FusionExecutor:
             if debug:
                 logger.debug("program cache miss for %s on %s: lowering", _key_text(key), device)
             strict = (params.evaluator or evaluator_choice()) == "cpp"
-            program = self._programs[key] = self._lower(device, evaluator, comm, chosen, params.resharding, strict)
+            program = self._programs[key] = self._lower(device, evaluator, reasons, comm, chosen, params.resharding, strict)
             program.static_sizes = static
             return program, True
 
     def _lower(
-        self, device: torch.device, evaluator: str, comm=None, chosen=None, resharding: str = "auto", strict=False
+        self,
+        device: torch.device,
+        evaluator: str,
+        reasons: tuple[str, ...],
+        comm=None,
+        chosen=None,
+        resharding: str = "auto",
+        strict=False,
     ) -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
@@ -590,15 +651,21 @@ class FusionExecutor:
                 schedule=chosen,
                 resharding=resharding,
             )
-        dumper.emit("host_ir", "Host program:", str(container))
         self.lowerings += 1
         streams = self._streams.get(device)
         if streams is None:
             streams = self._streams[device] = streams_for(device)
-        if evaluator == "cpp" and not strict and flat.unsupported(container) is not None:
+        if evaluator == "cpp" and not strict:
             # "auto": a program with ops the C++ executor lacks (a copy-engine
             # transport, chunked views) runs on the Python evaluator.
-            evaluator = "python"
+            reasons = tuple(flat.unsupported_reasons(container))
+            if reasons:
+                evaluator = "python"
+        runner = Runner(evaluator, reasons)
+        if dumper.enabled("host_ir"):
+            # The program's dump ends with a newline; the runner is its last line.
+            dumper.emit("host_ir", "Host program:", f"{container}{runner}\n")
+        logger.info("%s", runner)
         make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
         run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper)
         if logger.isEnabledFor(logging.INFO):
@@ -610,7 +677,7 @@ class FusionExecutor:
                 signature(self.fusion), len(exprs), comms, (getattr(container, "digest", None) or "")[:12],
                 type(run).__name__, device, type(streams).__name__,
             )
-        return _Program(container, run, equal_input_axes(self.fusion), Binding.of(container))
+        return _Program(container, run, equal_input_axes(self.fusion), Binding.of(container), runner)
 
     # -- 4: agree and make groups
     def _communicator(self, params, kwargs):
@@ -673,21 +740,23 @@ class FusionExecutor:
 
     # -- 5-7: bind, run, convert back
     def _run(self, call: _Call, params: ExecutorParams, comm) -> list[torch.Tensor | None]:
-        binding = call.program.binding
-        bindings = binding.bind(call.inputs, call.outputs)
+        program = call.program
+        self.last_runner = program.runner
+        nos = params.number_of_streams
         try:
-            with torch.no_grad():
-                if params.cuda_graph:
-                    device = comm.device if comm is not None else _device_of(call.inputs)
-                    backend = comm.backend if comm is not None else None
-                    results = self._graphs.run(call.program, bindings, params.number_of_streams, device, backend)
-                else:
-                    results = call.program.evaluator.run(bindings, number_of_streams=params.number_of_streams)
+            graph = None
+            if params.cuda_graph:
+                device = comm.device if comm is not None else _device_of(call.inputs)
+                backend = comm.backend if comm is not None else None
+                with torch.no_grad():
+                    bindings = program.binding.bind(call.inputs, call.outputs)
+                    graph = self._graphs.captured(program, bindings, nos, device, backend)
+            results = bind.run(program.binding, program.evaluator, call.inputs, call.outputs, nos, graph)
         except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
             if comm is not None:
                 comm.failure = f"{type(err).__name__}: {err}"
             raise
-        return list(binding.unbind(results))
+        return list(results)
 
 
 def _device_of(inputs: list) -> torch.device:

@@ -14,12 +14,13 @@ whenever the definition or the inputs' signature changes.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Sequence
 
 import torch
 
-from hostir import communicator, ir, printer, shape_ops
+from hostir import broadcast_ops, communicator, ir, layout, printer, shape_ops
 from hostir.analysis.dry_run import dry_run
 from hostir.dtensor import Adapter, has_dtensors, is_dtensor
 from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
@@ -122,13 +123,27 @@ class Ops:
         return ir.linear(x, weight, bias)
 
 
+    def broadcast_in_dim(self, x: ir.TensorView, shape, broadcast_dims) -> ir.TensorView:
+        """`x` with its axis i at output axis `broadcast_dims[i]`, new axes
+        of size `shape[j]` elsewhere, and size-1 axes grown to `shape`
+        (nvFuser's broadcast_in_dim), as a copy."""
+        self._check(x)
+        return broadcast_ops.broadcast_in_dim(x, shape, broadcast_dims)
+
+    def expand(self, x: ir.TensorView, shape) -> ir.TensorView:
+        """`x` with its size-1 axes grown to `shape` (-1 keeps an axis), as
+        torch's expand, as a copy."""
+        self._check(x)
+        return broadcast_ops.expand(x, shape)
+
     def permute(self, x: ir.TensorView, dims) -> ir.TensorView:
-        """A copy of `x` with its axes in the order `dims` (torch.permute)."""
+        """`x` with its axes in the order `dims`: a view, as torch.permute."""
         self._check(x)
         return shape_ops.permute(x, dims)
 
     def reshape(self, x: ir.TensorView, shape) -> ir.TensorView:
-        """A copy of `x` with shape `shape` (ints, one of them may be -1)."""
+        """`x` with shape `shape` (ints, one of them may be -1): a view where
+        torch.reshape makes one, else a copy."""
         self._check(x)
         return shape_ops.reshape(x, shape)
 
@@ -264,6 +279,13 @@ class FusionDefinition:
         return dry_run(self, inputs, world_size=world_size, **kwargs)
 
     @property
+    def last_runner(self):
+        """What ran the latest `execute` and why: a `hostir.executor.Runner`
+        with `name` ("cpp", "python" or "fake") and `reason` (every reason
+        the C++ executor is not used); None before the first call."""
+        return self.executor.last_runner
+
+    @property
     def num_programs(self) -> int:
         """How many lowered programs are cached (one per input signature and
         per set of static sizes)."""
@@ -309,23 +331,13 @@ def shard_tensor(t: torch.Tensor, tv: ir.TensorView, rank: int | None = None) ->
                 n *= mesh.size_along(x.parallel_type)
         if size % n:
             raise InputError(f"axis {axis} of T{tv.name}: extent {size} not divisible by mesh size {n}")
-        pieces = _leaf_sizes(leaves, size, mesh)
+        pieces = layout.leaf_sizes(leaves, size, mesh)
+        known = math.prod(p for p, x in zip(pieces, leaves) if x.is_device_parallel or x.extent.is_constant)
+        if size % known:
+            raise InputError(f"extent {size} not divisible by {known}")
         view = t.reshape(list(t.shape[:axis]) + pieces + list(t.shape[axis + 1 :]))
         for j, x in enumerate(leaves):
             if x.is_device_parallel:
                 view = view.narrow(axis + j, mesh.index_along(rank, x.parallel_type), 1)
         t = view.reshape(list(t.shape[:axis]) + [size // n] + list(t.shape[axis + 1 :]))
     return t
-
-
-def _leaf_sizes(leaves: list[ir.IterDomain], size: int, mesh: ir.DeviceMesh) -> list[int]:
-    known = [
-        mesh.size_along(x.parallel_type) if x.is_device_parallel else (x.extent.value if x.extent.is_constant else None)
-        for x in leaves
-    ]
-    prod = 1
-    for v in known:
-        prod *= v or 1
-    if size % prod:
-        raise InputError(f"extent {size} not divisible by {prod}")
-    return [size // prod if v is None else v for v in known]

@@ -16,12 +16,13 @@ import dataclasses
 import enum
 import math
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from hostir import communicator
 from hostir.errors import DefinitionError, DefinitionIndexError, DefinitionTypeError
+from hostir.kinds import BinaryKind, ReductionKind, UnaryKind
 
 
 class ParallelType(enum.Enum):
@@ -135,13 +136,6 @@ class Scalar:
     def __rsub__(self, other: int) -> ScalarExpr:
         return ScalarExpr("-", _scalar(other), self)
 
-    def key(self) -> tuple:
-        """What makes two scalars the same value: a constant's value, a
-        named leaf's name, an expression's op and operands' keys."""
-        if self.label is not None:
-            return ("name", self.label)
-        return ("constant", type(self.value).__name__, self.value)
-
     def __repr__(self) -> str:
         return format_scalar(self)
 
@@ -157,7 +151,17 @@ class ScalarExpr(Scalar):
         "-": lambda a, b: a - b,
         "/": lambda a, b: a // b,
         "ceilDiv": lambda a, b: -(-a // b),
+        # Comparisons and logic: an IfThenElse's predicate.
+        "==": lambda a, b: a == b,
+        "!=": lambda a, b: a != b,
+        "<": lambda a, b: a < b,
+        "<=": lambda a, b: a <= b,
+        ">": lambda a, b: a > b,
+        ">=": lambda a, b: a >= b,
+        "&&": lambda a, b: bool(a) and bool(b),
+        "||": lambda a, b: bool(a) or bool(b),
     }
+    COMPARISONS = ("==", "!=", "<", "<=", ">", ">=", "&&", "||")
 
     def __init__(self, op: str, lhs: Scalar, rhs: Scalar):
         if op not in self.OPS:
@@ -169,9 +173,6 @@ class ScalarExpr(Scalar):
     @property
     def is_constant(self) -> bool:
         return False
-
-    def key(self) -> tuple:
-        return (self.op, self.lhs.key(), self.rhs.key())
 
 
 class InputScalar(Scalar):
@@ -319,10 +320,6 @@ class DeviceMesh:
                 return team
         raise DefinitionError(f"rank {rank} is not in {self}")
 
-    def x_index(self, rank: int) -> int:
-        """The position of `rank` along the last dimension: which shard it holds."""
-        return self.team_of(rank).index(rank)
-
     def _dim(self, parallel_type: ParallelType) -> int:
         if parallel_type is ParallelType.mesh_x:
             return self.ndim - 1
@@ -369,7 +366,7 @@ class IterDomain:
     An axis made by splitting another records the logical axis it came from
     (`parent`); a split logical axis lists the axes it became (`leaves`)."""
 
-    __slots__ = ("name", "extent", "iter_type", "parallel_type", "owner", "parent", "leaves")
+    __slots__ = ("name", "extent", "iter_type", "parallel_type", "owner", "parent", "leaves", "scheduled")
 
     def __init__(
         self,
@@ -386,6 +383,9 @@ class IterDomain:
         self.parallel_type = parallel_type
         self.parent: IterDomain | None = None
         self.leaves: list[IterDomain] | None = None
+        # Set by `parallelize`: the user chose this axis's parallel type,
+        # `serial` included, so propagation leaves its tensor alone.
+        self.scheduled = False
 
     def clone(self, owner: IrContainer, iter_type: IterType | None = None) -> IterDomain:
         return IterDomain(owner, self.extent, iter_type or self.iter_type, self.parallel_type)
@@ -425,6 +425,7 @@ class IterDomain:
                 f"parallelize it as serial first to change it)"
             )
         self.parallel_type = parallel_type
+        self.scheduled = True
         bump = getattr(self.owner, "bump_version", None)
         if bump is not None:
             bump()
@@ -478,7 +479,10 @@ class TensorView:
         """Number of axes of the tensor a user passes or gets back."""
         return sum(1 for d in self.logical if not d.is_reduction)
 
-    def runtime_domain(self) -> list[IterDomain]:
+    def loop_axes(self) -> list[IterDomain]:
+        """The loop axes without reductions: each split axis as its pieces.
+        (The dims a rank holds are `layout.dims`: there the pieces of a
+        split axis other than a mesh_x one stay merged.)"""
         return [d for d in self.domain if not d.is_reduction]
 
     def logical_runtime(self) -> list[IterDomain]:
@@ -494,6 +498,12 @@ class TensorView:
 
     def stream_axes(self) -> list[IterDomain]:
         return [d for d in self.domain if d.parallel_type is ParallelType.stream]
+
+    def held_by(self, rank: int | None) -> bool:
+        """Whether rank `rank` holds this tensor: always without a mesh or
+        a rank (a program not yet pruned for one), else if the mesh names
+        it."""
+        return rank is None or self.mesh is None or rank in self.mesh
 
     def device_axes(self) -> list[IterDomain]:
         return [d for d in self.domain if d.is_device_parallel and not d.is_reduction]
@@ -648,12 +658,20 @@ def format_stream(s: Stream) -> str:
 # ---------------------------------------------------------------- exprs
 
 
+# What an op does when it runs, as the profiler groups ops.
+EFFECTS = ("compute", "communication", "copy", "sync", "host")
+
+
 class Expr:
-    """Base of all ops. Subclasses are dataclasses whose operand fields are
-    listed in `INPUTS` and whose result fields are listed in `OUTPUTS`."""
+    """Base of all ops. Subclasses are dataclasses that declare their
+    operand fields (`INPUTS`), their result fields (`OUTPUTS`), the fields
+    whose tensors they bind when they run (`BINDS`; their outputs unless
+    said otherwise) and their effect (`EFFECT`, one of `EFFECTS`)."""
 
     INPUTS: tuple[str, ...] = ()
     OUTPUTS: tuple[str, ...] = ()
+    BINDS: tuple[str, ...] | None = None
+    EFFECT: str = "host"
 
     def inputs(self) -> list:
         vals = []
@@ -688,6 +706,14 @@ def _op(cls):
     return dataclasses.dataclass(eq=False, repr=False)(cls)
 
 
+def _kind(kinds: type, kind, what: str):
+    """`kind` (a name or a member) as a member of the enum `kinds`."""
+    try:
+        return kinds(kind)
+    except ValueError:
+        raise DefinitionError(f"unknown {what} {kind!r}; expected one of {[k.value for k in kinds]}") from None
+
+
 def _zip_axes(out: TensorView, inp: TensorView) -> Iterator[tuple[IterDomain, IterDomain]]:
     # An operand's reduction axes (left by the op that made it) take no part.
     yield from zip(out.logical_runtime(), inp.logical_runtime())
@@ -697,6 +723,8 @@ def _zip_axes(out: TensorView, inp: TensorView) -> Iterator[tuple[IterDomain, It
 class Set(Expr):
     """`out = in` as a copy. Writes into `out` if its buffer is bound,
     otherwise binds a fresh copy. Runs on the current stream."""
+
+    EFFECT = "copy"
 
     out: TensorView
     input: TensorView
@@ -713,13 +741,17 @@ class BinaryOp(Expr):
     broadcasting of size-1 broadcast axes and its type promotion). A Scalar
     operand is a constant. Writes into `out` if bound (the `out=` variant)."""
 
+    EFFECT = "compute"
+
     out: TensorView
-    kind: str
+    kind: BinaryKind
     lhs: TensorView | Scalar
     rhs: TensorView | Scalar
     INPUTS = ("lhs", "rhs")
     OUTPUTS = ("out",)
-    KINDS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+
+    def __post_init__(self):
+        self.kind = _kind(BinaryKind, self.kind, "binary op")
 
     def id_pairs(self):
         # Aligned from the last axis, as torch broadcasts.
@@ -735,14 +767,16 @@ class UnaryOp(Expr):
     `gelu` is the exact (erf) form. Writes into `out` if bound (the `out=`
     variant). Runs on the current stream."""
 
+    EFFECT = "compute"
+
     out: TensorView
-    kind: str
+    kind: UnaryKind
     input: TensorView
     INPUTS = ("input",)
     OUTPUTS = ("out",)
-    # Kinds defined for floating inputs only.
-    FLOATING = ("gelu", "silu", "exp", "tanh", "sigmoid")
-    KINDS = ("relu", "neg", "abs", "cast") + FLOATING
+
+    def __post_init__(self):
+        self.kind = _kind(UnaryKind, self.kind, "unary op")
 
     def id_pairs(self):
         return _zip_axes(self.out, self.input)
@@ -753,12 +787,16 @@ class ReductionOp(Expr):
     """`out = <kind>(input)` over the axes of `out` that are reductions
     (sum, max, min). Writes into `out` if bound."""
 
+    EFFECT = "compute"
+
     out: TensorView
-    kind: str
+    kind: ReductionKind
     input: TensorView
     INPUTS = ("input",)
     OUTPUTS = ("out",)
-    KINDS = {"sum": "add", "max": "max", "min": "min"}
+
+    def __post_init__(self):
+        self.kind = _kind(ReductionKind, self.kind, "reduction")
 
     def id_pairs(self):
         return zip(self.out.logical, self.input.logical_runtime())
@@ -766,8 +804,11 @@ class ReductionOp(Expr):
 
 @_op
 class MatmulOp(Expr):
-    """`out = a @ b` with torch.matmul's semantics; `out`'s last axis is the
-    reduction over K. Writes into `out` if bound."""
+    """`out = a @ b` with torch.matmul's semantics (batch axes broadcast,
+    aligned from the right); `out`'s last axis is the reduction over K.
+    Writes into `out` if bound."""
+
+    EFFECT = "compute"
 
     out: TensorView
     a: TensorView
@@ -799,6 +840,8 @@ class LinearOp(Expr):
     """`out = input @ weight.T + bias`; `out`'s last axis is the reduction
     over K. Writes into `out` if bound."""
 
+    EFFECT = "compute"
+
     out: TensorView
     input: TensorView
     weight: TensorView
@@ -811,19 +854,24 @@ class LinearOp(Expr):
 
     def id_pairs(self):
         x, w = self.input.logical_runtime(), self.weight.logical_runtime()
-        *lead, n, k = [d for d in self.out.logical if d is not self.partial]
+        out = [d for d in self.out.logical if d is not self.partial]
+        k = out[-1]
+        # A weight [*W, N, K] gives out [*lead, *W, N]: W and N pair with
+        # the weight's (and the bias's) leading axes.
+        lead, wn = out[: len(x) - 1], out[len(x) - 1 : -1]
         yield from zip(lead, x[:-1])
-        yield n, w[0]
+        yield from zip(wn, w[:-1])
         if self.bias is not None:
-            yield n, self.bias.logical_runtime()[0]
+            yield from zip(reversed(wn), reversed(self.bias.logical_runtime()))
         yield k, x[-1]
-        yield k, w[1]
+        yield k, w[-1]
 
 
 @_op
 class PermuteOp(Expr):
-    """`out = input.permute(dims)` as a copy: out axis i is input axis
-    dims[i]. Writes into `out` if bound. Runs on the current stream."""
+    """`out = input.permute(dims)`: out axis i is input axis dims[i]. Binds
+    a view of `input` (no copy, as torch's permute), or writes into `out`
+    if it is bound. Runs on the current stream."""
 
     out: TensorView
     input: TensorView
@@ -839,9 +887,10 @@ class PermuteOp(Expr):
 
 @_op
 class ReshapeOp(Expr):
-    """`out = input.reshape(shape)` as a copy (`shape` as given, -1 for the
-    one inferred size). No axis of `out` iterates with one of `input`, so
-    it cannot be stream-parallel. Writes into `out` if bound."""
+    """`out = input.reshape(shape)` (`shape` as given, -1 for the one
+    inferred size): a view of `input` where torch's reshape makes one (its
+    strides allow), else a copy; writes into `out` if it is bound. No axis
+    of `out` iterates with one of `input`, so it cannot be stream-parallel."""
 
     out: TensorView
     input: TensorView
@@ -886,9 +935,28 @@ class SelectOp(Expr):
         return zip(self.out.logical_runtime(), ins)
 
 
+@_op
+class BroadcastInDimOp(Expr):
+    """`out` = `input` with input axis i as out axis `dims[i]`, out's other
+    axes new, and size-1 input axes grown to out's sizes (nvFuser's
+    broadcast_in_dim, torch's unsqueeze then expand), as a copy. Writes
+    into `out` if bound. Runs on the current stream."""
+
+    out: TensorView
+    input: TensorView
+    dims: tuple
+    INPUTS = ("input",)
+    OUTPUTS = ("out",)
+    EFFECT = "compute"
+
+    def id_pairs(self):
+        out = self.out.logical_runtime()
+        return zip([out[d] for d in self.dims], self.input.logical_runtime())
+
+
 SHAPE_OPS = (PermuteOp, ReshapeOp, SliceOp, SelectOp)
-FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp) + SHAPE_OPS
-COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp)
+FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp) + SHAPE_OPS
+COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp)
 
 
 @_op
@@ -896,12 +964,16 @@ class GetCurrentStream(Expr):
     """Binds `stream` to the caller's current stream, on every run. Does not
     block and enqueues nothing."""
 
+    EFFECT = "sync"
+
     stream: Stream
 
 
 @_op
 class SetCurrentStream(Expr):
     """Makes `stream` the current stream: the ops after it enqueue there."""
+
+    EFFECT = "sync"
 
     stream: Stream
     INPUTS = ("stream",)
@@ -911,6 +983,8 @@ class SetCurrentStream(Expr):
 class Synchronize(Expr):
     """The current stream waits for all work enqueued so far on `stream`.
     The host does not block."""
+
+    EFFECT = "sync"
 
     stream: Stream
     INPUTS = ("stream",)
@@ -934,6 +1008,36 @@ class ForLoop(Expr):
 
 
 @_op
+class IfThenElse(Expr):
+    """Runs `then_body` if `predicate` (a scalar: a bool, or an integer
+    that is true when non-zero) holds when it is reached, else `else_body`.
+    What a branch defines is visible only inside it."""
+
+    predicate: Scalar
+    then_body: list
+    else_body: list = dataclasses.field(default_factory=list)
+    INPUTS = ("predicate",)
+
+
+def compare(op: str, lhs: Scalar | int | bool, rhs: Scalar | int | bool) -> ScalarExpr:
+    """The predicate `( lhs <op> rhs )`, op one of ==, !=, <, <=, >, >=,
+    && and ||, for an `IfThenElse`."""
+    if op not in ScalarExpr.COMPARISONS:
+        raise DefinitionError(f"compare: unknown op {op!r}; expected one of {list(ScalarExpr.COMPARISONS)}")
+    return ScalarExpr(op, _scalar(lhs), _scalar(rhs))
+
+
+def bodies(e: Expr) -> list[list]:
+    """The nested scopes of a control-flow expr (a loop's body, a
+    conditional's two branches), none for any other."""
+    if isinstance(e, ForLoop):
+        return [e.body]
+    if isinstance(e, IfThenElse):
+        return [e.then_body, e.else_body]
+    return []
+
+
+@_op
 class HirAliasSelect(Expr):
     """Binds `out` to a view of `input` at `index` along `axis`: no copy, so
     an op writing `out` writes `input`'s buffer. When `axis` is a dim of its
@@ -942,6 +1046,8 @@ class HirAliasSelect(Expr):
     ceilDiv(size, axis extent) rows of that dim (the last chunks may be
     shorter or empty). `out` is bound, not defined, so it is not an SSA
     output. Does not block and enqueues nothing."""
+
+    BINDS = ("out",)
 
     out: TensorView
     input: TensorView
@@ -959,6 +1065,8 @@ class HirAliasChunk(Expr):
     """Binds `out` to the view of piece `index` of `parts` equal pieces of
     `input` along `axis` (a narrow, no copy): an op writing `out` writes
     `input`'s buffer. The axis's extent must divide by `parts`."""
+
+    BINDS = ("out",)
 
     out: TensorView
     input: TensorView
@@ -978,6 +1086,8 @@ class Allocate(Expr):
     device, unless it is bound already (a caller's preallocated output).
     The allocation is stream-ordered on the current stream."""
 
+    BINDS = ("buffer",)
+
     buffer: TensorView
     memory_type: MemoryType = MemoryType.global_
     zero_init: bool = False
@@ -991,30 +1101,111 @@ class Deallocate(Expr):
     INPUTS = ("buffer",)
 
 
+def _nbytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+# The traffic of one collective on rank `me`: (bytes sent to each peer,
+# bytes received from each peer), from this rank's input and output
+# tensors (None where it holds none) and the root of this post.
+
+
+def _all_pairs_traffic(size):
+    def traffic(e, me, root, input, out):
+        each = size(e, input, out)
+        others = [p for p in e.team if p != me]
+        return {p: each for p in others}, {p: each for p in others}
+
+    return traffic
+
+
+def _broadcast_traffic(e, me, root, input, out):
+    size = _nbytes(out) if out is not None else _nbytes(input)
+    if me == root:
+        return {p: size for p in e.team if p != me}, {}
+    return {}, {root: size}
+
+
+def _gather_traffic(e, me, root, input, out):
+    senders = [p for p in e.team if p in e.input.mesh]
+    if me == root:
+        piece = _nbytes(out) // max(len(senders), 1)
+        return {}, {p: piece for p in senders if p != me}
+    return ({root: _nbytes(input)} if input is not None else {}), {}
+
+
+def _scatter_traffic(e, me, root, input, out):
+    receivers = [p for p in e.team if p in e.out.mesh]
+    if me == root:
+        piece = _nbytes(input) // max(len(e.out.mesh.devices), 1)
+        return {p: piece for p in receivers if p != me}, {}
+    return {}, ({root: _nbytes(out)} if out is not None else {})
+
+
+def _reduce_traffic(e, me, root, input, out):
+    if me == root:
+        return {}, {p: _nbytes(out) for p in e.team if p != me}
+    # Sent in the output's dtype (a sum of integers is int64).
+    piece = input.numel() * e.out.dtype.itemsize
+    for d in e.local_reduce:
+        piece //= max(input.shape[d], 1)
+    return {root: piece}, {}
+
+
+def _send_recv_traffic(e, me, root, input, out):
+    sender, receiver = root, (e.team[-1] if len(e.team) > 1 else e.team[0])
+    if sender == receiver:
+        return {}, {}
+    if me == sender:
+        return {receiver: _nbytes(input)}, {}
+    if me == receiver:
+        return {}, {sender: _nbytes(out)}
+    return {}, {}
+
+
+def _all_to_all_traffic(e, me, root, input, out):
+    # Each rank keeps its own piece and trades one with every other.
+    n = max(len(e.team), 1)
+    others = [p for p in e.team if p != me]
+    return {p: _nbytes(input) // n for p in others}, {p: _nbytes(out) // n for p in others}
+
+
 class CommunicationType(enum.Enum):
-    Allgather = "Allgather"
-    Allreduce = "Allreduce"
-    ReduceScatter = "ReduceScatter"
-    Broadcast = "Broadcast"
-    Gather = "Gather"
-    Scatter = "Scatter"
-    Reduce = "Reduce"
-    SendRecv = "SendRecv"
-    AllToAll = "AllToAll"
+    """A collective's kind, with every fact the package reads about it:
+    `has_root` (it names a root), `reduces` (it takes a `red_op`), who
+    sends (`sends`: "all" the team, or the "root") and who receives
+    (`receives`: "all", the "root", or "others" than the root), `in_cpp`
+    (the C++ core has a path for it; the opcode order is the declaration
+    order), and `traffic(e, me, root, input, out)`: the bytes rank `me`
+    sends to and receives from each peer, as dicts."""
 
-    @property
-    def has_root(self) -> bool:
-        return self in (
-            CommunicationType.Broadcast,
-            CommunicationType.Gather,
-            CommunicationType.Scatter,
-            CommunicationType.Reduce,
-            CommunicationType.SendRecv,
-        )
+    has_root: bool
+    reduces: bool
+    sends: str
+    receives: str
+    in_cpp: bool
+    traffic: Callable
 
-    @property
-    def reduces(self) -> bool:
-        return self in (CommunicationType.Allreduce, CommunicationType.ReduceScatter, CommunicationType.Reduce)
+    def __new__(cls, value: str, has_root: bool, reduces: bool, sends: str, receives: str, in_cpp: bool, traffic):
+        member = object.__new__(cls)
+        member._value_ = value
+        member.has_root = has_root
+        member.reduces = reduces
+        member.sends = sends
+        member.receives = receives
+        member.in_cpp = in_cpp
+        member.traffic = traffic
+        return member
+
+    Allgather = "Allgather", False, False, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(i))
+    Allreduce = "Allreduce", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(o))
+    ReduceScatter = "ReduceScatter", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(o))
+    Broadcast = "Broadcast", True, False, "root", "others", True, _broadcast_traffic
+    Gather = "Gather", True, False, "all", "root", True, _gather_traffic
+    Scatter = "Scatter", True, False, "root", "all", True, _scatter_traffic
+    Reduce = "Reduce", True, True, "all", "root", True, _reduce_traffic
+    SendRecv = "SendRecv", True, False, "root", "others", True, _send_recv_traffic
+    AllToAll = "AllToAll", False, False, "all", "all", False, _all_to_all_traffic
 
 
 BACKENDS = ("NCCL", "gloo", "cuda")
@@ -1043,13 +1234,15 @@ class Communication(Expr):
     decomposition's loop names the root by its index); `red_op` is sum, max
     or min."""
 
+    EFFECT = "communication"
+
     name: int
     type: CommunicationType
     out: TensorView
     input: TensorView
     team: tuple
     root: int | Scalar | None = None
-    red_op: str | None = None
+    red_op: ReductionKind | None = None
     backend: str = "NCCL"
     # Dims of the input's local tensor that each rank reduces itself first
     # (the rows of a split mesh_x axis that a rank holds).
@@ -1063,6 +1256,8 @@ class Communication(Expr):
 
     def __post_init__(self):
         self.backend = backend_name(self.backend)
+        if self.red_op is not None:
+            self.red_op = _kind(ReductionKind, self.red_op, "reduction")
         if not self.team:
             raise DefinitionError("a Communication needs a non-empty team")
         if self.type.has_root != (self.root is not None):
@@ -1074,7 +1269,7 @@ class Communication(Expr):
 
     def id_pairs(self):
         if self.out.ndim == self.input.ndim:
-            yield from zip(self.out.runtime_domain(), self.input.runtime_domain())
+            yield from zip(self.out.loop_axes(), self.input.loop_axes())
 
 
 @_op
@@ -1085,6 +1280,8 @@ class P2PCommunication(Expr):
     must be bound before (a recv writes into it). A one-sided transport
     (cuda) pushes a send into the peer's buffer at `into`: the view of the
     receiver's window that the peer's recv binds, named on the sender."""
+
+    EFFECT = "communication"
 
     name: int
     type: str  # "send" or "recv"
@@ -1106,11 +1303,15 @@ class StartCoalescing(Expr):
     grouped and posted together (one NCCL group), so a send and a recv
     between two ranks cannot deadlock each other."""
 
+    EFFECT = "communication"
+
 
 @_op
 class EndCoalescing(Expr):
     """Posts the group opened by `StartCoalescing`; a `Wait` on it completes
     every communication of the group."""
+
+    EFFECT = "communication"
 
     name: int
 
@@ -1120,6 +1321,8 @@ class Wait(Expr):
     """Completes `communication`: on NCCL the current stream waits for it
     (the host does not block); on gloo the host waits, with the
     communicator's timeout. After it, the output buffer holds the result."""
+
+    EFFECT = "sync"
 
     communication: Expr
 
@@ -1138,17 +1341,14 @@ def walk(exprs: Sequence[Expr]) -> Iterator[Expr]:
     """Every expr, loop bodies included, in program order."""
     for e in exprs:
         yield e
-        if isinstance(e, ForLoop):
-            yield from walk(e.body)
+        for body in bodies(e):
+            yield from walk(body)
 
 
 def defined_tvs(e: Expr) -> list[TensorView]:
-    """TensorViews an expr binds when it runs."""
-    if isinstance(e, (HirAliasSelect, HirAliasChunk)):
-        return [e.out]
-    if isinstance(e, Allocate):
-        return [e.buffer]
-    return [v for v in e.outputs() if isinstance(v, TensorView)]
+    """TensorViews an expr binds when it runs (its declared `BINDS`)."""
+    fields = e.OUTPUTS if e.BINDS is None else e.BINDS
+    return [v for v in (getattr(e, f) for f in fields) if isinstance(v, TensorView)]
 
 
 def read_vals(e: Expr) -> list:
@@ -1379,8 +1579,7 @@ def _probe(v):
 
 
 def binary(kind: str, lhs, rhs) -> TensorView:
-    if kind not in BinaryOp.KINDS:
-        raise DefinitionError(f"unknown binary op {kind!r}; expected one of {list(BinaryOp.KINDS)}")
+    kind = _kind(BinaryKind, kind, "binary op")
     lhs, rhs = _as_operand(lhs), _as_operand(rhs)
     fusion = _owner(lhs, rhs)
     tensors = [v for v in (lhs, rhs) if isinstance(v, TensorView)]
@@ -1391,7 +1590,7 @@ def binary(kind: str, lhs, rhs) -> TensorView:
     probe = [_probe(v) for v in (lhs, rhs)]
     if not isinstance(probe[0], torch.Tensor):
         probe[0] = torch.tensor(probe[0])
-    dtype = getattr(torch, kind)(*probe).dtype
+    dtype = kind.torch_fn(*probe).dtype
     domain = []
     for axes in zip(*(t.logical_runtime() for t in tensors)):
         wide = [d for d in axes if not d.is_broadcast]
@@ -1405,19 +1604,18 @@ def binary(kind: str, lhs, rhs) -> TensorView:
 
 
 def unary(kind: str, x: TensorView, dtype: torch.dtype | None = None) -> TensorView:
-    if kind not in UnaryOp.KINDS:
-        raise DefinitionError(f"unknown unary op {kind!r}; expected one of {list(UnaryOp.KINDS)}")
+    kind = _kind(UnaryKind, kind, "unary op")
     if not isinstance(x, TensorView):
         raise DefinitionTypeError(f"{kind} takes a TensorView, got {type(x).__name__}")
     fusion = _owner(x)
-    if kind == "cast":
+    if kind is UnaryKind.cast:
         if not isinstance(dtype, torch.dtype):
             raise DefinitionTypeError(f"cast needs a torch.dtype, got {dtype!r}")
         if dtype not in _DTYPE_NAMES:
             raise DefinitionTypeError(f"cast: dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES)}")
     elif dtype is not None:
         raise DefinitionTypeError(f"{kind} takes no dtype")
-    if kind in UnaryOp.FLOATING and not x.dtype.is_floating_point:
+    if kind.floating and not x.dtype.is_floating_point:
         raise DefinitionTypeError(f"{kind}: T{x.name} is {x.dtype}; {kind} takes a floating-point tensor")
     out = TensorView(fusion, [d.clone(fusion) for d in x.logical_runtime()], dtype or x.dtype)
     return _emit(fusion, UnaryOp(out, kind, x))
@@ -1441,12 +1639,11 @@ def _normalize_dims(x: TensorView, dims, what: str) -> list[int]:
 
 
 def reduction(kind: str, x: TensorView, dims) -> TensorView:
-    if kind not in ReductionOp.KINDS:
-        raise DefinitionError(f"unknown reduction {kind!r}; expected one of {list(ReductionOp.KINDS)}")
+    kind = _kind(ReductionKind, kind, "reduction")
     fusion = _owner(x)
     reduced = _normalize_dims(x, dims, kind)
     dtype = x.dtype
-    if kind == "sum" and not (dtype.is_floating_point or dtype.is_complex):
+    if kind is ReductionKind.sum and not (dtype.is_floating_point or dtype.is_complex):
         dtype = torch.int64
     domain = [
         d.clone(fusion, IterType.reduction if i in reduced else None)
@@ -1465,20 +1662,19 @@ def matmul(a: TensorView, b: TensorView) -> TensorView:
             raise DefinitionError(f"matmul: T{t.name} must have at least 2 axes, got {t.logical_ndim}")
     if a.dtype != b.dtype:
         raise DefinitionTypeError(f"matmul: dtypes differ, T{a.name} is {a.dtype} and T{b.name} is {b.dtype}")
-    if b.logical_ndim != 2 and b.logical_ndim != a.logical_ndim:
-        raise DefinitionError(
-            f"matmul: T{b.name} must have 2 axes or as many as T{a.name} ({a.logical_ndim}), got {b.logical_ndim}"
-        )
     ad, bd = a.logical_runtime(), b.logical_runtime()
     _check_same_size(ad[-1], bd[-2], "matmul: K of a and b")
+    # torch's batch broadcasting: batch axes align from the right; a
+    # broadcast (size-1) axis takes the other operand's.
+    n_batch = max(len(ad), len(bd)) - 2
     batch = []
-    for i, d in enumerate(ad[:-2]):
-        if b.logical_ndim > 2:
-            if d.is_broadcast:
-                d = bd[i]
-            elif not bd[i].is_broadcast:
-                _check_same_size(d, bd[i], f"matmul: batch axis {i}")
-        batch.append(d.clone(fusion))
+    for i in range(n_batch):
+        j_a, j_b = len(ad) - 2 - n_batch + i, len(bd) - 2 - n_batch + i
+        pair = [d for d in (ad[j_a] if j_a >= 0 else None, bd[j_b] if j_b >= 0 else None) if d is not None]
+        wide = [d for d in pair if not d.is_broadcast]
+        if len(wide) == 2:
+            _check_same_size(wide[0], wide[1], f"matmul: batch axis {i}")
+        batch.append((wide or pair)[0].clone(fusion))
     domain = batch + [
         ad[-2].clone(fusion),
         bd[-1].clone(fusion),
@@ -1489,22 +1685,36 @@ def matmul(a: TensorView, b: TensorView) -> TensorView:
 
 
 def linear(x: TensorView, weight: TensorView, bias: TensorView | None = None) -> TensorView:
+    """`x @ weight.T + bias` for a weight [N, K]; a weight [*W, N, K] (its
+    leading axes a logical split of N, as nvFuser allows) gives out
+    [..., *W, N], with a bias [*W, N] or [N]."""
     fusion = _owner(x, weight, bias)
-    if x.logical_ndim < 1 or weight.logical_ndim != 2:
-        raise DefinitionError(f"linear: weight T{weight.name} must have 2 axes [N, K], got {weight.logical_ndim}")
-    if bias is not None and bias.logical_ndim != 1:
-        raise DefinitionError(f"linear: bias T{bias.name} must have 1 axis [N], got {bias.logical_ndim}")
+    for t in (x, weight, bias):
+        if t is not None and not isinstance(t, TensorView):
+            raise DefinitionTypeError(f"linear takes TensorViews, got {type(t).__name__}")
+    if x.logical_ndim < 1 or weight.logical_ndim < 2:
+        raise DefinitionError(
+            f"linear: weight T{weight.name} must have at least 2 axes [N, K], got {weight.logical_ndim}"
+        )
+    wd = weight.logical_runtime()
+    if bias is not None and not 1 <= bias.logical_ndim <= len(wd) - 1:
+        raise DefinitionError(
+            f"linear: bias T{bias.name} must have the weight's leading axes {len(wd) - 1} or 1 axis [N], "
+            f"got {bias.logical_ndim}"
+        )
     for t in (weight, bias):
         if t is not None and t.dtype != x.dtype:
             raise DefinitionTypeError(f"linear: T{t.name} is {t.dtype} but T{x.name} is {x.dtype}")
-    xd, wd = x.logical_runtime(), weight.logical_runtime()
-    _check_same_size(xd[-1], wd[1], "linear: K of input and weight")
+    xd = x.logical_runtime()
+    _check_same_size(xd[-1], wd[-1], "linear: K of input and weight")
     if bias is not None:
-        _check_same_size(wd[0], bias.logical_runtime()[0], "linear: N of weight and bias")
-    domain = [d.clone(fusion) for d in xd[:-1]] + [
-        wd[0].clone(fusion, IterType.iteration),
-        xd[-1].clone(fusion, IterType.reduction),
-    ]
+        for i, (wa, ba) in enumerate(zip(reversed(wd[:-1]), reversed(bias.logical_runtime()))):
+            _check_same_size(wa, ba, f"linear: axis {len(wd) - 2 - i} of weight and bias")
+    domain = (
+        [d.clone(fusion) for d in xd[:-1]]
+        + [d.clone(fusion, IterType.iteration) for d in wd[:-1]]
+        + [xd[-1].clone(fusion, IterType.reduction)]
+    )
     out = TensorView(fusion, domain, x.dtype)
     return _emit(fusion, LinearOp(out, x, weight, bias))
 

@@ -162,8 +162,46 @@ def global_extent(d: ir.IterDomain, local: int) -> int:
     return local * n
 
 
-def chunk_count(axis: ir.IterDomain, extent_of: Callable[[ir.Scalar], int]) -> int:
-    return int(extent_of(axis.extent))
+def whole_size(tv: ir.TensorView, d: ir.IterDomain, size: int) -> int:
+    """The size of logical axis `d` across all ranks, from this rank's."""
+    for leaf in d.loop_leaves():
+        if leaf.is_device_parallel:
+            # A sharded piece's extent is the mesh's size along it (checked
+            # when lowering); a symbolic one takes it from the mesh.
+            if leaf.extent.is_constant:
+                size *= leaf.extent.value
+            elif tv.mesh is not None:
+                size *= tv.mesh.size_along(leaf.parallel_type)
+    return size
+
+
+def local_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None:
+    """This rank's size of `tv`'s logical axis `d`, from the whole sizes
+    of the symbolic extents (None where unknown)."""
+    fixed = local_extent(d)
+    if fixed is not None:
+        return fixed
+    size = whole_extent(d.extent, sizes)
+    if size is None:
+        return None
+    for leaf in d.loop_leaves():
+        if leaf.is_device_parallel:
+            size //= tv.mesh.size_along(leaf.parallel_type)
+    return size
+
+
+def whole_extent(extent: ir.Scalar, sizes) -> int | None:
+    """An extent's whole size: a constant, an input's symbolic extent (from
+    `sizes`), or an expression of them (a reshape's inferred size); None
+    where unknown."""
+    if isinstance(extent, ir.ScalarExpr):
+        lhs, rhs = whole_extent(extent.lhs, sizes), whole_extent(extent.rhs, sizes)
+        if lhs is None or rhs is None or (extent.op in ("/", "%", "ceilDiv") and rhs == 0):
+            return None
+        return int(ir.ScalarExpr.OPS[extent.op](lhs, rhs))
+    if extent.is_constant:
+        return int(extent.value)
+    return sizes.get(extent)
 
 
 def select_kind(tv: ir.TensorView, axis: ir.IterDomain) -> str:
@@ -190,3 +228,42 @@ def chunk_bounds(size: int, chunks: int, index: int) -> tuple[int, int]:
     step = -(-size // chunks)
     start = min(index * step, size)
     return start, max(0, min(step, size - start))
+
+
+def leaf_sizes(leaves: Sequence[ir.IterDomain], size: int, mesh, whole=None) -> list[int]:
+    """The sizes of the pieces `leaves` of one axis held in a dim of `size`:
+    a device-parallel piece has the mesh's size along its mesh dimension
+    where that dimension is in `whole` (every one when `whole` is None), 1
+    otherwise; a constant piece its extent; the symbolic piece the rest."""
+    sizes = []
+    for x in leaves:
+        if x.is_device_parallel:
+            sizes.append(mesh.size_along(x.parallel_type) if whole is None or x.parallel_type in whole else 1)
+        elif x.extent.is_constant:
+            sizes.append(x.extent.value)
+        else:
+            sizes.append(None)
+    known = 1
+    for v in sizes:
+        known *= v if v is not None else 1
+    return [size // known if v is None else v for v in sizes]
+
+
+def is_split(tv: ir.TensorView) -> bool:
+    """Whether `tv` has a split axis: its runtime dims merge pieces, or an
+    extent is a ceilDiv."""
+    if any(len(dim) > 1 for dim in dims(tv)):
+        return True
+    return any(isinstance(d.extent, ir.ScalarExpr) and d.extent.op == "ceilDiv" for d in tv.domain)
+
+
+def sharded_axis(tv: ir.TensorView, parallel_type=None) -> tuple[int, int] | None:
+    """(logical axis, position of the piece among that axis's loop pieces)
+    of the axis of `tv` sharded along `parallel_type` (mesh_x by default),
+    or None if no axis is."""
+    parallel_type = ir.ParallelType.mesh_x if parallel_type is None else parallel_type
+    for index, d in enumerate(tv.logical_runtime()):
+        for at, leaf in enumerate(d.loop_leaves()):
+            if leaf.parallel_type is parallel_type:
+                return index, at
+    return None

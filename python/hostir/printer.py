@@ -47,7 +47,7 @@ def _binary(e: ir.BinaryOp, pad):
     return [
         f"{pad}{format_tv(e.out)}",
         f"{pad}   = {format_val(e.lhs)}",
-        f"{pad}   {ir.BinaryOp.KINDS[e.kind]} {format_val(e.rhs)};",
+        f"{pad}   {e.kind.symbol} {format_val(e.rhs)};",
     ]
 
 
@@ -55,12 +55,9 @@ def _unary(e: ir.UnaryOp, pad):
     return _assign(pad, e.out, f"{e.kind}( {format_tv(e.input)} )")
 
 
-_INIT = {"sum": "0", "max": "-inf", "min": "inf"}
-
-
 def _reduction(e: ir.ReductionOp, pad):
-    init = f"{ir.dtype_name(e.out.dtype)}({_INIT[e.kind]})"
-    op = ir.ReductionOp.KINDS[e.kind]
+    init = f"{ir.dtype_name(e.out.dtype)}({e.kind.initial})"
+    op = e.kind.dump_name
     return _assign(
         pad,
         e.out,
@@ -79,6 +76,11 @@ def _matmul(e: ir.MatmulOp, pad):
 def _linear(e: ir.LinearOp, pad):
     args = [e.input, e.weight] + ([e.bias] if e.bias is not None else [])
     return _assign(pad, e.out, f"linear( {', '.join(format_tv(a) for a in args)}{_partial(e)} )")
+
+
+def _broadcast_in_dim(e: ir.BroadcastInDimOp, pad):
+    dims = ", ".join(map(str, e.dims))
+    return _assign(pad, e.out, f"broadcast_in_dim( {format_tv(e.input)}, dims = {{{dims}}} )")
 
 
 def _permute(e: ir.PermuteOp, pad):
@@ -112,6 +114,17 @@ def _set_stream(e: ir.SetCurrentStream, pad):
 
 def _synchronize(e: ir.Synchronize, pad):
     return [f"{pad}Synchronize {format_stream(e.stream)}"]
+
+
+def _if(e: ir.IfThenElse, pad):
+    lines = [f"{pad}IF {format_scalar(e.predicate)}:"]
+    for inner in e.then_body:
+        lines += _lines(inner, pad + INDENT)
+    if e.else_body:
+        lines.append(f"{pad}ELSE:")
+        for inner in e.else_body:
+            lines += _lines(inner, pad + INDENT)
+    return lines
 
 
 def _for(e: ir.ForLoop, pad):
@@ -201,6 +214,7 @@ _FORMATS = {
     ir.ReductionOp: _reduction,
     ir.MatmulOp: _matmul,
     ir.LinearOp: _linear,
+    ir.BroadcastInDimOp: _broadcast_in_dim,
     ir.PermuteOp: _permute,
     ir.ReshapeOp: _reshape,
     ir.SliceOp: _slice,
@@ -209,6 +223,7 @@ _FORMATS = {
     ir.SetCurrentStream: _set_stream,
     ir.Synchronize: _synchronize,
     ir.ForLoop: _for,
+    ir.IfThenElse: _if,
     ir.HirAliasSelect: _select,
     ir.HirAliasChunk: _chunk,
     ir.Allocate: _allocate,
@@ -221,23 +236,9 @@ _FORMATS = {
 }
 
 
-def register_format(op_class):
-    """Decorator: the text format of an op class defined outside this module."""
-
-    def wrap(fn):
-        _FORMATS[op_class] = fn
-        return fn
-
-    return wrap
-
-
-def format_expr(e: ir.Expr, indent: int = 0) -> str:
-    return "\n".join(_lines(e, INDENT * indent))
-
-
 def format_expr_head(e: ir.Expr) -> str:
     """One expr without a loop's body: what an error message quotes."""
-    if isinstance(e, ir.ForLoop):
+    if isinstance(e, (ir.ForLoop, ir.IfThenElse)):
         return _lines(e, "")[0]
     return "\n".join(line.strip() for line in _lines(e, ""))
 

@@ -4,8 +4,10 @@
 Each checks its arguments against the operand's logical axes when it is
 defined (so a bad axis or size is an error naming the op, before anything
 runs) and makes the output's axes: permuted clones, new extents, or the
-operand's axes less the selected one. The ops copy; their outputs never
-share memory with their operands.
+operand's axes less the selected one. `permute` and `reshape` return views
+of their operands where torch would (a permute always, a reshape where the
+strides allow), and the race checker and the dry run's memory plan see
+them as the operand's buffer; `slice` and `select` copy.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 // GoogleTest tests of the C++ executor on programs built by hand, without
-// Python: loops and scalar expressions, selects into preallocated buffers,
+// Python: loops, conditionals and scalar expressions (scalar inputs among
+// them), selects into preallocated buffers,
 // the out= variants, extent binding, failures with loop indices, and two
 // threads running one Executor at once.
 #include "../../csrc/host_ir/program.h"
@@ -252,6 +253,47 @@ TEST(Executor, EveryKindOfBinaryOpByNumber) {
       // Row i: x op 2, plus i % 1 = 0.
       EXPECT_TRUE(at::allclose(r.outputs[0], at::full({2, 3}, expected_for_four))) << kind;
     }
+  }
+}
+
+// rowLoop with its two compute instructions under IF ( i < limit ), limit
+// a scalar input (integer slot $4, listed in the inputs as -2 - 4); the
+// ELSE branch copies the input row.
+Program rowLoopWithBranch() {
+  Program p = rowLoop();
+  p.num_ints = 5;
+  p.int_names.push_back("limit");
+  p.inputs = {0, -2 - 4};
+  ScalarNode less;
+  less.kind = ScalarNode::kLt;
+  less.lhs = p.instrs[2].index;
+  less.rhs = slotNode(p, 4);
+  Instr branch;
+  branch.op = Opcode::kIf;
+  branch.cond = addNode(p, less);
+  branch.end = 7;
+  branch.else_end = 8;
+  Instr copy;
+  copy.op = Opcode::kSet;
+  copy.out = 3;
+  copy.input = 2;
+  p.instrs.insert(p.instrs.begin() + 4, branch);
+  p.instrs.push_back(copy);
+  p.instrs[1].end = 8;
+  return p;
+}
+
+TEST(Executor, IfRunsOneBranchOnAScalarInput) {
+  Executor executor(rowLoopWithBranch());
+  at::Tensor x = at::randn({5, 4});
+  for (int64_t limit : {0, 2, 5}) {
+    RunResult r = executor.run({x, at::scalar_tensor(limit, at::kLong)}, {}, 3);
+    ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+    at::Tensor expected = expectedRows(x, 3);
+    for (int64_t i = limit; i < 5; ++i) {
+      expected[i] = x[i];
+    }
+    EXPECT_TRUE(at::allclose(r.outputs[0], expected)) << "limit " << limit;
   }
 }
 

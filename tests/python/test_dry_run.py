@@ -174,6 +174,16 @@ def test_per_peer_bytes_of_each_collective():
         [(1, 5)],
         lambda me: ({}, {1: 20, 2: 20, 3: 20}) if me == 0 else ({0: 20}, {}),
     )
+    with FusionDefinition() as fd:  # AllToAll: rows sharded in, columns out
+        x = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.set(x)
+        fd.add_output(y)
+    _place(DeviceMesh(range(4)), x, y)
+    for tv, axis in ((x, 0), (y, 1)):
+        tv.outer_split(axis, 4)
+        tv.axis(axis).parallelize(ParallelType.mesh_x)
+    # 2 x 8 floats a rank (64 bytes): a quarter of them to each peer.
+    cases["AllToAll"] = (fd, [(2, 8)], lambda me: ({p: 16 for p in range(4) if p != me},) * 2)
     for kind, (fd, inputs, expected) in cases.items():
         report = hostir.dry_run(fd, inputs, world_size=4)
         for r in report.ranks:

@@ -292,7 +292,7 @@ def test_host_ir_dump_prints_on_first_execution_only(monkeypatch, capsys):
     fd = _scaled_add()
     fd.execute(_inputs())
     first = capsys.readouterr().out
-    assert first == "Host program:\n" + fd.host_ir()
+    assert first == "Host program:\n" + fd.host_ir() + f"{fd.last_runner}\n"
     fd.execute(_inputs())
     assert capsys.readouterr().out == ""
 

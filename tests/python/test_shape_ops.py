@@ -82,16 +82,23 @@ def test_matches_eager(case, number_of_streams, device):
         torch.testing.assert_close(out, ref)
 
 
-def test_outputs_never_share_memory_with_inputs():
+def test_outputs_share_memory_with_inputs_where_torch_views():
+    """permute and a reshape that torch can view return views of the
+    input, as torch's ops do; a reshape torch must copy, and a slice, copy."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
-        fd.add_output(fd.ops.permute(x, [0, 1]))
+        fd.add_output(fd.ops.permute(x, [1, 0]))
         fd.add_output(fd.ops.reshape(x, [-1]))
+        fd.add_output(fd.ops.reshape(fd.ops.permute(x, [1, 0]), [-1]))
         fd.add_output(fd.ops.slice(x, [0, 0], [None, None]))
     x = torch.randn(3, 4)
-    for out in fd.execute([x]):
-        assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
-    torch.testing.assert_close(fd.execute([x])[1], x.reshape(-1))
+    outs = fd.execute([x])
+    shares = [out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for out in outs]
+    expected = [x.permute(1, 0), x.reshape(-1), x.permute(1, 0).reshape(-1), x[0:, 0:]]
+    assert shares == [True, True, False, False]
+    for out, ref in zip(outs, expected):
+        torch.testing.assert_close(out, ref)
+    assert outs[0].stride() == (1, 4)
 
 
 def test_scalar_value_changes_between_runs_without_relowering():

@@ -77,3 +77,35 @@ def test_fallback_from_cuda_is_in_the_dump():
     sched = Schedule("ring", transport=None, note="cuda transport unavailable: the ranks run on cpu")
     dump = str(lower(overlap.allgather_matmul(2).fusion, rank=0, backend="gloo", schedule=sched))
     assert "transport=gloo, cuda transport unavailable: the ranks run on cpu" in dump
+
+
+# ---------------------------------------------------------------- capabilities
+
+
+def test_transports_declare_capabilities():
+    from hostir.runtime import transports
+
+    cuda, nccl, gloo = (transports.capabilities(n) for n in ("cuda", "NCCL", "gloo"))
+    assert cuda == transports.Capabilities(one_sided=True, needs_symmetric_buffers=True, uses_no_sms=True)
+    assert nccl == gloo == transports.Capabilities()
+    with pytest.raises(transports.TransportUsageError, match="unknown backend 'mpi'"):
+        transports.capabilities("mpi")
+
+
+def test_the_lowering_asks_a_capability_not_a_name(monkeypatch):
+    """A ring over gloo gets symmetric slots and one-sided pushes once gloo
+    is declared to need and do them: the lowering reads the declaration."""
+    from hostir import overlap
+    from hostir.lower import lower
+    from hostir.runtime import transports
+
+    def ring(rank=0):
+        return str(lower(overlap.allgather_matmul(2).fusion, rank=rank, backend="gloo", schedule=Schedule(transport="gloo")))
+
+    plain = ring()
+    assert "symmetric" not in plain and "into=" not in plain
+    monkeypatch.setitem(
+        transports._CAPABILITIES, "gloo", transports.Capabilities(one_sided=True, needs_symmetric_buffers=True)
+    )
+    declared = ring()
+    assert "symmetric" in declared and "into=" in declared, declared

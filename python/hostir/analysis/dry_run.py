@@ -28,7 +28,8 @@ Traffic is counted per peer, independent of the algorithm a backend uses:
 a collective sends each peer the bytes of this rank's contribution that the
 peer needs (an Allgather or Allreduce its whole piece, a ReduceScatter the
 peer's chunk, a Gather or Reduce to the root, a Broadcast or Scatter from
-it). A ring Allreduce moves 2(n-1)/n of the buffer instead; the counts here
+it, an AllToAll each peer its piece); each communication type declares
+its formula (`ir.CommunicationType.traffic`). A ring Allreduce moves 2(n-1)/n of the buffer instead; the counts here
 are what a rank's data must reach, not the wire.
 """
 
@@ -486,56 +487,11 @@ class RecordingCommunicator:
 
 
 def _count_traffic(e: ir.Communication, t: Transfer, input, out, me: int, root: int | None) -> None:
-    """Per-peer bytes of one collective on rank `me` (see the module doc)."""
-    kind = ir.CommunicationType
-    others = [p for p in e.team if p != me]
-    if e.type is kind.Allgather:
-        for p in others:
-            t.sent[p] = t.received[p] = _nbytes(input)
-    elif e.type is kind.Allreduce:
-        for p in others:
-            t.sent[p] = t.received[p] = _nbytes(out)
-    elif e.type is kind.ReduceScatter:
-        for p in others:
-            t.sent[p] = t.received[p] = _nbytes(out)
-    elif e.type is kind.Broadcast:
-        size = _nbytes(out) if out is not None else _nbytes(input)
-        if me == root:
-            t.sent.update({p: size for p in others})
-        else:
-            t.received[root] = size
-    elif e.type is kind.Gather:
-        senders = [p for p in e.team if p in e.input.mesh]
-        if me == root:
-            piece = _nbytes(out) // max(len(senders), 1)
-            t.received.update({p: piece for p in senders if p != me})
-        elif input is not None:
-            t.sent[root] = _nbytes(input)
-    elif e.type is kind.Scatter:
-        receivers = [p for p in e.team if p in e.out.mesh]
-        if me == root:
-            piece = _nbytes(input) // max(len(e.out.mesh.devices), 1)
-            t.sent.update({p: piece for p in receivers if p != me})
-        elif out is not None:
-            t.received[root] = _nbytes(out)
-    elif e.type is kind.Reduce:
-        if me == root:
-            piece = _nbytes(out)
-            t.received.update({p: piece for p in others})
-        else:
-            # Sent in the output's dtype (a sum of integers is int64).
-            piece = input.numel() * e.out.dtype.itemsize
-            for d in e.local_reduce:
-                piece //= max(input.shape[d], 1)
-            t.sent[root] = piece
-    elif e.type is kind.SendRecv:
-        sender, receiver = root, (e.team[-1] if len(e.team) > 1 else e.team[0])
-        if sender == receiver:
-            return
-        if me == sender:
-            t.sent[receiver] = _nbytes(input)
-        elif me == receiver:
-            t.received[sender] = _nbytes(out)
+    """Per-peer bytes of one collective on rank `me`: the type's own
+    formula (`ir.CommunicationType.traffic`; see the module doc)."""
+    sent, received = e.type.traffic(e, me, root, input, out)
+    t.sent.update(sent)
+    t.received.update(received)
 
 
 def _bound_tensors(frame) -> list[torch.Tensor]:
@@ -665,9 +621,15 @@ def dry_run(
     or a dict from rank to such a list. `world_size` defaults to the number
     of ranks the fusion's meshes name (1 for a single-device fusion).
     `backend`, `schedule` and `resharding` are what the programs are lowered
-    with (as `hostir.lower.lower` takes them; an execute passes its own). With
+    with (as `hostir.lower.lower` takes them, or a schedule's text as
+    `execute` takes it; an execute passes its own). With
     `check`, the ranks' communications are matched and a mismatch raises
     `CommunicationMismatchError`."""
+    from hostir.lower.schedule import parse
+
+    if isinstance(schedule, str):
+        # As an execute takes it: `ring:chunks=2`, `collective`, ...
+        schedule = parse(schedule)
     fusion = getattr(fd, "fusion", fd)
     if not isinstance(fusion, ir.Fusion):
         raise DryRunTypeError(f"dry_run takes a FusionDefinition, got {type(fd).__name__}")

@@ -167,7 +167,8 @@ class _Checker:
     def run(self) -> list[Race]:
         line = "(before the program, the caller writes its inputs)"
         for tv in self.container.inputs:
-            self.access("write", self.fresh(tv), CALLER, line)
+            if isinstance(tv, ir.TensorView):  # a scalar input has no buffer
+                self.access("write", self.fresh(tv), CALLER, line)
         self.scope(self.container.exprs)
         for tl in self.used:
             self.join(CALLER, tl)
@@ -177,7 +178,8 @@ class _Checker:
             if self.container.holds(tv):
                 self.access("read", self.region(tv), CALLER, end)
         for tv in self.container.inputs:
-            self.access("write", self.region(tv), CALLER, end)
+            if isinstance(tv, ir.TensorView):
+                self.access("write", self.region(tv), CALLER, end)
         return find_races(self.accesses)
 
     def scope(self, exprs) -> None:
@@ -222,6 +224,18 @@ def _for(ck: _Checker, e: ir.ForLoop) -> None:
         ck.scope(e.body)
         ck.loops.pop()
     ck.env.pop(e.index, None)
+
+
+@_rule(ir.IfThenElse)
+def _if(ck: _Checker, e: ir.IfThenElse) -> None:
+    value = ck.value(e.predicate)
+    if value is not None:
+        ck.scope(e.then_body if value else e.else_body)
+        return
+    # Unknown until run time: each branch from the same state, one after
+    # the other (what either may touch is checked against what follows).
+    ck.scope(e.then_body)
+    ck.scope(e.else_body)
 
 
 @_rule(ir.GetCurrentStream)
@@ -290,6 +304,27 @@ def _compute(ck: _Checker, e) -> None:
     ck.access("write", r, ck.current, line)
 
 
+@_rule(ir.PermuteOp, ir.ReshapeOp)
+def _view(ck: _Checker, e) -> None:
+    """A permute or reshape into an unbound output binds a view of its
+    operand (the evaluator's, as torch's): later accesses to the output
+    are accesses to the operand's buffer. Into a bound output it copies."""
+    line = _line(e)
+    src = ck.region(e.input)
+    ck.access("read", src, ck.current, line)
+    r = ck.region(e.out)
+    if r is not None or src is None:
+        ck.access("write", r if r is not None else ck.fresh(e.out), ck.current, line)
+        return
+    if isinstance(e, ir.PermuteOp) and len(src.dims) == len(e.dims):
+        dims = tuple(src.dims[d] for d in e.dims)
+    else:
+        # A reshape's dims are new; selects on them are told apart only
+        # from each other, so they overlap anything else on the buffer.
+        dims = tuple(("view", id(e), i) for i in range(e.out.ndim))
+    ck.bound[ck.resolve(e.out)] = _Region(src.buffer, src.where, dims)
+
+
 def _participates(ck: _Checker, e: ir.Communication) -> bool:
     return ck.container.rank is None or ck.container.rank in e.team
 
@@ -313,7 +348,7 @@ def _communication(ck: _Checker, e: ir.Communication) -> None:
     if not _participates(ck, e):
         return
     writes = [e.out]
-    if e.type in (ir.CommunicationType.Reduce, ir.CommunicationType.Gather) and ck.container.rank is not None:
+    if e.type.receives == "root" and ck.container.rank is not None:
         # Only the root receives.
         root = ck.value(e.root) if isinstance(e.root, ir.Scalar) else e.root
         if root is not None and root != ck.container.rank:

@@ -69,8 +69,14 @@ def lower(
     backend: str = "NCCL",
     resharding: str = "auto",
     schedule=None,
+    until: str | None = None,
+    stream_form: str | None = None,
 ) -> HostIrContainer:
     """The host program of `fusion`; with `rank`, the part that rank runs.
+    With `until` (a name of `pass_names()`), the program right after that
+    pass (a rank pass is skipped, as in a full lowering, where there is no
+    rank or no mesh). `stream_form` is `parallelize_streams`' form of a
+    stream loop (by default chosen by whether the program has meshes).
     `backend` is the communication backend the dump names; `resharding` is
     `insert_reshardings`' mode ("auto", "before", "after", or "strict",
     which refuses an op that computes and reshards); `schedule` (a
@@ -79,16 +85,29 @@ def lower(
     program's `digest` hashes the program before pruning for a rank."""
     if resharding not in RESHARDING_MODES:
         raise LoweringError(f"resharding must be one of {list(RESHARDING_MODES)}, got {resharding!r}")
+    if until is not None and until not in pass_names():
+        raise LoweringError(f"unknown pass {until!r}; passes in order: {', '.join(pass_names())}")
     container = _run_one(build_host_program, fusion, dumper)
-    container.backend = ir.backend_name(backend)
+    # What the program was lowered with, for what runs it (the dry run of a
+    # new shape lowers the other ranks' programs the same way).
+    container.backend = backend = ir.backend_name(backend)
     container.schedule = schedule
-    container = run_passes(container, dumper=dumper, options={insert_reshardings: {"mode": resharding}})
+    if until == build_host_program.__name__:
+        return container
+    options = pass_options(rank, backend, resharding, schedule, stream_form)
+    for p in PIPELINE:
+        container = _run_one(p, container, dumper, options.get(p))
+        if p.__name__ == until:
+            return container
     check_communication_dtypes(container)
     digest = hashlib.sha256(str(container).encode()).hexdigest()
     teams = container.teams()
     if rank is not None and container.meshes():
         container.rank = rank
-        container = run_passes(container, RANK_PIPELINE, dumper)
+        for p in RANK_PIPELINE:
+            container = _run_one(p, container, dumper, options.get(p))
+            if p.__name__ == until:
+                break
     container.digest = digest
     container.all_teams = teams
     return container
@@ -122,6 +141,25 @@ def check_communication_dtypes(container: HostIrContainer) -> None:
                     f"({printer.format_expr_head(e)}); cast to {wider} before the communication "
                     f"(fd.ops.cast) and back after it"
                 )
+
+
+def pass_options(
+    rank: int | None = None, backend: str = "NCCL", resharding: str = "auto", schedule=None, stream_form=None
+) -> dict:
+    """The arguments each pass takes beyond the program, by pass."""
+    return {
+        insert_reshardings: {"mode": resharding},
+        parallelize_streams: {"form": stream_form},
+        decompose_device_axis: {"schedule": schedule, "backend": backend},
+        lower_communications: {"backend": backend},
+        prune_for_rank: {"rank": rank},
+    }
+
+
+def pass_names() -> list[str]:
+    """The passes of a lowering, in order: `build_host_program`, then
+    `PIPELINE`, then `RANK_PIPELINE`."""
+    return [p.__name__ for p in [build_host_program, *PIPELINE, *RANK_PIPELINE]]
 
 
 def _run_one(p, program, dumper: Dumper | None, options: dict | None = None):

@@ -2,7 +2,8 @@
 
 Precondition: a `Fusion` whose ops each have one output.
 Postcondition: a verified `HostIrContainer` holding copies of the fusion's
-TensorViews (same names, meshes, splits and parallel types; memory type
+TensorViews (same names, meshes, splits, parallel types and explicit
+schedules; memory type
 global) and one top-level op per fusion op, in definition order. The user's
 fusion is not changed.
 
@@ -26,6 +27,7 @@ def build_host_program(fusion: ir.Fusion) -> HostIrContainer:
     def copy_id(d: ir.IterDomain) -> ir.IterDomain:
         if d not in ids:
             new = ids[d] = ir.IterDomain(container, d.extent, d.iter_type, d.parallel_type, name=d.name)
+            new.scheduled = d.scheduled
             if d.parent is not None:
                 new.parent = copy_id(d.parent)
             if d.leaves is not None:

@@ -1,6 +1,6 @@
 """Decompose a device axis walked as a stream axis: a loop over the ranks.
 
-Precondition: `propagate_shardings` has run; `container.schedule` says how
+Precondition: `propagate_shardings` has run; the `schedule` argument says how
 (a `hostir.lower.schedule.Schedule`; the default is a ring, one chunk per peer).
 Two patterns are rewritten, each on a 1-D mesh of consecutive ranks:
 
@@ -49,14 +49,18 @@ from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.lower.propagate_shardings import is_resharding
 from hostir.lower.schedule import Schedule
+from hostir.runtime import transports
 
 
 class DecompositionError(HostIrError, ValueError):
     """A device axis this pass cannot decompose (mesh, chunks, reduction)."""
 
 
-def decompose_device_axis(container: HostIrContainer) -> HostIrContainer:
-    schedule = container.schedule or Schedule()
+def decompose_device_axis(container: HostIrContainer, schedule: Schedule | None = None, backend: str = "NCCL") -> HostIrContainer:
+    """`schedule`: how to decompose (by default a ring, one chunk per peer);
+    `backend`: the program's transport, which the ring uses unless the
+    schedule names another."""
+    schedule = schedule or Schedule()
     graph = ir.IdGraph(container.exprs, broadcast=True)
     result = container.derive()
     exprs = list(container.exprs)
@@ -66,12 +70,12 @@ def decompose_device_axis(container: HostIrContainer) -> HostIrContainer:
         gather = _gather_axis(e, graph)
         if gather is not None:
             group, i = _run_of(exprs, i + 1, gather[1], graph)
-            _Builder(result, graph, schedule).gather(e, gather, group)
+            _Builder(result, graph, schedule, backend).gather(e, gather, group)
             continue
         reduce = _reduce_run(exprs, i, graph)
         if reduce is not None:
             group, red, i = reduce
-            _Builder(result, graph, schedule).reduce(group, red)
+            _Builder(result, graph, schedule, backend).reduce(group, red)
             continue
         result.push_back(e)
         i += 1
@@ -155,10 +159,11 @@ def _reduce_run(exprs, start, graph):
 
 
 class _Builder:
-    def __init__(self, result: HostIrContainer, graph: ir.IdGraph, schedule: Schedule):
+    def __init__(self, result: HostIrContainer, graph: ir.IdGraph, schedule: Schedule, backend: str):
         self.c = result
         self.graph = graph
         self.schedule = schedule
+        self.backend = backend
         # The program's axis each cloned axis stands for (clones are not in the graph).
         self._origin: dict[ir.IterDomain, ir.IterDomain] = {}
 
@@ -239,7 +244,7 @@ class _Builder:
 
     def _transport(self) -> str:
         asked = self.schedule.transport
-        return asked if asked is not None else self.c.backend
+        return asked if asked is not None else self.backend
 
     def _head(self, kind: str) -> str:
         s = self.schedule
@@ -330,7 +335,7 @@ class _Builder:
     def _comm(self, type_, out, input, team, root=None, red_op=None, schedule=None):
         return ir.Communication(
             self.c.next_name("comm"), type_, out, input, tuple(team), root=root, red_op=red_op,
-            backend=self.c.backend, schedule=schedule,
+            backend=self.backend, schedule=schedule,
         )
 
     def _p2p(self, type_, buffer, peer, into=None):
@@ -338,8 +343,8 @@ class _Builder:
 
     def _exchange(self, body, send, to, recv, frm, into):
         """Send `send` to `to` and receive `recv` from `frm` as one group."""
-        cuda = self._transport() == "cuda"
-        posts = [self._p2p("send", send, to, into if cuda else None), self._p2p("recv", recv, frm)]
+        one_sided = transports.capabilities(self._transport()).one_sided
+        posts = [self._p2p("send", send, to, into if one_sided else None), self._p2p("recv", recv, frm)]
         end = ir.EndCoalescing(self.c.next_name("comm"))
         body += [ir.StartCoalescing(), *posts, end, ir.Wait(end)]
 
@@ -362,7 +367,7 @@ class _Builder:
                 changes = {f: flat[getattr(e, f)] for f in e.INPUTS + e.OUTPUTS if getattr(e, f) in flat}
                 self.c.push_back(e.replace(**changes))
             return
-        symmetric = kind == "ring" and self._transport() == "cuda"
+        symmetric = kind == "ring" and transports.capabilities(self._transport()).needs_symmetric_buffers
         self.c.push_back(ir.Allocate(xg, ir.MemoryType.symmetric if symmetric else ir.MemoryType.global_))
         for tv in outs[1:]:
             self.c.push_back(ir.Allocate(tv, ir.MemoryType.global_))
@@ -480,7 +485,7 @@ class _Builder:
         slot_domain = [self._serial(d) for d in c.domain]
         at = c.domain.index(s)
         slots = ir.TensorView(self.c, slot_domain, c.dtype, ir.MemoryType.global_, mesh=c.mesh)
-        symmetric = self._transport() == "cuda"
+        symmetric = transports.capabilities(self._transport()).needs_symmetric_buffers
         self.c.push_back(ir.Allocate(slots, ir.MemoryType.symmetric if symmetric else ir.MemoryType.global_))
         slot_axis = slot_domain[at]
         pre: list = []

@@ -48,6 +48,7 @@ from __future__ import annotations
 from collections import Counter
 
 from hostir import ir, printer
+from hostir.kinds import BinaryKind, ReductionKind
 from hostir.container import HostIrContainer
 from hostir.lower.propagate_shardings import (
     RESHARDING_OPS,
@@ -119,7 +120,7 @@ def _refuse(e: ir.Expr, why: str = "") -> None:
 def _k_axes(e) -> list[ir.IterDomain]:
     if isinstance(e, ir.MatmulOp):
         return [e.a.logical_runtime()[-1], e.b.logical_runtime()[-2]]
-    return [e.input.logical_runtime()[-1], e.weight.logical_runtime()[1]]
+    return [e.input.logical_runtime()[-1], e.weight.logical_runtime()[-1]]
 
 
 def _sharded_k(e) -> ir.IterDomain | None:
@@ -169,12 +170,12 @@ def _partial_sums(container: HostIrContainer, e) -> list[ir.Expr]:
     summed_axis = ir.IterDomain(container, ir.Scalar.constant(n), ir.IterType.reduction, pt)
     if bias is None:
         _set_axes(out, [summed_axis] + kept)
-        return [compute, ir.ReductionOp(out, "sum", p)]
+        return [compute, ir.ReductionOp(out, ReductionKind.sum, p)]
     s = _clone(container, out, kept)
     s.logical.insert(0, summed_axis)
     s.domain.insert(0, summed_axis)
     _set_axes(out, kept)
-    return [compute, ir.ReductionOp(s, "sum", p), ir.BinaryOp(out, "add", s, bias)]
+    return [compute, ir.ReductionOp(s, ReductionKind.sum, p), ir.BinaryOp(out, BinaryKind.add, s, bias)]
 
 
 def _keep_stream(new: ir.IterDomain, like: ir.IterDomain) -> None:

@@ -45,18 +45,19 @@ class CommunicationLoweringError(HostIrError, ValueError):
     pass
 
 
-def lower_communications(container: HostIrContainer) -> HostIrContainer:
+def lower_communications(container: HostIrContainer, backend: str = "NCCL") -> HostIrContainer:
+    """`backend`: the transport the communications name."""
     result = container.derive()
-    for e in _rewrite(container, container.exprs, bound=set()):
+    for e in _rewrite(container, container.exprs, set(), backend):
         result.push_back(e)
     return result
 
 
-def _rewrite(container: HostIrContainer, exprs, bound: set) -> list[ir.Expr]:
+def _rewrite(container: HostIrContainer, exprs, bound: set, backend: str) -> list[ir.Expr]:
     new: list[ir.Expr] = []
     for e in exprs:
         if isinstance(e, ir.ForLoop):
-            new.append(e.replace(body=_rewrite(container, e.body, set(bound))))
+            new.append(e.replace(body=_rewrite(container, e.body, set(bound), backend)))
             continue
         if isinstance(e, ir.HirAliasSelect):
             bound.add(e.out)
@@ -65,7 +66,7 @@ def _rewrite(container: HostIrContainer, exprs, bound: set) -> list[ir.Expr]:
         if not isinstance(e, (ir.Set, ir.ReductionOp)) or not is_resharding(e):
             new.append(e)
             continue
-        comms = _communications(container, e)
+        comms = _communications(container, e, backend)
         if e.out not in bound:
             new.append(ir.Allocate(e.out, ir.MemoryType.global_))
             bound.add(e.out)
@@ -103,7 +104,7 @@ def _outermost_piece(e, tv: ir.TensorView, pt: ir.ParallelType) -> None:
             )
 
 
-def _communications(container: HostIrContainer, e: ir.Expr) -> list[ir.Communication]:
+def _communications(container: HostIrContainer, e: ir.Expr, backend: str) -> list[ir.Communication]:
     src, dst = e.input, e.out
     sender, receiver = src.mesh, dst.mesh
     pt = _parallel_type(e)
@@ -121,7 +122,7 @@ def _communications(container: HostIrContainer, e: ir.Expr) -> list[ir.Communica
             tuple(team),
             root=root,
             red_op=red_op,
-            backend=container.backend,
+            backend=backend,
             local_reduce=local_reduce if red_op is not None else (),
             parallel_type=pt,
         )

@@ -37,7 +37,18 @@ class StreamParallelError(HostIrError, ValueError):
     pass
 
 
-def parallelize_streams(container: HostIrContainer) -> HostIrContainer:
+STREAM_FORMS = ("pipelined", "per_iteration")
+
+
+def parallelize_streams(container: HostIrContainer, form: str | None = None) -> HostIrContainer:
+    """`form`: how a stream loop's iterations wait for the caller's stream:
+    "pipelined" (a first loop makes every worker wait for the caller, then
+    the work loop; iteration i+1 need not wait for iteration i) or
+    "per_iteration" (each iteration waits for the caller). By default the
+    pipelined form for a multi-device program, whose communications it
+    overlaps, and the per-iteration form otherwise."""
+    if form is not None and form not in STREAM_FORMS:
+        raise StreamParallelError(f"unknown stream form {form!r}; expected one of {list(STREAM_FORMS)}")
     graph = ir.IdGraph(container.exprs, broadcast=True)
 
     grouped: list = []
@@ -63,7 +74,7 @@ def parallelize_streams(container: HostIrContainer) -> HostIrContainer:
 
     result = container.derive()
     slicer = _Slicer(result, graph)
-    multi_device = bool(container.meshes())
+    pipelined = bool(container.meshes()) if form is None else form == "pipelined"
     for item in grouped:
         if id(item) not in loops:
             result.push_back(item)
@@ -73,7 +84,7 @@ def parallelize_streams(container: HostIrContainer) -> HostIrContainer:
             if slicer.mapped_axis(out, item) is not None:
                 result.push_back(ir.Allocate(out, ir.MemoryType.global_))
         body = slicer.slice_body(item)
-        if multi_device:
+        if pipelined:
             for e in _pipelined(result, item, body):
                 result.push_back(e)
         else:

@@ -94,8 +94,9 @@ def _used_types(tv: ir.TensorView) -> set:
 
 def _copy_sharding(out: ir.TensorView, o: ir.IterDomain, i: ir.IterDomain) -> None:
     """Give `out`'s logical axis `o` the splits and mesh dimensions of `i`,
-    unless `o` has its own or `out` already uses one of those dimensions."""
-    if o.is_reduction or o.leaves is not None or o.is_device_parallel:
+    unless `o` has its own or `out` already uses one of those dimensions,
+    or is a broadcast axis (size 1 on every rank, nothing to shard)."""
+    if o.is_reduction or o.is_broadcast or o.leaves is not None or o.is_device_parallel:
         return
     if device_types(i) & _used_types(out):
         return

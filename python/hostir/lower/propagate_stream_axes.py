@@ -8,7 +8,9 @@ TensorViews, so the user's fusion is not changed).
 Postcondition, in two steps (nvFuser's sharding propagation, for the
 `stream` type):
 1. A tensor is *scheduled* when the user placed it on a mesh, split it or
-   parallelized one of its axes. Going forward over the ops, an unscheduled
+   parallelized one of its axes (`parallelize(ParallelType.serial)`
+   included: an explicit serial axis keeps its tensor out of the loop, so a
+   non-stream op between two stream ops ends the first loop). Going forward over the ops, an unscheduled
    output takes the stream axis of its first operand that has one, on the
    output axis that iterates with it (split the same way when the operand's
    stream axis is the outer piece of a split); going backward, an
@@ -91,7 +93,7 @@ def _is_scheduled(tv: ir.TensorView) -> bool:
     return (
         tv.mesh is not None
         or tv.is_split
-        or any(d.parallel_type is not ir.ParallelType.serial for d in tv.domain)
+        or any(d.parallel_type is not ir.ParallelType.serial or d.scheduled for d in tv.domain)
     )
 
 

@@ -1,6 +1,6 @@
 """Keep only what this rank takes part in (each rank runs its own program).
 
-Precondition: `container.rank` is this rank; communications are lowered.
+Precondition: communications are lowered.
 Postcondition: a communication whose team excludes the rank is gone, with
 its `Wait` (in one the rank keeps, the evaluator reads the input only if
 the input's mesh holds the rank and writes the output likewise). Any other op, and any
@@ -21,10 +21,10 @@ from hostir.errors import DefinitionError
 _STREAM_OPS = (ir.GetCurrentStream, ir.SetCurrentStream, ir.Synchronize)
 
 
-def prune_for_rank(container: HostIrContainer) -> HostIrContainer:
-    rank = container.rank
+def prune_for_rank(container: HostIrContainer, rank: int | None = None) -> HostIrContainer:
+    """The part of `container` that `rank` runs."""
     if rank is None:
-        raise DefinitionError("prune_for_rank needs the container's rank")
+        raise DefinitionError("prune_for_rank needs a rank")
     result = container.derive()
     for e in _prune(container.exprs, rank, kept=set()):
         result.push_back(e)
@@ -32,7 +32,7 @@ def prune_for_rank(container: HostIrContainer) -> HostIrContainer:
 
 
 def _on_rank(tv, rank: int) -> bool:
-    return not isinstance(tv, ir.TensorView) or tv.mesh is None or rank in tv.mesh
+    return not isinstance(tv, ir.TensorView) or tv.held_by(rank)
 
 
 def _prune(exprs, rank: int, kept: set) -> list[ir.Expr]:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from hostir import ir, layout
+from hostir import ir, layout, mesh_extents
 from hostir.errors import HostIrError, ScheduleError
+from hostir.kinds import ReductionKind
 from hostir.container import HostIrContainer
 
 __all__ = [
@@ -73,7 +74,7 @@ def signature(fusion: ir.Fusion) -> str:
         if isinstance(tv, ir.InputScalar):
             parts.append(f"{tv.label}: {str(tv.dtype).removeprefix('torch.')} scalar")
             continue
-        dims = ", ".join("?" if not d.extent.is_constant else str(d.extent.value) for d in tv.runtime_domain())
+        dims = ", ".join("?" if not d.extent.is_constant else str(d.extent.value) for d in tv.loop_axes())
         parts.append(f"T{tv.name}: {str(tv.dtype).removeprefix('torch.')}[{dims}]")
     return "(" + ", ".join(parts) + ")"
 
@@ -166,19 +167,6 @@ def equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
     return [sorted(found) for found in by_class.values() if len(found) > 1]
 
 
-def _whole_size(tv: ir.TensorView, d: ir.IterDomain, size: int) -> int:
-    """The size of logical axis `d` across all ranks, from this rank's."""
-    for leaf in d.loop_leaves():
-        if leaf.is_device_parallel:
-            # A sharded piece's extent is the mesh's size along it (checked
-            # when lowering); a symbolic one takes it from the mesh.
-            if leaf.extent.is_constant:
-                size *= leaf.extent.value
-            elif tv.mesh is not None:
-                size *= tv.mesh.size_along(leaf.parallel_type)
-    return size
-
-
 def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, int]:
     """Raise if input axes that the program makes equal differ in whole
     size (this rank's size times the ranks sharing the axis); return the
@@ -186,10 +174,10 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
     for group in equal_axes:
         (i0, a0), *rest = group
         t0 = fusion.inputs[i0]
-        s0 = _whole_size(t0, t0.logical_runtime()[a0], inputs[i0].shape[a0])
+        s0 = layout.whole_size(t0, t0.logical_runtime()[a0], inputs[i0].shape[a0])
         for i, a in rest:
             t = fusion.inputs[i]
-            size = _whole_size(t, t.logical_runtime()[a], inputs[i].shape[a])
+            size = layout.whole_size(t, t.logical_runtime()[a], inputs[i].shape[a])
             if size != s0:
                 raise InputError(
                     f"input {i} (T{t.name}) axis {a} has size {size} but input {i0} "
@@ -203,7 +191,8 @@ def check_sizes(fusion: ir.Fusion, inputs: list, equal_axes) -> dict[ir.Scalar, 
         for d, size in zip(tv.logical_runtime(), t.shape):
             if d.is_device_parallel:
                 continue
-            sizes.setdefault(d.extent, _whole_size(tv, d, size))
+            sizes.setdefault(d.extent, layout.whole_size(tv, d, size))
+    mesh_extents.check(fusion, sizes)
     return sizes
 
 
@@ -211,7 +200,7 @@ def check_reductions(fusion: ir.Fusion, sizes: dict) -> None:
     """A max or min over an empty axis has no value (torch raises): reject
     it before any work."""
     for e in fusion.exprs:
-        if not isinstance(e, ir.ReductionOp) or e.kind == "sum":
+        if not isinstance(e, ir.ReductionOp) or e.kind is ReductionKind.sum:
             continue
         for axis, d in enumerate(e.out.domain):
             if not d.is_reduction:
@@ -252,7 +241,7 @@ def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device:
         _check_tensor(what, tv, t)
         if t.device != device:
             raise InputError(f"{what} is on {t.device} but the fusion runs on {device}")
-        shape = [_local_output_size(tv, d, sizes) for d in tv.logical_runtime()]
+        shape = [layout.local_size(tv, d, sizes) for d in tv.logical_runtime()]
         if list(t.shape) != shape:
             raise InputError(f"{what}: expected shape {shape}, got {list(t.shape)}")
         if not t.is_contiguous():
@@ -274,21 +263,6 @@ def check_no_overlap(fusion: ir.Fusion, outputs: list, inputs: list, tvs) -> Non
         spans.append((what, t))
 
 
-def _local_output_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None:
-    """This rank's size of `tv`'s logical axis `d`, from the whole sizes
-    of the symbolic extents (None where unknown)."""
-    fixed = layout.local_extent(d)
-    if fixed is not None:
-        return fixed
-    size = sizes.get(d.extent)
-    if size is None:
-        return None
-    for leaf in d.loop_leaves():
-        if leaf.is_device_parallel:
-            size //= tv.mesh.size_along(leaf.parallel_type)
-    return size
-
-
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """The bytes `t` may touch: [first, last) over its strides."""
     start = t.data_ptr()
@@ -305,3 +279,4 @@ def _overlaps(a: torch.Tensor, b) -> bool:
         return False
     (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
     return a0 < b1 and b0 < a1
+

@@ -27,7 +27,7 @@ import torch
 from hostir import ir, layout, printer
 from hostir.runtime import profiling, transports
 from hostir.communicator import CommunicatorTimeout, PeerLostError, classify_error
-from hostir.container import AliasError, HostIrContainer, body_locals
+from hostir.container import HostIrContainer, body_locals
 from hostir.errors import HostIrError
 from hostir.runtime.streams import NullStreams
 
@@ -82,9 +82,7 @@ class HostIrEvaluator:
     """
 
     def __init__(self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None):
-        for tv in container.inputs:
-            if container.aliases.is_alias(tv):
-                raise AliasError(f"Inputs cannot be aliased: T{tv.name} is an alias")
+        container.check_inputs_unaliased()
         missing = {type(e).__name__ for e in container.walk() if type(e) not in _HANDLERS}
         if missing:
             raise MissingHandlerError(f"the evaluator has no handler for {', '.join(sorted(missing))}")
@@ -117,13 +115,17 @@ class HostIrEvaluator:
             if isinstance(e, ir.HirAliasChunk) and e.input in self.slice_dim:
                 self.slice_dim[e.out] = self.slice_dim[e.input]
         # For each compute op, the operand axes it reads this rank's slice
-        # of (replicated where its output is sharded).
-        sliced = set(self.slice_dim)
+        # of (replicated where its output is sharded), in a stream loop's
+        # body too (a replicated operand beside an output sharded on
+        # another axis than the one the loop walks).
         multi_device = bool(container.meshes())
+        source = {
+            e.out: e.input for e in container.walk() if isinstance(e, (ir.HirAliasSelect, ir.HirAliasChunk))
+        }
         self.local_slices = {
-            id(e): _local_slices(e)
+            id(e): _local_slices(e, source)
             for e in container.walk()
-            if multi_device and isinstance(e, ir.COMPUTE_OPS) and not sliced & set(e.inputs() + e.outputs())
+            if multi_device and isinstance(e, ir.COMPUTE_OPS)
         }
         self.observers: list[OpObserver] = []
         # Whether runs report to the profiler and traces; a dry run's
@@ -404,6 +406,16 @@ def _for(frame: Frame, e: ir.ForLoop) -> None:
         frame.bind(tv, None)
 
 
+@impl(ir.IfThenElse)
+def _if(frame: Frame, e: ir.IfThenElse) -> None:
+    value = frame.get(e.predicate)
+    if isinstance(value, torch.Tensor) or not isinstance(value, (bool, int)):
+        raise ProgramError(
+            f"the predicate {printer.format_scalar(e.predicate)} is {value!r}; an IF takes a bool or an integer"
+        )
+    frame.run_scope(e.then_body if value else e.else_body)
+
+
 @impl(ir.GetCurrentStream)
 def _get_current_stream(frame: Frame, e: ir.GetCurrentStream) -> None:
     frame.bind(e.stream, frame.streams.current())
@@ -473,54 +485,46 @@ def _deallocate(frame: Frame, e: ir.Deallocate) -> None:
 # rank's slice.
 
 
-def _local_slices(e: ir.Expr) -> dict[int, list]:
-    """operand id -> [(logical position, output axis)] to slice."""
+def _local_slices(e: ir.Expr, source: dict) -> dict[int, list]:
+    """operand id -> [(position, output axis, operand axis)] to slice. In
+    a loop body the op's slices are read as the whole tensors they come
+    from (`source`: slice -> what it slices), so positions count the axis
+    a select removed."""
     if isinstance(e, ir.Set):
         return {}
+    back: dict[int, ir.TensorView] = {}
+    fields = {}
+    for f in e.INPUTS + e.OUTPUTS:
+        v = getattr(e, f)
+        if not isinstance(v, ir.TensorView):
+            continue
+        w = v
+        while w in source:
+            w = source[w]
+        if w is not v:
+            fields[f] = w
+        back.setdefault(id(w), v)
     partial = getattr(e, "partial", None)
+    if fields and partial is not None:
+        # A chunk of partial sums: the decomposition already cut its operands.
+        return {}
+    whole = e.replace(**fields) if fields else e
     found: dict[int, list] = {}
-    for o, i in e.id_pairs():
+    for o, i in whole.id_pairs():
         if o.is_reduction and partial is None:
             continue
         missing = _types(o) - _types(i)
-        if not missing:
+        if not missing or i.is_broadcast:
+            # A broadcast operand axis is the same size-1 dim on every rank.
             continue
-        for v in e.inputs():
+        for v in whole.inputs():
             if isinstance(v, ir.TensorView) and i in v.logical:
-                found.setdefault(id(v), []).append((v.logical_runtime().index(i), o))
+                found.setdefault(id(back[id(v)]), []).append((v.logical_runtime().index(i), o, i))
     return found
 
 
 def _types(d: ir.IterDomain) -> set:
     return {x.parallel_type for x in d.loop_leaves() if x.is_device_parallel}
-
-
-def _leaf_sizes(d: ir.IterDomain, size: int, whole: set, mesh) -> list[int]:
-    """The sizes of `d`'s pieces in a dim of `size`: a piece sharded on a
-    mesh dimension in `whole` has the mesh's size along it, any other
-    sharded piece 1, a constant piece its extent, the symbolic one the rest."""
-    sizes = []
-    for x in d.loop_leaves():
-        if x.is_device_parallel:
-            sizes.append(mesh.size_along(x.parallel_type) if x.parallel_type in whole else 1)
-        elif x.extent.is_constant:
-            sizes.append(x.extent.value)
-        else:
-            sizes.append(None)
-    known = 1
-    for v in sizes:
-        known *= v if v is not None else 1
-    return [size // known if v is None else v for v in sizes]
-
-
-def as_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
-    """`t` (runtime layout) with one dim per logical axis of `tv`."""
-    return layout.to_logical(tv, t)
-
-
-def as_loop(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
-    """`t` (logical layout, this rank's sizes) in `tv`'s runtime layout."""
-    return layout.to_runtime(tv, t)
 
 
 def _operand(frame: Frame, e, tv, full_rank: bool = False):
@@ -529,13 +533,21 @@ def _operand(frame: Frame, e, tv, full_rank: bool = False):
     t = frame.get(tv)
     if not isinstance(tv, ir.TensorView):
         return t
-    if tv in frame.evaluator.slice_dim:
-        return frame.full_rank(tv, t) if full_rank else t
-    t = as_logical(tv, t)
-    for pos, o in frame.evaluator.local_slices.get(id(e), {}).get(id(tv), ()):
+    cuts = frame.evaluator.local_slices.get(id(e), {}).get(id(tv), ())
+    removed = frame.evaluator.slice_dim.get(tv)
+    if removed is not None:
+        # A slice a stream loop selected: at full rank its dims are the
+        # whole tensor's; without, the selected one is gone.
+        if full_rank:
+            t = frame.full_rank(tv, t)
+        else:
+            cuts = [(pos - (pos > removed), o, i) for pos, o, i in cuts if pos != removed]
+    else:
+        t = layout.to_logical(tv, t)
+    for pos, o, i in cuts:
         mesh = e.out.mesh
-        missing = _types(o) - _types(tv.logical_runtime()[pos])
-        sizes = _leaf_sizes(o, t.shape[pos], missing, mesh)
+        missing = _types(o) - _types(i)
+        sizes = layout.leaf_sizes(o.loop_leaves(), t.shape[pos], mesh, missing)
         pieces = t.reshape(list(t.shape[:pos]) + sizes + list(t.shape[pos + 1 :]))
         for j, x in enumerate(o.loop_leaves()):
             if x.parallel_type in missing:
@@ -567,9 +579,9 @@ def _store(
         result = fresh()
         if partial is not None:
             result = result.unsqueeze(0)
-        frame.bind(tv, as_loop(tv, result))
+        frame.bind(tv, layout.to_runtime(tv, result))
         return
-    view = as_logical(tv, out)
+    view = layout.to_logical(tv, out)
     into(view.squeeze(0) if partial is not None else view)
 
 
@@ -591,34 +603,19 @@ def _set(frame: Frame, e: ir.Set) -> None:
         out.copy_(src)
 
 
-_UNARY = {
-    "relu": torch.relu,
-    "neg": torch.neg,
-    "abs": torch.abs,
-    "gelu": torch.nn.functional.gelu,
-    "silu": torch.nn.functional.silu,
-    "exp": torch.exp,
-    "tanh": torch.tanh,
-    "sigmoid": torch.sigmoid,
-}
-
-
 @impl(ir.UnaryOp)
 def _unary(frame: Frame, e: ir.UnaryOp) -> None:
     x = _operand(frame, e, e.input)
-    if e.kind == "cast":
+    fn = e.kind.torch_fn
+    if fn is None:  # cast
         _store(frame, e, lambda: x.to(e.out.dtype), lambda out: out.copy_(x))
         return
-    fn = _UNARY[e.kind]
     _store(frame, e, lambda: fn(x), lambda out: out.copy_(fn(x)))
-
-
-_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 
 
 @impl(ir.BinaryOp)
 def _binary(frame: Frame, e: ir.BinaryOp) -> None:
-    fn = _BINARY[e.kind]
+    fn = e.kind.torch_fn
     lhs, rhs = _operand(frame, e, e.lhs), _operand(frame, e, e.rhs)
     if not isinstance(lhs, torch.Tensor):
         # torch takes a number only on the right; a 0-d tensor of the
@@ -633,10 +630,10 @@ def _reduction(frame: Frame, e: ir.ReductionOp) -> None:
     src = _operand(frame, e, e.input)
     dims = [i for i, d in enumerate(e.out.logical) if d.is_reduction]
 
+    fn, dtype = e.kind.torch_fn, e.out.dtype
+
     def run(**out):
-        if e.kind == "sum":
-            return torch.sum(src, dims, dtype=e.out.dtype, **out)
-        return (torch.amax if e.kind == "max" else torch.amin)(src, dims, **out)
+        return fn(src, dims, dtype=dtype, **out)
 
     _store(frame, e, run, lambda out: run(out=out))
 
@@ -664,6 +661,11 @@ def _linear(frame: Frame, e: ir.LinearOp) -> None:
     x = _operand(frame, e, e.input, full_rank=True)
     w = _operand(frame, e, e.weight, full_rank=True)
     bias = None if e.bias is None else _operand(frame, e, e.bias, full_rank=True)
+    if w.dim() > 2:
+        # A weight [*W, N, K]: torch's linear on [W*N, K], unflattened.
+        fresh = lambda: linear_nd(x, w, bias)  # noqa: E731
+        _store(frame, e, fresh, lambda out: out.copy_(fresh()), full_rank=True)
+        return
     _store(
         frame,
         e,
@@ -671,6 +673,15 @@ def _linear(frame: Frame, e: ir.LinearOp) -> None:
         lambda out: torch.ops.aten.linear.out(x, w, bias, out=out),
         full_rank=True,
     )
+
+
+def linear_nd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` with a weight [*W, N, K]: out [..., *W, N]; the bias is
+    [*W, N] or any trailing part of it."""
+    lead = w.shape[:-1]
+    if bias is not None:
+        bias = bias.expand(lead).reshape(-1)
+    return torch.nn.functional.linear(x, w.reshape(-1, w.shape[-1]), bias).unflatten(-1, lead)
 
 
 def _copy_out(frame: Frame, e, result: torch.Tensor, source: torch.Tensor) -> None:
@@ -685,10 +696,66 @@ def _copy_out(frame: Frame, e, result: torch.Tensor, source: torch.Tensor) -> No
     bind_fresh(result)
 
 
+@impl(ir.BroadcastInDimOp)
+def _broadcast_in_dim(frame: Frame, e: ir.BroadcastInDimOp) -> None:
+    src = _operand(frame, e, e.input, full_rank=True)
+    axes = e.out.logical_runtime()
+    # In a stream loop `out` is a slice without the walked axis; `dims`
+    # count it.
+    sliced = e.out in frame.evaluator.slice_dim
+    placed = [1] * (len(axes) + sliced)
+    for i, d in enumerate(e.dims):
+        placed[d] = src.shape[i]
+    if not sliced:
+        _check_kept_sizes(e, src)
+    view = src.reshape(placed)
+    out, bind_fresh = _full_rank_out(frame, e)
+    if out is not None:
+        # The bound output (a chunk in a stream loop) takes the broadcast.
+        out.copy_(view)
+        return
+    sizes = []
+    for j, (d, size) in enumerate(zip(axes, placed)):
+        grows = size == 1 and not d.is_broadcast
+        sizes.append(layout.local_extent(d) if grows else size)
+        if sizes[-1] is None:
+            raise ShapeError(f"axis {j} of T{e.out.name} has no fixed size to grow to")
+    bind_fresh(view.expand(sizes).clone(memory_format=torch.contiguous_format))
+
+
+def _check_kept_sizes(e: ir.BroadcastInDimOp, src: torch.Tensor) -> None:
+    """A kept axis given a fixed size must have it (across ranks)."""
+    out = e.out.logical_runtime()
+    for i, (d, j) in enumerate(zip(e.input.logical_runtime(), e.dims)):
+        o = out[j]
+        if d.is_broadcast or o.is_broadcast or not o.extent.is_constant or src.shape[i] == 0:
+            continue
+        whole = src.shape[i]
+        for leaf in d.loop_leaves():
+            if leaf.is_device_parallel and e.input.mesh is not None:
+                whole *= e.input.mesh.size_along(leaf.parallel_type)
+        if whole != o.extent.value:
+            raise ShapeError(
+                f"broadcast_in_dim: axis {i} of T{e.input.name} has size {whole}, but output axis {j} "
+                f"is {o.extent.value}; only a size-1 axis grows"
+            )
+
+
+def _view_out(frame: Frame, e, result: torch.Tensor) -> None:
+    """Write `result` into the bound output, or bind it as it is: a view
+    of the operand where torch made one (permute always, reshape where the
+    strides allow), as torch's own ops return."""
+    out, bind_fresh = _full_rank_out(frame, e)
+    if out is not None:
+        out.copy_(result)
+        return
+    bind_fresh(result)
+
+
 @impl(ir.PermuteOp)
 def _permute(frame: Frame, e: ir.PermuteOp) -> None:
     src = frame.full_rank(e.input, frame.get(e.input))
-    _copy_out(frame, e, src.permute(e.dims), src)
+    _view_out(frame, e, src.permute(e.dims))
 
 
 @impl(ir.ReshapeOp)
@@ -696,7 +763,7 @@ def _reshape(frame: Frame, e: ir.ReshapeOp) -> None:
     src = frame.get(e.input)
     if src.numel() != _numel_of(e.shape, src.numel()):
         raise ShapeError(f"cannot reshape T{e.input.name} of shape {list(src.shape)} to {list(e.shape)}")
-    _copy_out(frame, e, src.reshape(e.shape), src)
+    _view_out(frame, e, src.reshape(e.shape))
 
 
 def _numel_of(shape, numel: int) -> int:

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hostir import ir, layout, printer
-from hostir.container import AliasError, HostIrContainer
+from hostir import ir, layout, printer, unannotated
+from hostir.container import HostIrContainer
 from hostir.runtime.evaluator import BindingError, MissingHandlerError, ProgramError
 
 # Opcodes shared with csrc/host_ir/program.h (enum class Opcode).
@@ -47,13 +47,14 @@ OPCODES = (
     "start_coalescing",
     "end_coalescing",
     "wait",
+    "if",
 )
 _CODE = {name: i for i, name in enumerate(OPCODES)}
 # Shared with csrc/host_ir/program.h (enum class CommType), in this order.
-COMMUNICATION_TYPES = ("Allgather", "Allreduce", "ReduceScatter", "Broadcast", "Gather", "Scatter", "Reduce", "SendRecv")
+# The C++ core's communication types, in its order (the declaration order).
+COMMUNICATION_TYPES = tuple(t.value for t in ir.CommunicationType if t.in_cpp)
 
 _DTYPES = {dtype: i for i, dtype in enumerate(ir.SUPPORTED_DTYPES)}
-
 
 
 @dataclasses.dataclass
@@ -103,7 +104,6 @@ class _Compiler:
         self.scalars: list[tuple] = []
         self.scalar_nodes: dict[tuple, int] = {}
         self.streams: dict[ir.Stream, int] = {}
-        self.stream_keys: dict[ir.Stream, int] = {}
         self.groups: list = []
         self.group_index: dict[tuple, int] = {}
         self.slice_dim = {e.out: layout.position(e.input, e.axis) for e in container.walk() if isinstance(e, ir.HirAliasSelect)}
@@ -168,9 +168,7 @@ class _Compiler:
     # -- the program
     def compile(self) -> FlatProgram:
         c = self.container
-        for tv in c.inputs:
-            if c.aliases.is_alias(tv):
-                raise AliasError(f"Inputs cannot be aliased: T{tv.name} is an alias")
+        c.check_inputs_unaliased()
         reason = unsupported(c)
         if reason is not None:
             raise MissingHandlerError(f"the C++ executor cannot run this program: {reason}")
@@ -180,7 +178,8 @@ class _Compiler:
                 f"A communicator must be provided: the program has communications, such as\n"
                 f"{printer.format_expr_head(needs[0])}"
             )
-        inputs = [self.tensor(tv) for tv in c.inputs]
+        # A scalar input is an integer slot, listed as -2 - slot.
+        inputs = [self.tensor(v) if isinstance(v, ir.TensorView) else -2 - self.int_slot(v) for v in c.inputs]
         outputs = [self.tensor(tv) if c.holds(tv) else -1 for tv in c.outputs]
         named = c.named_scalars()
         nos = named.get("numberOfStreams")
@@ -188,7 +187,7 @@ class _Compiler:
         self.body_locals = self._find_body_locals()
         self.scope(c.exprs)
         rules = {}
-        for tv in c.inputs + [t for t in c.outputs if c.holds(t)]:
+        for tv in [t for t in c.inputs if isinstance(t, ir.TensorView)] + [t for t in c.outputs if c.holds(t)]:
             rules[self.tensor(tv)] = self.extent_rules(tv)
         world = -1
         if self.comm is not None and any(isinstance(e, ir.P2PCommunication) for e in c.walk()):
@@ -236,7 +235,7 @@ class _Compiler:
         """How each runtime axis of a bound tensor binds or checks its extent
         (the C++ twin of `HostIrEvaluator._bind_extents`)."""
         rules = []
-        for i, d in enumerate(tv.runtime_domain()):
+        for i, d in enumerate(tv.loop_axes()):
             rule = {
                 "extent": self.scalar(d.extent),
                 "text": printer.format_scalar(d.extent),
@@ -288,6 +287,16 @@ def _for(cc: _Compiler, e: ir.ForLoop) -> None:
     instr.fields["end"] = len(cc.instrs)
 
 
+@_compiles(ir.IfThenElse)
+def _if(cc: _Compiler, e: ir.IfThenElse) -> None:
+    # The then-branch is [here + 1, end), the else-branch [end, else_end).
+    instr = cc.emit("if", e, cond=cc.scalar(e.predicate), end=-1, else_end=-1)
+    cc.scope(e.then_body)
+    instr.fields["end"] = len(cc.instrs)
+    cc.scope(e.else_body)
+    instr.fields["else_end"] = len(cc.instrs)
+
+
 @_compiles(ir.GetCurrentStream)
 def _get_stream(cc, e) -> None:
     cc.emit("get_stream", e, slot=cc.streams.setdefault(e.stream, len(cc.streams)))
@@ -318,7 +327,7 @@ def _select(cc, e) -> None:
 def _local_shape(cc: _Compiler, tv: ir.TensorView) -> list[int]:
     """Scalar nodes of `tv`'s local loop shape (a constant 1 on mesh_x)."""
     one = ir.Scalar.constant(1)
-    return [cc.scalar(one if d.is_device_parallel else d.extent) for d in tv.runtime_domain()]
+    return [cc.scalar(one if d.is_device_parallel else d.extent) for d in tv.loop_axes()]
 
 
 @_compiles(ir.Allocate)
@@ -410,17 +419,6 @@ def _mesh_axis(tv: ir.TensorView) -> int:
     return layout.position(tv, axis)
 
 
-def _identity(dtype: torch.dtype, red_op: str) -> float:
-    if red_op == "sum":
-        return 0.0
-    if dtype.is_floating_point:
-        return float("-inf") if red_op == "max" else float("inf")
-    if dtype == torch.bool:
-        return 0.0 if red_op == "max" else 1.0
-    info = torch.iinfo(dtype)
-    return float(info.min if red_op == "max" else info.max)
-
-
 @_compiles(ir.Communication)
 def _communication(cc: _Compiler, e: ir.Communication) -> None:
     rank = cc.container.rank if cc.container.rank is not None else cc.comm.rank
@@ -442,15 +440,15 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         "out": cc.tensor(e.out) if holds_out else -1,
         "in_shape": _local_shape(cc, e.input),
         "out_shape": _local_shape(cc, e.out),
-        "in_full": [cc.scalar(d.extent) for d in e.input.runtime_domain()],
-        "out_full": [cc.scalar(d.extent) for d in e.out.runtime_domain()],
+        "in_full": [cc.scalar(d.extent) for d in e.input.loop_axes()],
+        "out_full": _out_full(cc, e),
         "dtype_in": _DTYPES[e.input.dtype],
         "dtype_out": _DTYPES[e.out.dtype],
-        "in_axis": _mesh_axis(e.input) if e.input.device_axes() else -1,
-        "out_axis": _mesh_axis(e.out) if e.out.device_axes() else -1,
+        "in_axis": _mesh_axis(e.input) if e.input.device_axes() else (0 if unannotated.inferred(e) else -1),
+        "out_axis": _mesh_axis(e.out) if e.out.device_axes() else (0 if unannotated.inferred(e) else -1),
         "in_order": order == tuple(e.team),
         "perm": [],
-        "identity": _identity(e.out.dtype, e.red_op) if e.red_op else 0.0,
+        "identity": float(e.red_op.identity(e.out.dtype)) if e.red_op else 0.0,
         "peer": -1,
         "self_copy": False,
     }
@@ -471,6 +469,15 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         f["self_copy"] = receiver == e.root
         f["peer"] = order.index(receiver) if rank == e.root else order.index(e.root)
     cc.emit("communication", e, **f)
+
+
+def _out_full(cc: _Compiler, e: ir.Communication) -> list[int]:
+    """The whole output's extents; for a ReduceScatter without annotations,
+    the team's pieces along its outermost axis."""
+    extents = [d.extent for d in e.out.loop_axes()]
+    if e.type is ir.CommunicationType.ReduceScatter and unannotated.inferred(e):
+        extents[0] = ir.ScalarExpr("*", extents[0], ir.Scalar.constant(len(e.team)))
+    return [cc.scalar(x) for x in extents]
 
 
 @_compiles(ir.P2PCommunication)
@@ -509,50 +516,67 @@ def _wait(cc, e) -> None:
     cc.emit("wait", e, posted=posted[-1], text=printer.format_expr_head(target))
 
 
-def _split_layout(tv: ir.TensorView) -> bool:
-    """Whether `tv` has a split axis: its runtime dims merge pieces, or an
-    extent is a ceilDiv, neither of which the flat program's extent rules
-    describe yet."""
-    if any(len(dim) > 1 for dim in layout.dims(tv)):
-        return True
-    return any(isinstance(d.extent, ir.ScalarExpr) and d.extent.op == "ceilDiv" for d in tv.domain)
-
-
 def unsupported(container: HostIrContainer) -> str | None:
-    """Why the C++ executor cannot run `container`, or None if it can: an op
-    it has no instruction for, or a communication only Python posts (the
-    copy-engine transport, a root chosen at run time, symmetric memory), a
-    scalar input, or a loop that walks chunks of a split axis."""
-    scalars = [v for v in container.inputs if not isinstance(v, ir.TensorView)]
-    if scalars:
-        return f"it takes scalar inputs ({', '.join(printer.format_val(v) for v in scalars)})"
+    """Why the C++ executor cannot run `container` (the first reason), or
+    None if it can."""
+    reasons = unsupported_reasons(container)
+    return reasons[0] if reasons else None
+
+
+def unsupported_reasons(container: HostIrContainer) -> list[str]:
+    """Every reason the C++ executor cannot run `container`, each kind once
+    (with its first op): an op it has no instruction for, a communication
+    only Python posts (the copy-engine transport, a root chosen at run time,
+    symmetric memory), a float scalar input (or a bool one an op computes with), or a loop
+    that walks chunks of a split axis."""
+    found: dict[str, str] = {}
+
+    def note(kind: str, text: str) -> None:
+        found.setdefault(kind, text)
+
+    # Integer and bool scalar inputs are integer slots (predicates, loop
+    # bounds, integer operands); a float, or a bool an op computes with
+    # (torch promotes a bool unlike its integer), runs in Python.
+    floats = [v for v in container.inputs if isinstance(v, ir.InputScalar) and v.dtype is torch.float64]
+    if floats:
+        note("scalars", f"it takes scalar inputs ({', '.join(printer.format_val(v) for v in floats)}) of a floating type")
+    bools = {v for v in container.inputs if isinstance(v, ir.InputScalar) and v.dtype is torch.bool}
     for e in container.walk():
-        split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and _split_layout(v)), None)
+        used = [v for v in e.inputs() if v in bools and not isinstance(e, ir.IfThenElse)]
+        if used:
+            note(
+                "bool scalars",
+                f"it computes with a bool scalar input ({printer.format_val(used[0])}): {printer.format_expr_head(e)}",
+            )
+            break
+    for e in container.walk():
+        split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and layout.is_split(v)), None)
         if split is not None:
-            return f"it has a split axis (ceilDiv extents, merged runtime dims): {printer.format_tv(split)}"
+            note("split", f"it has a split axis (ceilDiv extents, merged runtime dims): {printer.format_tv(split)}")
         if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk":
-            return f"it walks chunks of a split axis: {printer.format_expr_head(e)}"
+            note("chunk", f"it walks chunks of a split axis: {printer.format_expr_head(e)}")
         if type(e) not in _COMPILERS:
-            return f"it has no instruction for {type(e).__name__}"
+            note(f"op {type(e).__name__}", f"it has no instruction for {type(e).__name__}")
+            continue
         if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):
-            return f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}"
+            note(f"transport {e.backend}", f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and e.type.value not in COMMUNICATION_TYPES:
-            return f"it has no {e.type.value}: {printer.format_expr_head(e)}"
+            note(f"type {e.type.value}", f"it has no {e.type.value}: {printer.format_expr_head(e)}")
         if isinstance(e, ir.FUSION_OPS) and any(_sharded(v) for v in e.inputs() + e.outputs()):
-            return f"it computes on sharded axes: {printer.format_expr_head(e)}"
+            note("sharded", f"it computes on sharded axes: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and any(
             (v.mesh is not None and v.mesh.ndim > 1) or len(v.device_axes()) > 1 for v in (e.input, e.out)
         ):
-            return f"it communicates over a 2-D mesh: {printer.format_expr_head(e)}"
+            note("2-D", f"it communicates over a 2-D mesh: {printer.format_expr_head(e)}")
         if getattr(e, "partial", None) is not None:
-            return f"it keeps partial sums: {printer.format_expr_head(e)}"
+            note("partial", f"it keeps partial sums: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and not (e.root is None or isinstance(e.root, int)):
-            return f"its root is chosen at run time: {printer.format_expr_head(e)}"
+            note("root", f"its root is chosen at run time: {printer.format_expr_head(e)}")
         if isinstance(e, ir.P2PCommunication) and getattr(e, "into", None) is not None:
-            return f"it pushes into a peer's buffer: {printer.format_expr_head(e)}"
+            note("push", f"it pushes into a peer's buffer: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Allocate) and e.memory_type.word == "symmetric":
-            return f"it allocates symmetric memory: {printer.format_expr_head(e)}"
-    return None
+            note("symmetric", f"it allocates symmetric memory: {printer.format_expr_head(e)}")
+    return list(found.values())
 
 
 def _sharded(v) -> bool:
@@ -582,7 +606,7 @@ def _scalar_text(p: FlatProgram, node: int) -> str:
 
 
 def _field_text(p: FlatProgram, name: str, value) -> str:
-    if name in ("start", "stop", "index", "peer", "stream_index") and isinstance(value, int):
+    if name in ("start", "stop", "index", "peer", "stream_index", "cond") and isinstance(value, int):
         return "-" if value < 0 else _scalar_text(p, value)
     if name in ("shape", "in_shape", "out_shape", "in_full", "out_full"):
         return "(" + ", ".join(_scalar_text(p, n) for n in value) + ")"
@@ -622,7 +646,7 @@ def _stream_text(fields: dict) -> str:
 
 def _dump(p: FlatProgram) -> str:
     head = (
-        f"%FlatProgram {{ ({', '.join(f'%t{i}' for i in p.inputs)}) -> "
+        f"%FlatProgram {{ ({', '.join(f'%t{i}' if i >= 0 else f'${-2 - i}' for i in p.inputs)}) -> "
         f"({', '.join('-' if o < 0 else f'%t{o}' for o in p.outputs)}) :"
     )
     lines = [head]
@@ -655,5 +679,7 @@ def _dump(p: FlatProgram) -> str:
         lines.append(f"{pad}{i}: {instr.op} " + " ".join(fields))
         if instr.op == "for":
             depth_end.append(instr.fields["end"])
+        elif instr.op == "if":
+            depth_end.append(instr.fields["else_end"])
     lines.append("} // %FlatProgram")
     return "\n".join(lines) + "\n"

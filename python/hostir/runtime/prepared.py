@@ -23,6 +23,9 @@ Only single-device calls are prepared: a multi-device call agrees with the
 other ranks on every run (`runtime/agreement.py`), which no local record can skip.
 With `cuda_graph=True` a prepared call holds the captured graph and goes
 straight to its replay.
+
+A record holds no runner of its own: the executor runs a prepared call
+through the same stage as the full path (`bind.run`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Callable
+from typing import Any
 
 import torch
 
@@ -115,77 +118,23 @@ def _device_is_exact(device) -> bool:
 
 @dataclasses.dataclass
 class Prepared:
-    """What the full path decided for one signature; `run(inputs, outputs)`
-    runs a call of that signature from it."""
+    """What the full path's first four stages decided for one signature
+    (normalize, check, program, agree): a call of that signature enters at
+    bind with it, through the same run stage (`bind.run`)."""
 
     version: int  # the fusion's version it was made for
-    run: Callable[[list, list | None], list]
-    # With cuda_graph=True: the captured graph's own input buffers, as the
-    # caller passes inputs (a call that passes them copies nothing).
+    program: Any  # the executor's program: its container, binding, evaluator and runner
+    number_of_streams: int
+    # Whether an input requires grad: the run then needs the no-grad guard.
+    grad: bool
+    # With cuda_graph=True: the captured graph, and its own input buffers
+    # as the caller passes inputs (a call that passes them copies nothing).
+    graph: Any = None
     graph_inputs: list | None = None
 
-
-def prepare(executor, call, params, check_no_overlap) -> Prepared:
-    """The record of `call` (a `_Call` that passed the full path's checks
-    and ran) with `params`; `check_no_overlap(outputs, inputs)` is the full
-    path's aliasing check of preallocated outputs."""
-    program = call.program
-    nos = params.number_of_streams
-    binding = program.binding
-    runtime_inputs, runtime_outputs, logical = binding.inputs, binding.outputs, binding.unbind
-
-    if params.cuda_graph:
-        run, buffers = _graph_runner(executor, call, nos, runtime_inputs, runtime_outputs, logical, check_no_overlap)
-        return Prepared(executor.fusion.version, run, binding.logical_inputs(buffers))
-    elif hasattr(program.evaluator, "run_tensors"):
-        run_tensors = program.evaluator.run_tensors
-
-        def run(inputs, outputs):
-            if outputs is None:
-                return logical(run_tensors(runtime_inputs(inputs), [], nos))
-            check_no_overlap(outputs, inputs)
-            return logical(run_tensors(runtime_inputs(inputs), runtime_outputs(outputs), nos))
-
-    else:
-        evaluator = program.evaluator
-
-        bind = binding.bind
-
-        def run(inputs, outputs):
-            if outputs is not None:
-                check_no_overlap(outputs, inputs)
-            bindings = bind(inputs, outputs)
-            with torch.no_grad():
-                return logical(evaluator.run(bindings, number_of_streams=nos))
-
-    return Prepared(executor.fusion.version, run)
-
-
-def _graph_runner(executor, call, nos, runtime_inputs, runtime_outputs, logical, check_no_overlap):
-    """A replay of the graph `call` captured (inputs copied into its
-    buffers when they are other tensors), and those buffers. Preallocated
-    outputs must be the ones the graph writes; for others the full path
-    captures another graph (the runner returns None to send the call
-    there)."""
-    bindings = call.program.binding.bind(call.inputs, call.outputs)
-    # The graph the full path just replayed for this call (a lookup).
-    device = next((t.device for t in call.inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    captured = executor._graphs.captured(call.program, bindings, nos, device)
-    grad = any(t.requires_grad for t in call.inputs)
-
-    def run(inputs, outputs):
-        given = None
-        if outputs is not None:
-            check_no_overlap(outputs, inputs)
-            given = runtime_outputs(outputs)
-            if not captured.writes_into(given):
-                return None
-        if grad:
-            with torch.no_grad():
-                return logical(captured.replay(runtime_inputs(inputs), given))
-        return logical(captured.replay(runtime_inputs(inputs), given))
-
-    return run, list(captured.inputs)
+    @property
+    def runner(self):
+        return self.program.runner
 
 
 class PreparedCalls:

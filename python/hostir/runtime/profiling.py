@@ -47,28 +47,13 @@ __all__ = [
     "write_env_trace",
 ]
 
-KINDS = ("compute", "communication", "copy", "sync", "host")
-
-_KIND_OF: dict[type, str] = {
-    ir.BinaryOp: "compute",
-    ir.ReductionOp: "compute",
-    ir.MatmulOp: "compute",
-    ir.LinearOp: "compute",
-    ir.Set: "copy",
-    ir.Communication: "communication",
-    ir.P2PCommunication: "communication",
-    ir.StartCoalescing: "communication",
-    ir.EndCoalescing: "communication",
-    ir.Wait: "sync",
-    ir.Synchronize: "sync",
-    ir.SetCurrentStream: "sync",
-    ir.GetCurrentStream: "sync",
-}
+KINDS = ir.EFFECTS
 
 
 def op_kind(e: ir.Expr) -> str:
-    """compute, communication, copy, sync or host (allocations, slices, loops)."""
-    return _KIND_OF.get(type(e), "host")
+    """compute, communication, copy, sync or host (allocations, slices,
+    loops): the op's declared effect."""
+    return e.EFFECT
 
 
 def op_name(e: ir.Expr) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from hostir import ir
 from hostir.runtime.transports.base import (
+    Capabilities,
     NoWork,
     Posted,
     Transport,
@@ -22,6 +23,7 @@ from hostir.runtime.transports import cuda
 from hostir.runtime.transports.torch_dist import TorchDistTransport
 
 __all__ = [
+    "Capabilities",
     "NoWork",
     "Posted",
     "Transport",
@@ -29,6 +31,7 @@ __all__ = [
     "TransportUnsupported",
     "TransportUsageError",
     "allocate",
+    "capabilities",
     "end_coalescing",
     "post",
     "post_p2p",
@@ -36,6 +39,21 @@ __all__ = [
 ]
 
 _TORCH = {"NCCL": TorchDistTransport("NCCL"), "gloo": TorchDistTransport("gloo")}
+
+# Each transport's declared capabilities, by the name an op gives as its backend.
+_CAPABILITIES = {
+    "NCCL": TorchDistTransport.capabilities,
+    "gloo": TorchDistTransport.capabilities,
+    "cuda": cuda.CudaTransport.capabilities,
+}
+
+
+def capabilities(backend: str) -> Capabilities:
+    """What the transport named `backend` (NCCL, gloo or cuda) can do."""
+    found = _CAPABILITIES.get(backend)
+    if found is None:
+        raise TransportUsageError(f"unknown backend {backend!r}; expected one of {list(_CAPABILITIES)}")
+    return found
 
 
 def transport_for(frame, backend: str) -> Transport:

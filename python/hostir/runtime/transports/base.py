@@ -30,6 +30,23 @@ class TransportUnsupported(HostIrError, NotImplementedError):
     """An operation the chosen transport does not implement."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a transport can do, as the lowering asks it (never its name).
+
+    one_sided: a send writes straight into a buffer the peer named (a push
+        `into` it); the peer posts no matching receive to move the data.
+    needs_symmetric_buffers: what it writes into must be allocated in
+        symmetric memory (the same allocation on every rank, mapped by the
+        peers).
+    uses_no_sms: it moves data with copy engines, taking no SMs from the
+        compute it overlaps."""
+
+    one_sided: bool = False
+    needs_symmetric_buffers: bool = False
+    uses_no_sms: bool = False
+
+
 @dataclasses.dataclass
 class Posted:
     """A posted communication: its works (each with `wait()`), and what to
@@ -55,6 +72,7 @@ class Transport:
     `allocate` makes a buffer of a memory type the transport owns."""
 
     name = "?"
+    capabilities = Capabilities()
 
     def post(self, frame, e, group, root: int | None) -> Posted:
         raise TransportUnsupported(f"the {self.name} transport has no collectives")

@@ -35,6 +35,7 @@ import torch
 
 from hostir.runtime.transports import torch_dist
 from hostir.runtime.transports.base import (
+    Capabilities,
     NoWork,
     Posted,
     Transport,
@@ -298,6 +299,7 @@ def _signal(fn, peer: int, channel: int, timeout_ms: int) -> None:
 
 class CudaTransport(Transport):
     name = "cuda"
+    capabilities = Capabilities(one_sided=True, needs_symmetric_buffers=True, uses_no_sms=True)
 
     def __init__(self, comm):
         import torch.distributed as dist

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from hostir import ir, layout, printer
+from hostir.kinds import ReductionKind
 from hostir.runtime.transports.base import NoWork, Posted, Transport, TransportUsageError
 
-_RED_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +84,13 @@ def _staged(out: torch.Tensor, shape) -> tuple[torch.Tensor, Callable[[], None] 
 
 
 def _mesh_axis(tv: ir.TensorView, parallel_type: ir.ParallelType = ir.ParallelType.mesh_x) -> int:
-    """The local dim of `tv` that is sharded along `parallel_type`."""
+    """The local dim of `tv` that is sharded along `parallel_type`; for a
+    tensor without annotations, the outermost (`hostir.unannotated`)."""
     for axis in tv.device_axes():
         if axis.parallel_type is parallel_type:
             return layout.position(tv, axis)
+    if tv.mesh is None and not tv.device_axes():
+        return 0
     raise TransportUsageError(f"{printer.format_tv(tv)} has no {parallel_type.name} axis")
 
 
@@ -123,15 +126,12 @@ def _reduced_input(frame, e) -> torch.Tensor:
     src = frame.get(e.input)
     if not e.local_reduce:
         return src
-    dims = list(e.local_reduce)
-    if e.red_op == "sum":
-        return torch.sum(src, dims, keepdim=True)
-    return (torch.amax if e.red_op == "max" else torch.amin)(src, dims, keepdim=True)
+    return e.red_op.torch_fn(src, list(e.local_reduce), keepdim=True)
 
 
-def _nan_flags(t: torch.Tensor, red_op: str) -> torch.Tensor | None:
+def _nan_flags(t: torch.Tensor, red_op: ReductionKind) -> torch.Tensor | None:
     """1 where `t` is NaN, for a max or min of floating values; else None."""
-    if red_op not in ("max", "min") or not t.dtype.is_floating_point:
+    if not red_op.ignores_nan or not t.dtype.is_floating_point:
         return None
     return torch.isnan(t).to(torch.float32)
 
@@ -160,7 +160,7 @@ def _post_allreduce(calls: Calls, frame, e, group, root=None) -> Posted:
     buf, after = _staged(out, out.shape)
     buf.copy_(src.reshape(out.shape))
     flags = _nan_flags(buf, e.red_op)
-    posted = Posted([calls.all_reduce(_on_wire(buf), op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
+    posted = Posted([calls.all_reduce(_on_wire(buf), op=e.red_op.dist_op, group=group, async_op=True)], after)
     if flags is None:
         return posted
     return _with_nan_flags(
@@ -173,7 +173,7 @@ def _post_reduce_scatter(calls: Calls, frame, e, group, root=None) -> Posted:
     out = frame.get(e.out)
     b = _mesh_axis(e.out, e.parallel_type)
     # The output's local shape with the team's pieces of its sharded dim.
-    full = [len(e.team) if i == b else s for i, s in enumerate(out.shape)]
+    full = [len(e.team) * s if i == b else s for i, s in enumerate(out.shape)]
     whole = src.reshape(full)
     if not _outermost(full, b):
         whole = whole.movedim(b, 0)
@@ -188,7 +188,7 @@ def _post_reduce_scatter(calls: Calls, frame, e, group, root=None) -> Posted:
     buf, after = _staged(out, [-1])
     flags = _nan_flags(whole, e.red_op)
     posted = Posted(
-        [calls.reduce_scatter(_on_wire(buf), _on_wire(whole.reshape(-1)), op=_RED_OPS[e.red_op], group=group, async_op=True)],
+        [calls.reduce_scatter(_on_wire(buf), _on_wire(whole.reshape(-1)), op=e.red_op.dist_op, group=group, async_op=True)],
         after,
     )
     if flags is None:
@@ -202,13 +202,9 @@ def _post_reduce_scatter(calls: Calls, frame, e, group, root=None) -> Posted:
     )
 
 
-def _holds(frame, tv: ir.TensorView) -> bool:
-    return tv.mesh is None or frame.communicator.rank in tv.mesh
-
-
 def _post_broadcast(calls: Calls, frame, e, group, root: int) -> Posted:
     rank = frame.communicator.rank
-    out = frame.get(e.out) if _holds(frame, e.out) else None
+    out = frame.get(e.out) if e.out.held_by(frame.communicator.rank) else None
     if rank == root:
         src = frame.get(e.input)
         if out is None:
@@ -220,7 +216,7 @@ def _post_broadcast(calls: Calls, frame, e, group, root: int) -> Posted:
 
 def _post_gather(calls: Calls, frame, e, group, root: int) -> Posted:
     rank = frame.communicator.rank
-    if _holds(frame, e.input):
+    if e.input.held_by(frame.communicator.rank):
         src = _contiguous(frame.get(e.input))
     else:
         # The root is outside the sender mesh: it sends a dummy piece.
@@ -243,7 +239,7 @@ def _post_gather(calls: Calls, frame, e, group, root: int) -> Posted:
 
 def _post_scatter(calls: Calls, frame, e, group, root: int) -> Posted:
     rank = frame.communicator.rank
-    out = frame.get(e.out) if _holds(frame, e.out) else None
+    out = frame.get(e.out) if e.out.held_by(frame.communicator.rank) else None
     if out is None:
         # The root is outside the receiver mesh: it receives a dummy piece.
         out_buf = torch.empty(frame.local_sizes(e.out), dtype=e.out.dtype, device=frame.device)
@@ -271,14 +267,14 @@ def _post_reduce(calls: Calls, frame, e, group, root: int) -> Posted:
     else:
         out = frame.get(e.out)
         buf, after = _staged(out, out.shape)
-        if _holds(frame, e.input):
+        if e.input.held_by(frame.communicator.rank):
             buf.copy_(_reduced_input(frame, e).reshape(out.shape))
         else:
             _fill_identity(buf, e.red_op)
         piece = buf
     # The flags are read before the collective may write `piece`.
     flags = _nan_flags(piece, e.red_op)
-    posted = Posted([calls.reduce(_on_wire(piece), dst=root, op=_RED_OPS[e.red_op], group=group, async_op=True)], after)
+    posted = Posted([calls.reduce(_on_wire(piece), dst=root, op=e.red_op.dist_op, group=group, async_op=True)], after)
     if flags is None:
         return posted
     return _with_nan_flags(
@@ -286,16 +282,8 @@ def _post_reduce(calls: Calls, frame, e, group, root: int) -> Posted:
     )
 
 
-def _fill_identity(t: torch.Tensor, red_op: str) -> None:
-    if red_op == "sum":
-        t.zero_()
-    elif t.dtype == torch.bool:
-        t.fill_(red_op == "min")
-    elif t.dtype.is_floating_point:
-        t.fill_(float("-inf") if red_op == "max" else float("inf"))
-    else:
-        info = torch.iinfo(t.dtype)
-        t.fill_(info.min if red_op == "max" else info.max)
+def _fill_identity(t: torch.Tensor, red_op: ReductionKind) -> None:
+    t.fill_(red_op.identity(t.dtype))
 
 
 def _post_send_recv(calls: Calls, frame, e, group, root: int) -> Posted:
@@ -340,10 +328,10 @@ def _post_all_to_all(calls: Calls, frame, e, group, root=None) -> Posted:
 
 
 def _sharded_logical_axis(tv: ir.TensorView, pt: ir.ParallelType) -> int:
-    for pos, d in enumerate(tv.logical_runtime()):
-        if any(x.parallel_type is pt for x in d.loop_leaves()):
-            return pos
-    raise TransportUsageError(f"{printer.format_tv(tv)} has no {pt.name} axis")
+    found = layout.sharded_axis(tv, pt)
+    if found is None:
+        raise TransportUsageError(f"{printer.format_tv(tv)} has no {pt.name} axis")
+    return found[0]
 
 
 POST = {

@@ -1,0 +1,54 @@
+"""`lower(..., until=pass_name)`: the program right after one pass of the
+pipeline, as the `hostir dump --pass` command shows it."""
+
+from __future__ import annotations
+
+import pytest
+
+from hostir import overlap
+from hostir.lower import PIPELINE, LoweringError, _run_one, lower, pass_names, pass_options
+from hostir.lower.build_host_program import build_host_program
+
+
+def test_lower_until_a_pass_stops_right_after_it():
+    fusion = overlap.allgather_matmul(2).fusion
+    names = pass_names()
+    assert names[0] == "build_host_program" and names[-1] == "prune_for_rank"
+    container = _run_one(build_host_program, fusion, None)
+    container.backend = "gloo"
+    assert str(lower(fusion, rank=1, backend="gloo", until="build_host_program")) == str(container)
+    options = pass_options(1, "gloo")
+    for p in PIPELINE:
+        container = _run_one(p, container, None, options.get(p))
+        assert str(lower(fusion, rank=1, backend="gloo", until=p.__name__)) == str(container), p.__name__
+    assert str(lower(fusion, rank=1, backend="gloo", until="prune_for_rank")) == str(lower(fusion, rank=1, backend="gloo"))
+    with pytest.raises(LoweringError, match="unknown pass 'fuse'; passes in order: build_host_program, "):
+        lower(fusion, until="fuse")
+
+
+def test_the_stream_form_is_an_option():
+    """A stream loop's caller/worker form is chosen by an option: by
+    default per iteration without meshes; pipelined on request (a loop
+    that makes the workers wait for the caller, then the work loop), which
+    computes the same."""
+    import torch
+
+    from hostir import FusionDefinition, ParallelType
+    from hostir.runtime.evaluator import HostIrEvaluator
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.add(x, x)
+        fd.add_output(y)
+    y.axis(0).parallelize(ParallelType.stream)
+    default = str(lower(fd.fusion))
+    assert default == str(lower(fd.fusion, stream_form="per_iteration"))
+    pipelined = lower(fd.fusion, stream_form="pipelined")
+    text = str(pipelined)
+    assert default.count("FOR StreamIdx") == 1 and text.count("FOR StreamIdx") == 2, text
+    assert text.index("GetCurrentStream") < text.index("FOR StreamIdx"), text
+    t = torch.randn(6, 5)
+    (out,) = HostIrEvaluator(pipelined).run({pipelined.inputs[0]: t})
+    torch.testing.assert_close(out, t + t)
+    with pytest.raises(LoweringError, match="unknown stream form 'eager'"):
+        lower(fd.fusion, stream_form="eager")
