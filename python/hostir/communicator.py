@@ -579,11 +579,20 @@ def _await_ranks(
     store.set(f"arrived/{launch.rank}", "1")
     keys = [f"arrived/{r}" for r in range(launch.world_size)]
 
+    # Rank 0 decides whether the launch is refused, for every rank, so that
+    # the ranks at the rendezvous leave it the same way: together, or each
+    # with rank 0's refusal (its `verdict`).
     def refused() -> None:
-        try:
-            rendezvous.check_waiting(store, whole if whole is not None else store, job, launch.rank, launch.world_size, where)
-        except rendezvous.Refusal as exc:
-            raise LaunchError(str(exc)) from None
+        if launch.rank == 0:
+            try:
+                rendezvous.check_waiting(store, whole if whole is not None else store, job, 0, launch.world_size, where)
+            except rendezvous.Refusal as exc:
+                store.set("verdict", str(exc))
+                raise LaunchError(str(exc)) from None
+        elif store.check(["verdict"]):
+            verdict = store.get("verdict").decode()
+            if verdict:
+                raise LaunchError(f"rank {launch.rank}: rank 0 refused the rendezvous on {where}: {verdict}")
 
     start = time.monotonic()
     next_log = RENDEZVOUS_LOG_SECONDS
@@ -621,14 +630,23 @@ def _await_ranks(
         # same time is seen by all of them, not by itself alone.
         store.add("ready", 1)
         while store.add("ready", 0) < launch.world_size:
-            refused()
+            if launch.rank:
+                refused()
             if time.monotonic() - start >= timeout:
                 raise LaunchError(
                     f"rank {launch.rank}: every rank arrived at the rendezvous on {where}, but not all of them "
                     f"completed it within {timeout:g} s (a rank exited during it?)"
                 )
             time.sleep(0.005)
-        refused()
+        if launch.rank == 0:
+            refused()
+            store.set("verdict", "")
+        else:
+            while not store.check(["verdict"]):
+                if time.monotonic() - start >= timeout:
+                    raise LaunchError(f"rank {launch.rank}: rank 0 did not complete the rendezvous on {where} within {timeout:g} s")
+                time.sleep(0.005)
+            refused()
     except (dist.DistError, RuntimeError) as exc:
         if isinstance(exc, LaunchError):
             raise

@@ -30,6 +30,8 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
+from hostir.errors import HostIrError
+
 # Each launcher's name for the job, as every rank of one job sees it.
 _JOB_VARIABLES = (
     ("PMIX_NAMESPACE",),  # Open MPI (PRRTE): the job's namespace, e.g. prterun-host-1234@1
@@ -91,7 +93,7 @@ def namespace(job: str) -> str:
     return f"hostir/{job or 'job'}"
 
 
-class Refusal(Exception):
+class Refusal(HostIrError, RuntimeError):
     """A launch mistake the rendezvous saw; the communicator raises it as a
     LaunchError with its message."""
 

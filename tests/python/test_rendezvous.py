@@ -97,6 +97,7 @@ def test_two_processes_claiming_one_rank_fail_every_process_naming_it():
     assert errors["second rank 1"].startswith("rank 1 is claimed by 2 processes"), errors
     for name in ("first rank 1", "rank 0"):
         assert "rank 1 is claimed by two processes" in errors[name], errors
+    assert errors["first rank 1"].startswith("rank 1: rank 0 refused the rendezvous"), errors
 
 
 def test_a_second_process_claiming_a_running_jobs_rank_is_refused(worker, tmp_path):
