@@ -682,7 +682,7 @@ class Run {
         }
         coalescing_ = true;
         coalesced_.clear();
-        if (p_.device.is_cuda()) {
+        if (groupCoalesces()) {
           worldGroup()->startCoalescing(p_.device.type());
         }
         break;
@@ -692,7 +692,7 @@ class Run {
         }
         coalescing_ = false;
         Posted posted;
-        if (p_.device.is_cuda()) {
+        if (groupCoalesces()) {
           auto work = worldGroup()->endCoalescing(p_.device.type());
           if (work) {
             posted.works.push_back(work);
@@ -812,6 +812,15 @@ class Run {
   const c10::intrusive_ptr<c10d::ProcessGroup>& worldGroup() {
     HOSTIR_CHECK(p_.world_group >= 0, "the program has no default process group");
     return p_.groups[p_.world_group];
+  }
+
+  // Only NCCL groups coalesce P2P operations themselves (gloo refuses
+  // startCoalescing, also on CUDA tensors, as when two ranks share one GPU):
+  // for any other backend a group's works are collected and waited on
+  // together.
+  bool groupCoalesces() {
+    return p_.device.is_cuda() &&
+        worldGroup()->getBackendType() == c10d::ProcessGroup::BackendType::NCCL;
   }
 
   at::Tensor reducedInput(const Instr& ins) {
@@ -1061,7 +1070,7 @@ class Run {
                          : group->recv(bufs, static_cast<int>(peer), 0);
     Posted posted;
     if (coalescing_) {
-      if (!p_.device.is_cuda() && work) {
+      if (!groupCoalesces() && work) {
         coalesced_.push_back(work);
       }
     } else {

@@ -27,6 +27,7 @@ from hostir.executor import ExecutorParams, InputError, InputTypeError, RankMism
 from hostir.frontend import FusionDefinition, shard_tensor
 from hostir.ir import DeviceMesh, IterType, MemoryType, ParallelType
 from hostir.lower import LoweringError
+from hostir.offload import OffloadedStack, offload
 from hostir.options import OptionError
 from hostir.analysis.races import Race, check_races
 
@@ -62,6 +63,8 @@ __all__ = [
     "IterType",
     "LoweringError",
     "MemoryType",
+    "OffloadedStack",
+    "offload",
     "OptionError",
     "ParallelType",
     "__version__",

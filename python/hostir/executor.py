@@ -1,6 +1,7 @@
 """Run a fusion: one path for one rank or many.
 
-`FusionExecutor.execute` takes every call through the same steps:
+`FusionExecutor.execute` takes every call through the same stages
+(`FusionExecutor.STAGES`, each a method):
 
 1. normalize: the parameters, the inputs and outputs as lists, the device
    to run on (a CPU input of a program that runs on a GPU is copied there);
@@ -28,18 +29,20 @@
 
 A single-device call whose exact signature (every tensor's type, shape,
 strides, dtype, device and requires_grad; the parameters; the variables
-that pick the evaluator and the dry run) already ran goes from its record
-to step 6 (`hostir.runtime.prepared`): steps 1-3 decided nothing else for it but
-whether a preallocated output shares memory with an input, which the record
-checks again on every call.
+that pick the evaluator and the dry run) already ran enters at step 5 with
+its record (`hostir.runtime.prepared`), a memo of steps 1-4: they decided
+nothing else for it but whether a preallocated output shares memory with an
+input, which is checked again on every call.
 
 A failure in steps 1-3 on one rank of a multi-device fusion is carried by
 step 4 to every rank, so all raise the same error instead of one raising and
 the others waiting in a collective.
 
-With `HOSTIR_FAKE=1`, execute returns the dry run's meta tensors instead and
-runs nothing (no process group is made). A dry-run report depends on every
-size, so it is kept per exact input shape.
+With `HOSTIR_FAKE=1` the runner is the fake one: step 3 dry-runs every rank
+(the dry run checks each rank's inputs, so steps 1-2 leave the checks to
+it) and step 6 returns this rank's outputs as the dry run's meta tensors;
+nothing runs and no process group is made. A dry-run report depends on
+every size, so it is kept per exact input shape.
 """
 
 from __future__ import annotations
@@ -59,10 +62,10 @@ from hostir.container import HostIrContainer
 from hostir.errors import HostIrError, UsageError
 from hostir.log import logger
 from hostir.lower import RESHARDING_MODES, lower
+from hostir.lower.hoist_transfers import forced as forced_hoisting
 from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
 from hostir.runtime import flat, prepared, profiling
 from hostir.runtime.agreement import Offer, RankMismatchError, check, exchange, input_signature
-from hostir.runtime import bind
 from hostir.runtime.bind import Binding
 from hostir.runtime.checks import (
     ExecuteArgumentError,
@@ -77,6 +80,7 @@ from hostir.runtime.checks import (
     check_sizes,
     check_world,
     equal_input_axes,
+    host_positions,
     input_key,
     is_multi_device,
     ranks_needed,
@@ -87,6 +91,7 @@ from hostir.runtime.graphs import CudaGraphs
 from hostir.runtime.streams import streams_for
 
 CHECK_RANKS = ("always", "first")
+HOST_INPUTS = ("copy", "stream")
 
 __all__ = [
     "CHECK_RANKS",
@@ -141,6 +146,16 @@ class ExecutorParams:
         `hostir.lower.schedule.Schedule` or its text (`ring:chunks=2`,
         `collective`, `sequential`, ...); by default `HOSTIR_SCHEDULE`, else
         the machine model's choice for the inputs' shapes.
+    host_inputs: "copy" (default) copies CPU inputs of a program that runs
+        on a GPU there before it starts; "stream" keeps them in host memory
+        and lets the program move each where an op reads it, on a copy
+        stream, as early as the memory budget allows (as inputs defined with
+        `memory="host"` always are).
+    hoist: how far communications and transfers are posted ahead of their
+        use (`lower/hoist_transfers.py`): "auto" (default: `HOSTIR_HOIST`,
+        else the machine model's choice for the inputs' shapes), a
+        `Hoisting` or its text (`hoist`, `hoist:budget=2GiB,lookahead=3,chunks=4`,
+        `sequential`).
     """
 
     number_of_streams: int = 4
@@ -152,6 +167,8 @@ class ExecutorParams:
     resharding: str = "auto"
     schedule: object = None
     cuda_graph: bool = False
+    host_inputs: str = "copy"
+    hoist: object = "auto"
 
     def validate(self) -> None:
         n = self.number_of_streams
@@ -165,6 +182,9 @@ class ExecutorParams:
             raise ExecuteArgumentError(f"check_ranks must be one of {list(CHECK_RANKS)}, got {self.check_ranks!r}")
         if self.resharding not in RESHARDING_MODES:
             raise ExecuteArgumentError(f"resharding must be one of {list(RESHARDING_MODES)}, got {self.resharding!r}")
+        if self.host_inputs not in HOST_INPUTS:
+            raise ExecuteArgumentError(f"host_inputs must be one of {list(HOST_INPUTS)}, got {self.host_inputs!r}")
+        forced_hoisting(self.hoist)
 
     def evaluator_choice(self) -> tuple[str, tuple[str, ...]]:
         """The evaluator this run uses, "python" or "cpp", and why the C++
@@ -245,6 +265,8 @@ class _Program:
     # Dry-run reports of this program, per exact input shapes (and number
     # of streams): a report holds every size, so it serves no other.
     reports: dict = dataclasses.field(default_factory=dict)
+    # How its communications and transfers were hoisted (None: the default).
+    hoisting: object = None
 
 
 _MAX_REPORTS = 64
@@ -252,12 +274,23 @@ _MAX_REPORTS = 64
 
 @dataclasses.dataclass
 class _Call:
-    """One call, normalized and checked, ready to bind and run."""
+    """One call after the first four stages (or their memo): what bind,
+    run and convert back need."""
 
     program: _Program
     inputs: list
     outputs: list | None
     lowered: bool
+    number_of_streams: int
+    comm: object = None
+    # The CUDA graph to replay, and, on a call that captures or looks it up,
+    # the device to capture it on.
+    graph: object = None
+    no_grad: bool = True
+    # A prepared call: preallocated outputs other than its graph's make
+    # bind return None.
+    exact_outputs: bool = False
+    capture: object = None
 
 
 class FusionExecutor:
@@ -265,6 +298,10 @@ class FusionExecutor:
     for a multi-device fusion, its place in the ranks' call sequence. Safe to
     call from several threads at once; the runs of a multi-device fusion
     take the communicator one at a time (a second thread gets a clear error)."""
+
+    # The stages of every call, in order, each a method: a prepared call
+    # enters at `_bind`.
+    STAGES = ("_normalize", "_check", "_program", "_agree", "_bind", "_run", "_convert")
 
     def __init__(self, fusion: ir.Fusion):
         self.fusion = fusion
@@ -285,6 +322,8 @@ class FusionExecutor:
         self._prepared = prepared.PreparedCalls(self._lock)
         # What ran the latest call, and why (None before the first).
         self.last_runner: Runner | None = None
+        # Names the program in dumps: "" for a fusion's own, " (backward)" ...
+        self.label = ""
 
     @property
     def num_programs(self) -> int:
@@ -312,36 +351,26 @@ class FusionExecutor:
         **kwargs,
     ) -> list[torch.Tensor | None]:
         """Run the fusion on `inputs` (see the module's docstring for the
-        steps). `params`, or keyword arguments naming its fields."""
+        steps). `params`, or keyword arguments naming its fields.
+
+        Every call goes through the stages of `STAGES`, in order; a prepared
+        call (a memo of the first four for its exact signature) enters at
+        bind, and `HOSTIR_FAKE=1` is a runner, chosen in the program stage."""
         key = None
         if not self._multi_device():
             key = prepared.signature(inputs, outputs, params, kwargs)
             ready = None if key is None else self._prepared.get(key, self.fusion.version)
             if ready is not None:
-                results = self._run_prepared(ready, inputs, outputs)
+                results = self._finish(self._recall(ready, inputs, outputs))
                 if results is not None:
                     return results
         mode = fake_mode()
-        if mode == "1":
-            return self._execute_fake(inputs, outputs, params, kwargs)
-        if key is not None:
-            # A single-device call of a new signature: the full path, then
-            # its record for the next call (the same depth of calls as
-            # below, for the warnings' stack levels).
-            # No dry run under `auto`: a single-device program has no
-            # cross-rank error for it to catch, and its real run raises
-            # every error the dry run would.
-            params = ExecutorParams.from_arguments(params, kwargs)
-            call = self._prepare(inputs, outputs, params, None, with_dry_run=False)
-            results = self._run(call, params, None)
-            self._keep(key, call, params, inputs)
-            return results
-        if mode == "auto" and self._multi_device():
-            # The dry run below comes after the rendezvous: load its imports meanwhile.
-            from hostir.analysis.dry_run import warm_up
-
-            warm_up()
-        comm, error = self._communicator(params, kwargs) if self._multi_device() else (None, None)
+        comm, error = (None, None)
+        if mode != "1" and self._multi_device():
+            if mode == "auto":
+                # The dry run comes after the rendezvous: load its imports meanwhile.
+                dry_run.warm_up()
+            comm, error = self._communicator(params, kwargs)
         with _exclusive(comm):
             sequence = self._next_call(comm) if comm is not None else None
             call = None
@@ -349,14 +378,18 @@ class FusionExecutor:
                 if error is not None:
                     raise error
                 params = ExecutorParams.from_arguments(params, kwargs)
-                call = self._prepare(inputs, outputs, params, comm, with_dry_run=mode == "auto" and comm is not None)
+                inputs, outputs, device = self._normalize(inputs, outputs, params, comm, mode)
+                device = self._check(inputs, device, comm, mode, host_positions(self.fusion, inputs, params.host_inputs))
+                call = self._program(inputs, outputs, device, params, comm, mode)
             except Exception as err:
                 if comm is None or _agrees_first_only(params):
                     raise
                 error = err
-            if comm is not None:
-                self._agree(comm, sequence, call, inputs, error, _agrees_first_only(params))
-            return self._run(call, params, comm)
+            self._agree(comm, sequence, call, inputs, error, _agrees_first_only(params))
+            results = self._finish(call)
+        if key is not None:
+            self._keep(key, call, params, inputs)
+        return results
 
     def graph_inputs(
         self,
@@ -395,19 +428,14 @@ class FusionExecutor:
             )
         return list(ready.graph_inputs)
 
-    def _run_prepared(self, ready: prepared.Prepared, inputs, outputs) -> list | None:
-        """A call whose first four stages are `ready`'s: from bind on, the
-        full path's stage (None: its outputs are not the captured graph's)."""
+    def _recall(self, ready: prepared.Prepared, inputs, outputs) -> _Call:
+        """A prepared call: the first four stages' memo for its signature.
+        The one decision that depends on more than the signature, whether a
+        preallocated output shares memory with an input, is checked again."""
         program = ready.program
         if outputs is not None:
             check_no_overlap(self.fusion, outputs, inputs, program.binding.output_tvs)
-        results = bind.run(
-            program.binding, program.evaluator, inputs, outputs, ready.number_of_streams, ready.graph,
-            no_grad=ready.grad, exact_outputs=True,
-        )
-        if results is not None:
-            self.last_runner = program.runner
-        return results
+        return _Call(program, inputs, outputs, False, ready.number_of_streams, None, ready.graph, ready.grad, True)
 
     def _keep(self, key: tuple, call: _Call, params: ExecutorParams, inputs) -> None:
         """Keep the record of a single-device call that took the full path
@@ -418,38 +446,99 @@ class FusionExecutor:
         program = call.program
         grad = any(t.requires_grad for t in call.inputs)
         ready = prepared.Prepared(self.fusion.version, program, params.number_of_streams, grad)
-        if params.cuda_graph:
-            # The graph the full path just replayed for this call (a lookup).
-            bindings = program.binding.bind(call.inputs, call.outputs)
-            ready.graph = self._graphs.captured(program, bindings, params.number_of_streams, _device_of(call.inputs))
+        if call.graph is not None:
+            # The graph the full path just captured or replayed for this call.
+            ready.graph = call.graph
             ready.graph_inputs = program.binding.logical_inputs(ready.graph.inputs)
         self._prepared.put(key, ready)
 
-    # -- 1-3: normalize, check, program
-    def _prepare(self, inputs, outputs, params: ExecutorParams, comm, with_dry_run: bool = True) -> _Call:
+    # -- 1: normalize
+    def _normalize(self, inputs, outputs, params: ExecutorParams, comm, mode: str):
+        """The parameters checked, the inputs and outputs as lists, and the
+        device to run on (CPU inputs of a GPU program copied there; the
+        fake runner copies nothing)."""
         params.validate()
         inputs, outputs = self._as_lists(inputs, outputs)
-        if comm is not None:
-            check_world(self.fusion, comm.world_size)
+        if mode == "1":
+            return inputs, outputs, None
         device = self._device(inputs, params, comm)
-        inputs = self._place(inputs, device)
+        inputs = self._place(inputs, device, host_positions(self.fusion, inputs, params.host_inputs))
         if comm is not None:
             # Never hand a strided view to a collective (gloo would read the
             # wrong memory): compact first, which also keeps contiguity out
             # of the program cache's key so that all ranks hit or miss it
             # together.
             inputs = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs]
-        device = check_inputs(self.fusion, inputs, device, sharded=comm is not None)
+        return inputs, outputs, device
+
+    # -- 2: check
+    def _check(self, inputs, device, comm, mode: str, host: frozenset = frozenset()):
+        """Every input against the fusion, before any work starts; the
+        device the inputs are on. (The fake runner's dry run checks every
+        rank's inputs with the same checks, in the program stage.)"""
+        if mode == "1":
+            return device
+        if comm is not None:
+            check_world(self.fusion, comm.world_size)
+        device = check_inputs(self.fusion, inputs, device, sharded=comm is not None, host=host)
         self._warn_requires_grad(inputs)
-        program, lowered = self._program(inputs, device, params, comm)
+        return device
+
+    # -- 3: program (with the dry run of a new shape)
+    def _program(self, inputs, outputs, device, params: ExecutorParams, comm, mode: str) -> _Call:
+        """The call with its program: the lowered program for the inputs'
+        signature, the checks of sizes and outputs that need it, and the dry
+        run of a new input shape; with HOSTIR_FAKE=1, the fake runner's
+        program, which returns the dry run's meta tensors."""
+        nos = params.number_of_streams
+        if mode == "1":
+            return _Call(self._fake_program(inputs, params), inputs, outputs, False, nos)
+        program, lowered = self._lookup(inputs, device, params, comm)
         sizes = check_sizes(self.fusion, inputs, program.equal_axes)
         check_reductions(self.fusion, sizes)
         check_chunks(program.container, sizes)
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
-        if with_dry_run:
-            self._dry_run(program, inputs, params, comm.world_size if comm is not None else 1)
-        return _Call(program, inputs, outputs, lowered)
+        if mode == "auto" and comm is not None:
+            # Not for a single-device program: it has no cross-rank error
+            # for a dry run to catch, and its real run raises every error
+            # the dry run would.
+            self._dry_run(program, inputs, params, comm.world_size)
+        call = _Call(program, inputs, outputs, lowered, nos, comm)
+        if params.cuda_graph:
+            call.capture = comm.device if comm is not None else _device_of(inputs)
+        return call
+
+    def _fake_program(self, inputs, params: ExecutorParams) -> _Program:
+        """HOSTIR_FAKE=1: a program whose runner returns this rank's outputs
+        as meta tensors, from a dry run of every rank; nothing runs and no
+        process group is made. Without a launcher, this process plays rank
+        0 of as many ranks as the fusion's meshes name."""
+        rank, world = 0, 1
+        if self._multi_device():
+            launch = communicator.discover()
+            rank, world = launch.rank, launch.world_size
+            needed = ranks_needed(self.fusion)
+            if world == 1 and needed > 1:
+                world = needed
+        key = (self.fusion.version, input_key(inputs), world, params.number_of_streams, params.resharding)
+        with self._lock:
+            report = self._fake_reports.get(key)
+        if report is None:
+            report = dry_run.dry_run(
+                self.fusion,
+                inputs,
+                world_size=world,
+                number_of_streams=params.number_of_streams,
+                resharding=params.resharding,
+            )
+            self.dry_runs += 1
+            with self._lock:
+                if len(self._fake_reports) >= _MAX_REPORTS:
+                    self._fake_reports.pop(next(iter(self._fake_reports)))
+                self._fake_reports[key] = report
+        shapes = [shape for _, shape, _ in report[rank].outputs]
+        return _Program(None, _FakeRun(self.fusion.outputs, shapes), [], Binding([], []), _FAKE)
 
     # -- the dry run
     def _dry_run(self, program: _Program, inputs, params: ExecutorParams, world_size: int):
@@ -481,6 +570,7 @@ class FusionExecutor:
                 backend=program.container.backend,
                 schedule=program.container.schedule,
                 resharding=params.resharding,
+                hoisting=program.hoisting,
             )
         self.dry_runs += 1
         with self._lock:
@@ -488,43 +578,6 @@ class FusionExecutor:
                 program.reports.pop(next(iter(program.reports)))
             program.reports[key] = report
         return report
-
-    def _execute_fake(self, inputs, outputs, params, kwargs) -> list[torch.Tensor | None]:
-        """HOSTIR_FAKE=1: this rank's outputs as meta tensors, from a dry run
-        of every rank; nothing runs and no process group is made. Without a
-        launcher, this process plays rank 0 of as many ranks as the
-        fusion's meshes name."""
-        params = ExecutorParams.from_arguments(params, kwargs)
-        params.validate()
-        inputs, outputs = self._as_lists(inputs, outputs)
-        rank, world = 0, 1
-        if self._multi_device():
-            launch = communicator.discover()
-            rank, world = launch.rank, launch.world_size
-            needed = ranks_needed(self.fusion)
-            if world == 1 and needed > 1:
-                world = needed
-        key = (self.fusion.version, input_key(inputs), world, params.number_of_streams, params.resharding)
-        with self._lock:
-            report = self._fake_reports.get(key)
-        if report is None:
-            report = dry_run.dry_run(
-                self.fusion,
-                inputs,
-                world_size=world,
-                number_of_streams=params.number_of_streams,
-                resharding=params.resharding,
-            )
-            self.dry_runs += 1
-            with self._lock:
-                if len(self._fake_reports) >= _MAX_REPORTS:
-                    self._fake_reports.pop(next(iter(self._fake_reports)))
-                self._fake_reports[key] = report
-        self.last_runner = _FAKE
-        return [
-            None if shape is None else torch.empty(shape, dtype=tv.dtype, device="meta")
-            for tv, (_, shape, _) in zip(self.fusion.outputs, report[rank].outputs)
-        ]
 
     def _device(self, inputs: list, params: ExecutorParams, comm) -> torch.device:
         if params.device is not None:
@@ -540,13 +593,15 @@ class FusionExecutor:
                 return t.device
         return tensors[0].device if tensors else torch.device("cpu")
 
-    def _place(self, inputs: list, device: torch.device) -> list:
+    def _place(self, inputs: list, device: torch.device, host: frozenset = frozenset()) -> list:
         """Copy CPU inputs to `device` if the program runs elsewhere (one
-        warning per fusion names them and the bytes copied)."""
+        warning per fusion names them and the bytes copied), except those in
+        host memory (`host`: their positions), which the program streams."""
         if device.type != "cuda":
             return inputs
         moved = [
-            i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+            i for i, t in enumerate(inputs)
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and i not in host
         ]
         if not moved:
             return inputs
@@ -562,7 +617,9 @@ class FusionExecutor:
         return [t.to(device) if i in moved else t for i, t in enumerate(inputs)]
 
     def _warn_requires_grad(self, inputs: list) -> None:
-        if "grad" in self._warned:
+        # Under no_grad nothing is asked of autograd; with grad mode on, only
+        # a traced call comes here with inputs requiring grad.
+        if "grad" in self._warned or not torch.is_grad_enabled():
             return
         grads = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if grads:
@@ -588,7 +645,9 @@ class FusionExecutor:
                 outputs = None
         return inputs, outputs
 
-    def _program(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> tuple[_Program, bool]:
+    def _lookup(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> tuple[_Program, bool]:
+        """The cached program for the inputs' signature, lowered on a miss,
+        and whether it was lowered now."""
         static = tuple(
             (i, axis, inputs[i].shape[axis])
             for i, tv in enumerate(self.fusion.inputs)
@@ -596,6 +655,8 @@ class FusionExecutor:
         )
         evaluator, reasons = params.evaluator_choice()
         chosen = machine.for_inputs(self.fusion, inputs, comm, params.schedule)
+        host = host_positions(self.fusion, inputs, params.host_inputs)
+        hoisting = machine.hoisting_for_inputs(self.fusion, inputs, device, comm, host, params.hoist)
         key = (
             tuple(
                 (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else "scalar"
@@ -606,6 +667,8 @@ class FusionExecutor:
             params.resharding,
             static,
             None if chosen is None else chosen.key(),
+            host,
+            None if hoisting is None else hoisting.key(),
         )
         with self._lock:
             # A program holds the communicator it was lowered for: after a
@@ -623,8 +686,11 @@ class FusionExecutor:
             if debug:
                 logger.debug("program cache miss for %s on %s: lowering", _key_text(key), device)
             strict = (params.evaluator or evaluator_choice()) == "cpp"
-            program = self._programs[key] = self._lower(device, evaluator, reasons, comm, chosen, params.resharding, strict)
+            program = self._programs[key] = self._lower(
+                device, evaluator, reasons, comm, chosen, params.resharding, strict, host, hoisting
+            )
             program.static_sizes = static
+            program.hoisting = hoisting
             return program, True
 
     def _lower(
@@ -636,12 +702,14 @@ class FusionExecutor:
         chosen=None,
         resharding: str = "auto",
         strict=False,
+        host: frozenset = frozenset(),
+        hoisting=None,
     ) -> _Program:
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
         if comm is None:
-            container = lower(self.fusion, dumper, resharding=resharding)
+            container = lower(self.fusion, dumper, resharding=resharding, host_inputs=host, hoisting=hoisting)
         else:
             container = lower(
                 self.fusion,
@@ -650,6 +718,8 @@ class FusionExecutor:
                 backend=_BACKEND_NAMES[comm.backend],
                 schedule=chosen,
                 resharding=resharding,
+                host_inputs=host,
+                hoisting=hoisting,
             )
         self.lowerings += 1
         streams = self._streams.get(device)
@@ -657,14 +727,14 @@ class FusionExecutor:
             streams = self._streams[device] = streams_for(device)
         if evaluator == "cpp" and not strict:
             # "auto": a program with ops the C++ executor lacks (a copy-engine
-            # transport, chunked views) runs on the Python evaluator.
+            # transport, chunked views, transfers) runs on the Python evaluator.
             reasons = tuple(flat.unsupported_reasons(container))
             if reasons:
                 evaluator = "python"
         runner = Runner(evaluator, reasons)
         if dumper.enabled("host_ir"):
             # The program's dump ends with a newline; the runner is its last line.
-            dumper.emit("host_ir", "Host program:", f"{container}{runner}\n")
+            dumper.emit("host_ir", f"Host program{self.label}:", f"{container}{runner}\n")
         logger.info("%s", runner)
         make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
         run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper)
@@ -712,6 +782,11 @@ class FusionExecutor:
         return fusion, calls
 
     def _agree(self, comm, sequence, call: _Call | None, inputs, error, first_only: bool) -> None:
+        """The ranks agree on the call, its program and inputs, and any local
+        error, and make the process groups the program needs; nothing to do
+        for one rank (or the fake runner, which makes no group)."""
+        if comm is None:
+            return
         if first_only and not call.lowered:
             # No agreement: each rank makes the groups it lacks (a
             # collective of its own, which checks the teams).
@@ -739,24 +814,78 @@ class FusionExecutor:
             comm.ensure_groups(teams)
 
     # -- 5-7: bind, run, convert back
-    def _run(self, call: _Call, params: ExecutorParams, comm) -> list[torch.Tensor | None]:
+    def _finish(self, call: _Call) -> list[torch.Tensor | None] | None:
+        """Stages 5-7, the same for every route; None where a prepared
+        call's preallocated outputs are not its graph's (the full path then
+        captures another graph)."""
+        bound = self._bind(call)
+        if bound is None:
+            return None
+        return self._convert(call, self._run(call, bound))
+
+    def _bind(self, call: _Call) -> tuple[list, list | None] | None:
+        """The call's inputs and preallocated outputs with the program's
+        runtime axes."""
+        binding = call.program.binding
+        given = None if call.outputs is None else binding.outputs(call.outputs)
+        if call.exact_outputs and call.graph is not None and given is not None and not call.graph.writes_into(given):
+            return None
+        return binding.inputs(call.inputs), given
+
+    def _run(self, call: _Call, bound: tuple[list, list | None]) -> list:
+        """Run the program on the bound tensors with its runner (the C++
+        executor, the Python evaluator or the fake runner), or replay its
+        CUDA graph (captured here on the first call of a signature)."""
         program = call.program
         self.last_runner = program.runner
-        nos = params.number_of_streams
+        inputs, given = bound
+        nos = call.number_of_streams
         try:
-            graph = None
-            if params.cuda_graph:
-                device = comm.device if comm is not None else _device_of(call.inputs)
-                backend = comm.backend if comm is not None else None
+            if call.capture is not None:
+                bindings = dict(zip(program.binding.input_tvs, inputs))
+                if given is not None:
+                    bindings.update(zip(program.binding.output_tvs, given))
+                backend = call.comm.backend if call.comm is not None else None
                 with torch.no_grad():
-                    bindings = program.binding.bind(call.inputs, call.outputs)
-                    graph = self._graphs.captured(program, bindings, nos, device, backend)
-            results = bind.run(program.binding, program.evaluator, call.inputs, call.outputs, nos, graph)
+                    call.graph = self._graphs.captured(program, bindings, nos, call.capture, backend)
+            if call.graph is not None:
+                if call.no_grad:
+                    with torch.no_grad():
+                        return call.graph.replay(inputs, given)
+                return call.graph.replay(inputs, given)
+            run_tensors = getattr(program.evaluator, "run_tensors", None)
+            if run_tensors is not None:
+                if call.no_grad:
+                    with torch.no_grad():
+                        return run_tensors(inputs, given or [], nos)
+                return run_tensors(inputs, given or [], nos)
+            bindings = dict(zip(program.binding.input_tvs, inputs))
+            if given is not None:
+                bindings.update(zip(program.binding.output_tvs, given))
+            with torch.no_grad():
+                return program.evaluator.run(bindings, number_of_streams=nos)
         except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
-            if comm is not None:
-                comm.failure = f"{type(err).__name__}: {err}"
+            if call.comm is not None:
+                call.comm.failure = f"{type(err).__name__}: {err}"
             raise
-        return list(results)
+
+    def _convert(self, call: _Call, results) -> list[torch.Tensor | None]:
+        """The results with the fusion's logical axes."""
+        return list(call.program.binding.unbind(results))
+
+
+class _FakeRun:
+    """The fake runner (HOSTIR_FAKE=1): the dry run's outputs of this rank
+    as meta tensors."""
+
+    def __init__(self, outputs, shapes):
+        self._outputs = list(zip(outputs, shapes))
+
+    def run(self, bindings, number_of_streams: int) -> list:
+        return [
+            None if shape is None else torch.empty(shape, dtype=tv.dtype, device="meta")
+            for tv, shape in self._outputs
+        ]
 
 
 def _device_of(inputs: list) -> torch.device:
@@ -788,7 +917,7 @@ def _exclusive(comm):
 
 
 def _key_text(key: tuple) -> str:
-    inputs, _, evaluator, resharding, static, chosen = key
+    inputs, _, evaluator, resharding, static, chosen, host, hoisting = key
     parts = ", ".join(
         f"{str(dtype).removeprefix('torch.')}/{ndim}d{'' if contiguous else ' strided'}"
         for dtype, ndim, contiguous in inputs
@@ -796,6 +925,9 @@ def _key_text(key: tuple) -> str:
     text = f"inputs ({parts}), evaluator {evaluator}, resharding {resharding}"
     if static:
         text += ", static sizes " + ", ".join(f"input {i} axis {axis} = {size}" for i, axis, size in static)
+    if host:
+        text += ", streamed inputs " + ", ".join(map(str, sorted(host)))
+    text += "" if hoisting is None else f", hoisting {hoisting}"
     return text + ("" if chosen is None else f", schedule {chosen}")
 
 

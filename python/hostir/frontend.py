@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hostir import broadcast_ops, communicator, ir, layout, printer, shape_ops
+from hostir import autograd, broadcast_ops, communicator, ir, layout, printer, shape_ops
 from hostir.analysis.dry_run import dry_run
 from hostir.dtensor import Adapter, has_dtensors, is_dtensor
 from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
@@ -43,10 +43,14 @@ class Ops:
             if isinstance(v, ir.InputScalar) and not any(v is s for s in self._fd.fusion.inputs):
                 raise DefinitionError(f"scalar {v!r} belongs to another FusionDefinition")
 
-    def set(self, x: ir.TensorView) -> ir.TensorView:
-        """A copy of `x`."""
+    def set(self, x: ir.TensorView, memory: str | None = None) -> ir.TensorView:
+        """A copy of `x`; with `memory="host"` a copy in host memory (a
+        transfer from the device), with `memory="device"` a copy in device
+        memory (a transfer of a tensor in host memory)."""
         self._check(x)
-        return ir.set_(x)
+        if memory is None:
+            return ir.set_(x)
+        return ir.set_(x, ir.MemoryType.from_word(memory))
 
     def add(self, lhs, rhs) -> ir.TensorView:
         self._check(lhs, rhs)
@@ -72,9 +76,12 @@ class Ops:
     def relu(self, x: ir.TensorView) -> ir.TensorView:
         return self._unary("relu", x)
 
-    def gelu(self, x: ir.TensorView) -> ir.TensorView:
-        """The exact (erf) gelu, as torch.nn.functional.gelu."""
-        return self._unary("gelu", x)
+    def gelu(self, x: ir.TensorView, approximate: str = "none") -> ir.TensorView:
+        """torch.nn.functional.gelu: the exact (erf) form, or with
+        `approximate="tanh"` the tanh form."""
+        if approximate not in ("none", "tanh"):
+            raise DefinitionError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+        return self._unary("gelu" if approximate == "none" else "gelu_tanh", x)
 
     def silu(self, x: ir.TensorView) -> ir.TensorView:
         return self._unary("silu", x)
@@ -183,15 +190,22 @@ class FusionDefinition:
         if self._state != "defining":
             raise UsageError(f"{what} must be defined inside `with FusionDefinition() as fd:`")
 
-    def define_tensor(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> ir.TensorView:
+    def define_tensor(
+        self, shape: Sequence[int], dtype: torch.dtype = torch.float32, memory: str = "device"
+    ) -> ir.TensorView:
         """An input of the fusion. In `shape`, -1 is a symbolic extent (any
-        size), 1 a broadcast axis, and any other size a fixed extent."""
+        size), 1 a broadcast axis, and any other size a fixed extent.
+        `memory="host"` takes the input in host memory (a CPU tensor, also
+        when the program runs on a GPU): the program moves it to the device
+        where an op reads it, on a copy stream, as early as the memory
+        budget allows (see docs/offload.md)."""
         self._require_defining("define_tensor")
+        memory_type = ir.MemoryType.from_word(memory)
         if not isinstance(dtype, torch.dtype):
             raise DefinitionTypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         if isinstance(shape, (int, torch.Tensor)) or not isinstance(shape, Sequence):
             raise DefinitionTypeError(f"shape must be a list of ints, got {shape!r}")
-        return self.fusion.new_tensor(list(shape), dtype)
+        return self.fusion.new_tensor(list(shape), dtype, memory_type)
 
     def define_scalar(self, dtype: torch.dtype | type = torch.float64) -> ir.InputScalar:
         """A scalar input of the fusion: `execute` takes a Python number in
@@ -221,8 +235,11 @@ class FusionDefinition:
         """Run the fusion on `inputs` and return its outputs. With
         `outputs`, write into those tensors (all or none) and return them.
         Keyword arguments are fields of ExecutorParams (number_of_streams,
-        evaluator, device, ...). Runs without autograd: outputs never
-        require grad (inputs that require grad get one warning).
+        evaluator, device, ...). With grad mode on and an input that
+        requires grad, the outputs carry one autograd node whose backward
+        runs the fusion's backward program (`hostir.autograd`); set
+        `fd.keep_gathered = True` to save gathered operands instead of
+        gathering them again in the backward.
 
         Inputs may be DTensors: their placements shard the fusion's inputs
         (or are checked against the shardings set), and the outputs come
@@ -231,6 +248,8 @@ class FusionDefinition:
         Chrome / Perfetto trace to DIR/hostir_trace_rank<R>.json."""
         if self._state != "defined":
             raise UsageError("execute the fusion after its `with FusionDefinition() as fd:` block")
+        if torch.is_grad_enabled() and autograd.requires_grad(inputs) and trace is None:
+            return autograd.execute(self, inputs, outputs, params, return_dtensors, kwargs)
         wrap = bool(return_dtensors)
         if has_dtensors(inputs) or has_dtensors(outputs):
             wrap = return_dtensors is not False
@@ -271,11 +290,18 @@ class FusionDefinition:
             raise UsageError("ask for graph inputs after the `with FusionDefinition() as fd:` block")
         return self.executor.graph_inputs(inputs, outputs, params, **kwargs)
 
-    def dry_run(self, inputs, world_size: int | None = None, **kwargs):
+    def dry_run(self, inputs, world_size: int | None = None, backward: bool = False, **kwargs):
         """`hostir.dry_run(self, inputs, world_size, ...)`: every rank's
-        program on meta tensors, without running anything."""
+        program on meta tensors, without running anything. With
+        `backward=True`, the training step's: the training forward, the
+        backward, and per rank their peaks and the bytes saved between them
+        (`hostir.analysis.training`; `wrt=` picks the inputs to differentiate)."""
         if self._state != "defined":
             raise UsageError("dry-run the fusion after its `with FusionDefinition() as fd:` block")
+        if backward:
+            from hostir.analysis.training import dry_run_training
+
+            return dry_run_training(self, inputs, world_size=world_size, **kwargs)
         return dry_run(self, inputs, world_size=world_size, **kwargs)
 
     @property

@@ -52,10 +52,21 @@ class MemoryType(enum.Enum):
     local = "l"
     # Device memory that peers map and write (the cuda transport's windows).
     symmetric = "s"
+    # Host memory (pinned when the program runs on a GPU): reached from the
+    # device only through a `Transfer`.
+    host = "h"
 
     @property
     def word(self) -> str:
-        return {"g": "global", "l": "local", "s": "symmetric"}[self.value]
+        return {"g": "global", "l": "local", "s": "symmetric", "h": "host"}[self.value]
+
+    @classmethod
+    def from_word(cls, word: str) -> MemoryType:
+        """`"device"` (global memory) or `"host"`, as `define_tensor(memory=)` takes them."""
+        found = {"device": cls.global_, "host": cls.host}.get(word) if isinstance(word, str) else None
+        if found is None:
+            raise DefinitionError(f'memory must be "device" or "host", got {word!r}')
+        return found
 
 
 # The dtype spellings of nvFuser's dumps.
@@ -936,6 +947,51 @@ class SelectOp(Expr):
 
 
 @_op
+class ExpandOp(Expr):
+    """`out = input` broadcast to `like`'s shape, as a copy: the axes of
+    `out` at `dims` are new (size-1 axes of `input` inserted there, then
+    expanded), the others iterate with `input`'s. `like` gives the sizes
+    only (the backward of a sum). Writes into `out` if bound."""
+
+    EFFECT = "compute"
+
+    out: TensorView
+    input: TensorView
+    like: TensorView
+    dims: tuple
+    INPUTS = ("input", "like")
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        out = self.out.logical_runtime()
+        kept = [d for k, d in enumerate(out) if k not in self.dims]
+        yield from zip(kept, self.input.logical_runtime())
+        yield from zip(out, self.like.logical_runtime())
+
+
+@_op
+class InsertOp(Expr):
+    """`out = zeros like `like`, with `input` written where a slice
+    (`ranges`, as SliceOp's) or a select (`dim`, `index`) of it reads`: the
+    backward of slice and select. `like` gives the sizes only. Writes into
+    `out` if bound."""
+
+    EFFECT = "compute"
+
+    out: TensorView
+    input: TensorView
+    like: TensorView
+    ranges: tuple | None = None
+    dim: int | None = None
+    index: Scalar | None = None
+    INPUTS = ("input", "like", "index")
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        yield from zip(self.out.logical_runtime(), self.like.logical_runtime())
+
+
+@_op
 class BroadcastInDimOp(Expr):
     """`out` = `input` with input axis i as out axis `dims[i]`, out's other
     axes new, and size-1 input axes grown to out's sizes (nvFuser's
@@ -955,8 +1011,8 @@ class BroadcastInDimOp(Expr):
 
 
 SHAPE_OPS = (PermuteOp, ReshapeOp, SliceOp, SelectOp)
-FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp) + SHAPE_OPS
-COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp)
+FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp) + SHAPE_OPS
+COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp)
 
 
 @_op
@@ -1317,24 +1373,63 @@ class EndCoalescing(Expr):
 
 
 @_op
+class Transfer(Expr):
+    """Copies `input` into `out` between host and device memory (`H2D` or
+    `D2H`), posted like a communication: it starts after the work already
+    on the current stream, runs on a copy stream of its direction (the copy
+    engine; on the CPU it is a plain copy), and its `Wait` completes it. The
+    host does not block at the post. `out` must be bound (an `Allocate`).
+    `schedule` says where the hoisting pass put it (dump only)."""
+
+    EFFECT = "copy"
+
+    name: int
+    direction: str  # "H2D" or "D2H"
+    out: TensorView
+    input: TensorView
+    schedule: str | None = None
+    INPUTS = ("input",)
+    OUTPUTS = ("out",)
+    DIRECTIONS = ("H2D", "D2H")
+
+    def __post_init__(self):
+        if self.direction not in self.DIRECTIONS:
+            raise DefinitionError(f"a Transfer goes H2D or D2H, got {self.direction!r}")
+
+    def id_pairs(self):
+        return zip(self.out.loop_axes(), self.input.loop_axes())
+
+
+@_op
 class Wait(Expr):
-    """Completes `communication`: on NCCL the current stream waits for it
-    (the host does not block); on gloo the host waits, with the
-    communicator's timeout. After it, the output buffer holds the result."""
+    """Completes `communication` (a communication or a transfer): on NCCL
+    and for a host-to-device transfer the current stream waits for it (the
+    host does not block); on gloo and for a device-to-host transfer the host
+    waits, with the communicator's timeout for gloo. After it, the output
+    buffer holds the result."""
 
     EFFECT = "sync"
 
     communication: Expr
 
     def __post_init__(self):
-        if not isinstance(self.communication, (Communication, P2PCommunication, EndCoalescing)):
+        if not isinstance(self.communication, (Communication, P2PCommunication, EndCoalescing, Transfer)):
             raise DefinitionTypeError(
-                f"Wait takes a Communication, a P2PCommunication or an EndCoalescing, "
+                f"Wait takes a Communication, a P2PCommunication, an EndCoalescing or a Transfer, "
                 f"got {type(self.communication).__name__}"
             )
 
 
 COMMUNICATION_OPS = (Communication, P2PCommunication, StartCoalescing, EndCoalescing, Wait)
+# Ops posted now and completed by a later `Wait`, which a hoisting pass may move.
+POSTED_OPS = (Communication, P2PCommunication, Transfer)
+
+
+def needs_communicator(e: Expr) -> bool:
+    """Whether running `e` needs a communicator (a transfer does not)."""
+    if isinstance(e, Wait):
+        return not isinstance(e.communication, Transfer)
+    return isinstance(e, COMMUNICATION_OPS)
 
 
 def walk(exprs: Sequence[Expr]) -> Iterator[Expr]:
@@ -1492,9 +1587,12 @@ class Fusion(IrContainer):
     def bump_version(self) -> None:
         self.version += 1
 
-    def new_tensor(self, shape: Sequence[int], dtype: torch.dtype) -> TensorView:
+    def new_tensor(
+        self, shape: Sequence[int], dtype: torch.dtype, memory_type: MemoryType = MemoryType.global_
+    ) -> TensorView:
         """A fusion input. -1 is a symbolic extent, 1 a broadcast axis, any
-        other size a fixed extent that inputs must have."""
+        other size a fixed extent that inputs must have. `memory_type` is
+        `global_` (device memory) or `host`."""
         domain = []
         for i, size in enumerate(shape):
             if isinstance(size, bool) or not isinstance(size, int) or size < -1:
@@ -1505,7 +1603,7 @@ class Fusion(IrContainer):
                 domain.append(IterDomain(self, Scalar.constant(1), IterType.broadcast))
             else:
                 domain.append(IterDomain(self, Scalar.constant(size)))
-        tv = TensorView(self, domain, dtype, MemoryType.global_)
+        tv = TensorView(self, domain, dtype, memory_type)
         self.inputs.append(tv)
         self.bump_version()
         return tv
@@ -1555,10 +1653,15 @@ def _emit(fusion: Fusion, e: Expr) -> TensorView:
     return e.out
 
 
-def set_(x: TensorView) -> TensorView:
+def set_(x: TensorView, memory_type: MemoryType = MemoryType.local) -> TensorView:
+    """A copy of `x`; in `MemoryType.host` it is a device-to-host transfer."""
     fusion = _owner(x)
-    out = TensorView(fusion, [d.clone(fusion) for d in x.logical_runtime()], x.dtype)
+    out = TensorView(fusion, [d.clone(fusion) for d in x.logical_runtime()], x.dtype, memory_type)
     return _emit(fusion, Set(out, x))
+
+
+def in_host_memory(tv) -> bool:
+    return isinstance(tv, TensorView) and tv.memory_type is MemoryType.host
 
 
 def _as_operand(v) -> TensorView | Scalar:

@@ -41,20 +41,38 @@ class UnaryKind(enum.StrEnum):
     abs = "abs", torch.abs
     cast = "cast", None
     gelu = "gelu", torch.nn.functional.gelu, True  # the exact (erf) form
+    gelu_tanh = "gelu_tanh", lambda x: torch.nn.functional.gelu(x, approximate="tanh"), True
     silu = "silu", torch.nn.functional.silu, True
     exp = "exp", torch.exp, True
     tanh = "tanh", torch.tanh, True
     sigmoid = "sigmoid", torch.sigmoid, True
 
 
+def _into(fn: Callable) -> Callable:
+    """A two-operand function given an `out=` variant that copies."""
+
+    def run(a, b, out=None):
+        r = fn(a, b)
+        return r if out is None else out.copy_(r)
+
+    return run
+
+
+_aten = torch.ops.aten
+
+
 class BinaryKind(enum.StrEnum):
     """`out = lhs <symbol> rhs`, computed by `torch_fn` (with torch's
-    broadcasting and type promotion)."""
+    broadcasting and type promotion). The kinds without a symbol are the
+    derivatives backward programs use (`hostir.autodiff`), torch's own
+    backward kernels: `kind(grad, saved)` on operands of one shape, in the
+    grad's dtype (`eq`: the 0/1 mask of lhs == rhs in lhs's dtype); the
+    dump prints them as calls, and only the Python evaluator runs them."""
 
-    symbol: str
+    symbol: str | None
     torch_fn: Callable
 
-    def __new__(cls, name: str, symbol: str, torch_fn: Callable):
+    def __new__(cls, name: str, symbol: str | None, torch_fn: Callable):
         member = str.__new__(cls, name)
         member._value_ = name
         member.symbol = symbol
@@ -65,6 +83,14 @@ class BinaryKind(enum.StrEnum):
     sub = "sub", "-", torch.sub
     mul = "mul", "*", torch.mul
     div = "div", "/", torch.div
+    relu_grad = "relu_grad", None, _into(lambda g, x: _aten.threshold_backward(g, x, 0))
+    gelu_grad = "gelu_grad", None, _into(lambda g, x: _aten.gelu_backward(g, x))
+    gelu_tanh_grad = "gelu_tanh_grad", None, _into(lambda g, x: _aten.gelu_backward(g, x, approximate="tanh"))
+    silu_grad = "silu_grad", None, _into(lambda g, x: _aten.silu_backward(g, x))
+    tanh_grad = "tanh_grad", None, _into(lambda g, y: _aten.tanh_backward(g, y))
+    sigmoid_grad = "sigmoid_grad", None, _into(lambda g, y: _aten.sigmoid_backward(g, y))
+    abs_grad = "abs_grad", None, _into(lambda g, x: g * torch.sgn(x))
+    eq = "eq", None, _into(lambda a, b: (a == b).to(a.dtype))
 
 
 def _sum(src, dims, dtype=None, **out):

@@ -44,6 +44,8 @@ def _set(e: ir.Set, pad):
 
 
 def _binary(e: ir.BinaryOp, pad):
+    if e.kind.symbol is None:  # a derivative, printed as a call
+        return _assign(pad, e.out, f"{e.kind}( {format_val(e.lhs)}, {format_val(e.rhs)} )")
     return [
         f"{pad}{format_tv(e.out)}",
         f"{pad}   = {format_val(e.lhs)}",
@@ -102,6 +104,21 @@ def _slice(e: ir.SliceOp, pad):
 
 def _select_op(e: ir.SelectOp, pad):
     return _assign(pad, e.out, f"select( {format_tv(e.input)}, dim = {e.dim}, index = {format_scalar(e.index)} )")
+
+
+def _expand(e: ir.ExpandOp, pad):
+    dims = ", ".join(map(str, e.dims))
+    return _assign(pad, e.out, f"expand( {format_tv(e.input)}, like = {format_tv(e.like)}, new dims = {{{dims}}} )")
+
+
+def _insert(e: ir.InsertOp, pad):
+    if e.ranges is not None:
+        where = ", ".join(
+            f"{{{start} : {'end' if stop is None else stop} : {step}}}" for start, stop, step in e.ranges
+        )
+    else:
+        where = f"dim = {e.dim}, index = {format_scalar(e.index)}"
+    return _assign(pad, e.out, f"insert( {format_tv(e.input)}, into zeros like {format_tv(e.like)}, {where} )")
 
 
 def _get_stream(e: ir.GetCurrentStream, pad):
@@ -195,6 +212,13 @@ def _p2p(e: ir.P2PCommunication, pad):
     ]
 
 
+def _transfer(e: ir.Transfer, pad):
+    fields = [f"type={e.direction}", f"input={format_tv(e.input)}", f"output={format_tv(e.out)}"]
+    if e.schedule is not None:
+        fields.append(f"schedule=({e.schedule})")
+    return [f"{pad}Transfer {e.name} ({', '.join(fields)})"]
+
+
 def _start_coalescing(e: ir.StartCoalescing, pad):
     return [f"{pad}StartCoalescing"]
 
@@ -204,7 +228,8 @@ def _end_coalescing(e: ir.EndCoalescing, pad):
 
 
 def _wait(e: ir.Wait, pad):
-    return [f"{pad}Wait Communication {e.communication.name}"]
+    what = "Transfer" if isinstance(e.communication, ir.Transfer) else "Communication"
+    return [f"{pad}Wait {what} {e.communication.name}"]
 
 
 _FORMATS = {
@@ -219,6 +244,8 @@ _FORMATS = {
     ir.ReshapeOp: _reshape,
     ir.SliceOp: _slice,
     ir.SelectOp: _select_op,
+    ir.ExpandOp: _expand,
+    ir.InsertOp: _insert,
     ir.GetCurrentStream: _get_stream,
     ir.SetCurrentStream: _set_stream,
     ir.Synchronize: _synchronize,
@@ -233,6 +260,7 @@ _FORMATS = {
     ir.StartCoalescing: _start_coalescing,
     ir.EndCoalescing: _end_coalescing,
     ir.Wait: _wait,
+    ir.Transfer: _transfer,
 }
 
 

@@ -14,7 +14,7 @@ from hostir import ir, printer
 from hostir.container import HostIrContainer
 from hostir.analysis.races import check_races
 
-_MEMORY_OPS = ir.FUSION_OPS + (ir.Allocate, ir.Deallocate, ir.Communication, ir.P2PCommunication)
+_MEMORY_OPS = ir.FUSION_OPS + (ir.Allocate, ir.Deallocate, ir.Communication, ir.P2PCommunication, ir.Transfer)
 
 
 def sync_paths(exprs, prefix=()):

@@ -222,17 +222,20 @@ def test_bad_input_is_caught_before_any_work():
     assert torch.equal(first, torch.full((3,), 7.0))
 
 
-def test_inputs_requiring_grad_run_without_autograd():
+def test_inputs_requiring_grad_record_a_backward():
     fd = _scaled_add()
     x, y = (t.requires_grad_() for t in _inputs())
-    with pytest.warns(UserWarning, match=r"inputs \[0, 1\] require grad, but fusions run without autograd") as seen:
-        (out,) = fd.execute([x, y])
-    assert seen[0].filename == __file__  # points at the caller's line
-    assert not out.requires_grad
+    (out,) = fd.execute([x, y])
+    assert out.grad_fn is not None
     torch.testing.assert_close(out, (x + 2 * y).detach())
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+    torch.testing.assert_close(y.grad, torch.full_like(y, 2.0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fd.execute([x, y])  # once per fusion
+        with torch.no_grad():
+            (out,) = fd.execute([x, y])  # no autograd asked for, none recorded, no warning
+    assert not out.requires_grad
 
 
 def test_non_contiguous_inputs(device):

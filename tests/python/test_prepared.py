@@ -58,8 +58,8 @@ def _warmed(**kwargs) -> FusionDefinition:
 def test_repeated_calls_skip_the_full_path_and_match_eager(evaluator, stream, monkeypatch):
     fd = _warmed(stream=stream, number_of_streams=2)
     full_path = []
-    real = fd.executor._prepare
-    monkeypatch.setattr(fd.executor, "_prepare", lambda *a, **k: full_path.append(1) or real(*a, **k))
+    real = fd.executor._normalize
+    monkeypatch.setattr(fd.executor, "_normalize", lambda *a, **k: full_path.append(1) or real(*a, **k))
     for _ in range(3):
         a, b = torch.randn(4, 5), torch.randn(4, 5)
         (out,) = fd.execute([a, b], number_of_streams=2)
@@ -151,14 +151,18 @@ def test_a_partial_overlap_is_caught_on_the_fast_path(evaluator):
 def test_requires_grad_is_part_of_the_signature(evaluator):
     fd = _warmed()
     a, b = torch.randn(4, 5, requires_grad=True), torch.randn(4, 5)
-    with pytest.warns(UserWarning, match=r"inputs \[0\] require grad"):
+    with torch.no_grad():
         (out,) = fd.execute([a, b])
     assert not out.requires_grad
     torch.testing.assert_close(out, _reference(a, b).detach())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        (out,) = fd.execute([a, b])
+        with torch.no_grad():
+            (out,) = fd.execute([a, b])
     assert not out.requires_grad
+    # With grad mode on, the same inputs record a backward.
+    (out,) = fd.execute([a, b])
+    assert out.grad_fn is not None
 
 
 def test_a_changed_fusion_is_lowered_again(evaluator):

@@ -113,23 +113,75 @@ def test_fake_is_a_runner(monkeypatch):
     assert "HOSTIR_FAKE=1" in fd.last_runner.reason
 
 
-def test_the_full_path_and_a_prepared_call_share_the_run_stage(monkeypatch):
-    """A prepared call holds no runner of its own: it enters at bind, and
-    both routes run through `bind.run`."""
-    from hostir.runtime import bind
+def _record_stages(monkeypatch, fd) -> list[str]:
+    """The stage methods (`FusionExecutor.STAGES`) each call of `fd` goes
+    through, in order."""
+    called: list[str] = []
+    executor = fd.executor
+    for name in executor.STAGES:
+        real = getattr(executor, name)
 
-    real, calls = bind.run, []
+        def spy(*args, _name=name, _real=real, **kwargs):
+            called.append(_name)
+            return _real(*args, **kwargs)
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("exact_outputs", False))
-        return real(*args, **kwargs)
+        monkeypatch.setattr(executor, name, spy)
+    return called
 
-    monkeypatch.setattr(bind, "run", spy)
+
+ALL_STAGES = ["_normalize", "_check", "_program", "_agree", "_bind", "_run", "_convert"]
+
+
+def test_every_route_goes_through_the_same_stages(monkeypatch):
+    """The full path, a prepared call (the memo of the first four stages,
+    entering at bind) and the fake runner pass through one list of stages."""
+    from hostir.executor import FusionExecutor
+
+    assert list(FusionExecutor.STAGES) == ALL_STAGES
     fd = _double()
+    called = _record_stages(monkeypatch, fd)
     x = torch.randn(4, 3)
-    for _ in range(3):
+    (out,) = fd.execute([x])
+    torch.testing.assert_close(out, x + x)
+    assert called == ALL_STAGES
+    called.clear()
+    for _ in range(2):
         (out,) = fd.execute([x])
         torch.testing.assert_close(out, x + x)
-    # The full path once, then the prepared record twice.
-    assert calls == [False, True, True]
+    assert called == ALL_STAGES[4:] * 2
     assert len(fd.executor._prepared) == 1
+
+    called.clear()
+    monkeypatch.setenv("HOSTIR_FAKE", "1")
+    (out,) = fd.execute([x])
+    assert out.device.type == "meta" and list(out.shape) == [4, 3]
+    assert fd.last_runner.name == "fake"
+    assert called == ALL_STAGES
+
+
+def test_a_multi_device_call_goes_through_the_same_stages(monkeypatch):
+    """A multi-device fusion (here one rank of a one-device mesh, gloo)
+    takes the same stages: its agreement is the fourth, and it is never
+    prepared."""
+    from hostir import DeviceMesh, ParallelType, communicator
+
+    for name in communicator.LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.add(x, x)
+        fd.add_output(y)
+    for tv in (x, y):
+        tv.set_device_mesh(DeviceMesh([0]))
+    x.axis(0).parallelize(ParallelType.mesh_x)
+    y.axis(0).parallelize(ParallelType.mesh_x)
+    called = _record_stages(monkeypatch, fd)
+    try:
+        for _ in range(2):
+            a = torch.randn(1, 3)  # this rank's piece of the mesh_x axis
+            (out,) = fd.execute([a], backend="gloo")
+            torch.testing.assert_close(out, a + a)
+    finally:
+        communicator.shutdown()
+    assert called == ALL_STAGES * 2
+    assert len(fd.executor._prepared) == 0

@@ -78,3 +78,16 @@ def errors() -> tuple[type[Exception], ...]:
 
 def programs(container: HostIrContainer) -> HostIrEvaluator:
     return HostIrEvaluator(container)
+
+
+def offloaded() -> torch.Tensor:
+    stack = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    module: torch.nn.Module = hostir.offload(stack, "cpu", hoist="hoist:chunks=2", cuda_graph=False)
+    with FusionDefinition() as fd:
+        w = fd.define_tensor([8, 8], torch.float32, memory="host")
+        fd.add_output(fd.ops.set(fd.ops.set(w, memory="device"), memory="host"))
+    fd.execute([torch.randn(8, 8)], host_inputs="stream", hoist="sequential")
+    if isinstance(module, hostir.OffloadedStack):
+        module.fusion(2).host_ir()
+    out: torch.Tensor = module(torch.randn(2, 8))
+    return out

@@ -147,6 +147,10 @@ class RankReport:
     ops_executed: dict
     # What the backend's post of a communication raised (see `check_posts`).
     post_errors: list = dataclasses.field(default_factory=list)
+    # Host memory apart from the device's: `peak_bytes` is the device's.
+    host_peak_bytes: int = 0
+    # Each transfer between host and device memory: direction, bytes, line.
+    transfers: list = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {
@@ -158,8 +162,10 @@ class RankReport:
                 "peak_bytes": self.peak_bytes,
                 "peak_at": self.peak_at,
                 "peak_by_stream": dict(self.peak_by_stream),
+                "host_peak_bytes": self.host_peak_bytes,
             },
             "communications": [t.as_dict() for t in self.communications],
+            "transfers": [dict(t) for t in self.transfers],
             "ops_executed": dict(self.ops_executed),
         }
 
@@ -281,8 +287,9 @@ class Allocations(TorchDispatchMode):
     is dropped, as a real run's allocator would see them (temporaries of an
     op and staging buffers of a post included), and keeps the peak of the
     live bytes, where it happened and per stream. Storages in `excluded`
-    (the inputs) are not counted; `where` is set by the recorder before
-    every op."""
+    (the inputs) are not counted; `where` and `space` ("device" or
+    "host": what the op allocates in) are set by the recorder before every
+    op. Host memory has a peak of its own (`host_peak`)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -295,6 +302,9 @@ class Allocations(TorchDispatchMode):
         super().__init__()
         self.excluded = excluded
         self.where: tuple[str, str] = ("(before the program)", "caller")
+        self.space = "device"
+        self.host_live = 0
+        self.host_peak = 0
         self.live = 0
         self.peak = 0
         self.peak_at = "(nothing allocated)"
@@ -324,8 +334,12 @@ class Allocations(TorchDispatchMode):
         else:
             self._refs[key] = 1
             nbytes, stream = storage.nbytes(), self.where[1]
-            self._sizes[key] = (nbytes, stream)
-            self._change(nbytes, stream)
+            if self.space == "host":
+                self._sizes[key] = (nbytes, None)
+                self._change_host(nbytes)
+            else:
+                self._sizes[key] = (nbytes, stream)
+                self._change(nbytes, stream)
         weakref.finalize(t, self._release, key)
 
     def _release(self, key: int) -> None:
@@ -333,7 +347,14 @@ class Allocations(TorchDispatchMode):
         if self._refs[key] == 0:
             del self._refs[key]
             nbytes, stream = self._sizes.pop(key)
-            self._change(-nbytes, stream)
+            if stream is None:
+                self._change_host(-nbytes)
+            else:
+                self._change(-nbytes, stream)
+
+    def _change_host(self, nbytes: int) -> None:
+        self.host_live += nbytes
+        self.host_peak = max(self.host_peak, self.host_live)
 
     def add_scratch(self, nbytes: int) -> None:
         """Bytes a backend allocates (or, negative, frees) outside torch's
@@ -513,6 +534,7 @@ class _Recorder:
         self.ops: Counter = Counter()
         self.live: dict[int, tuple[Any, Buffer]] = {}
         self.buffers: list[Buffer] = []
+        self.transfers: list[dict] = []
         self._annotated = 0
 
     def op(self, frame, e, run) -> None:
@@ -526,12 +548,18 @@ class _Recorder:
         self._snapshot(frame, e)
         loops = "".join(f" (in loop {n} = {v})" for n, v in _loops(frame))
         self.allocations.where = (f"{printer.format_expr_head(e)}{loops}", frame.streams.current())
+        self.allocations.space = "host" if _allocates_host(e) else "device"
 
     def _after(self, frame, e) -> None:
         if self.comm is not None:
             self.comm.ops_running -= 1
         self.ops[type(e).__name__] += 1
         self._snapshot(frame, e)
+        if isinstance(e, ir.Transfer):
+            moved = frame.get(e.out, None)
+            self.transfers.append(
+                {"direction": e.direction, "bytes": _nbytes(moved), "line": printer.format_expr_head(e), "loops": _loops(frame)}
+            )
         if self.comm is not None:
             for t in self.comm.transfers[self._annotated :]:
                 t.loops = _loops(frame)
@@ -566,6 +594,13 @@ class _Recorder:
 
 
 # ---------------------------------------------------------------- inputs
+
+
+def _allocates_host(e) -> bool:
+    """Whether what `e` makes lives in host memory."""
+    if isinstance(e, ir.Allocate):
+        return e.memory_type is ir.MemoryType.host
+    return isinstance(e, ir.Set) and ir.in_host_memory(e.out)
 
 
 def _input_entry(v, value) -> tuple:
@@ -612,6 +647,7 @@ def dry_run(
     check: bool = True,
     schedule=None,
     resharding: str = "auto",
+    hoisting=None,
 ) -> DryRunReport:
     """Run every rank's program of `fd` (a FusionDefinition or a Fusion) on
     meta tensors and return the report.
@@ -620,9 +656,9 @@ def dry_run(
     any device, meta or fake tensors, or shapes), the same for every rank,
     or a dict from rank to such a list. `world_size` defaults to the number
     of ranks the fusion's meshes name (1 for a single-device fusion).
-    `backend`, `schedule` and `resharding` are what the programs are lowered
-    with (as `hostir.lower.lower` takes them, or a schedule's text as
-    `execute` takes it; an execute passes its own). With
+    `backend`, `schedule`, `resharding` and `hoisting` are what the programs
+    are lowered with (as `hostir.lower.lower` takes them, or a schedule's
+    text as `execute` takes it; an execute passes its own). With
     `check`, the ranks' communications are matched and a mismatch raises
     `CommunicationMismatchError`."""
     from hostir.lower.schedule import parse
@@ -654,6 +690,7 @@ def dry_run(
             multi,
             schedule=schedule,
             resharding=resharding,
+            hoisting=hoisting,
         )
         for r in range(world_size)
     ]
@@ -684,6 +721,7 @@ def run_rank(
     raw_errors: bool = False,
     schedule=None,
     resharding: str = "auto",
+    hoisting=None,
 ) -> RankReport:
     """One rank's part of a dry run (`container`: that rank's lowered
     program, if the caller has it; `raw_errors`: see `_run_container`)."""
@@ -695,9 +733,11 @@ def run_rank(
         checks.check_inputs(fusion, metas, "meta", sharded=multi)
         if container is None:
             if multi:
-                container = lower(fusion, rank=rank, backend=backend, schedule=schedule, resharding=resharding)
+                container = lower(
+                    fusion, rank=rank, backend=backend, schedule=schedule, resharding=resharding, hoisting=hoisting
+                )
             else:
-                container = lower(fusion, resharding=resharding)
+                container = lower(fusion, resharding=resharding, hoisting=hoisting)
         checks.check_sizes(fusion, metas, checks.equal_input_axes(fusion))
     except Exception as err:
         raise DryRunError(f"rank {rank}: {type(err).__name__}: {err}") from err
@@ -759,6 +799,8 @@ def _run_container(
         communications=comm.transfers if comm is not None else [],
         ops_executed=dict(recorder.ops),
         post_errors=comm.post_errors if comm is not None else [],
+        host_peak_bytes=allocations.host_peak,
+        transfers=recorder.transfers,
     )
 
 
@@ -929,7 +971,7 @@ def _team(team) -> str:
 # ---------------------------------------------------------------- printing
 
 
-_TENSOR = re.compile(r"(T\d+)_[gl]_\w+\[[^\]]*\](?: \(DeviceMesh\{[^()]*\}\))?")
+_TENSOR = re.compile(r"(T\d+)_[glsh]_\w+\[[^\]]*\](?: \(DeviceMesh\{[^()]*\}\))?")
 
 
 def short(line: str) -> str:
@@ -963,6 +1005,8 @@ def _rank_body(r: RankReport) -> list[str]:
     outs = ", ".join(f"{n} {d}{s}" if s is not None else f"{n} (not held)" for n, s, d in r.outputs)
     lines.append(f"  outputs: {outs}")
     lines.append(f"  memory: peak {_bytes(r.peak_bytes)} after {short(r.peak_at)}")
+    if r.host_peak_bytes or r.transfers:
+        lines.append(f"    host memory: peak {_bytes(r.host_peak_bytes)} (apart from the device's)")
     if r.peak_by_stream:
         per = ", ".join(f"{s} {_bytes(n)}" for s, n in sorted(r.peak_by_stream.items()))
         lines.append(f"    peak per stream: {per}")
@@ -988,6 +1032,12 @@ def _rank_body(r: RankReport) -> list[str]:
         if t.staging_bytes:
             sizes += f", staging {_bytes(t.staging_bytes)}"
         lines.append(f"    {t.kind} team={_team(t.team)}{loops} on {t.stream} ({sizes}): {traffic or 'no traffic'}")
+    if r.transfers:
+        moved = Counter()
+        for t in r.transfers:
+            moved[t["direction"]] += t["bytes"]
+        per = ", ".join(f"{d} {_bytes(n)}" for d, n in sorted(moved.items()))
+        lines.append(f"  transfers: {len(r.transfers)} ({per})")
     sent, received = sum(r.bytes_sent().values()), sum(r.bytes_received().values())
     lines.append(f"    total: sends {_bytes(sent)}, receives {_bytes(received)}")
     ops = ", ".join(f"{k} {v}" for k, v in sorted(r.ops_executed.items()))

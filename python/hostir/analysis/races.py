@@ -16,8 +16,8 @@ stream-ordered; memory freed while another stream uses it is reused).
 Happens-before is tracked with vector clocks, one timeline per stream and
 one per posted communication: program order on a stream; `Synchronize s`
 orders everything enqueued on `s` so far before what follows on the current
-stream; a communication starts after the work already on the current stream,
-and its `Wait` (or its coalescing group's) orders it before what follows on
+stream; a communication or a transfer starts after the work already on the
+current stream, and its `Wait` (or its coalescing group's) orders it before what follows on
 the current stream. The caller's stream writes the inputs before the program
 and, after the program joins every stream it used (as the evaluator does),
 reads the outputs and may overwrite the inputs; a communication never waited
@@ -354,6 +354,14 @@ def _communication(ck: _Checker, e: ir.Communication) -> None:
         if root is not None and root != ck.container.rank:
             writes = []
     tl = _post(ck, e, [e.input], writes)
+    ck.posted.setdefault(e, []).append(tl)
+
+
+@_rule(ir.Transfer)
+def _transfer(ck: _Checker, e: ir.Transfer) -> None:
+    # A copy stream of its own: it starts after the work on the current
+    # stream and its Wait orders it before what follows.
+    tl = _post(ck, e, [e.input], [e.out])
     ck.posted.setdefault(e, []).append(tl)
 
 

@@ -27,7 +27,9 @@ from hostir.lower.decompose_device_axis import decompose_device_axis
 from hostir.lower.insert_deallocations import insert_deallocations
 from hostir.lower.insert_reshardings import MODES as RESHARDING_MODES
 from hostir.lower.insert_reshardings import insert_reshardings
+from hostir.lower.hoist_transfers import Hoisting, hoist_transfers
 from hostir.lower.lower_communications import lower_communications
+from hostir.lower.lower_transfers import lower_transfers
 from hostir.lower.parallelize_streams import parallelize_streams
 from hostir.lower.propagate_shardings import propagate_shardings
 from hostir.lower.propagate_stream_axes import propagate_stream_axes
@@ -41,7 +43,9 @@ PIPELINE = [
     decompose_device_axis,
     parallelize_streams,
     lower_communications,
+    lower_transfers,
     insert_deallocations,
+    hoist_transfers,
 ]
 RANK_PIPELINE = [
     prune_for_rank,
@@ -71,6 +75,8 @@ def lower(
     schedule=None,
     until: str | None = None,
     stream_form: str | None = None,
+    host_inputs: frozenset = frozenset(),
+    hoisting: Hoisting | None = None,
 ) -> HostIrContainer:
     """The host program of `fusion`; with `rank`, the part that rank runs.
     With `until` (a name of `pass_names()`), the program right after that
@@ -81,20 +87,25 @@ def lower(
     `insert_reshardings`' mode ("auto", "before", "after", or "strict",
     which refuses an op that computes and reshards); `schedule` (a
     `hostir.lower.schedule.Schedule`) how a device axis walked as a stream axis
-    is decomposed (by default a ring, one chunk per peer). The returned
-    program's `digest` hashes the program before pruning for a rank."""
+    is decomposed (by default a ring, one chunk per peer). `host_inputs`
+    are positions of inputs passed in host memory to stream (as if defined
+    with `memory="host"`); `hoisting` (a `Hoisting`) how far
+    `hoist_transfers` moves communications and transfers (by default
+    `Hoisting()`: as early as operands and the default budget allow). The
+    returned program's `digest` hashes the program before pruning for a
+    rank."""
     if resharding not in RESHARDING_MODES:
         raise LoweringError(f"resharding must be one of {list(RESHARDING_MODES)}, got {resharding!r}")
     if until is not None and until not in pass_names():
         raise LoweringError(f"unknown pass {until!r}; passes in order: {', '.join(pass_names())}")
-    container = _run_one(build_host_program, fusion, dumper)
+    container = _run_one(build_host_program, fusion, dumper, {"host_inputs": frozenset(host_inputs)})
     # What the program was lowered with, for what runs it (the dry run of a
     # new shape lowers the other ranks' programs the same way).
     container.backend = backend = ir.backend_name(backend)
     container.schedule = schedule
     if until == build_host_program.__name__:
         return container
-    options = pass_options(rank, backend, resharding, schedule, stream_form)
+    options = pass_options(rank, backend, resharding, schedule, stream_form, hoisting)
     for p in PIPELINE:
         container = _run_one(p, container, dumper, options.get(p))
         if p.__name__ == until:
@@ -144,7 +155,12 @@ def check_communication_dtypes(container: HostIrContainer) -> None:
 
 
 def pass_options(
-    rank: int | None = None, backend: str = "NCCL", resharding: str = "auto", schedule=None, stream_form=None
+    rank: int | None = None,
+    backend: str = "NCCL",
+    resharding: str = "auto",
+    schedule=None,
+    stream_form=None,
+    hoisting: Hoisting | None = None,
 ) -> dict:
     """The arguments each pass takes beyond the program, by pass."""
     return {
@@ -152,6 +168,8 @@ def pass_options(
         parallelize_streams: {"form": stream_form},
         decompose_device_axis: {"schedule": schedule, "backend": backend},
         lower_communications: {"backend": backend},
+        lower_transfers: {"chunks": hoisting.chunks if hoisting is not None else 1},
+        hoist_transfers: {"hoisting": hoisting},
         prune_for_rank: {"rank": rank},
     }
 

@@ -3,9 +3,9 @@
 Precondition: a `Fusion` whose ops each have one output.
 Postcondition: a verified `HostIrContainer` holding copies of the fusion's
 TensorViews (same names, meshes, splits, parallel types and explicit
-schedules; memory type
-global) and one top-level op per fusion op, in definition order. The user's
-fusion is not changed.
+schedules; memory type host for a tensor in host memory, and for each input
+in `host_inputs`, else global) and one top-level op per fusion op, in
+definition order. The user's fusion is not changed.
 
     %Fusion { (T0_g_float[iS0{i0}]) -> (T1_l_float[iS1{i0}]) :
       T1_l_float[iS1{i0}] = Set( T0_g_float[iS0{i0}], cache_op=Streaming )
@@ -19,7 +19,10 @@ from hostir.container import HostIrContainer
 from hostir.errors import DefinitionError
 
 
-def build_host_program(fusion: ir.Fusion) -> HostIrContainer:
+def build_host_program(fusion: ir.Fusion, host_inputs: frozenset = frozenset()) -> HostIrContainer:
+    """`host_inputs`: positions of fusion inputs that a call passes in host
+    memory to stream (an execute's `host_inputs="stream"`)."""
+    in_host = {id(tv) for i, tv in enumerate(fusion.inputs) if i in host_inputs}
     container = HostIrContainer(counters=fusion._counters)
     ids: dict[ir.IterDomain, ir.IterDomain] = {}
     tvs: dict[ir.TensorView, ir.TensorView] = {}
@@ -42,7 +45,7 @@ def build_host_program(fusion: ir.Fusion) -> HostIrContainer:
                 container,
                 [copy_id(d) for d in v.domain],
                 v.dtype,
-                ir.MemoryType.global_,
+                ir.MemoryType.host if ir.in_host_memory(v) or id(v) in in_host else ir.MemoryType.global_,
                 name=v.name,
                 mesh=v.mesh,
                 logical=[copy_id(d) for d in v.logical],
@@ -52,7 +55,7 @@ def build_host_program(fusion: ir.Fusion) -> HostIrContainer:
     for tv in fusion.inputs:
         container.add_input(copy(tv))
     for e in fusion.exprs:
-        if isinstance(e, ir.SHAPE_OPS):
+        if isinstance(e, ir.SHAPE_OPS) and not isinstance(e, ir.PermuteOp):
             _check_unsharded(e)
         if len(e.outputs()) != 1:
             raise DefinitionError(f"each op must have one output:\n{e!r}")
@@ -67,6 +70,6 @@ def _check_unsharded(e: ir.Expr) -> None:
     for v in e.inputs() + e.outputs():
         if isinstance(v, ir.TensorView) and v.device_axes():
             raise DefinitionError(
-                f"permute, reshape, slice and select take and give tensors without mesh_x axes; "
+                f"reshape, slice and select take and give tensors without mesh_x axes; "
                 f"T{v.name} has one (gather it first with a set):\n{e!r}"
             )

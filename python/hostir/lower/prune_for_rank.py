@@ -36,7 +36,8 @@ def _on_rank(tv, rank: int) -> bool:
 
 
 def _prune(exprs, rank: int, kept: set) -> list[ir.Expr]:
-    """`kept` holds the ids of kept communications, for their Waits."""
+    """`kept` holds the ids of kept communications and transfers, for their
+    Waits."""
     new: list[ir.Expr] = []
     for e in exprs:
         if isinstance(e, ir.ForLoop):
@@ -52,12 +53,18 @@ def _prune(exprs, rank: int, kept: set) -> list[ir.Expr]:
             new.append(e)
             continue
         if isinstance(e, ir.Wait):
-            if isinstance(e.communication, ir.Communication):
+            if isinstance(e.communication, (ir.Communication, ir.Transfer)):
                 if id(e.communication) not in kept:
                     continue
                 new.append(e)
                 continue
             new.append(e)
+            continue
+        if isinstance(e, ir.Transfer):
+            # Kept where the rank holds what it moves, with its Wait.
+            if _on_rank(e.input, rank) or _on_rank(e.out, rank):
+                kept.add(id(e))
+                new.append(e)
             continue
         if isinstance(e, ir.Allocate):
             if _on_rank(e.buffer, rank):

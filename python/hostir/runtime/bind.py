@@ -7,9 +7,8 @@ and writes them with its runtime axes (a split axis as its pieces,
 knows which of the three conversions are views at all, so that a call
 whose tensors need none (the common case) costs a list copy.
 
-Every route of a call binds through it: the full path, a prepared call and
-the dry run. `run` is stages 5-7 of a call (bind, run, convert back), the
-same for the full path and a prepared call.
+Every route of a call binds through it: the full path, a prepared call, the
+fake runner and the dry run (the executor's `_bind` and `_convert` stages).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch
 
 from hostir import ir, layout
 
-__all__ = ["Binding", "run"]
+__all__ = ["Binding"]
 
 
 class Binding:
@@ -78,32 +77,3 @@ class Binding:
             return list(buffers)
         return [layout.to_logical(tv, t) for tv, t in zip(self.input_tvs, buffers)]
 
-
-def run(binding: Binding, evaluator, inputs, outputs, number_of_streams: int, graph=None, no_grad: bool = True,
-        exact_outputs: bool = False) -> list | None:
-    """Bind a call's tensors, run `evaluator` (the runner: the C++
-    executor's `run_tensors` where it has one, else `run` on bindings) or
-    replay `graph` (a captured CUDA graph), and return the results with
-    logical axes. `no_grad`: run without autograd (a caller that knows no
-    input requires grad skips the guard). With `exact_outputs`, preallocated
-    outputs other than the ones the graph writes make it return None (the
-    full path then captures another graph)."""
-    given = None if outputs is None else binding.outputs(outputs)
-    if graph is not None:
-        if exact_outputs and given is not None and not graph.writes_into(given):
-            return None
-        if no_grad:
-            with torch.no_grad():
-                return binding.unbind(graph.replay(binding.inputs(inputs), given))
-        return binding.unbind(graph.replay(binding.inputs(inputs), given))
-    run_tensors = getattr(evaluator, "run_tensors", None)
-    if run_tensors is not None:
-        if no_grad:
-            with torch.no_grad():
-                return binding.unbind(run_tensors(binding.inputs(inputs), given or [], number_of_streams))
-        return binding.unbind(run_tensors(binding.inputs(inputs), given or [], number_of_streams))
-    bindings = dict(zip(binding.input_tvs, binding.inputs(inputs)))
-    if given is not None:
-        bindings.update(zip(binding.output_tvs, given))
-    with torch.no_grad():
-        return binding.unbind(evaluator.run(bindings, number_of_streams=number_of_streams))

@@ -86,11 +86,14 @@ def _check_tensor(what: str, tv: ir.TensorView, t) -> None:
         raise InputTypeError(f"{what}: expected dtype {tv.dtype}, got {t.dtype}")
 
 
-def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = False) -> torch.device:
+def check_inputs(
+    fusion: ir.Fusion, inputs: list, device=None, sharded: bool = False, host: frozenset = frozenset()
+) -> torch.device:
     """Raise unless `inputs` match the fusion's inputs in count, type, dtype,
     rank, fixed sizes and device; return the device to run on. Sizes are
     those of this rank's pieces: 1 on a mesh_x axis, extent / mesh size on
-    a split axis sharded by the mesh."""
+    a split axis sharded by the mesh. An input in host memory (defined with
+    `memory="host"`, or at a position in `host`) must be on the CPU."""
     if len(inputs) != len(fusion.inputs):
         raise InputError(
             f"Wrong number of inputs: the fusion takes {len(fusion.inputs)} {signature(fusion)}, "
@@ -117,9 +120,17 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
                 ways = d.extent.value // expected if expected else 0
                 whole = f" (extent {d.extent.value} sharded over {ways} ranks)" if expected != d.extent.value else ""
                 raise InputError(f"{what}: axis {axis} must have size {expected}{whole}, got {size}")
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    in_host = host | {i for i, tv in enumerate(fusion.inputs) if ir.in_host_memory(tv)}
+    tensors = [t for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and i not in in_host]
     expected = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
     for i, t in enumerate(inputs):
+        if i in in_host and isinstance(t, torch.Tensor):
+            if t.device.type != "cpu" and not (t.device.type == "meta" and expected.type == "meta"):
+                raise InputError(
+                    f'input {i} (T{fusion.inputs[i].name}) is in host memory (memory="host") but is on '
+                    f"{t.device}; pass a CPU tensor (pinned, to stream at full speed)"
+                )
+            continue
         if isinstance(t, torch.Tensor) and t.device != expected:
             where = " (the device of input 0)" if device is None else (" (this rank's device)" if sharded else "")
             raise InputError(
@@ -129,6 +140,19 @@ def check_inputs(fusion: ir.Fusion, inputs: list, device=None, sharded: bool = F
 
 
 _PYTHON_TYPES = {torch.float64: "float (or int)", torch.int64: "int", torch.bool: "bool"}
+
+
+def host_positions(fusion: ir.Fusion, inputs: list, host_inputs: str = "copy") -> frozenset:
+    """Positions of the inputs a call passes in host memory: those defined
+    with `memory="host"`, and with `host_inputs="stream"` every CPU tensor
+    input too. The program streams them; nothing copies them before it."""
+    defined = {i for i, tv in enumerate(fusion.inputs) if ir.in_host_memory(tv)}
+    if host_inputs != "stream":
+        return frozenset(defined)
+    return frozenset(defined) | frozenset(
+        i for i, (tv, t) in enumerate(zip(fusion.inputs, inputs))
+        if isinstance(tv, ir.TensorView) and isinstance(t, torch.Tensor) and t.device.type == "cpu"
+    )
 
 
 def is_multi_device(fusion: ir.Fusion) -> bool:
@@ -239,7 +263,10 @@ def check_outputs(fusion: ir.Fusion, outputs: list, inputs: list, sizes, device:
     for i, (tv, t) in enumerate(zip(tvs or fusion.outputs, outputs)):
         what = f"preallocated output {i} (T{tv.name})"
         _check_tensor(what, tv, t)
-        if t.device != device:
+        where = torch.device("cpu") if ir.in_host_memory(tv) and device.type != "meta" else device
+        if t.device != where:
+            if where != device:
+                raise InputError(f"{what} is on {t.device} but is in host memory: pass a CPU tensor")
             raise InputError(f"{what} is on {t.device} but the fusion runs on {device}")
         shape = [layout.local_size(tv, d, sizes) for d in tv.logical_runtime()]
         if list(t.shape) != shape:

@@ -91,7 +91,7 @@ class HostIrEvaluator:
         self.device = torch.device(device)
         self.communicator = communicator
         self.dumper = dumper
-        needs = [e for e in container.walk() if isinstance(e, ir.COMMUNICATION_OPS)]
+        needs = [e for e in container.walk() if ir.needs_communicator(e)]
         if needs and communicator is None:
             raise BindingError(
                 f"A communicator must be provided: the program has communications, such as\n"
@@ -133,6 +133,8 @@ class HostIrEvaluator:
         self.profiled = True
         # Numbers the runs, for the call parity of each frame.
         self.calls = itertools.count()
+        # Pinned host copies of the program's host inputs, made once.
+        self.staging = transports.HostStaging()
 
     # -- the one entry point
     def run(self, bindings: Mapping[Any, Any], number_of_streams: int = 4) -> list:
@@ -466,6 +468,9 @@ def _allocate(frame: Frame, e: ir.Allocate) -> None:
         frame.bind(e.buffer, transports.allocate(frame, e.buffer, shape))
         return
     make = torch.zeros if e.zero_init else torch.empty
+    if e.memory_type is ir.MemoryType.host:
+        frame.bind(e.buffer, transports.allocate_host(frame, make, shape, e.buffer.dtype))
+        return
     frame.bind(e.buffer, make(shape, dtype=e.buffer.dtype, device=frame.device))
 
 
@@ -754,8 +759,51 @@ def _view_out(frame: Frame, e, result: torch.Tensor) -> None:
 
 @impl(ir.PermuteOp)
 def _permute(frame: Frame, e: ir.PermuteOp) -> None:
+    if e.input.device_axes() or e.out.device_axes():
+        # This rank's piece, permuted: its sharded axes move with it.
+        src = layout.to_logical(e.input, frame.get(e.input))
+        frame.bind(e.out, layout.to_runtime(e.out, src.permute(e.dims).contiguous()))
+        return
     src = frame.full_rank(e.input, frame.get(e.input))
     _view_out(frame, e, src.permute(e.dims))
+
+
+@impl(ir.ExpandOp)
+def _expand(frame: Frame, e: ir.ExpandOp) -> None:
+    # At full rank: inside a stream loop the dims `dims` counts are those of
+    # the whole tensors, a selected slice's dim put back as size 1.
+    src = _operand(frame, e, e.input, full_rank=True)
+    like = _operand(frame, e, e.like, full_rank=True)
+    for d in sorted(e.dims):
+        src = src.unsqueeze(d)
+
+    def run():
+        return src.expand(like.shape).contiguous()
+
+    _store(frame, e, run, lambda out: out.copy_(src.expand(like.shape)), full_rank=True)
+
+
+@impl(ir.InsertOp)
+def _insert(frame: Frame, e: ir.InsertOp) -> None:
+    src = _operand(frame, e, e.input, full_rank=True)
+    like = _operand(frame, e, e.like, full_rank=True)
+
+    def run():
+        out = torch.zeros(like.shape, dtype=e.out.dtype, device=like.device)
+        fill(out)
+        return out
+
+    def fill(out):
+        if e.ranges is not None:
+            out[tuple(slice(start, stop, step) for start, stop, step in e.ranges)] = src
+        else:
+            out.select(e.dim, int(frame.get(e.index))).copy_(src)
+
+    def into(out):
+        out.zero_()
+        fill(out)
+
+    _store(frame, e, run, into, full_rank=True)
 
 
 @impl(ir.ReshapeOp)
@@ -823,6 +871,11 @@ def _communication(frame: Frame, e: ir.Communication) -> None:
         raise classified from err
 
 
+@impl(ir.Transfer)
+def _transfer(frame: Frame, e: ir.Transfer) -> None:
+    frame.works[e] = transports.post_transfer(frame, e)
+
+
 @impl(ir.P2PCommunication)
 def _p2p(frame: Frame, e: ir.P2PCommunication) -> None:
     comm = frame.communicator
@@ -885,6 +938,8 @@ def _wait(frame: Frame, e: ir.Wait) -> None:
         for work in posted.works:
             work.wait()
     except Exception as err:
+        if isinstance(target, ir.Transfer):
+            raise
         classified = _classify(err, target, frame)
         if classified is err:
             raise

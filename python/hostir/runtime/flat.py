@@ -555,9 +555,18 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
             note("split", f"it has a split axis (ceilDiv extents, merged runtime dims): {printer.format_tv(split)}")
         if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk":
             note("chunk", f"it walks chunks of a split axis: {printer.format_expr_head(e)}")
+        if isinstance(e, ir.Transfer):
+            note(
+                "transfer",
+                f"it moves data between host and device memory, which the C++ executor has no instruction "
+                f"for (transfers run on the Python evaluator's copy streams): {printer.format_expr_head(e)}",
+            )
+            continue
         if type(e) not in _COMPILERS:
             note(f"op {type(e).__name__}", f"it has no instruction for {type(e).__name__}")
             continue
+        if isinstance(e, ir.BinaryOp) and e.kind.symbol is None:
+            note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
         if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):
             note(f"transport {e.backend}", f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and e.type.value not in COMMUNICATION_TYPES:
@@ -576,6 +585,8 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
             note("push", f"it pushes into a peer's buffer: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Allocate) and e.memory_type.word == "symmetric":
             note("symmetric", f"it allocates symmetric memory: {printer.format_expr_head(e)}")
+        if isinstance(e, ir.Allocate) and e.memory_type is ir.MemoryType.host:
+            note("host", f"it allocates host memory: {printer.format_expr_head(e)}")
     return list(found.values())
 
 

@@ -132,7 +132,7 @@ class CudaGraphs:
 
 def _capture(program, bindings: dict, number_of_streams: int, device: torch.device) -> _Captured:
     container = program.container
-    static = {tv: bindings[tv].clone() for tv in container.inputs}
+    static = {tv: _graph_input(tv, bindings[tv], device) for tv in container.inputs}
     for tv in container.outputs:
         if bindings.get(tv) is not None:
             static[tv] = bindings[tv]
@@ -145,6 +145,20 @@ def _capture(program, bindings: dict, number_of_streams: int, device: torch.devi
     with torch.cuda.graph(graph):
         outputs = program.evaluator.run(dict(static), number_of_streams=number_of_streams)
     return _Captured(graph, [static[tv] for tv in container.inputs], list(outputs), list(container.inputs))
+
+def _graph_input(tv, t, device: torch.device):
+    """The graph's own buffer for input `t`: a clone, except a tensor in
+    host memory, which the graph's transfers read in place (a pageable one
+    would be read through a staging copy that a replay never refreshes)."""
+    if t.device.type != "cpu":
+        return t.clone()
+    if not t.is_pinned():
+        raise CudaGraphError(
+            f"input T{tv.name} is in host memory but not pinned: a CUDA graph reads it in place, so pin it "
+            f"(tensor.pin_memory()) or run without cuda_graph"
+        )
+    return t
+
 
 class Replay:
     """Replays the captured graphs alternately; `()` returns the outputs the

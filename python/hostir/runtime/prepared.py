@@ -6,8 +6,8 @@ signature, the dry run of their shapes, the evaluator, the conversions to
 runtime and logical axes — depends on the call's exact *signature* alone:
 for each tensor argument its type, shape, strides, dtype, device and
 requires_grad; the execution parameters (each with its type); the
-environment variables that pick the evaluator and the dry run
-(HOSTIR_EVALUATOR, HOSTIR_FAKE); and the fusion's version. Once a call has
+environment variables that pick the evaluator, the dry run and the hoisting
+(HOSTIR_EVALUATOR, HOSTIR_FAKE, HOSTIR_HOIST); and the fusion's version. Once a call has
 taken the full path and run, a `Prepared` record keeps what that path
 decided, under its signature; a later call with the same signature runs
 from it. A call that a profiler or trace watches, or that a DEBUG log
@@ -25,7 +25,7 @@ With `cuda_graph=True` a prepared call holds the captured graph and goes
 straight to its replay.
 
 A record holds no runner of its own: the executor runs a prepared call
-through the same stage as the full path (`bind.run`).
+through the same stages as the full path (bind, run, convert back).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def signature(inputs, outputs, params, kwargs: dict) -> tuple | None:
         return None
     # Hashed once, by the lookup: an unhashable parameter makes the lookup
     # find nothing and the store keep nothing.
-    return (arguments, given, settings, fake, _environ("HOSTIR_EVALUATOR"))
+    return (arguments, given, settings, fake, _environ("HOSTIR_EVALUATOR"), _environ("HOSTIR_HOIST"))
 
 
 def _tensor_signatures(values) -> tuple | None:
@@ -120,7 +120,7 @@ def _device_is_exact(device) -> bool:
 class Prepared:
     """What the full path's first four stages decided for one signature
     (normalize, check, program, agree): a call of that signature enters at
-    bind with it, through the same run stage (`bind.run`)."""
+    bind with it, through the same stages as the full path."""
 
     version: int  # the fusion's version it was made for
     program: Any  # the executor's program: its container, binding, evaluator and runner

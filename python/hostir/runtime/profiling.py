@@ -64,8 +64,11 @@ def op_name(e: ir.Expr) -> str:
         return f"P2PCommunication {e.name} ({e.type})"
     if isinstance(e, ir.EndCoalescing):
         return f"EndCoalescing {e.name}"
+    if isinstance(e, ir.Transfer):
+        return f"Transfer {e.name} ({e.direction})"
     if isinstance(e, ir.Wait):
-        return f"Wait Communication {getattr(e.communication, 'name', '?')}"
+        what = "Transfer" if isinstance(e.communication, ir.Transfer) else "Communication"
+        return f"Wait {what} {getattr(e.communication, 'name', '?')}"
     if isinstance(e, ir.Synchronize):
         return f"Synchronize {_stream(e.stream)}"
     if isinstance(e, ir.SetCurrentStream):

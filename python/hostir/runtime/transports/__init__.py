@@ -3,7 +3,8 @@
 The evaluator asks for a communication, handing over the run's frame; the
 transport the op names (`backend=` in the dump: NCCL, gloo or cuda)
 translates it, each in one module: `torch_dist` for NCCL and gloo, `cuda`
-for copy-engine pushes into memory that peers map. A root given as a scalar (a loop index) is resolved here,
+for copy-engine pushes into memory that peers map, `host` for transfers
+between host and device memory. A root given as a scalar (a loop index) is resolved here,
 once, for every transport. Importing this package needs no CUDA.
 """
 
@@ -20,10 +21,12 @@ from hostir.runtime.transports.base import (
     TransportUsageError,
 )
 from hostir.runtime.transports import cuda
+from hostir.runtime.transports.host import HostStaging, allocate_host, post_transfer
 from hostir.runtime.transports.torch_dist import TorchDistTransport
 
 __all__ = [
     "Capabilities",
+    "HostStaging",
     "NoWork",
     "Posted",
     "Transport",
@@ -32,9 +35,11 @@ __all__ = [
     "TransportUsageError",
     "allocate",
     "capabilities",
+    "allocate_host",
     "end_coalescing",
     "post",
     "post_p2p",
+    "post_transfer",
     "transport_for",
 ]
 

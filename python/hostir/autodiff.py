@@ -1,0 +1,751 @@
+"""Reverse-mode differentiation of a fusion: its backward is another fusion.
+
+`derive(fusion, wrt)` returns a `Derivation`:
+
+- `forward`: a copy of the fusion whose outputs are the user's, then the
+  intermediates the backward reads (saved between the two programs);
+- `backward`: an ordinary `Fusion` whose inputs are the cotangents of the
+  forward's outputs, then the saved forward inputs and intermediates (and
+  scalar inputs an op reads), and whose outputs are the gradients of the
+  inputs `wrt`.
+
+Both go through the same lowering as any fusion (stream and ring
+decompositions, dry run, race check, both evaluators, dumps).
+
+The derivative is of the fusion's math on whole tensors; the shardings only
+say where the pieces live. Each cotangent is sharded as its primal (the
+forward tensor it is the gradient of, as sharding propagation placed it), so
+the backward's lowering inserts the communications that transpose the
+forward's: a sequence-parallel input gathered before a column-parallel
+linear gets its gradient through partial sums and a ReduceScatter; a
+row-parallel linear's replicated output gives a replicated cotangent that
+each rank multiplies by its own rows. A resharding `set` has no op in the
+backward: the cotangent of its output is made directly in its input's
+sharding. Where a contraction is sharded on a mesh dimension that another
+axis of the same product also uses (a weight gradient of a sequence-parallel
+layer), the rule gathers that operand first, once per tensor.
+
+What the forward saves: the inputs the rules read are passed as they are
+(each rank's shard); an operand that the forward gathered with a `set` is
+saved as the shard and gathered again in the backward (where a stream axis
+on the gathered tensor makes it a ring overlapped with the first backward
+matmul), unless `keep_gathered` asks for the gathered tensor itself.
+
+Rules: set; unary relu, gelu (erf and tanh), silu, neg, abs, exp, tanh,
+sigmoid, cast; binary add, sub, mul, div (with broadcasting); sum, max, min
+(ties share the gradient equally, as torch's amax/amin do); matmul; linear
+(bias included); permute, reshape, slice, select, broadcast_in_dim and
+expand. An op without a rule is a
+`NoTransposeRuleError` naming the op's dump line when the backward is first
+derived.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from hostir import ir, printer, shape_ops
+from hostir.errors import HostIrError
+
+__all__ = ["BackwardError", "Derivation", "NoTransposeRuleError", "derive"]
+
+
+class NoTransposeRuleError(HostIrError, NotImplementedError):
+    """An op of the fusion has no backward rule."""
+
+
+class BackwardError(HostIrError, RuntimeError):
+    """A backward that cannot run as asked (double backward, a released graph)."""
+
+
+# ---------------------------------------------------------------- layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a tensor's pieces live: its mesh and, per logical axis (reduction
+    axes left out), the loop pieces as (constant extent or None, parallel
+    type). An unsplit axis is one piece with extent None."""
+
+    mesh: ir.DeviceMesh | None
+    axes: tuple
+
+    @classmethod
+    def of(cls, tv: ir.TensorView) -> Layout:
+        axes = []
+        for d in tv.logical_runtime():
+            if d.leaves is None:
+                axes.append(((None, d.parallel_type),))
+            else:
+                axes.append(
+                    tuple((x.extent.value if x.extent.is_constant else None, x.parallel_type) for x in d.leaves)
+                )
+        return cls(tv.mesh, tuple(axes))
+
+    def device_types(self, axis: int) -> set:
+        return {pt for _, pt in self.axes[axis] if pt.is_device}
+
+    def without_streams(self) -> Layout:
+        return Layout(self.mesh, tuple(tuple((f, _no_stream(pt)) for f, pt in a) for a in self.axes))
+
+    def unsharded(self, axes) -> Layout:
+        """The same, with logical axes `axes` whole on every rank (unsplit)."""
+        new = list(self.axes)
+        for a in axes:
+            new[a] = ((None, ir.ParallelType.serial),)
+        return Layout(self.mesh, tuple(new))
+
+    def permuted(self, dims) -> Layout:
+        return Layout(self.mesh, tuple(self.axes[d] for d in dims))
+
+    def apply(self, tv: ir.TensorView) -> None:
+        """Give `tv` (unsplit, unparallelized) this layout."""
+        if self.mesh is not None:
+            tv.set_device_mesh(self.mesh)
+        logical = tv.logical_runtime()
+        for d in tv.logical:
+            # A reduced axis cloned from a stream axis is no stream axis.
+            if d.is_reduction and d.leaves is None and d.parallel_type is ir.ParallelType.stream:
+                d.parallelize(ir.ParallelType.serial)
+        to_parallelize = []
+        for d, pieces in zip(logical, self.axes):
+            # An axis cloned from a placed operand comes with its parallel type.
+            if d.leaves is None and d.parallel_type is not ir.ParallelType.serial:
+                d.parallelize(ir.ParallelType.serial)
+            if len(pieces) == 1:
+                (_, pt) = pieces[0]
+                if pt is not ir.ParallelType.serial:
+                    to_parallelize.append((d, pt))
+                continue
+            made = _split_like(tv, d, pieces)
+            for leaf, (_, pt) in zip(made, pieces):
+                if pt is not ir.ParallelType.serial:
+                    to_parallelize.append((leaf, pt))
+        for d, pt in to_parallelize:
+            d.parallelize(pt)
+
+    @property
+    def trivial(self) -> bool:
+        return self.mesh is None and all(len(a) == 1 and a[0][1] is ir.ParallelType.serial for a in self.axes)
+
+
+def _no_stream(pt: ir.ParallelType) -> ir.ParallelType:
+    return ir.ParallelType.serial if pt is ir.ParallelType.stream else pt
+
+
+def _split_like(tv: ir.TensorView, d: ir.IterDomain, pieces) -> list[ir.IterDomain]:
+    """Split logical axis `d` of `tv` into pieces of the given extents."""
+    current = d
+    for j in range(len(pieces) - 1):
+        at = tv.domain.index(current)
+        factor = pieces[j][0]
+        if factor is not None:
+            tv.outer_split(at, factor)
+        else:
+            inner = pieces[-1][0] if j == len(pieces) - 2 else None
+            if inner is None:
+                raise NoTransposeRuleError(f"cannot replay the split of T{tv.name}: pieces {pieces}")
+            tv.split(at, inner)
+        current = tv.domain[at + 1]
+    return list(d.loop_leaves())
+
+
+# ---------------------------------------------------------------- the derivation
+
+
+@dataclasses.dataclass
+class Derivation:
+    """A fusion's training forward and its backward (see the module's doc)."""
+
+    forward: ir.Fusion
+    backward: ir.Fusion
+    # Forward outputs that are the user's (the first ones).
+    user_outputs: int
+    # What the backward reads after the cotangents, in its inputs' order:
+    # ("input", i) is forward input i (a tensor or a scalar), ("output", j)
+    # forward output j.
+    saved: list[tuple[str, int]]
+    # The forward inputs whose gradients the backward returns, in its
+    # outputs' order.
+    grad_inputs: list[int]
+    # Per user output: the layout its cotangent (a backward input) has.
+    cotangent_layouts: list[Layout]
+
+
+def derive(fusion: ir.Fusion, wrt, keep_gathered: bool = False) -> Derivation:
+    """The training forward and the backward of `fusion` for the gradients of
+    its inputs at positions `wrt`."""
+    return _Deriver(fusion, list(wrt), keep_gathered).run()
+
+
+def _propagated_layouts(fusion: ir.Fusion) -> dict[int, Layout]:
+    """Each tensor's layout (by name) after stream and sharding propagation,
+    as the forward's lowering places it."""
+    from hostir.lower.build_host_program import build_host_program
+    from hostir.lower.propagate_shardings import all_tvs, propagate_shardings
+    from hostir.lower.propagate_stream_axes import propagate_stream_axes
+
+    container = propagate_shardings(propagate_stream_axes(build_host_program(fusion)))
+    return {tv.name: Layout.of(tv) for tv in all_tvs(container)}
+
+
+class _Deriver:
+    def __init__(self, fusion: ir.Fusion, wrt: list[int], keep_gathered: bool):
+        self.fwd = copy.deepcopy(fusion)
+        self.wrt = wrt
+        self.keep_gathered = keep_gathered
+        self.layouts = _propagated_layouts(self.fwd)
+        if keep_gathered and self._explicit_gathers():
+            self.layouts = _propagated_layouts(self.fwd)
+        self.multi = any(lay.mesh is not None for lay in self.layouts.values())
+        self.bwd = ir.Fusion()
+        self.producer = {e.out: e for e in self.fwd.exprs}
+        self.contribs: dict[ir.TensorView, list[ir.TensorView]] = {}
+        self.known: dict[ir.TensorView, Layout] = {}  # backward tv -> its layout
+        self.free: set[ir.TensorView] = set()  # made by a rule, not placed yet
+        self.saved: dict[ir.TensorView, ir.TensorView] = {}
+        self.gathered: dict[tuple, ir.TensorView] = {}
+        self.scalars: dict[int, ir.Scalar] = {}
+        self.saved_order: list[tuple[str, int]] = []
+
+    def _explicit_gathers(self) -> bool:
+        """Make each gather the lowering would insert before a matmul or
+        linear (an operand's rows sharded where the product's are not) a
+        `set` of the training forward, so that its result can be saved."""
+        changed = False
+        for e in list(self.fwd.exprs):
+            if not isinstance(e, (ir.MatmulOp, ir.LinearOp)):
+                continue
+            field = "a" if isinstance(e, ir.MatmulOp) else "input"
+            x = getattr(e, field)
+            lx, lo = self.layouts.get(x.name), self.layouts.get(e.out.name)
+            if lx is None or lo is None or lx.mesh is None:
+                continue
+            rows = [k for k in range(len(lx.axes) - 1) if lx.device_types(k) and not lo.device_types(k)]
+            if not rows:
+                continue
+            xg = ir.TensorView(self.fwd, [a.clone(self.fwd) for a in x.logical_runtime()], x.dtype)
+            lx.without_streams().unsharded(rows).apply(xg)
+            self.fwd.exprs.insert(self.fwd.exprs.index(e), ir.Set(xg, x))
+            setattr(e, field, xg)
+            self.fwd.bump_version()
+            changed = True
+        return changed
+
+    # -- layouts
+    def layout(self, tv: ir.TensorView) -> Layout:
+        lay = self.layouts.get(tv.name)
+        return lay if lay is not None else Layout.of(tv)
+
+    def new_input(self, like: ir.TensorView, layout: Layout) -> ir.TensorView:
+        shape = [-1 if not d.extent.is_constant else (1 if d.is_broadcast else d.extent.value) for d in like.logical_runtime()]
+        shape = [s if s != 1 or d.is_broadcast else -1 for s, d in zip(shape, like.logical_runtime())]
+        tv = self.bwd.new_tensor(shape, like.dtype)
+        # Inputs take no stream axis: a stream loop cuts the ops that read them.
+        layout = layout.without_streams()
+        layout.apply(tv)
+        self.known[tv] = layout
+        return tv
+
+    def place(self, tv: ir.TensorView, layout: Layout) -> ir.TensorView:
+        """`tv` in `layout`: placed if a rule just made it, else a copy."""
+        if tv in self.free:
+            self.free.discard(tv)
+            layout.apply(tv)
+            self.known[tv] = layout
+            return tv
+        have = self.known.get(tv)
+        if have is not None and (have.without_streams() == layout.without_streams()):
+            return tv
+        if have is None and layout.trivial:
+            return tv
+        copy_ = ir.set_(tv)
+        layout.apply(copy_)
+        self.known[copy_] = layout
+        return copy_
+
+    def made(self, tv: ir.TensorView) -> ir.TensorView:
+        if tv not in self.known and tv not in self.bwd.inputs:
+            self.free.add(tv)
+        return tv
+
+    # -- values the backward reads
+    def save(self, tv) -> ir.TensorView | ir.Scalar | float:
+        """The forward value `tv` in the backward."""
+        if not isinstance(tv, ir.TensorView):
+            return self.scalar(tv)
+        found = self.saved.get(tv)
+        if found is not None:
+            return found
+        producer = self.producer.get(tv)
+        if tv in self.fwd.inputs:
+            self.saved_order.append(("input", self.fwd.inputs.index(tv)))
+            found = self.new_input(tv, self.layout(tv))
+        elif (
+            isinstance(producer, ir.Set)
+            and not self.keep_gathered
+            and self.multi
+            and self.layout(tv).without_streams() != self.layout(producer.input).without_streams()
+        ):
+            # Gathered in the forward: gather again from the saved shard.
+            source = self.save(producer.input)
+            found = ir.set_(source)
+            self.layout(tv).apply(found)
+            self.known[found] = self.layout(tv)
+        else:
+            if tv not in self.fwd.outputs:
+                self.fwd.add_output(tv)
+            self.saved_order.append(("output", self.fwd.outputs.index(tv)))
+            found = self.new_input(tv, self.layout(tv))
+        self.saved[tv] = found
+        return found
+
+    def regathered(self, tv: ir.TensorView) -> bool:
+        """Whether `save(tv)` gathers a saved shard again."""
+        producer = self.producer.get(tv)
+        return (
+            isinstance(producer, ir.Set)
+            and not self.keep_gathered
+            and self.multi
+            and tv not in self.saved
+            and self.layout(tv).without_streams() != self.layout(producer.input).without_streams()
+        )
+
+    def save_permuted(self, tv: ir.TensorView, dims) -> ir.TensorView:
+        """The forward value `tv` with its axes permuted. A tensor gathered
+        again is permuted as a shard and then gathered, so that the gather
+        (a ring, when its stream axis asks for one) feeds the product that
+        reads it chunk by chunk."""
+        if not self.regathered(tv):
+            return self.permute(self.save(tv), dims)
+        shard = self.permute(self.save(self.producer[tv].input), dims)
+        found = ir.set_(shard)
+        layout = self.layout(tv).permuted(dims)
+        layout.apply(found)
+        self.known[found] = layout
+        return found
+
+    def read_anyway(self, t: ir.TensorView) -> bool:
+        """Whether a rule saves `t` for its values (a product's operand, the
+        input or output of a nonlinearity)."""
+        e = self.producer.get(t)
+        if isinstance(e, ir.UnaryOp) and e.kind in ("relu", "tanh", "sigmoid", "exp"):
+            return True
+        for c in self.fwd.exprs:
+            if isinstance(c, ir.BinaryOp) and c.kind in ("mul", "div") and t in (c.lhs, c.rhs):
+                return True
+            if isinstance(c, ir.UnaryOp) and c.kind in ("gelu", "gelu_tanh", "silu", "abs") and c.input is t:
+                return True
+        return False
+
+    def shaped_like(self, tv: ir.TensorView) -> ir.TensorView:
+        """A saved value with `tv`'s shape and sharding, for an op that
+        reads only sizes: one the backward reads anyway if the elementwise
+        ops that made `tv` lead to one, else `tv` itself."""
+        layout = self.layout(tv).without_streams()
+        shape = [a.extent for a in tv.logical_runtime()]
+        seen, todo = [], [tv]
+        while todo:
+            t = todo.pop()
+            seen.append(t)
+            if t in self.saved or t in self.fwd.inputs or self.read_anyway(t):
+                return self.save(t)
+            e = self.producer.get(t)
+            if isinstance(e, (ir.UnaryOp, ir.BinaryOp, ir.Set)):
+                for v in e.inputs():
+                    if (
+                        isinstance(v, ir.TensorView)
+                        and v not in seen
+                        and [a.extent for a in v.logical_runtime()] == shape
+                        and not any(a.is_broadcast for a in v.logical_runtime())
+                        and self.layout(v).without_streams() == layout
+                    ):
+                        todo.append(v)
+        return self.save(tv)
+
+    def scalar(self, s: ir.Scalar):
+        if isinstance(s, ir.InputScalar):
+            found = self.scalars.get(id(s))
+            if found is None:
+                self.saved_order.append(("input", next(i for i, v in enumerate(self.fwd.inputs) if v is s)))
+                found = self.scalars[id(s)] = self.bwd.new_scalar(s.dtype)
+            return found
+        return s.value
+
+    # -- cotangents
+    def contribute(self, tv: ir.TensorView, g: ir.TensorView) -> None:
+        if g.dtype != tv.dtype:
+            g = self.made(ir.unary("cast", g, tv.dtype))
+        self.contribs.setdefault(tv, []).append(g)
+
+    def cotangent(self, tv: ir.TensorView, layout: Layout | None = None) -> ir.TensorView | None:
+        parts = self.contribs.pop(tv, None)
+        if not parts:
+            return None
+        total = parts[0]
+        for p in parts[1:]:
+            total = self.made(ir.binary("add", total, p))
+        return self.place(total, layout if layout is not None else self.layout(tv))
+
+    # -- gathers where a product would shard one mesh dimension twice
+    def unsharded(self, tv: ir.TensorView, axes) -> ir.TensorView:
+        lay = self.known.get(tv)
+        if lay is None or not any(lay.device_types(a) for a in axes):
+            return tv
+        key = (id(tv), tuple(axes))
+        found = self.gathered.get(key)
+        if found is None:
+            new_layout = lay.without_streams().unsharded(axes)
+            found = ir.set_(tv)
+            new_layout.apply(found)
+            self.known[found] = new_layout
+            self.gathered[key] = found
+        return found
+
+    def contraction_ready(self, a, a_k: list[int], b, b_k: list[int]):
+        """Gather the contracted axes of `a` or `b` where a mesh dimension
+        shards a contracted axis and also an axis of the product."""
+        la, lb = self.known.get(a), self.known.get(b)
+        if la is None or lb is None:
+            return a, b
+        ka = set().union(*(la.device_types(i) for i in a_k)) if a_k else set()
+        kb = set().union(*(lb.device_types(i) for i in b_k)) if b_k else set()
+        other = set()
+        for lay, ks, t in ((la, a_k, a), (lb, b_k, b)):
+            for i in range(len(lay.axes)):
+                if i not in ks:
+                    other |= lay.device_types(i)
+        if ka & other:
+            a = self.unsharded(a, a_k)
+        if kb & other:
+            b = self.unsharded(b, b_k)
+        return a, b
+
+    def permute(self, tv: ir.TensorView, dims) -> ir.TensorView:
+        """`tv` transposed for a product: a view, not a copy."""
+        out = shape_ops.permute(tv, dims)
+        lay = self.known.get(tv)
+        if lay is not None:
+            lay = lay.without_streams().permuted(dims)
+            lay.apply(out)
+            self.known[out] = lay
+        return out
+
+    # -- the walk
+    def run(self) -> Derivation:
+        fwd = self.fwd
+        needs = set()
+        for i in self.wrt:
+            needs.add(fwd.inputs[i])
+        for e in fwd.exprs:
+            if any(v in needs for v in e.inputs() if isinstance(v, ir.TensorView)):
+                needs.add(e.out)
+        user_outputs = len(fwd.outputs)
+        cot_layouts = []
+        for out in list(fwd.outputs):
+            lay = self.layout(out)
+            cot_layouts.append(lay)
+            g = self.new_input(out, lay)
+            if out in needs:
+                self.contribs.setdefault(out, []).append(g)
+        for e in reversed(list(fwd.exprs)):
+            if e.out not in needs or e.out not in self.contribs:
+                continue
+            if not any(_wants(self, v, needs) for v in e.inputs()):
+                self.contribs.pop(e.out, None)
+                continue
+            rule = _RULES.get(type(e))
+            if rule is None:
+                raise NoTransposeRuleError(_no_rule(e, f"hostir has no backward rule for {type(e).__name__}"))
+            rule(self, e, needs)
+        grad_inputs = []
+        for i in self.wrt:
+            tv = fwd.inputs[i]
+            g = self.cotangent(tv)
+            if g is None:
+                continue
+            if g in self.bwd.inputs or g in self.bwd.outputs:
+                g = ir.set_(g)
+                self.layout(tv).apply(g)
+            self.bwd.add_output(g)
+            grad_inputs.append(i)
+        # A tensor a rule made and nothing placed takes what sharding
+        # propagation gives it when the backward is lowered.
+        return Derivation(
+            forward=fwd,
+            backward=self.bwd,
+            user_outputs=user_outputs,
+            saved=self.saved_order,
+            grad_inputs=grad_inputs,
+            cotangent_layouts=cot_layouts,
+        )
+
+
+def _no_rule(e: ir.Expr, why: str) -> str:
+    line = printer.format_expr_head(e) if hasattr(printer, "format_expr_head") else repr(e)
+    return f"{why}; the backward of this op cannot be derived:\n{line}"
+
+
+def _floating(tv) -> bool:
+    return isinstance(tv, ir.TensorView) and (tv.dtype.is_floating_point or tv.dtype.is_complex)
+
+
+def _wants(d: _Deriver, v, needs) -> bool:
+    return isinstance(v, ir.TensorView) and v in needs and _floating(v)
+
+
+# ---------------------------------------------------------------- rules
+
+_RULES: dict = {}
+
+
+def rule(op_class):
+    def wrap(fn):
+        _RULES[op_class] = fn
+        return fn
+
+    return wrap
+
+
+@rule(ir.Set)
+def _set_rule(d: _Deriver, e: ir.Set, needs) -> None:
+    if not _wants(d, e.input, needs):
+        d.contribs.pop(e.out, None)
+        return
+    # The same values in the input's sharding: the lowering moves them.
+    g = d.cotangent(e.out, d.layout(e.input))
+    d.contribute(e.input, g)
+
+
+_UNARY_GRADS = {
+    "relu": ("relu_grad", "out"),
+    "gelu": ("gelu_grad", "input"),
+    "gelu_tanh": ("gelu_tanh_grad", "input"),
+    "silu": ("silu_grad", "input"),
+    "abs": ("abs_grad", "input"),
+    "tanh": ("tanh_grad", "out"),
+    "sigmoid": ("sigmoid_grad", "out"),
+}
+
+
+@rule(ir.UnaryOp)
+def _unary_rule(d: _Deriver, e: ir.UnaryOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not _wants(d, e.input, needs):
+        return
+    if e.kind == "neg":
+        gx = ir.unary("neg", g)
+    elif e.kind == "cast":
+        gx = ir.unary("cast", g, e.input.dtype)
+    elif e.kind == "exp":
+        gx = ir.binary("mul", g, d.save(e.out))
+    elif e.kind in _UNARY_GRADS:
+        kind, which = _UNARY_GRADS[e.kind]
+        gx = ir.binary(kind, g, d.save(getattr(e, which)))
+    else:
+        raise NoTransposeRuleError(_no_rule(e, f"hostir has no backward rule for unary {e.kind}"))
+    d.contribute(e.input, d.made(gx))
+
+
+def _unbroadcast(d: _Deriver, g: ir.TensorView, operand: ir.TensorView) -> ir.TensorView:
+    """`g` (shaped as an op's output) summed over the axes where `operand`
+    is broadcast, shaped as `operand`."""
+    out_axes = g.logical_runtime()
+    op_axes = operand.logical_runtime()
+    offset = len(out_axes) - len(op_axes)
+    dims = [k for k in range(offset)] + [
+        offset + k for k, a in enumerate(op_axes) if a.is_broadcast and not out_axes[offset + k].is_broadcast
+    ]
+    if not dims:
+        return g
+    s = ir.reduction("sum", g, dims)
+    if offset == 0:
+        return _emit_expand(s, d.shaped_like(operand), dims)
+    raise NoTransposeRuleError(f"an operand with fewer axes than its op's output: T{operand.name}")
+
+
+def _emit_expand(x: ir.TensorView, like: ir.TensorView, dims) -> ir.TensorView:
+    fusion = x.owner
+    out = ir.TensorView(fusion, [a.clone(fusion) for a in like.logical_runtime()], x.dtype)
+    fusion.add_expr(ir.ExpandOp(out, x, like, tuple(dims)))
+    return out
+
+
+@rule(ir.BinaryOp)
+def _binary_rule(d: _Deriver, e: ir.BinaryOp, needs) -> None:
+    g = d.cotangent(e.out)
+    lhs, rhs = e.lhs, e.rhs
+    if e.kind not in ("add", "sub", "mul", "div"):
+        raise NoTransposeRuleError(_no_rule(e, f"hostir has no backward rule for {e.kind}"))
+    if _wants(d, lhs, needs):
+        if e.kind in ("add", "sub"):
+            gl = g
+        elif e.kind == "mul":
+            gl = ir.binary("mul", g, d.save(rhs))
+        else:
+            gl = ir.binary("div", g, d.save(rhs))
+        d.contribute(lhs, d.made(_unbroadcast(d, gl, lhs)))
+    if _wants(d, rhs, needs):
+        if e.kind == "add":
+            gr = g
+        elif e.kind == "sub":
+            gr = ir.unary("neg", g)
+        elif e.kind == "mul":
+            gr = ir.binary("mul", g, d.save(lhs))
+        else:
+            # torch: -grad * self / (other * other)
+            r = d.save(rhs)
+            gr = ir.unary("neg", ir.binary("div", ir.binary("mul", g, d.save(lhs)), ir.binary("mul", r, r)))
+        d.contribute(rhs, d.made(_unbroadcast(d, gr, rhs)))
+
+
+@rule(ir.ReductionOp)
+def _reduction_rule(d: _Deriver, e: ir.ReductionOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not _wants(d, e.input, needs):
+        return
+    dims = [k for k, a in enumerate(e.out.logical) if a.is_reduction]
+    if e.kind == "sum":
+        d.contribute(e.input, d.made(_emit_expand(g, d.shaped_like(e.input), dims)))
+        return
+    x = d.save(e.input)
+    # amax / amin: the gradient shared equally by the elements equal to the
+    # result, as torch computes it.
+    y = _emit_expand(d.save(e.out), x, dims)
+    mask = ir.binary("eq", x, y)
+    count = ir.reduction("sum", mask, dims)
+    share = _emit_expand(ir.binary("div", g, count), x, dims)
+    d.contribute(e.input, d.made(ir.binary("mul", share, mask)))
+
+
+def _swap_last(n: int) -> list[int]:
+    return list(range(n - 2)) + [n - 1, n - 2]
+
+
+@rule(ir.MatmulOp)
+def _matmul_rule(d: _Deriver, e: ir.MatmulOp, needs) -> None:
+    g = d.cotangent(e.out)
+    a, b = e.a, e.b
+    na, nb, ng = a.logical_ndim, b.logical_ndim, e.out.logical_ndim
+    if _wants(d, a, needs):
+        bs = d.save(b)
+        if nb == 2:
+            gg, bs = d.contraction_ready(g, [ng - 1], bs, [1])
+            ga = ir.linear(gg, bs)
+        else:
+            bt = d.permute(bs, _swap_last(nb))
+            gg, bt = d.contraction_ready(g, [ng - 1], bt, [nb - 2])
+            ga = ir.matmul(gg, bt)
+        d.contribute(a, d.made(_unbroadcast(d, ga, a)))
+    if _wants(d, b, needs):
+        at = d.save_permuted(a, _swap_last(na))
+        at, gg = d.contraction_ready(at, [na - 1], g, [ng - 2])
+        gb = ir.matmul(at, gg)
+        if nb == 2 and ng > 2:
+            gb = ir.reduction("sum", gb, list(range(ng - 2)))
+        else:
+            gb = _unbroadcast(d, gb, b)
+        d.contribute(b, d.made(gb))
+
+
+@rule(ir.LinearOp)
+def _linear_rule(d: _Deriver, e: ir.LinearOp, needs) -> None:
+    g = d.cotangent(e.out)
+    x, w, bias = e.input, e.weight, e.bias
+    n = x.logical_ndim
+    if n < 2:
+        raise NoTransposeRuleError(_no_rule(e, "the backward of a linear needs an input of at least 2 axes"))
+    lead = list(range(n - 1))
+    # A gradient sharded on the rows where the weight is sharded on K (the
+    # backward of a GEMM+ReduceScatter layer) is gathered once, for both
+    # products.
+    lg = d.known.get(g)
+    if lg is not None:
+        rows = set().union(*(lg.device_types(i) for i in lead))
+        if rows & (d.layout(w).device_types(1) | d.layout(x).device_types(n - 1)):
+            g = d.unsharded(g, lead)
+    if _wants(d, x, needs):
+        ws = d.save(w)
+        gg, ws = d.contraction_ready(g, [n - 1], ws, [0])
+        d.contribute(x, d.made(ir.matmul(gg, ws)))
+    if _wants(d, w, needs):
+        xs = d.save(x)
+        gt = d.permute(g, list(range(1, n)) + [0]) if n == 2 else d.permute(g, _swap_last(n))
+        if n == 2:
+            gt, xs = d.contraction_ready(gt, [1], xs, [0])
+            gw = ir.matmul(gt, xs)
+        else:
+            gt, xs = d.contraction_ready(gt, [n - 1], xs, [n - 2])
+            gw = ir.reduction("sum", ir.matmul(gt, xs), list(range(n - 2)))
+        d.contribute(w, d.made(gw))
+    if bias is not None and _wants(d, bias, needs):
+        d.contribute(bias, d.made(ir.reduction("sum", g, lead)))
+
+
+@rule(ir.BroadcastInDimOp)
+def _broadcast_in_dim_rule(d: _Deriver, e: ir.BroadcastInDimOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not _wants(d, e.input, needs):
+        return
+    out_axes = e.out.logical_runtime()
+    x_axes = e.input.logical_runtime()
+    new = [k for k in range(len(out_axes)) if k not in e.dims]
+    # Input axes of size 1 that the op grew: summed, and kept as size 1.
+    grown = [i for i, a in enumerate(x_axes) if a.is_broadcast and not out_axes[e.dims[i]].is_broadcast]
+    summed = sorted(new + [e.dims[i] for i in grown])
+    gx = ir.reduction("sum", g, summed) if summed else ir.set_(g)
+    if grown:
+        gx = _emit_expand(gx, d.shaped_like(e.input), grown)
+    d.contribute(e.input, d.made(gx))
+
+
+@rule(ir.PermuteOp)
+def _permute_rule(d: _Deriver, e: ir.PermuteOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not _wants(d, e.input, needs):
+        return
+    inverse = [0] * len(e.dims)
+    for i, p in enumerate(e.dims):
+        inverse[p] = i
+    d.contribute(e.input, d.made(shape_ops.permute(g, inverse)))
+
+
+@rule(ir.ReshapeOp)
+def _reshape_rule(d: _Deriver, e: ir.ReshapeOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not _wants(d, e.input, needs):
+        return
+    extents = [a.extent for a in e.input.logical_runtime()]
+    symbolic = [k for k, x in enumerate(extents) if not x.is_constant]
+    if len(symbolic) > 1:
+        raise NoTransposeRuleError(
+            _no_rule(e, f"T{e.input.name} has {len(symbolic)} symbolic sizes; reshaping back names all but one")
+        )
+    shape = [-1 if not x.is_constant else x.value for x in extents]
+    d.contribute(e.input, d.made(shape_ops.reshape(g, shape)))
+
+
+@rule(ir.SliceOp)
+def _slice_rule(d: _Deriver, e: ir.SliceOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not _wants(d, e.input, needs):
+        return
+    like = d.shaped_like(e.input)
+    out = ir.TensorView(d.bwd, [a.clone(d.bwd) for a in like.logical_runtime()], g.dtype)
+    d.bwd.add_expr(ir.InsertOp(out, g, like, ranges=e.ranges))
+    d.contribute(e.input, d.made(out))
+
+
+@rule(ir.SelectOp)
+def _select_rule(d: _Deriver, e: ir.SelectOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not _wants(d, e.input, needs):
+        return
+    like = d.shaped_like(e.input)
+    index = d.scalar(e.index)
+    if not isinstance(index, ir.Scalar):
+        index = ir.Scalar.constant(index)
+    out = ir.TensorView(d.bwd, [a.clone(d.bwd) for a in like.logical_runtime()], g.dtype)
+    d.bwd.add_expr(ir.InsertOp(out, g, like, dim=e.dim, index=index))
+    d.contribute(e.input, d.made(out))

@@ -1,0 +1,203 @@
+"""The hoisting pass: each transfer (and communication) is posted as early
+as its operands, the memory budget and the lookahead allow, its Wait stays
+before the first use, and the race checker proves every program it makes
+right. Golden dumps, property tests over stacks of layers and budgets,
+results against eager torch for every choice, forcing the choice, and the
+machine model's choice per input signature."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hostir
+from conftest import check_golden
+from hostir import FusionDefinition, ir, machine
+from hostir.lower import lower
+from hostir.lower.hoist_transfers import Hoisting, HoistingError, constant_bytes, parse
+
+H = 16
+WEIGHT = H * H * 4
+
+
+def mlp(layers: int, memory: str = "host"):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, H])
+        ws = [fd.define_tensor([H, H], memory=memory) for _ in range(layers)]
+        y = x
+        for w in ws:
+            y = fd.ops.gelu(fd.ops.linear(y, w))
+        fd.add_output(y)
+    return fd
+
+
+def reference(x, ws):
+    for w in ws:
+        x = torch.nn.functional.gelu(x @ w.T)
+    return x
+
+
+def live_weights(program) -> int:
+    """The most constant-size device buffers live at once, in bytes."""
+    live, peak, sizes = 0, 0, {}
+    for e in program.exprs:
+        if isinstance(e, ir.Allocate) and e.memory_type is not ir.MemoryType.host:
+            sizes[e.buffer] = constant_bytes(e.buffer) or 0
+            live += sizes[e.buffer]
+            peak = max(peak, live)
+        elif isinstance(e, ir.Deallocate):
+            live -= sizes.pop(e.buffer, 0)
+    return peak
+
+
+def posts_ahead(program) -> list[int]:
+    """For each transfer, how many compute ops lie between it and its Wait."""
+    found = []
+    for i, e in enumerate(program.exprs):
+        if isinstance(e, ir.Transfer):
+            j = next(k for k, w in enumerate(program.exprs) if isinstance(w, ir.Wait) and w.communication is e)
+            found.append(sum(isinstance(x, ir.FUSION_OPS) for x in program.exprs[i:j]))
+    return found
+
+
+@pytest.mark.parametrize(
+    "name, hoisting",
+    [("default", Hoisting()), ("sequential", Hoisting("sequential", note="forced")), ("lookahead_1", Hoisting(lookahead=1))],
+)
+def test_golden_dump(name, hoisting):
+    check_golden(f"hoist_mlp_{name}", lower(mlp(3).fusion, hoisting=hoisting))
+
+
+def test_next_layers_weights_move_while_this_layer_computes():
+    program = lower(mlp(4).fusion)
+    # Layer 0's weights have nothing to hide under; each later layer's
+    # transfer is posted before the previous layer's linear and gelu.
+    assert posts_ahead(program)[0] == 0
+    assert all(n >= 2 for n in posts_ahead(program)[1:]), posts_ahead(program)
+    assert live_weights(program) == 2 * WEIGHT
+    assert hostir.check_races(program) == []
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layers=st.integers(1, 6),
+    budget=st.one_of(st.none(), st.integers(0, 5)),
+    lookahead=st.one_of(st.none(), st.integers(0, 4)),
+)
+def test_any_budget_keeps_its_bound_and_no_races(layers, budget, lookahead):
+    hoisting = Hoisting(budget_bytes=None if budget is None else budget * WEIGHT, lookahead=lookahead)
+    program = lower(mlp(layers).fusion, hoisting=hoisting)
+    sequential = lower(mlp(layers).fusion, hoisting=Hoisting("sequential"))
+    bound = 2 * WEIGHT if budget is None else max(budget * WEIGHT, live_weights(sequential))
+    assert live_weights(program) <= bound
+    if lookahead is not None:
+        assert all(n <= lookahead + 1 for n in posts_ahead(program))  # + the op that waits
+    assert hostir.check_races(program) == []
+    # The same ops run, in an order the dependences allow.
+    kinds = sorted(type(e).__name__ for e in program.exprs)
+    assert kinds == sorted(type(e).__name__ for e in sequential.exprs)
+
+
+@pytest.mark.parametrize("option", ["hoist", "sequential", "hoist:lookahead=1", "hoist:budget=1KiB", "auto"])
+def test_every_choice_matches_eager_torch(option):
+    torch.manual_seed(0)
+    fd = mlp(4)
+    x, ws = torch.randn(5, H), [torch.randn(H, H) for _ in range(4)]
+    (out,) = fd.execute([x, *ws], hoist=option)
+    torch.testing.assert_close(out, reference(x, ws))
+
+
+def test_a_budget_of_one_weight_keeps_one_weight_on_the_device():
+    program = lower(mlp(3).fusion, hoisting=parse("hoist:budget=1KiB"))
+    # Each layer's weights move only once the previous layer's are freed
+    # (after its linear): under that layer's gelu alone.
+    assert posts_ahead(program) == [0, 1, 1]
+    assert live_weights(program) == WEIGHT
+
+
+def test_the_choice_shows_in_the_dump_and_can_be_forced(monkeypatch, capsys):
+    x, ws = torch.randn(2, H), [torch.randn(H, H) for _ in range(2)]
+    monkeypatch.setenv("HOSTIR_DUMP", "host_ir")
+    monkeypatch.setenv("HOSTIR_HOIST", "sequential")
+    mlp(2).execute([x, *ws])
+    assert "schedule=(sequential: forced)" in capsys.readouterr().out
+    monkeypatch.setenv("HOSTIR_HOIST", "hoist")
+    mlp(2).execute([x, *ws])
+    assert "schedule=(hoisted above 2 compute ops; forced)" in capsys.readouterr().out
+    # The execute option wins over the variable.
+    mlp(2).execute([x, *ws], hoist="sequential")
+    assert "schedule=(sequential: forced)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [("eager", "hoisting mode must be one of"), ("hoist:depth=2", "expected budget="), ("hoist:budget=3XB", "unknown unit")],
+)
+def test_bad_hoisting_options_are_refused(text, error):
+    with pytest.raises(HoistingError, match=error):
+        parse(text)
+    with pytest.raises(hostir.HostIrError, match=error):
+        mlp(1).execute([torch.randn(2, H), torch.randn(H, H)], hoist=text)
+
+
+def test_parse_reads_budgets_and_lookaheads():
+    assert parse("hoist:budget=2GiB,lookahead=3") == Hoisting(budget_bytes=2 << 30, lookahead=3, note="forced")
+    assert parse("sequential").mode == "sequential"
+
+
+H100 = machine.MachineModel("H100", gemm_tflops=700.0, copy_gbps=0.0, collective_gbps=150.0, step_us=30.0,
+                             h2d_gbps=51.7, d2h_gbps=50.0)
+
+
+def _stack_times(model, m: int, layers: int = 6, h: int = 8192):
+    copy = model.transfer_ms(h * h * 2)
+    compute = model.gemm_ms(2.0 * m * h * h)
+    return [copy] * layers, [compute] * layers
+
+
+@pytest.mark.parametrize("m", [1, 512, 2048, 8192, 16384])
+def test_the_model_never_picks_a_schedule_it_thinks_slower(m):
+    transfers, computes = _stack_times(H100, m)
+    mode, chunks, note = machine.choose_hoisting(H100, transfers, computes)
+    estimates = {
+        ("sequential", 1): machine.pipeline_ms(transfers, computes, depth=1),
+        ("hoist", 1): machine.pipeline_ms(transfers, computes),
+        ("hoist", 4): machine.pipeline_ms(transfers, computes, 4, step_ms=machine.PIECE_US * 1e-3),
+    }
+    assert estimates[(mode, chunks)] == min(estimates.values()), note
+    assert estimates[("hoist", 1)] <= estimates[("sequential", 1)]
+    # Chunks hide most of the first copy (compute bound) or the last
+    # compute (copy bound), and cost nothing.
+    assert (mode, chunks) == ("hoist", 4), note
+
+
+def test_pipeline_estimates_bound_the_copy_and_the_compute():
+    transfers, computes = [2.0] * 4, [1.0] * 4
+    assert machine.pipeline_ms(transfers, computes, depth=1) == 12.0
+    assert machine.pipeline_ms(transfers, computes) == 9.0  # all copies, then the last compute
+    assert machine.pipeline_ms(transfers, computes, 4) == 8.25
+    assert machine.pipeline_ms([1.0] * 4, [2.0] * 4, 4) == 8.25  # a piece of the first copy, then all compute
+
+
+def test_the_model_chooses_per_input_signature(monkeypatch, capsys):
+    # A machine whose copies take as long as 65536 rows compute.
+    slow_copies = machine.MachineModel("cpu", 0.05, 0.0, 2.0, 1.0, h2d_gbps=0.0015, d2h_gbps=0.0015)
+    monkeypatch.setattr(machine, "CPU_MODEL", slow_copies)
+    monkeypatch.setenv("HOSTIR_DUMP", "host_ir")
+    fd = mlp(3)
+    ws = [torch.randn(H, H) for _ in range(3)]
+    notes = []
+    for rows in (1, 65536):
+        x = torch.randn(rows, H)
+        (out,) = fd.execute([x, *ws])
+        torch.testing.assert_close(out, reference(x, ws))
+        dump = capsys.readouterr().out
+        assert "HirAliasChunk" not in dump  # on the CPU, never in pieces
+        notes.append(re.search(r"schedule=\(hoisted above \d+ compute ops; (model \(cpu\): [^)]*)\)", dump).group(1))
+    # Each signature's program says the model's estimates for its shapes.
+    assert notes[0] != notes[1] and all("sequential" in n for n in notes)
+    assert fd.num_programs == 2

@@ -1,0 +1,277 @@
+"""Host memory as a memory space: inputs defined with `memory="host"` (or
+streamed with `host_inputs="stream"`), sets into host memory, and the
+`Transfer`s they lower to — golden dumps of the pass, results against eager
+torch on every evaluator, the race checker, the dry run's host and device
+peaks, and the errors of moves the lowering cannot make. On the CPU a
+transfer is a copy, so the whole path runs here."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+
+import hostir
+from conftest import check_golden
+from hostir import FusionDefinition, ir
+from hostir.lower import LoweringError, lower, run_passes
+from hostir.lower.build_host_program import build_host_program
+from hostir.lower.insert_deallocations import insert_deallocations
+from hostir.lower.lower_transfers import lower_transfers
+
+H = 16
+
+
+def mlp(layers: int = 2, memory: str = "host", dtype=torch.float32):
+    """x @ W_l.T, GELU, per layer, with every W_l in `memory`."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, H], dtype)
+        ws = [fd.define_tensor([H, H], dtype, memory=memory) for _ in range(layers)]
+        y = x
+        for w in ws:
+            y = fd.ops.gelu(fd.ops.linear(y, w))
+        fd.add_output(y)
+    return fd
+
+
+def mlp_reference(x, ws):
+    for w in ws:
+        x = torch.nn.functional.gelu(x @ w.T)
+    return x
+
+
+def offload_output():
+    """relu(x @ W.T) computed on the device and returned in host memory."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, H])
+        w = fd.define_tensor([H, H])
+        fd.add_output(fd.ops.set(fd.ops.relu(fd.ops.linear(x, w)), memory="host"))
+    return fd
+
+
+def _pass_dump(fd):
+    return run_passes(build_host_program(fd.fusion), [lower_transfers, insert_deallocations])
+
+
+@pytest.mark.parametrize("case", [lambda: mlp(2), offload_output], ids=["host_weights", "device_to_host"])
+def test_golden_dump(case, request):
+    check_golden(f"transfer_{request.node.callspec.id}", _pass_dump(case()))
+
+
+def test_a_host_tensor_read_twice_is_moved_once():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, H])
+        w = fd.define_tensor([H, H], memory="host")
+        a = fd.ops.linear(x, w)
+        fd.add_output(fd.ops.linear(a, w))
+    program = lower(fd.fusion)
+    transfers = [e for e in program.walk() if isinstance(e, ir.Transfer)]
+    assert [t.direction for t in transfers] == ["H2D"]
+    x, w = torch.randn(3, H), torch.randn(H, H)
+    (out,) = fd.execute([x, w])
+    torch.testing.assert_close(out, (x @ w.T) @ w.T)
+
+
+@pytest.mark.parametrize("choice", ["python", "auto"])
+def test_host_weights_match_eager_torch(choice, caplog):
+    from hostir import cpp
+
+    torch.manual_seed(0)
+    fd = mlp(3)
+    x, ws = torch.randn(5, H), [torch.randn(H, H) for _ in range(3)]
+    with caplog.at_level(logging.INFO, logger="hostir"):
+        (out,) = fd.execute([x, *ws], evaluator=choice)
+    torch.testing.assert_close(out, mlp_reference(x, ws))
+    if choice == "auto" and cpp.available():
+        # The C++ executor cannot run a transfer: "auto" runs the program on
+        # the Python evaluator, and says why.
+        assert any("host and device memory" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_cpp_evaluator_asked_for_says_why_it_cannot_run_a_transfer():
+    from hostir import cpp
+
+    if not cpp.available():
+        pytest.skip(f"hostir._C is not built: {cpp.reason()}")
+    fd = mlp(1)
+    with pytest.raises(hostir.HostIrError, match="host and device memory"):
+        fd.execute([torch.randn(2, H), torch.randn(H, H)], evaluator="cpp")
+
+
+def test_output_in_host_memory_matches_eager_torch():
+    fd = offload_output()
+    x, w = torch.randn(4, H), torch.randn(H, H)
+    (out,) = fd.execute([x, w])
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out, torch.relu(x @ w.T))
+    (again,) = fd.execute([x, w], outputs=[torch.empty(4, H)])
+    torch.testing.assert_close(again, torch.relu(x @ w.T))
+
+
+def test_streamed_cpu_inputs_lower_to_transfers(monkeypatch, capsys):
+    fd = mlp(2, memory="device")
+    x, ws = torch.randn(3, H), [torch.randn(H, H) for _ in range(2)]
+    monkeypatch.setenv("HOSTIR_DUMP", "host_ir")
+    (out,) = fd.execute([x, *ws], host_inputs="stream")
+    dump = capsys.readouterr().out
+    torch.testing.assert_close(out, mlp_reference(x, ws))
+    assert len(re.findall(r"^\s+Transfer \d+ \(type=H2D", dump, re.M)) == 3, dump
+    (copied,) = fd.execute([x, *ws])
+    torch.testing.assert_close(copied, out)
+    assert fd.num_programs == 2  # streaming is part of the program's key
+
+
+def test_lowered_programs_have_no_races():
+    for fd in (mlp(3), offload_output()):
+        program = lower(fd.fusion)
+        assert any(isinstance(e, ir.Transfer) for e in program.walk())
+        assert hostir.check_races(program) == []
+
+
+def test_removing_a_transfers_wait_races():
+    program = lower(mlp(1).fusion)
+    at = next(i for i, e in enumerate(program.exprs) if isinstance(e, ir.Wait))
+    mutant = program.derive()
+    mutant.exprs = program.exprs[:at] + program.exprs[at + 1 :]
+    races = hostir.check_races(mutant)
+    assert races and "Transfer" in str(races[0])
+
+
+def test_dry_run_reports_host_and_device_peaks_apart():
+    fd = offload_output()
+    report = fd.dry_run([torch.randn(6, H), torch.randn(H, H)])
+    rank = report[0]
+    assert rank.host_peak_bytes == 6 * H * 4  # the output, in host memory
+    assert rank.peak_bytes == 2 * 6 * H * 4  # linear's and relu's results
+    assert rank.transfers[0]["direction"] == "D2H" and rank.transfers[0]["bytes"] == 6 * H * 4
+    text = str(report)
+    assert "host memory: peak 384 B" in text and "transfers: 1 (D2H 384 B)" in text
+    assert report.as_dict()["ranks"][0]["memory"]["host_peak_bytes"] == 6 * H * 4
+
+
+def test_dry_run_of_host_weights_counts_their_device_copies():
+    report = mlp(2).dry_run([torch.randn(4, H), torch.randn(H, H), torch.randn(H, H)])
+    moved = [t for t in report[0].transfers if t["direction"] == "H2D"]
+    assert [t["bytes"] for t in moved] == [H * H * 4] * 2
+    assert report[0].host_peak_bytes == 0
+
+
+def test_bad_memory_word_is_a_definition_error():
+    with pytest.raises(hostir.DefinitionError, match='memory must be "device" or "host"'):
+        with FusionDefinition() as fd:
+            fd.define_tensor([2], memory="pinned")
+
+
+def test_a_split_host_tensor_is_refused_when_lowering():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 8])
+        w = fd.define_tensor([8, 8], memory="host")
+        fd.add_output(fd.ops.add(x, w))
+    w.outer_split(0, 2)
+    with pytest.raises(LoweringError, match="host memory and split or sharded"):
+        lower(fd.fusion)
+
+
+def test_a_host_input_on_another_device_is_refused_before_running():
+    fd = mlp(1)
+    with pytest.raises(hostir.InputError, match=r'in host memory \(memory="host"\) but is on meta'):
+        fd.execute([torch.randn(2, H), torch.empty(H, H, device="meta")])
+
+
+def test_host_inputs_option_is_checked():
+    with pytest.raises(ValueError, match="host_inputs must be one of"):
+        mlp(1).execute([torch.randn(2, H), torch.randn(H, H)], host_inputs="pin")
+
+
+@pytest.mark.cuda
+def test_pinned_staging_is_made_once_per_program(cuda_device):
+    torch.manual_seed(0)
+    fd = mlp(2)
+    x = torch.randn(3, H, device=cuda_device)
+    ws = [torch.randn(H, H) for _ in range(2)]
+    for _ in range(3):
+        (out,) = fd.execute([x, *ws], evaluator="python")
+    torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in ws]))
+    (program,) = fd.executor._programs.values()
+    staging = program.evaluator.staging
+    assert len(staging) == 2
+    buffers = [e.buffer for e in staging._entries.values()]
+    ws[0].mul_(2.0)  # written since: the staging is refreshed in place
+    (out,) = fd.execute([x, *ws], evaluator="python")
+    torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in ws]))
+    assert all(e.buffer is b for e, b in zip(staging._entries.values(), buffers))
+    pinned = [w.pin_memory() for w in ws]  # pinned inputs are read in place
+    (out,) = fd.execute([x, *pinned], evaluator="python")
+    torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in ws]))
+
+
+@pytest.mark.cuda
+def test_output_in_host_memory_on_cuda(cuda_device):
+    fd = offload_output()
+    x, w = torch.randn(4, H, device=cuda_device), torch.randn(H, H, device=cuda_device)
+    (out,) = fd.execute([x, w])
+    assert out.device.type == "cpu" and out.is_pinned()
+    torch.testing.assert_close(out, torch.relu(x @ w.T).cpu())
+
+
+# ---------------------------------------------------------------- races of hand-built transfers
+
+
+def _hand_built():
+    """x (host) -> T = ALLOCATE; Transfer x -> T; returns the parts."""
+    from hostir.container import HostIrContainer
+
+    c = HostIrContainer()
+    x = ir.TensorView(c, [ir.IterDomain(c, ir.Scalar.constant(4))], torch.float32, ir.MemoryType.host)
+    t = ir.TensorView(c, [ir.IterDomain(c, ir.Scalar.constant(4))], torch.float32, ir.MemoryType.global_)
+    y = ir.TensorView(c, [ir.IterDomain(c, ir.Scalar.constant(4))], torch.float32, ir.MemoryType.global_)
+    c.add_input(x)
+    c.add_output(y)
+    move = ir.Transfer(c.next_name("transfer"), "H2D", t, x)
+    return c, x, t, y, move
+
+
+def test_reading_a_transfers_output_before_its_wait_races():
+    c, x, t, y, move = _hand_built()
+    for e in (ir.Allocate(t), move, ir.UnaryOp(y, "relu", t), ir.Wait(move)):
+        c.push_back(e)
+    races = hostir.check_races(c)
+    assert races and any("relu" in r.first.line + r.second.line for r in races), races
+    fixed = c.derive()
+    for e in (ir.Allocate(t), move, ir.Wait(move), ir.UnaryOp(y, "relu", t)):
+        fixed.push_back(e)
+    assert hostir.check_races(fixed) == []
+
+
+def test_freeing_a_transfers_output_before_its_wait_races():
+    c, x, t, y, move = _hand_built()
+    for e in (ir.Allocate(t), move, ir.Deallocate(t), ir.Wait(move), ir.Set(y, x)):
+        c.push_back(e)
+    races = hostir.check_races(c)
+    assert races and any("Deallocate" in r.first.line + r.second.line for r in races), races
+
+
+def test_every_pass_of_a_hoisted_chunked_program_is_race_free(monkeypatch):
+    monkeypatch.setenv("HOSTIR_CHECK", "races")
+    fd = mlp(3)
+    x, ws = torch.randn(4, H), [torch.randn(H, H) for _ in range(3)]
+    (out,) = fd.execute([x, *ws], hoist="hoist:chunks=4")
+    torch.testing.assert_close(out, mlp_reference(x, ws), rtol=1e-4, atol=1e-5)
+
+
+def test_a_rank_outside_a_host_tensors_mesh_drops_its_transfer_and_wait():
+    from hostir import DeviceMesh
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, H])
+        w = fd.define_tensor([H, H], memory="host")
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+    for tv in (x, w, y):
+        tv.set_device_mesh(DeviceMesh([0]))
+    on_mesh = lower(fd.fusion, rank=0, backend="gloo")
+    assert [type(e).__name__ for e in on_mesh.exprs if isinstance(e, (ir.Transfer, ir.Wait))] == ["Transfer", "Wait"]
+    elsewhere = lower(fd.fusion, rank=1, backend="gloo")
+    assert not any(isinstance(e, (ir.Transfer, ir.Wait)) for e in elsewhere.exprs)

@@ -1,0 +1,270 @@
+"""Forward+backward of Llama layers: hostir against eager torch and torch's TP.
+
+Times one training step's forward and backward (no optimizer) of two
+Llama-70B-shaped pieces, in bf16 by default:
+
+* ``mlp``: ``down(silu(gate(x)) * up(x))``, hidden H, intermediate I;
+* ``attn_proj``: the attention projections ``q(x), k(x), v(x)`` and
+  ``o(q)`` (the attention core left out: its kernels are torch's either way).
+
+Rows, each where it runs:
+
+* ``eager``: the layers as ``nn.Linear`` modules, torch autograd;
+* ``hostir fusion``: the whole piece as one FusionDefinition; `fd.execute`
+  on inputs requiring grad records one node whose backward runs the derived
+  backward program;
+* ``hostir.parallel``: the modules parallelized with
+  ``hostir.parallel.parallelize_module`` (colwise gate/up/q/k/v, rowwise
+  down/o): every Linear a hostir program;
+* ``torch TP``: the same plan through torch's ``parallelize_module`` (DTensor);
+* ``torch async-TP``: torch's plan under ``torch.compile`` with symmetric
+  memory's micro-pipelined TP, which needs at least 2 ranks and CUDA.
+
+At world size 1 (plain ``python3``), the target is hostir ≤ 1.05× eager.
+Under ``torchrun`` with more ranks, the TP rows shard over them (eager and
+the fusion row stay single-GPU references on each rank).
+
+    PYTHONPATH=python python3 tools/bench_training.py                 # H100/H200, bf16, H=8192
+    PYTHONPATH=python python3 tools/bench_training.py --device cpu --hidden 256 --intermediate 512 --tokens 64 --dtype float32
+
+Each timing is the median over ``--iters`` steps after ``--warmup`` (CUDA
+events on a GPU, wall clock on the CPU). Rank 0 prints a Markdown table and
+writes ``bench_training_<tag>.md`` and ``.json`` under ``$OUT`` if set, else
+``benchmarks/results`` (``--out-dir`` overrides both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import time
+import traceback
+
+import torch
+from torch import nn
+
+import hostir
+from hostir import FusionDefinition
+
+
+class MLP(nn.Module):
+    def __init__(self, h, i, dtype, device):
+        super().__init__()
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.gate, self.up, self.down = nn.Linear(h, i, **kw), nn.Linear(h, i, **kw), nn.Linear(i, h, **kw)
+
+    def forward(self, x):
+        return (self.down(nn.functional.silu(self.gate(x)) * self.up(x)),)
+
+
+class AttnProj(nn.Module):
+    def __init__(self, h, kv, dtype, device):
+        super().__init__()
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h, **kw), nn.Linear(h, kv, **kw), nn.Linear(h, kv, **kw), nn.Linear(h, h, **kw))
+
+    def forward(self, x):
+        return self.o(self.q(x)), self.k(x), self.v(x)
+
+
+def plan(kind):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if kind == "mlp":
+        return {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+
+
+def fusion_of(kind, dtype):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dtype)
+        if kind == "mlp":
+            g, u, d = (fd.define_tensor([-1, -1], dtype) for _ in range(3))
+            fd.add_output(fd.ops.linear(fd.ops.mul(fd.ops.silu(fd.ops.linear(x, g)), fd.ops.linear(x, u)), d))
+        else:
+            q, k, v, o = (fd.define_tensor([-1, -1], dtype) for _ in range(4))
+            fd.add_output(fd.ops.linear(fd.ops.linear(x, q), o))
+            fd.add_output(fd.ops.linear(x, k))
+            fd.add_output(fd.ops.linear(x, v))
+    return fd
+
+
+class Timer:
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, step, warmup, iters):
+        for _ in range(warmup):
+            step()
+        times = []
+        for _ in range(iters):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                step()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                step()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def module_step(module, x, grads):
+    params = list(module.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        outs = module(x)
+        torch.autograd.backward(outs, grads)
+
+    return step
+
+
+def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
+    torch.manual_seed(0)
+    h, i, t = args.hidden, args.intermediate, args.tokens
+    kv = max(h // 8, 1)
+    make = (lambda: MLP(h, i, dtype, device)) if kind == "mlp" else (lambda: AttnProj(h, kv, dtype, device))
+    x = (torch.randn(t, h, device=device, dtype=dtype) / h**0.5).requires_grad_()
+    base = make()
+    for p in base.parameters():
+        nn.init.normal_(p, std=h**-0.5)
+    outs = base(x)
+    grads = [torch.randn_like(o) for o in outs]
+    rows = {}
+
+    def run(name, fn):
+        try:
+            rows[name] = {"ms": fn()}
+        except Exception as err:  # a row that cannot run says why
+            rows[name] = {"ms": None, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+            if args.verbose:
+                traceback.print_exc()
+
+    run("eager", lambda: timer(module_step(base, x, grads), args.warmup, args.iters))
+
+    def fused():
+        fd = fusion_of(kind, dtype)
+        weights = [p.detach().clone().requires_grad_() for p in base.parameters()]
+        ins = [x] + weights
+
+        def step():
+            x.grad = None
+            for w in weights:
+                w.grad = None
+            outs = fd.execute(ins)
+            torch.autograd.backward(outs, grads)
+
+        return timer(step, args.warmup, args.iters)
+
+    run("hostir fusion", fused)
+
+    def parallel(style_module):
+        import copy
+
+        m = copy.deepcopy(base)
+        style_module(m, mesh, plan(kind))
+        local_grads = grads
+        if world > 1:
+            # Colwise outputs (k, v) are local shards; the rowwise output is replicated.
+            local_grads = [g if g.shape[-1] == h else g.chunk(world, -1)[rank].contiguous() for g in grads]
+        return timer(module_step(m, x, local_grads), args.warmup, args.iters)
+
+    from hostir.parallel import parallelize_module as hostir_parallelize
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    run("hostir.parallel", lambda: parallel(hostir_parallelize))
+    run("torch TP", lambda: parallel(torch_parallelize))
+
+    def async_tp():
+        if world < 2 or device.type != "cuda":
+            raise RuntimeError("torch async-TP needs at least 2 ranks on CUDA")
+        import copy
+
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        torch._inductor.config._micro_pipeline_tp = True
+        enable_symm_mem_for_group(mesh.get_group().group_name)
+        m = copy.deepcopy(base)
+        torch_parallelize(m, mesh, plan(kind))
+        compiled = torch.compile(m)
+        local_grads = [g if g.shape[-1] == h else g.chunk(world, -1)[rank].contiguous() for g in grads]
+        return timer(module_step(compiled, x, local_grads), args.warmup, args.iters)
+
+    run("torch async-TP", async_tp)
+    eager = rows["eager"]["ms"]
+    for r in rows.values():
+        if r["ms"] is not None and eager:
+            r["x_eager"] = r["ms"] / eager
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--intermediate", type=int, default=28672)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--kinds", default="mlp,attn_proj")
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+
+    world, rank, local = hostir.world_size(), hostir.rank(), hostir.local_rank()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local if world > 1 else torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, args.dtype)
+    mesh = hostir.DeviceMesh(range(world)).to_torch(device.type)
+    timer = Timer(device)
+    results = {"world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "dtype": args.dtype, "hidden": args.hidden, "intermediate": args.intermediate, "tokens": args.tokens,
+               "torch": torch.__version__, "kinds": {}}
+    for kind in args.kinds.split(","):
+        results["kinds"][kind] = bench_kind(kind, args, device, dtype, timer, world, rank, mesh)
+    if rank != 0:
+        return
+    lines = [
+        f"# bench_training: {results['device']}, world size {world}, {args.dtype}, tokens {args.tokens}, "
+        f"hidden {args.hidden}, intermediate {args.intermediate}",
+        "",
+        "| layer | variant | fwd+bwd ms | × eager | note |",
+        "|---|---|---:|---:|---|",
+    ]
+    for kind, rows in results["kinds"].items():
+        for name, r in rows.items():
+            ms = "—" if r["ms"] is None else f"{r['ms']:.3f}"
+            ratio = f"{r['x_eager']:.3f}" if "x_eager" in r else "—"
+            lines.append(f"| {kind} | {name} | {ms} | {ratio} | {r.get('error', '')} |")
+    lines.append("")
+    for kind, rows in results["kinds"].items():
+        for name in ("hostir fusion", "hostir.parallel"):
+            r = rows.get(name, {})
+            if "x_eager" in r and world == 1:
+                verdict = "meets" if r["x_eager"] <= 1.05 else "misses"
+                lines.append(f"- {kind}, {name}: {r['x_eager']:.3f}× eager, {verdict} the 1.05× target")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = pathlib.Path(args.out_dir or os.environ.get("OUT") or "benchmarks/results")
+    out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or f"{device.type}_ws{world}"
+    (out / f"bench_training_{tag}.md").write_text(text)
+    (out / f"bench_training_{tag}.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
