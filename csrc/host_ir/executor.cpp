@@ -97,6 +97,12 @@ struct Posted {
   std::function<void()> after;
 };
 
+// What a reducing collective is handed for `t`: bool buffers go as uint8
+// (the same bytes), so a max or min is a logical or / and on every backend.
+at::Tensor onWire(const at::Tensor& t) {
+  return t.scalar_type() == at::kBool ? t.view(at::kByte) : t;
+}
+
 at::Tensor contiguous(const at::Tensor& t) {
   // Never hand a strided view to a collective: gloo would read or write the
   // wrong memory.
@@ -865,7 +871,7 @@ class Run {
         auto [buf, after] = staged(out, out.sizes());
         buf.copy_(src.reshape(out.sizes()));
         at::Tensor flags = nanFlags(buf, ins.red_op);
-        std::vector<at::Tensor> bufs{buf};
+        std::vector<at::Tensor> bufs{onWire(buf)};
         c10d::AllreduceOptions opts;
         opts.reduceOp = reduceOp(ins.red_op);
         posted.works.push_back(group->allreduce(bufs, opts));
@@ -891,13 +897,17 @@ class Run {
           at::Tensor index = at::tensor(ins.perm, at::TensorOptions().dtype(at::kLong)).to(src.device());
           whole = whole.reshape({ins.team_size, -1}).index_select(0, index);
         }
-        whole = contiguous(whole);
+        // In the output's dtype: a sum of integers or bools is int64, as
+        // in torch, and the backend reduces buffers of one dtype.
+        whole = contiguous(whole.to(ins.dtype_out));
         auto [buf, after] = staged(out, {-1});
         at::Tensor flat = whole.reshape({-1});
         at::Tensor flags = nanFlags(whole, ins.red_op);
         c10d::ReduceScatterOptions opts;
         opts.reduceOp = reduceOp(ins.red_op);
-        posted.works.push_back(group->_reduce_scatter_base(buf, flat, opts));
+        at::Tensor wire_out = onWire(buf);
+        at::Tensor wire_in = onWire(flat);
+        posted.works.push_back(group->_reduce_scatter_base(wire_out, wire_in, opts));
         posted.after = after;
         if (flags.defined()) {
           at::Tensor received = at::empty(buf.sizes(), flags.options());
@@ -995,7 +1005,8 @@ class Run {
         at::Tensor buf;
         if (!ins.is_root) {
           // Every rank posts the output's shape.
-          piece = reducedInput(ins).reshape(sizes(ins.out_shape)).clone(at::MemoryFormat::Contiguous);
+          // In the output's dtype, as the root's buffer is.
+          piece = reducedInput(ins).reshape(sizes(ins.out_shape)).to(ins.dtype_out).clone(at::MemoryFormat::Contiguous);
         } else {
           at::Tensor out = tensor(ins.out);
           std::tie(buf, posted.after) = staged(out, out.sizes());
@@ -1008,7 +1019,7 @@ class Run {
         }
         // The flags are read before the collective may write `piece`.
         at::Tensor flags = nanFlags(piece, ins.red_op);
-        std::vector<at::Tensor> bufs{piece};
+        std::vector<at::Tensor> bufs{onWire(piece)};
         posted.works.push_back(group->reduce(bufs, opts));
         if (flags.defined()) {
           std::vector<at::Tensor> flag_bufs{flags};

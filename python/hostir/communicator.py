@@ -35,6 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hostir import rendezvous
 from hostir.errors import HostIrError
 from hostir.network import GLOO_IFNAME, GlooInterface, InterfaceError, choose_gloo_interface
 from hostir import log
@@ -450,6 +451,7 @@ _generation = itertools.count()
 # PrefixStore on it.
 _stores: dict[tuple[str, int, int, int], dist.Store] = {}
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
+_listeners: list = []
 
 _log = logging.getLogger("hostir.communicator")
 # How often a rank waiting at the rendezvous says so.
@@ -476,14 +478,19 @@ def _tcp_store(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist
     if key in _stores:
         return _stores[key]
     agent = _launcher_store()
+    job = rendezvous.job_id()
     try:
         if agent is not None:
             addr, port, prefix = agent
             store: dist.Store = dist.PrefixStore(prefix, _connect(addr, port, launch, timeout, "the torchrun agent"))
         elif launch.rank:
             store = _connect(addr, port, launch, timeout, "rank 0")
+            rendezvous.check_job(store, launch.rank, launch.world_size, job, f"{addr}:{port}")
         else:
             store = _listen(addr, port, launch, timeout)
+            rendezvous.publish_job(store, launch.world_size, job)
+    except rendezvous.Refusal as exc:
+        raise LaunchError(str(exc)) from None
     except LaunchError:
         raise
     except Exception as exc:
@@ -495,9 +502,15 @@ def _tcp_store(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist
 def _listen(addr: str, port: int, launch: LaunchInfo, timeout: float) -> dist.TCPStore:
     # The other ranks' arrival is awaited in `_await_ranks`, which says
     # whom it waits for.
-    return dist.TCPStore(
-        addr, port, launch.world_size, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
-    )
+    # On a loopback rendezvous address the store listens there alone.
+    listener = rendezvous.loopback_listener(addr, port)
+    store = dist.TCPStore(
+        addr, port, launch.world_size, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False,
+        **({} if listener is None else {"master_listen_fd": listener.fileno()}),
+    )  # fmt: skip
+    if listener is not None:
+        _listeners.append(listener)  # the store serves on its descriptor for the life of the process
+    return store
 
 
 # How often a rank waiting at the rendezvous asks which ranks are missing
@@ -546,7 +559,9 @@ def _connect(addr: str, port: int, launch: LaunchInfo, timeout: float, server: s
     )
 
 
-def _await_ranks(store: dist.Store, launch: LaunchInfo, timeout: float, where: str) -> None:
+def _await_ranks(
+    store: dist.Store, launch: LaunchInfo, timeout: float, where: str, whole: dist.Store | None = None
+) -> None:
     """Mark this rank arrived in `store` (a generation's prefix store) and
     wait until every rank has, saying every RENDEZVOUS_LOG_SECONDS whom it
     still waits for; a LaunchError names them after `timeout` seconds.
@@ -556,8 +571,29 @@ def _await_ranks(store: dist.Store, launch: LaunchInfo, timeout: float, where: s
     store: a rank that loses the store while waiting names the ranks that
     had not arrived when it last looked (it looks every
     _MISSING_REFRESH_SECONDS or so)."""
+    job = rendezvous.job_id()
+    try:
+        rendezvous.claim_rank(store, launch.rank, launch.world_size, where)
+    except rendezvous.Refusal as exc:
+        raise LaunchError(str(exc)) from None
     store.set(f"arrived/{launch.rank}", "1")
     keys = [f"arrived/{r}" for r in range(launch.world_size)]
+
+    # Rank 0 decides whether the launch is refused, for every rank, so that
+    # the ranks at the rendezvous leave it the same way: together, or each
+    # with rank 0's refusal (its `verdict`).
+    def refused() -> None:
+        if launch.rank == 0:
+            try:
+                rendezvous.check_waiting(store, whole if whole is not None else store, job, 0, launch.world_size, where)
+            except rendezvous.Refusal as exc:
+                store.set("verdict", str(exc))
+                raise LaunchError(str(exc)) from None
+        elif store.check(["verdict"]):
+            verdict = store.get("verdict").decode()
+            if verdict:
+                raise LaunchError(f"rank {launch.rank}: rank 0 refused the rendezvous on {where}: {verdict}")
+
     start = time.monotonic()
     next_log = RENDEZVOUS_LOG_SECONDS
     refresh = _MISSING_REFRESH_SECONDS * max(1.0, launch.world_size / 64)
@@ -574,6 +610,7 @@ def _await_ranks(store: dist.Store, launch: LaunchInfo, timeout: float, where: s
 
     try:
         while not store.check(keys):
+            refused()
             waited = time.monotonic() - start
             if waited >= next_refresh or waited >= next_log or waited >= timeout:
                 missing = [r for r, key in enumerate(keys) if not store.check([key])]
@@ -588,6 +625,28 @@ def _await_ranks(store: dist.Store, launch: LaunchInfo, timeout: float, where: s
                 next_log += RENDEZVOUS_LOG_SECONDS
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+        # Every rank has arrived; before leaving, the ranks wait for each
+        # other once more, so that a second process claiming a rank at the
+        # same time is seen by all of them, not by itself alone.
+        store.add("ready", 1)
+        while store.add("ready", 0) < launch.world_size:
+            if launch.rank:
+                refused()
+            if time.monotonic() - start >= timeout:
+                raise LaunchError(
+                    f"rank {launch.rank}: every rank arrived at the rendezvous on {where}, but not all of them "
+                    f"completed it within {timeout:g} s (a rank exited during it?)"
+                )
+            time.sleep(0.005)
+        if launch.rank == 0:
+            refused()
+            store.set("verdict", "")
+        else:
+            while not store.check(["verdict"]):
+                if time.monotonic() - start >= timeout:
+                    raise LaunchError(f"rank {launch.rank}: rank 0 did not complete the rendezvous on {where} within {timeout:g} s")
+                time.sleep(0.005)
+            refused()
     except (dist.DistError, RuntimeError) as exc:
         if isinstance(exc, LaunchError):
             raise
@@ -609,8 +668,8 @@ def _rendezvous_error(
     text = str(exc)
     if launch.rank == 0 and ("EADDRINUSE" in text or "address already in use" in text.lower()):
         return LaunchError(
-            f"rank 0 cannot listen on port {port} for the rendezvous: the port is already in use "
-            f"(another job?); set HOSTIR_MASTER_PORT to a free port ({text})"
+            f"rank 0 cannot listen on port {port} for the rendezvous: another job (or program) holds "
+            f"the port; set HOSTIR_MASTER_PORT to a free port, the same on every rank ({text})"
         )
     if launch.rank == 0:
         return LaunchError(
@@ -713,12 +772,11 @@ class Communicator:
         if self.world_size == 1:
             store: dist.Store = dist.HashStore()
         else:
-            store = dist.PrefixStore(
-                f"hostir/{next(_generation)}",
-                _tcp_store(self.master_addr, self.master_port, self.launch, self.timeout),
-            )
+            # Each job's keys under a namespace of its own (rendezvous.py).
+            whole = _tcp_store(self.master_addr, self.master_port, self.launch, self.timeout)
+            store = dist.PrefixStore(f"{rendezvous.namespace(rendezvous.job_id())}/{next(_generation)}", whole)
             where = "the torchrun agent's store" if _launcher_store() else f"{self.master_addr}:{self.master_port}"
-            _await_ranks(store, self.launch, self.timeout, where)
+            _await_ranks(store, self.launch, self.timeout, where, whole)
         dist.init_process_group(
             backend=_PG_BACKEND[self.backend],
             store=store,

@@ -11,8 +11,9 @@
    device, contiguity, and the sizes of the axes marked static — no other
    sizes: extents are symbolic, so one program serves every shape), lowered
    on a miss; with `HOSTIR_FAKE=auto` (the default) each new input shape of
-   a program is dry-run once (every rank of a multi-device program, on meta
-   tensors), so that its errors come before any data moves;
+   a multi-device program is dry-run once (every rank, on meta tensors), so
+   that a cross-rank error comes before any data moves (a single-device
+   program has none to catch: its real run raises what a dry run would);
 4. agree and make groups: for a multi-device fusion, the ranks exchange a
    fixed-size record (`agreement.py`) — the call, the program, the inputs'
    shapes and any local error — and every rank raises together if they
@@ -370,6 +371,9 @@ class FusionExecutor:
         mode = fake_mode()
         comm, error = (None, None)
         if mode != "1" and self._multi_device():
+            if mode == "auto":
+                # The dry run comes after the rendezvous: load its imports meanwhile.
+                dry_run.warm_up()
             comm, error = self._communicator(params, kwargs)
         with _exclusive(comm):
             sequence = self._next_call(comm) if comm is not None else None
@@ -510,8 +514,11 @@ class FusionExecutor:
         check_chunks(program.container, sizes)
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
-        if mode == "auto":
-            self._dry_run(program, inputs, params, comm.world_size if comm is not None else 1)
+        if mode == "auto" and comm is not None:
+            # Not for a single-device program: it has no cross-rank error
+            # for a dry run to catch, and its real run raises every error
+            # the dry run would.
+            self._dry_run(program, inputs, params, comm.world_size)
         call = _Call(program, inputs, outputs, lowered, nos, comm)
         if params.cuda_graph:
             call.capture = comm.device if comm is not None else _device_of(inputs)

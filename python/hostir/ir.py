@@ -418,12 +418,22 @@ class IterDomain:
         return self.leaves if self.leaves is not None else [self]
 
     def parallelize(self, parallel_type: ParallelType) -> IterDomain:
-        """Mark this axis `stream`, `mesh_x` or back to `serial`."""
+        """Mark this axis `stream`, `mesh_x` or `mesh_y`, or back to
+        `serial`. An axis takes one parallel type: giving a parallelized
+        axis another one is an error naming both (make it `serial` first
+        to change it)."""
         if not isinstance(parallel_type, ParallelType):
             raise DefinitionTypeError(f"parallelize takes a ParallelType, got {parallel_type!r}")
         if self.leaves is not None:
             raise DefinitionError(
                 f"{self!r} has been split; parallelize one of the axes it was split into"
+            )
+        serial = ParallelType.serial
+        if serial not in (self.parallel_type, parallel_type) and parallel_type is not self.parallel_type:
+            raise DefinitionError(
+                f"{self!r} is already parallelized as {self.parallel_type.name}; it cannot also be "
+                f"{parallel_type.name} (an axis takes one parallel type: split it to use both, or "
+                f"parallelize it as serial first to change it)"
             )
         self.parallel_type = parallel_type
         self.scheduled = True
@@ -1191,7 +1201,8 @@ def _scatter_traffic(e, me, root, input, out):
 def _reduce_traffic(e, me, root, input, out):
     if me == root:
         return {}, {p: _nbytes(out) for p in e.team if p != me}
-    piece = _nbytes(input)
+    # Sent in the output's dtype (a sum of integers is int64).
+    piece = input.numel() * e.out.dtype.itemsize
     for d in e.local_reduce:
         piece //= max(input.shape[d], 1)
     return {root: piece}, {}
@@ -1253,6 +1264,19 @@ class CommunicationType(enum.Enum):
     AllToAll = "AllToAll", False, False, "all", "all", False, _all_to_all_traffic
 
 
+BACKENDS = ("NCCL", "gloo", "cuda")
+
+
+def backend_name(name: object) -> str:
+    """The one spelling of a communication backend (`NCCL`, `gloo` or
+    `cuda`, as dumps print it), whatever the case `name` is written in."""
+    if isinstance(name, str):
+        for known in BACKENDS:
+            if name.strip().lower() == known.lower():
+                return known
+    raise DefinitionError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)} (in any case)")
+
+
 @_op
 class Communication(Expr):
     """A collective over `team` (global ranks) that moves `input` (this
@@ -1287,6 +1311,7 @@ class Communication(Expr):
     OUTPUTS = ("out",)
 
     def __post_init__(self):
+        self.backend = backend_name(self.backend)
         if self.red_op is not None:
             self.red_op = _kind(ReductionKind, self.red_op, "reduction")
         if not self.team:
@@ -1323,6 +1348,7 @@ class P2PCommunication(Expr):
     INPUTS = ("buffer", "peer", "into")
 
     def __post_init__(self):
+        self.backend = backend_name(self.backend)
         if self.type not in ("send", "recv"):
             raise DefinitionError(f"P2PCommunication type must be send or recv, got {self.type!r}")
 

@@ -140,6 +140,9 @@ class ReductionKind(enum.StrEnum):
             return 0.0 if dtype.is_floating_point else 0
         if dtype.is_floating_point:
             return float("-inf") if self is ReductionKind.max else float("inf")
+        if dtype == torch.bool:
+            # A bool max is a logical or, a min a logical and.
+            return 0 if self is ReductionKind.max else 1
         info = torch.iinfo(dtype)
         return info.min if self is ReductionKind.max else info.max
 

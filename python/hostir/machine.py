@@ -272,22 +272,31 @@ def for_inputs(fusion, inputs, comm, forced=None, device=None) -> Schedule | Non
 # so a piece costs nothing here and pieces win ties.
 CHUNKS = 4
 PIECE_US = 0.0
+# The gap each hoisted post leaves on the copy engine beyond its copy (the
+# cross-stream waits and the budget's wait for a freed buffer). With the budget
+# of two layers' weights the same stack ran 0.13-0.16 ms per layer slower
+# hoisted than sequential where the compute is negligible (M = 1: 16.79
+# against 15.84 ms; M = 512: 16.66 against 15.91; one H100, one run), so
+# that hoisting loses where it hides no compute.
+HANDOFF_US = 160.0
 
 
 def pipeline_ms(transfers: list[float], computes: list[float], pieces: int = 1, depth: int = 2,
-                step_ms: float = 0.0) -> float:
+                step_ms: float = 0.0, handoff_ms: float = 0.0) -> float:
     """The time of a program whose posts take `transfers` ms each, in order
     on one copy engine, and whose compute that reads post i takes
     `computes[i]` ms, when each post moves as `pieces` pieces and the
     compute of piece j waits for that piece only, and the post of layer l
     starts once layer l - depth has computed (its buffer is free): depth 1
     is the sequential program, 2 double buffering. `step_ms` is the fixed
-    cost of each extra piece."""
+    cost of each extra piece, `handoff_ms` the gap a hoisted post leaves on
+    the copy engine (measured, not explained: see HANDOFF_US)."""
     copy_free = compute_free = 0.0
     done: list[float] = []
     for layer, (t, c) in enumerate(zip(transfers, computes)):
         allowed = done[layer - depth] if layer >= depth else 0.0
         ready = []
+        copy_free = max(copy_free, allowed) + handoff_ms
         for _ in range(pieces):
             copy_free = max(copy_free, allowed) + t / pieces
             ready.append(copy_free)
@@ -306,16 +315,15 @@ def choose_hoisting(
     hoisted one layer ahead (double buffering), and hoisted in CHUNKS
     pieces (PIECE_US per extra piece; only with `pieces`: on the CPU a
     transfer is a copy that overlaps nothing, and pieces would only change
-    the order of the sums); pieces first on a tie. The hoisted
-    program runs the same ops as the sequential one, only posted earlier,
-    so it is never estimated slower; on one H100 it was never measured
-    slower either, from 1 row up (the same weights at M = 1: 15.20 ms
-    hoisted, 15.07 in pieces, 15.30 sequential)."""
+    the order of the sums); pieces first on a tie. On the GPU a hoisted
+    post also pays HANDOFF_US, so where the compute it would hide is
+    shorter than that (a few rows), the sequential program runs."""
     if not transfers:
         return "hoist", 1, "nothing to move"
     sequential = pipeline_ms(transfers, computes, depth=1)
-    hoisted = pipeline_ms(transfers, computes)
-    chunked = pipeline_ms(transfers, computes, CHUNKS, step_ms=PIECE_US * 1e-3)
+    handoff = HANDOFF_US * 1e-3 if pieces else 0.0
+    hoisted = pipeline_ms(transfers, computes, handoff_ms=handoff)
+    chunked = pipeline_ms(transfers, computes, CHUNKS, step_ms=PIECE_US * 1e-3, handoff_ms=handoff)
     numbers = f"sequential {sequential:.3f} ms, hoisted {hoisted:.3f} ms, in {CHUNKS} chunks {chunked:.3f} ms"
     candidates = [("hoist", 1, hoisted), ("sequential", 1, sequential)]
     if pieces:

@@ -9,8 +9,9 @@ holds one copy) and returns a module to call on inputs on `device`:
   Dropout in eval mode) becomes one hostir program whose weights are inputs
   in host memory (`memory="host"`): each layer's weights are transfers,
   hoisted by `hoist_transfers` so that layer l+1's move while layer l
-  computes, within the budget (by default two layers' weights on the
-  device), or left sequential where the machine model says hiding them
+  computes, within the budget (by default two layers' weights and biases
+  on the device, `OffloadedStack.two_layers_bytes`, whether a weight moves
+  whole or in pieces), or left sequential where the machine model says hiding them
   cannot pay. `OffloadedStack.fusion` is the FusionDefinition (its
   `host_ir()` shows the choice).
 - Any other module (a Hugging Face model, say) streams per submodule: each
@@ -28,6 +29,7 @@ copies" are copies on the CPU, so the whole path runs without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -152,13 +154,29 @@ class OffloadedStack(nn.Module):
             fd.add_output(y)
         return fd
 
+    def two_layers_bytes(self) -> int:
+        """The bytes of the two consecutive Linear layers' weights and
+        biases that weigh most: the default budget of the hoisting, so that
+        at most two layers' weights are on the device at once."""
+        sizes = [
+            sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+            for m in self.layers
+            if isinstance(m, nn.Linear)
+        ]
+        return max((a + b for a, b in zip(sizes, sizes[1:])), default=sizes[0])
+
     def hoisting(self, x: torch.Tensor) -> Any:
         """The `Hoisting` a call on `x` runs with (forced, or the machine
-        model's choice for its shape): sequential, hoisted, or in chunks."""
+        model's choice for its shape): sequential, hoisted, or in chunks,
+        within two layers' weights (`two_layers_bytes`) unless the hoisting
+        names a budget of its own."""
         fd = self.fusion(x.dim())
         inputs = [x.to(self.dtype), *self.host_tensors()]
         host = host_positions(fd.fusion, inputs)
-        return machine.hoisting_for_inputs(fd.fusion, inputs, x.device, None, host, self.hoist)
+        chosen = machine.hoisting_for_inputs(fd.fusion, inputs, x.device, None, host, self.hoist)
+        if chosen is not None and chosen.mode == "hoist" and chosen.budget_bytes is None:
+            chosen = dataclasses.replace(chosen, budget_bytes=self.two_layers_bytes())
+        return chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
@@ -166,7 +184,7 @@ class OffloadedStack(nn.Module):
         if x.device != self.device:
             raise UsageError(f"the input is on {x.device} but the stack runs on {self.device}; move it there first")
         _inference_only(self)
-        params: dict[str, Any] = {"hoist": self.hoist}
+        params: dict[str, Any] = {"hoist": self.hoisting(x)}
         if self.cuda_graph:
             params["cuda_graph"] = True
         (out,) = self.fusion(x.dim()).execute([x.to(self.dtype), *self.host_tensors()], **params)

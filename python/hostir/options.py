@@ -16,7 +16,9 @@
 
 `HOSTIR_FAKE` chooses when `execute` runs on fake tensors: `1` returns fake
 (meta) results without running, `auto` (the default) dry-runs each new
-input signature once before its first real run, `0` never dry-runs. Any
+input shape of a multi-device program once before its first real run (a
+single-device program runs without: it has no cross-rank error to catch),
+`0` never dry-runs. Any
 other value is warned about and read as `auto`.
 
 `HOSTIR_EVALUATOR` (`auto`, `cpp` or `python`) is the evaluator `execute`

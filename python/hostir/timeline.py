@@ -19,6 +19,7 @@ rank 0 (the overlap benchmark calls it once per variant). Needs matplotlib (`pip
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import pathlib
 import sys
@@ -82,12 +83,13 @@ def rows(traces: list[dict[str, Any]], run: int | None = None) -> list[tuple[str
 
 
 def plot(directory: str | pathlib.Path, output: str | pathlib.Path, run: int | None = None, title: str | None = None) -> pathlib.Path:
+    # Imported by name so that the types of this module (checked with
+    # `mypy --strict`) do not depend on matplotlib being installed.
     try:
-        import matplotlib
-
+        matplotlib: Any = importlib.import_module("matplotlib")
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
+        plt: Any = importlib.import_module("matplotlib.pyplot")
+        Patch: Any = importlib.import_module("matplotlib.patches").Patch
     except ImportError:
         raise PlotUnavailableError("plot_timeline needs matplotlib: pip install 'hostir[plot]' (or matplotlib)") from None
 

@@ -159,20 +159,33 @@ def _stack_times(model, m: int, layers: int = 6, h: int = 8192):
     return [copy] * layers, [compute] * layers
 
 
-@pytest.mark.parametrize("m", [1, 512, 2048, 8192, 16384])
-def test_the_model_never_picks_a_schedule_it_thinks_slower(m):
+@pytest.mark.parametrize("m, expected", [
+    # A few rows hide less compute than the hand-offs cost: sequential.
+    (1, ("sequential", 1)),
+    (512, ("sequential", 1)),
+    # Chunks hide most of the first copy (compute bound) or the last
+    # compute (copy bound).
+    (2048, ("hoist", 4)),
+    (8192, ("hoist", 4)),
+    (16384, ("hoist", 4)),
+])
+def test_the_model_never_picks_a_schedule_it_thinks_slower(m, expected):
     transfers, computes = _stack_times(H100, m)
     mode, chunks, note = machine.choose_hoisting(H100, transfers, computes)
+    handoff = machine.HANDOFF_US * 1e-3
     estimates = {
         ("sequential", 1): machine.pipeline_ms(transfers, computes, depth=1),
-        ("hoist", 1): machine.pipeline_ms(transfers, computes),
-        ("hoist", 4): machine.pipeline_ms(transfers, computes, 4, step_ms=machine.PIECE_US * 1e-3),
+        ("hoist", 1): machine.pipeline_ms(transfers, computes, handoff_ms=handoff),
+        ("hoist", 4): machine.pipeline_ms(transfers, computes, 4, step_ms=machine.PIECE_US * 1e-3,
+                                          handoff_ms=handoff),
     }
     assert estimates[(mode, chunks)] == min(estimates.values()), note
-    assert estimates[("hoist", 1)] <= estimates[("sequential", 1)]
-    # Chunks hide most of the first copy (compute bound) or the last
-    # compute (copy bound), and cost nothing.
-    assert (mode, chunks) == ("hoist", 4), note
+    assert (mode, chunks) == expected, note
+
+
+def test_on_the_cpu_hoisting_pays_no_hand_off():
+    transfers, computes = _stack_times(H100, 1)
+    assert machine.choose_hoisting(H100, transfers, computes, pieces=False)[:2] == ("hoist", 1)
 
 
 def test_pipeline_estimates_bound_the_copy_and_the_compute():
@@ -201,3 +214,23 @@ def test_the_model_chooses_per_input_signature(monkeypatch, capsys):
     # Each signature's program says the model's estimates for its shapes.
     assert notes[0] != notes[1] and all("sequential" in n for n in notes)
     assert fd.num_programs == 2
+
+
+@pytest.mark.parametrize("layers", [2, 3, 5])
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_weights_in_pieces_are_freed_like_whole_ones(layers, chunks):
+    # The dry run follows each device storage until its last view is
+    # dropped: the pieces a weight moves in are freed with it, so a hoisted
+    # stack holds two layers' weights whatever the chunking.
+    x, ws = torch.randn(8, H), [torch.randn(H, H) for _ in range(layers)]
+    fd = mlp(layers)
+    peak = fd.dry_run([x, *ws], hoisting=Hoisting(chunks=chunks))[0].peak_bytes
+    sequential = fd.dry_run([x, *ws], hoisting=Hoisting("sequential", chunks=chunks))[0].peak_bytes
+    activations = sequential - WEIGHT
+    assert WEIGHT + activations < peak <= 2 * WEIGHT + activations, (peak, activations)
+    program = lower(fd.fusion, hoisting=Hoisting(chunks=chunks))
+    freed = {e.buffer for e in program.exprs if isinstance(e, ir.Deallocate)}
+    views = [e.out for e in program.exprs if isinstance(e, ir.HirAliasChunk) and not ir.in_host_memory(e.out)]
+    assert len(views) == (2 * layers * chunks if chunks > 1 else 0)
+    assert all(v in freed for v in views if v not in program.outputs)
+    assert hostir.check_races(program) == []

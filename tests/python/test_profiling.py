@@ -118,7 +118,6 @@ def test_env_trace_written_at_exit(tmp_path):
 
 
 def test_plot_timeline_draws_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
     fd = stream_matmul()
     fd.execute(inputs(), number_of_streams=2, trace=tmp_path)
     out = tmp_path / "timeline.png"

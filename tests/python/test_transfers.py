@@ -185,26 +185,71 @@ def test_host_inputs_option_is_checked():
         mlp(1).execute([torch.randn(2, H), torch.randn(H, H)], host_inputs="pin")
 
 
+def _counting_pinned(monkeypatch) -> list:
+    """Count the pinned staging buffers made (each one's shape)."""
+    from hostir.runtime.transports import host
+
+    made: list = []
+    real = host._empty_pinned
+
+    def counted(shape, dtype):
+        made.append(tuple(shape))
+        # Without a GPU there is no pinned memory: a plain buffer stands in.
+        return real(shape, dtype) if torch.cuda.is_available() else torch.empty(shape, dtype=dtype)
+
+    monkeypatch.setattr(host, "_empty_pinned", counted)
+    return made
+
+
+def test_a_tensor_moved_in_pieces_is_staged_once_whole(monkeypatch):
+    from hostir.runtime.transports import HostStaging
+
+    made = _counting_pinned(monkeypatch)
+    w = torch.randn(8, 4)
+    staging = HostStaging({"w.0": "w", "w.1": "w"})
+    bound = {"w": w}
+    for _ in range(3):  # calls: the staging is made on the first only
+        pieces = [staging.pinned(f"w.{i}", w.narrow(0, 4 * i, 4), bound.get) for i in range(2)]
+        for i, piece in enumerate(pieces):
+            torch.testing.assert_close(piece, w.narrow(0, 4 * i, 4))
+    assert made == [(8, 4)] and len(staging) == 1
+    # The pieces are views of the one staging buffer.
+    assert pieces[0].untyped_storage().data_ptr() == pieces[1].untyped_storage().data_ptr()
+    w.mul_(2.0)  # written since: refreshed in place, not made again
+    torch.testing.assert_close(staging.pinned("w.1", w.narrow(0, 4, 4), bound.get), w.narrow(0, 4, 4))
+    assert made == [(8, 4)]
+    other = torch.randn(8, 4)  # another tensor of the same shape: the same buffer
+    bound["w"] = other
+    torch.testing.assert_close(staging.pinned("w.0", other.narrow(0, 0, 4), bound.get), other.narrow(0, 0, 4))
+    assert made == [(8, 4)]
+
+
 @pytest.mark.cuda
-def test_pinned_staging_is_made_once_per_program(cuda_device):
+@pytest.mark.parametrize("hoist", ["hoist", "hoist:chunks=4", "sequential"])
+def test_pinned_staging_is_made_once_per_program(cuda_device, monkeypatch, hoist):
+    made = _counting_pinned(monkeypatch)
     torch.manual_seed(0)
     fd = mlp(2)
     x = torch.randn(3, H, device=cuda_device)
     ws = [torch.randn(H, H) for _ in range(2)]
     for _ in range(3):
-        (out,) = fd.execute([x, *ws], evaluator="python")
-    torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in ws]))
+        (out,) = fd.execute([x, *ws], evaluator="python", hoist=hoist)
+        torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in ws]))
+    # One staging per host tensor, made on the first call only, whether
+    # the weights move whole or in pieces.
+    assert made == [(H, H), (H, H)]
     (program,) = fd.executor._programs.values()
     staging = program.evaluator.staging
     assert len(staging) == 2
     buffers = [e.buffer for e in staging._entries.values()]
     ws[0].mul_(2.0)  # written since: the staging is refreshed in place
-    (out,) = fd.execute([x, *ws], evaluator="python")
+    (out,) = fd.execute([x, *ws], evaluator="python", hoist=hoist)
     torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in ws]))
     assert all(e.buffer is b for e, b in zip(staging._entries.values(), buffers))
     pinned = [w.pin_memory() for w in ws]  # pinned inputs are read in place
-    (out,) = fd.execute([x, *pinned], evaluator="python")
+    (out,) = fd.execute([x, *pinned], evaluator="python", hoist=hoist)
     torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in ws]))
+    assert made == [(H, H), (H, H)]
 
 
 @pytest.mark.cuda

@@ -37,8 +37,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import re
+import sys
+import threading
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
@@ -258,6 +261,26 @@ class _RecordedWork:
         return True
 
 
+_warming: threading.Thread | None = None
+
+
+def warm_up() -> None:
+    """Start importing, on a thread of its own, what a dry run's first meta
+    kernel imports (torch's symbolic-shape module and sympy, most of a
+    second on a CPU), so that it overlaps the rendezvous a multi-device
+    program's first call waits for. Once per process."""
+    global _warming
+    if _warming is not None or "torch.fx.experimental.symbolic_shapes" in sys.modules:
+        return
+
+    def load() -> None:
+        with contextlib.suppress(Exception):
+            importlib.import_module("torch.fx.experimental.symbolic_shapes")
+
+    _warming = threading.Thread(target=load, name="hostir-dry-run-imports", daemon=True)
+    _warming.start()
+
+
 class Allocations(TorchDispatchMode):
     """The allocator of a dry run: follows every storage an op makes while
     the mode is on, from the op that makes it until the last tensor on it
@@ -267,6 +290,13 @@ class Allocations(TorchDispatchMode):
     (the inputs) are not counted; `where` and `space` ("device" or
     "host": what the op allocates in) are set by the recorder before every
     op. Host memory has a peak of its own (`host_peak`)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch.compile never traces a dry run; saying so keeps torch from
+        # wrapping __torch_dispatch__ in a dynamo guard, whose first call
+        # imports torch._dynamo (most of a second on a CPU).
+        return False
 
     def __init__(self, excluded: set[int]):
         super().__init__()

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 
-from hostir import ir
+import torch
+
+from hostir import ir, printer
 from hostir.analysis.races import check_races
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
@@ -99,7 +101,7 @@ def lower(
     container = _run_one(build_host_program, fusion, dumper, {"host_inputs": frozenset(host_inputs)})
     # What the program was lowered with, for what runs it (the dry run of a
     # new shape lowers the other ranks' programs the same way).
-    container.backend = backend
+    container.backend = backend = ir.backend_name(backend)
     container.schedule = schedule
     if until == build_host_program.__name__:
         return container
@@ -108,6 +110,7 @@ def lower(
         container = _run_one(p, container, dumper, options.get(p))
         if p.__name__ == until:
             return container
+    check_communication_dtypes(container)
     digest = hashlib.sha256(str(container).encode()).hexdigest()
     teams = container.teams()
     if rank is not None and container.meshes():
@@ -119,6 +122,36 @@ def lower(
     container.digest = digest
     container.all_teams = teams
     return container
+
+
+# The dtypes each backend's collectives cannot move (gloo's and NCCL's own
+# type tables); the copy-engine transport moves bytes and takes any.
+_UNSUPPORTED_DTYPES = {
+    "gloo": (torch.int16, torch.uint16, torch.uint32, torch.uint64),
+    "NCCL": (torch.int16, torch.uint16),
+}
+
+
+def check_communication_dtypes(container: HostIrContainer) -> None:
+    """Refuse, when the program is lowered (on every rank alike, before any
+    communication), a communication of a dtype its backend cannot move,
+    rather than leave it to fail inside the backend."""
+    for e in container.walk():
+        if isinstance(e, ir.Communication):
+            tensors = [e.input, e.out]
+        elif isinstance(e, ir.P2PCommunication):
+            tensors = [e.buffer]
+        else:
+            continue
+        refused = _UNSUPPORTED_DTYPES.get(e.backend, ())
+        for tv in tensors:
+            if tv.dtype in refused:
+                wider = "int32" if tv.dtype in (torch.int16, torch.uint16) else "int64"
+                raise LoweringError(
+                    f"{e.backend} cannot communicate {str(tv.dtype).removeprefix('torch.')} tensors "
+                    f"({printer.format_expr_head(e)}); cast to {wider} before the communication "
+                    f"(fd.ops.cast) and back after it"
+                )
 
 
 def pass_options(

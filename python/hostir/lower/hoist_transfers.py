@@ -12,7 +12,9 @@ collectives keep their order), a stream switch or a loop; not above more
 compute ops than `lookahead`; and not so far that the bytes of the program's
 constant-size buffers live at once exceed the budget (by default twice the
 sequential program's peak of them, double buffering, capped by the device
-memory free when the program was lowered). Its `Wait` stays where it was,
+memory free when the program was lowered; a weight moved in pieces counts
+whole from the post whose group allocates it, and the later pieces cannot
+pass that post, so chunking never holds more). Its `Wait` stays where it was,
 so the post runs on its own stream (a collective's, or the transfer's copy
 stream) under the compute in between. The hoisted post's dump line says how
 far it moved and why; with mode "sequential" nothing moves and each post

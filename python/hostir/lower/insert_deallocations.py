@@ -9,7 +9,10 @@ alias map) is followed by one `Deallocate` in that scope, placed after the
 last op of the scope that uses it. An op uses a buffer when it reads or
 writes it, or a slice (`HirAliasSelect`, `HirAliasChunk`) of it; a loop uses whatever its
 body uses; a `Wait` uses the buffers of the communication it completes (a
-posted collective may still read or write them until then).
+posted collective may still read or write them until then). The slices of
+the buffer that the same scope binds are freed with it, just before it: a
+slice still bound would hold the buffer's memory (a weight moved in
+pieces, an output written in column pieces).
 
 Streams: a buffer used inside a stream loop is freed after the whole loop
 and after any stream joins that follow it (a loop of only `Synchronize`s),
@@ -93,9 +96,12 @@ def _rewrite(exprs, owner, keep: set, bound: set) -> list[ir.Expr]:
     mine: list[ir.TensorView] = []
     seen = set(bound)
     new_body: list[ir.Expr] = []
+    slices: dict[ir.TensorView, dict[ir.TensorView, None]] = {}
     for e in exprs:
         if isinstance(e, ir.ForLoop):
             e = e.replace(body=_rewrite(e.body, owner, keep, seen))
+        if isinstance(e, (ir.HirAliasSelect, ir.HirAliasChunk)):
+            slices.setdefault(owner(e.out), {})[e.out] = None
         for tv in _fresh(e):
             buffer = owner(tv)
             if buffer not in seen and buffer not in keep:
@@ -114,5 +120,7 @@ def _rewrite(exprs, owner, keep: set, bound: set) -> list[ir.Expr]:
     result: list[ir.Expr] = []
     for i, e in enumerate(new_body):
         result.append(e)
-        result += [ir.Deallocate(b) for b in after.get(i, [])]
+        for b in after.get(i, []):
+            result += [ir.Deallocate(v) for v in slices.get(b, ())]
+            result.append(ir.Deallocate(b))
     return result

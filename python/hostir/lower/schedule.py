@@ -41,8 +41,11 @@ class Schedule:
             raise ScheduleError(f"chunks per peer must be an integer >= 1, got {self.chunks!r}")
         if self.direction not in (1, -1):
             raise ScheduleError(f"ring direction must be +1 or -1, got {self.direction!r}")
-        if self.transport is not None and self.transport not in TRANSPORTS:
-            raise ScheduleError(f"unknown transport {self.transport!r}; expected one of {list(TRANSPORTS)}")
+        if self.transport is not None:
+            known = {t.lower(): t for t in TRANSPORTS}.get(str(self.transport).lower())
+            if known is None:
+                raise ScheduleError(f"unknown transport {self.transport!r}; expected one of {list(TRANSPORTS)} (in any case)")
+            object.__setattr__(self, "transport", known)
 
     def with_chunks(self, chunks: int) -> Schedule:
         return dataclasses.replace(self, chunks=chunks)

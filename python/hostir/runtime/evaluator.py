@@ -133,8 +133,9 @@ class HostIrEvaluator:
         self.profiled = True
         # Numbers the runs, for the call parity of each frame.
         self.calls = itertools.count()
-        # Pinned host copies of the program's host inputs, made once.
-        self.staging = transports.HostStaging()
+        # Pinned host copies of the program's host tensors, made once (a
+        # tensor moved in pieces is staged whole).
+        self.staging = transports.HostStaging(source)
 
     # -- the one entry point
     def run(self, bindings: Mapping[Any, Any], number_of_streams: int = 4) -> list:

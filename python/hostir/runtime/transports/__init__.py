@@ -68,12 +68,15 @@ def transport_for(frame, backend: str) -> Transport:
     own = getattr(frame.communicator, "transport", None)
     if own is not None:
         return own
+    try:
+        backend = ir.backend_name(backend)
+    except ir.DefinitionError:
+        raise TransportUsageError(f"unknown backend {backend!r}; expected NCCL, gloo or cuda (in any case)") from None
     found = _TORCH.get(backend)
     if found is not None:
         return found
     if backend == "cuda":
         return cuda.for_communicator(frame.communicator, getattr(frame, "device", None))
-    raise TransportUsageError(f"unknown backend {backend!r}; expected NCCL, gloo or cuda")
 
 
 def resolve_root(frame, e: ir.Communication) -> int | None:

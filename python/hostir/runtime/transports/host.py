@@ -10,12 +10,14 @@ On the CPU, and on meta tensors (a dry run), a transfer is a copy made at
 its post.
 
 The copy engine reads host memory at full speed only when it is pinned.
-`HostStaging` keeps one pinned copy per host input of a program, made on
+`HostStaging` keeps one pinned copy per host tensor of a program, made on
 first use: an input that is pinned already (say, a module's weights after
 `hostir.offload`) is read in place; a pageable one is copied into its
 staging buffer only when it is another tensor or was written since (its
-version counter moved), never on every call. The staging holds the last
-tensor it copied, so that tensor's memory cannot be reused under it.
+version counter moved), never on every call. A tensor that moves in
+pieces (`HirAliasChunk` views of it) is staged whole, once, and each piece
+is read from its view of that staging. The staging holds the last tensor
+it copied, so that tensor's memory cannot be reused under it.
 """
 
 from __future__ import annotations
@@ -55,31 +57,61 @@ class _Staged:
     read: object = None
 
 
-class HostStaging:
-    """Pinned host buffers of one program's host inputs (see the module)."""
+def _empty_pinned(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
-    def __init__(self):
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class HostStaging:
+    """Pinned host buffers of one program's host tensors (see the module).
+    `sources` maps a piece (a view's TensorView) to the TensorView it is a
+    view of; a piece is staged as a view of its whole tensor's staging."""
+
+    def __init__(self, sources: dict | None = None):
+        self._sources = dict(sources or {})
         self._entries: dict = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
+        """The staging buffers made (one per host tensor staged)."""
         return len(self._entries)
 
-    def pinned(self, tv, t: torch.Tensor) -> torch.Tensor:
-        """`t` itself when pinned and contiguous, else its staging buffer,
-        refreshed if `t` is another tensor or was written since."""
-        if t.is_contiguous() and (torch.cuda.is_current_stream_capturing() or t.is_pinned()):
+    def whole(self, tv):
+        """The TensorView `tv` is a piece of (itself when it is whole)."""
+        while tv in self._sources:
+            tv = self._sources[tv]
+        return tv
+
+    def pinned(self, tv, t: torch.Tensor, get=None) -> torch.Tensor:
+        """`t` itself when pinned and contiguous, else its staging, refreshed
+        if `t` is another tensor or was written since. With `get` (the
+        tensor bound to a TensorView), a piece of a contiguous whole is
+        read from its view of the whole's staging."""
+        if t.is_contiguous() and (_capturing() or t.is_pinned()):
             # Under a CUDA graph's capture the inputs in host memory were
             # checked pinned before it began (asking the driver again is
             # no call to make while capturing).
             return t
+        root = self.whole(tv)
+        if get is not None and root is not tv:
+            whole = get(root)
+            if whole.is_contiguous() and whole.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                buffer = self._staged(root, whole)
+                offset = t.storage_offset() - whole.storage_offset()
+                return buffer.as_strided(t.shape, t.stride(), buffer.storage_offset() + offset)
+        return self._staged(tv, t)
+
+    def _staged(self, tv, t: torch.Tensor) -> torch.Tensor:
         stamp = (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype)
         with self._lock:
             entry = self._entries.get(tv)
             if entry is not None and entry.stamp == stamp:
                 return entry.buffer
             if entry is None or entry.buffer.shape != t.shape or entry.buffer.dtype != t.dtype:
-                buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buffer = _empty_pinned(t.shape, t.dtype)
             else:
                 buffer = entry.buffer
                 if entry.read is not None:
@@ -89,10 +121,13 @@ class HostStaging:
             return buffer
 
     def read_by(self, tv, event) -> None:
+        """`event` completes the latest copy that read `tv`'s staging (or
+        its whole tensor's): a refresh waits for it."""
         with self._lock:
-            entry = self._entries.get(tv)
-            if entry is not None:
-                entry.read = event
+            for key in (tv, self.whole(tv)):
+                entry = self._entries.get(key)
+                if entry is not None:
+                    entry.read = event
 
 
 def allocate_host(frame, make, shape, dtype) -> torch.Tensor:
@@ -111,7 +146,7 @@ def post_transfer(frame, e) -> Posted:
         return Posted([NoWork()])
     h2d = e.direction == "H2D"
     if h2d:
-        src = frame.evaluator.staging.pinned(e.input, src)
+        src = frame.evaluator.staging.pinned(e.input, src, frame.get)
     caller = frame.streams.current()
     stream = frame.streams.get(("copy", e.direction))
     stream.wait_stream(caller)

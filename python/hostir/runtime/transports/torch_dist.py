@@ -61,6 +61,13 @@ DIST = Calls(
 )
 
 
+def _on_wire(t: torch.Tensor) -> torch.Tensor:
+    """What a reducing collective is handed for `t`: bool buffers go as
+    uint8 (the same bytes), so that a max or min is a logical or / and on
+    every backend."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     # Never hand a strided view to a collective: gloo would read or write
     # the wrong memory.
@@ -153,7 +160,7 @@ def _post_allreduce(calls: Calls, frame, e, group, root=None) -> Posted:
     buf, after = _staged(out, out.shape)
     buf.copy_(src.reshape(out.shape))
     flags = _nan_flags(buf, e.red_op)
-    posted = Posted([calls.all_reduce(buf, op=e.red_op.dist_op, group=group, async_op=True)], after)
+    posted = Posted([calls.all_reduce(_on_wire(buf), op=e.red_op.dist_op, group=group, async_op=True)], after)
     if flags is None:
         return posted
     return _with_nan_flags(
@@ -175,10 +182,15 @@ def _post_reduce_scatter(calls: Calls, frame, e, group, root=None) -> Posted:
         # Group rank j receives chunk j: the chunk of team position of order[j].
         chunks = whole.reshape(len(e.team), -1)
         whole = torch.stack([chunks[e.team.index(r)] for r in order])
-    whole = _contiguous(whole)
+    # In the output's dtype: a sum of integers or bools is int64, as in
+    # torch, and the backend reduces buffers of one dtype.
+    whole = _contiguous(whole.to(out.dtype))
     buf, after = _staged(out, [-1])
     flags = _nan_flags(whole, e.red_op)
-    posted = Posted([calls.reduce_scatter(buf, whole.reshape(-1), op=e.red_op.dist_op, group=group, async_op=True)], after)
+    posted = Posted(
+        [calls.reduce_scatter(_on_wire(buf), _on_wire(whole.reshape(-1)), op=e.red_op.dist_op, group=group, async_op=True)],
+        after,
+    )
     if flags is None:
         return posted
     received = torch.empty(buf.shape, dtype=flags.dtype, device=buf.device)
@@ -249,7 +261,8 @@ def _post_reduce(calls: Calls, frame, e, group, root: int) -> Posted:
     rank = frame.communicator.rank
     if rank != root:
         # Every rank posts the output's shape (checked under TORCH_DISTRIBUTED_DEBUG=DETAIL).
-        piece = _reduced_input(frame, e).reshape(frame.local_sizes(e.out)).clone(memory_format=torch.contiguous_format)
+        # In the output's dtype, as the root's buffer is.
+        piece = _reduced_input(frame, e).reshape(frame.local_sizes(e.out)).to(e.out.dtype).clone(memory_format=torch.contiguous_format)
         buf, after = None, None
     else:
         out = frame.get(e.out)
@@ -261,7 +274,7 @@ def _post_reduce(calls: Calls, frame, e, group, root: int) -> Posted:
         piece = buf
     # The flags are read before the collective may write `piece`.
     flags = _nan_flags(piece, e.red_op)
-    posted = Posted([calls.reduce(piece, dst=root, op=e.red_op.dist_op, group=group, async_op=True)], after)
+    posted = Posted([calls.reduce(_on_wire(piece), dst=root, op=e.red_op.dist_op, group=group, async_op=True)], after)
     if flags is None:
         return posted
     return _with_nan_flags(
@@ -414,5 +427,5 @@ def check_p2p_memory(container, device) -> None:
     if torch.device(device).type != "cuda":
         return
     for e in container.walk():
-        if isinstance(e, ir.P2PCommunication) and e.backend == "gloo" and e.buffer.memory_type is not ir.MemoryType.host:
+        if isinstance(e, ir.P2PCommunication) and str(e.backend).lower() == "gloo" and e.buffer.memory_type is not ir.MemoryType.host:
             raise TransportUnsupported(gloo_p2p_on_device(e, device))
