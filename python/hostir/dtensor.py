@@ -78,7 +78,7 @@ class Adapter:
         # Input signatures whose placements were applied or checked at a
         # fusion version, with the torch meshes they name (kept alive, so
         # their ids stay theirs).
-        self._checked: dict[tuple, tuple] = {}
+        self._checked: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
     # -- inputs
     def local_inputs(self, inputs: Sequence[Any]) -> list[Any]:
