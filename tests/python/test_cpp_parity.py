@@ -1,0 +1,113 @@
+"""The C++ executor against the Python evaluator on the ops it gained:
+every unary kind, and the layouts of sharded, split and partial-sum
+programs (one rank of a mesh here; tests/python/multidevice/
+test_cpp_parity.py runs them on 2 and more ranks). Each program runs on
+both evaluators on the same random data, and the runner says the C++
+executor ran it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hostir import FusionDefinition, ParallelType, cpp
+from hostir.kinds import UnaryKind
+
+needs_cpp = pytest.mark.skipif(not cpp.available(), reason=f"the C++ executor is not built: {cpp.reason()}")
+pytestmark = needs_cpp
+
+
+def _build(kind: str, fd, x):
+    if kind == "gelu_tanh":
+        return fd.ops.gelu(x, approximate="tanh")
+    if kind == "cast":
+        return fd.ops.cast(x, torch.float64)
+    return getattr(fd.ops, kind)(x)
+
+
+def _both(fd, inputs, **kwargs):
+    """The results of `fd` on the Python evaluator, then on the C++ one
+    (which must run it)."""
+    python = fd.execute(inputs, evaluator="python", **kwargs)
+    assert fd.last_runner.name == "python"
+    compiled = fd.execute(inputs, evaluator="cpp", **kwargs)
+    assert fd.last_runner.name == "cpp" and fd.last_runner.reasons == (), fd.last_runner
+    return python, compiled
+
+
+def _same(python, compiled):
+    assert len(python) == len(compiled)
+    for p, c in zip(python, compiled):
+        assert p.dtype == c.dtype and p.shape == c.shape
+        # The same ATen kernels on the same data: bit for bit.
+        torch.testing.assert_close(c, p, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", [k.value for k in UnaryKind])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_every_unary_kind_runs_in_cpp_as_in_python(kind, dtype, device):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1], dtype=dtype)
+        fd.add_output(_build(kind, fd, x))
+    x_in = (torch.randn(5, 7, device=device) * 3).to(dtype)
+    python, compiled = _both(fd, [x_in])
+    _same(python, compiled)
+    fn = UnaryKind(kind).torch_fn
+    expected = x_in.double() if fn is None else fn(x_in)
+    torch.testing.assert_close(compiled[0], expected)
+
+
+@pytest.mark.parametrize("kind", [k.value for k in UnaryKind])
+def test_unary_into_a_preallocated_output(kind, device):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        fd.add_output(_build(kind, fd, x))
+    x_in = torch.randn(4, 6, device=device)
+    dtype = torch.float64 if kind == "cast" else torch.float32
+    bufs = [torch.full((4, 6), 7.0, dtype=dtype, device=device) for _ in range(2)]
+    python = fd.execute([x_in], outputs=[bufs[0]], evaluator="python")
+    compiled = fd.execute([x_in], outputs=[bufs[1]], evaluator="cpp")
+    assert fd.last_runner.name == "cpp"
+    assert compiled[0].data_ptr() == bufs[1].data_ptr()
+    _same(python, compiled)
+
+
+@pytest.mark.parametrize("kind", ["relu", "neg", "abs"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_integer_unary_kinds(kind, dtype, device):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1], dtype=dtype)
+        fd.add_output(_build(kind, fd, x))
+    x_in = torch.randint(-50, 50, (11,), device=device).to(dtype)
+    python, compiled = _both(fd, [x_in])
+    _same(python, compiled)
+    torch.testing.assert_close(compiled[0], UnaryKind(kind).torch_fn(x_in))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bfloat16, torch.float16, torch.bool])
+def test_cast_to_each_dtype(dtype, device):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        fd.add_output(fd.ops.cast(x, dtype))
+    x_in = torch.randn(3, 8, device=device) * 10
+    python, compiled = _both(fd, [x_in])
+    _same(python, compiled)
+    assert compiled[0].dtype == dtype
+
+
+@pytest.mark.parametrize("number_of_streams", [1, 3])
+def test_unary_chain_stream_parallel(number_of_streams, device):
+    """Unary ops inside a stream loop write into the selected rows of
+    their outputs."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.gelu(fd.ops.silu(x), approximate="tanh")
+        z = fd.ops.cast(fd.ops.sigmoid(y), torch.float64)
+        fd.add_output(z)
+    for tv in (y, z):
+        tv.axis(0).parallelize(ParallelType.stream)
+    x_in = torch.randn(6, 5, device=device)
+    python, compiled = _both(fd, [x_in], number_of_streams=number_of_streams)
+    _same(python, compiled)
+    expected = torch.sigmoid(torch.nn.functional.gelu(torch.nn.functional.silu(x_in), approximate="tanh")).double()
+    torch.testing.assert_close(compiled[0], expected)
