@@ -286,6 +286,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &hostir::runExecutor, py::arg("inputs"), py::arg("outputs"), py::arg("number_of_streams"))
       .def_property_readonly("ops_executed", &hostir::Executor::opsExecuted);
   m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kPermute) + 1;
+  m.attr("UNARY_KINDS") = py::tuple(py::cast(hostir::unaryKindNames()));
   m.def(
       "stream_pool_size",
       []() { return hostir::streamPool().size(); },

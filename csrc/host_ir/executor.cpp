@@ -1344,23 +1344,26 @@ class Run {
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };
 
+// The unary kinds the core runs (python/hostir/kinds.py's UnaryKind names);
+// the flat compiler reads them through `unaryKindNames`.
+const std::pair<const char*, OpKind> kUnary[] = {
+    {"relu", OpKind::kRelu},
+    {"neg", OpKind::kNeg},
+    {"abs", OpKind::kAbs},
+    {"cast", OpKind::kCast},
+    {"gelu", OpKind::kGelu},
+    {"gelu_tanh", OpKind::kGeluTanh},
+    {"silu", OpKind::kSilu},
+    {"exp", OpKind::kExp},
+    {"tanh", OpKind::kTanh},
+    {"sigmoid", OpKind::kSigmoid}};
+
 OpKind opKind(const std::string& kind, Opcode op) {
   // The kinds of python/hostir/kinds.py the C++ core runs, by their names.
   static const std::pair<const char*, OpKind> kBinary[] = {
       {"add", OpKind::kAdd}, {"sub", OpKind::kSub}, {"mul", OpKind::kMul}, {"div", OpKind::kDiv}};
   static const std::pair<const char*, OpKind> kReduction[] = {
       {"sum", OpKind::kSum}, {"max", OpKind::kMax}, {"min", OpKind::kMin}};
-  static const std::pair<const char*, OpKind> kUnary[] = {
-      {"relu", OpKind::kRelu},
-      {"neg", OpKind::kNeg},
-      {"abs", OpKind::kAbs},
-      {"cast", OpKind::kCast},
-      {"gelu", OpKind::kGelu},
-      {"gelu_tanh", OpKind::kGeluTanh},
-      {"silu", OpKind::kSilu},
-      {"exp", OpKind::kExp},
-      {"tanh", OpKind::kTanh},
-      {"sigmoid", OpKind::kSigmoid}};
   auto find = [&](const auto& table) -> std::optional<OpKind> {
     for (const auto& [name, k] : table) {
       if (kind == name) {
@@ -1380,6 +1383,14 @@ OpKind opKind(const std::string& kind, Opcode op) {
 }
 
 } // namespace
+
+std::vector<std::string> unaryKindNames() {
+  std::vector<std::string> names;
+  for (const auto& [name, kind] : kUnary) {
+    names.emplace_back(name);
+  }
+  return names;
+}
 
 Executor::Executor(Program program)
     : program_(std::move(program)), uses_streams_(program_.device.type() != c10::kCPU) {

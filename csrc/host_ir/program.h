@@ -373,4 +373,7 @@ class Executor {
 // The process-wide pool of worker streams.
 StreamPool& streamPool();
 
+// The names of the unary kinds the executor runs.
+std::vector<std::string> unaryKindNames();
+
 } // namespace hostir

@@ -12,6 +12,7 @@ import torch
 
 from hostir import FusionDefinition, ParallelType, cpp
 from hostir.kinds import UnaryKind
+from hostir.runtime import flat
 
 needs_cpp = pytest.mark.skipif(not cpp.available(), reason=f"the C++ executor is not built: {cpp.reason()}")
 pytestmark = needs_cpp
@@ -111,3 +112,77 @@ def test_unary_chain_stream_parallel(number_of_streams, device):
     _same(python, compiled)
     expected = torch.sigmoid(torch.nn.functional.gelu(torch.nn.functional.silu(x_in), approximate="tanh")).double()
     torch.testing.assert_close(compiled[0], expected)
+
+
+def test_the_core_knows_every_unary_kind():
+    """A kind declared in hostir.kinds without its ATen call in the C++ core
+    would run on the Python evaluator: today every kind has one."""
+    assert sorted(flat.CPP_UNARY_KINDS) == sorted(k.value for k in UnaryKind)
+
+
+def test_a_unary_kind_the_core_lacks_says_so(monkeypatch):
+    monkeypatch.delenv("HOSTIR_EVALUATOR", raising=False)
+    monkeypatch.setattr(flat, "CPP_UNARY_KINDS", tuple(k for k in flat.CPP_UNARY_KINDS if k != "silu"))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        fd.add_output(fd.ops.relu(fd.ops.silu(x)))
+    x_in = torch.randn(3, 4)
+    (out,) = fd.execute([x_in])
+    torch.testing.assert_close(out, torch.relu(torch.nn.functional.silu(x_in)))
+    assert fd.last_runner.name == "python"
+    assert [r.split(":")[0] for r in fd.last_runner.reasons] == ["it has no instruction for silu"]
+
+
+def test_parallel_linears_on_one_rank_run_in_cpp(monkeypatch):
+    """`hostir.parallel`'s colwise and rowwise Linears on a one-rank mesh:
+    their forward and backward programs (sharded operands, split axes, a
+    partial sum completed by an Allreduce, a permute) run on the C++
+    executor, strictly, with the Python evaluator's results and torch's."""
+    import copy
+
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from hostir import DeviceMesh, communicator
+    from hostir.parallel import parallelize_module
+
+    for name in communicator.LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 6))
+    model = copy.deepcopy(ref)
+    try:
+        parallelize_module(model, DeviceMesh([0]).to_torch("cpu"), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        x = torch.randn(5, 8)
+        weights = torch.randn(5, 6)
+        results = {}
+        for evaluator in ("python", "cpp"):
+            monkeypatch.setenv("HOSTIR_EVALUATOR", evaluator)
+            inp = x.clone().requires_grad_(True)
+            y = model(inp)
+            y = y.full_tensor() if isinstance(y, DTensor) else y
+            (y * weights).sum().backward()
+            grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+            runners = []
+            for name in ("0", "2"):
+                for fd in model.get_submodule(name)._hostir_linear.fusions.values():
+                    for training in fd.__dict__["_trainings"].values():
+                        runners += [training.forward.last_runner, training.backward.last_runner]
+            assert len(runners) == 4 and all(r.name == evaluator for r in runners), runners
+            results[evaluator] = (y.detach(), inp.grad, grads)
+            model.zero_grad()
+    finally:
+        communicator.shutdown()
+    (y_py, dx_py, g_py), (y_cpp, dx_cpp, g_cpp) = results["python"], results["cpp"]
+    torch.testing.assert_close(y_cpp, y_py, rtol=0, atol=0)
+    torch.testing.assert_close(dx_cpp, dx_py, rtol=0, atol=0)
+    for name in g_py:
+        torch.testing.assert_close(g_cpp[name], g_py[name], rtol=0, atol=0)
+    inp = x.clone().requires_grad_(True)
+    expected = ref(inp)
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(y_cpp, expected.detach())
+    torch.testing.assert_close(dx_cpp, inp.grad)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(g_cpp[name], p.grad)
