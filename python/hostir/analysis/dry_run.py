@@ -53,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hostir import ir, layout, printer
 from hostir.errors import HostIrError
-from hostir.lower import lower
+from hostir.lower import LoweredProgram, lower
 from hostir.runtime import checks
 from hostir.runtime.bind import Binding
 from hostir.runtime.checks import signature
@@ -717,13 +717,13 @@ def run_rank(
     number_of_streams: int = 4,
     backend: str = "NCCL",
     multi: bool | None = None,
-    container=None,
+    program: LoweredProgram | None = None,
     raw_errors: bool = False,
     schedule=None,
     resharding: str = "auto",
     hoisting=None,
 ) -> RankReport:
-    """One rank's part of a dry run (`container`: that rank's lowered
+    """One rank's part of a dry run (`program`: that rank's lowered
     program, if the caller has it; `raw_errors`: see `_run_container`)."""
     multi = checks.is_multi_device(fusion) if multi is None else multi
     try:
@@ -731,19 +731,22 @@ def run_rank(
         if multi:
             checks.check_world(fusion, world_size)
         checks.check_inputs(fusion, metas, "meta", sharded=multi)
-        if container is None:
+        if program is None:
             if multi:
-                container = lower(
+                program = lower(
                     fusion, rank=rank, backend=backend, schedule=schedule, resharding=resharding, hoisting=hoisting
                 )
             else:
-                container = lower(fusion, resharding=resharding, hoisting=hoisting)
+                program = lower(fusion, resharding=resharding, hoisting=hoisting)
         checks.check_sizes(fusion, metas, checks.equal_input_axes(fusion))
     except Exception as err:
         raise DryRunError(f"rank {rank}: {type(err).__name__}: {err}") from err
+    container = program.program
     binding = Binding.of(container)
     bindings = binding.bind(metas)
-    report = _run_container(container, bindings, rank, world_size if multi else None, number_of_streams, raw_errors)
+    report = _run_container(
+        container, bindings, rank, world_size if multi else None, number_of_streams, raw_errors, program.rank
+    )
     report.inputs = [_input_entry(tv, t) for tv, t in zip(fusion.inputs, metas)]
     report.outputs = [
         (name, None if shape is None else list(layout.to_logical(tv, _shaped(shape)).shape), dtype)
@@ -761,10 +764,17 @@ def _shaped(shape) -> torch.Tensor:
 
 
 def _run_container(
-    container, bindings: dict, rank: int, world_size: int | None, number_of_streams: int, raw_errors: bool = False
+    container,
+    bindings: dict,
+    rank: int,
+    world_size: int | None,
+    number_of_streams: int,
+    raw_errors: bool = False,
+    pruned_for: int | None = None,
 ) -> RankReport:
     """Run one rank's program on the meta tensors of `bindings`; with a
-    `world_size`, through a recording communicator. A failure is a
+    `world_size`, through a recording communicator (`pruned_for`: the rank
+    the program was pruned for, if it was). A failure is a
     `DryRunError` naming the rank, or with `raw_errors` the evaluator's own
     error (what a real run of the program would raise)."""
     comm = RecordingCommunicator(rank, world_size) if world_size is not None else None
@@ -773,7 +783,9 @@ def _run_container(
         comm.allocations = allocations
     recorder = _Recorder(comm, allocations)
     try:
-        ev = HostIrEvaluator(container, streams=RecordingStreams(), device="meta", communicator=comm)
+        ev = HostIrEvaluator(
+            container, streams=RecordingStreams(), device="meta", communicator=comm, rank=pruned_for
+        )
         ev.profiled = False
         ev.observers.append(recorder)
         with allocations:
@@ -812,8 +824,9 @@ def dry_run_programs(
     check: bool = True,
 ) -> DryRunReport:
     """The dry run of hand-built host programs: `programs` maps each rank to
-    its `HostIrContainer`, `inputs` gives tensors or shapes for each
-    container input (the same for every rank, or per rank)."""
+    its `HostIrContainer` (the program that rank runs: a tensor on a mesh
+    without the rank is not held there), `inputs` gives tensors or shapes
+    for each container input (the same for every rank, or per rank)."""
     world_size = len(programs) if world_size is None else world_size
     missing = [r for r in range(world_size) if r not in programs]
     if missing:
@@ -825,7 +838,7 @@ def dry_run_programs(
         if len(given) != len(container.inputs):
             raise DryRunError(f"rank {r}: the program takes {len(container.inputs)} inputs, got {len(given)}")
         bindings = {tv: _as_meta(tv, t, i) for i, (tv, t) in enumerate(zip(container.inputs, given))}
-        ranks.append(_run_container(container, bindings, r, world_size, number_of_streams))
+        ranks.append(_run_container(container, bindings, r, world_size, number_of_streams, pruned_for=r))
     report = DryRunReport(world_size, number_of_streams, ranks)
     if check:
         match_ranks(report)

@@ -15,7 +15,6 @@ import torch
 from hostir import ir, layout, mesh_extents
 from hostir.errors import HostIrError, ScheduleError
 from hostir.kinds import ReductionKind
-from hostir.container import HostIrContainer
 
 __all__ = [
     "ExecuteArgumentError",
@@ -237,9 +236,10 @@ def check_reductions(fusion: ir.Fusion, sizes: dict) -> None:
                 )
 
 
-def check_chunks(container: HostIrContainer, sizes: dict) -> None:
-    """Raise unless every axis a decomposition splits into chunks divides."""
-    for extent, parts, where in container.chunked:
+def check_chunks(chunking, sizes: dict) -> None:
+    """Raise unless every axis a decomposition splits into chunks divides
+    (`chunking`: `LoweredProgram.chunking`, (extent, parts, where) each)."""
+    for extent, parts, where in chunking:
         size = sizes.get(extent)
         if size is not None and size % parts:
             raise ScheduleError(

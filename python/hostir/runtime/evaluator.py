@@ -78,15 +78,20 @@ class HostIrEvaluator:
     evaluator holds only what it precomputes from the program; the values of
     a run live in that run's `Frame`. `observers` (none by default) wrap
     every op of every run: see `OpObserver`. The profiler's observer joins
-    them for a run made while profiling or tracing is on.
+    them for a run made while profiling or tracing is on. `rank` is the rank
+    the program was pruned for (`LoweredProgram.rank`; None: the program
+    holds every rank's part): an output on a mesh without it is None.
     """
 
-    def __init__(self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None):
+    def __init__(
+        self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None, rank=None
+    ):
         container.check_inputs_unaliased()
         missing = {type(e).__name__ for e in container.walk() if type(e) not in _HANDLERS}
         if missing:
             raise MissingHandlerError(f"the evaluator has no handler for {', '.join(sorted(missing))}")
         self.container = container
+        self.rank = rank
         self.streams = streams if streams is not None else NullStreams()
         self.device = torch.device(device)
         self.communicator = communicator
@@ -305,7 +310,7 @@ class Frame:
         return printer.format_expr_head(e) + loops
 
     def output(self, tv: ir.TensorView):
-        if not self.evaluator.container.holds(tv):
+        if not tv.held_by(self.evaluator.rank):
             return None
         value = self.get(tv, None)
         if value is None:
