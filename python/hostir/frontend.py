@@ -277,7 +277,9 @@ class FusionDefinition:
 
     def host_program(self, resharding: str = "auto"):
         """This rank's lowered `HostIrContainer` (for `hostir.check_races`);
-        `resharding` as `host_ir` takes it."""
+        `resharding` as `host_ir` takes it. What it was lowered with (the
+        rank it was pruned for, its digest and teams) is
+        `executor.lowered_program()`."""
         return self.executor.host_program(resharding)
 
     def graph_inputs(self, inputs, outputs=None, params=None, **kwargs) -> list[torch.Tensor]:
