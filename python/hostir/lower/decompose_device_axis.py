@@ -44,7 +44,7 @@ transport (and why the transport was not `cuda`, if it was asked for).
 
 from __future__ import annotations
 
-from hostir import ir, layout, printer
+from hostir import axis_graph, ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.lower.propagate_shardings import is_resharding
@@ -61,7 +61,7 @@ def decompose_device_axis(container: HostIrContainer, schedule: Schedule | None 
     `backend`: the program's transport, which the ring uses unless the
     schedule names another."""
     schedule = schedule or Schedule()
-    graph = ir.IdGraph(container.exprs, broadcast=True)
+    graph = axis_graph.IdGraph(container.exprs, broadcast=True)
     result = container.derive()
     exprs = list(container.exprs)
     i = 0
@@ -88,7 +88,7 @@ def decompose_device_axis(container: HostIrContainer, schedule: Schedule | None 
 def walks_device_axis(exprs) -> bool:
     """Whether `exprs` (a fusion's, before sharding propagation) hold a
     pattern this pass decomposes, so that a schedule matters."""
-    graph = ir.IdGraph(exprs, broadcast=True)
+    graph = axis_graph.IdGraph(exprs, broadcast=True)
     for e in exprs:
         if _gather_axis(e, graph) is not None:
             return True
@@ -159,7 +159,7 @@ def _reduce_run(exprs, start, graph):
 
 
 class _Builder:
-    def __init__(self, result: HostIrContainer, graph: ir.IdGraph, schedule: Schedule, backend: str):
+    def __init__(self, result: HostIrContainer, graph: axis_graph.IdGraph, schedule: Schedule, backend: str):
         self.c = result
         self.graph = graph
         self.schedule = schedule
