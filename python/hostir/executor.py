@@ -260,9 +260,6 @@ class _Program:
     binding: Binding
     # What runs it, and why.
     runner: Runner
-    # (input, axis, size) of every static axis: the sizes this program was
-    # made for, part of its key.
-    static_sizes: tuple = ()
     # Dry-run reports of this program, per exact input shapes (and number
     # of streams): a report holds every size, so it serves no other.
     reports: dict = dataclasses.field(default_factory=dict)
@@ -704,7 +701,6 @@ class FusionExecutor:
             program = self._programs[key] = self._lower(
                 device, evaluator, reasons, comm, chosen, params.resharding, strict, host, hoisting
             )
-            program.static_sizes = static
             program.hoisting = hoisting
             return program, True
 
