@@ -620,7 +620,7 @@ class FusionExecutor:
         if "copy" not in self._warned:
             self._warned.add("copy")
             names = ", ".join(f"{i} (T{self.fusion.inputs[i].name})" for i in moved if i < len(self.fusion.inputs))
-            size = sum(inputs[i].numel() * inputs[i].element_size() for i in moved)
+            size = sum(ir.nbytes(inputs[i]) for i in moved)
             warnings.warn(
                 f"inputs {names} are on the CPU but the fusion runs on {device}: copied there "
                 f"({size} bytes this call); pass them on {device} to avoid the copy",

@@ -233,14 +233,6 @@ def same_scalar(a: Scalar, b: Scalar, equal=None) -> bool:
     return equal is not None and equal(a, b)
 
 
-def product(extents: Sequence[Scalar]) -> Scalar:
-    """`( ( a * b ) * c )`: the left-nested product nvFuser prints for sizes."""
-    if not extents:
-        return Scalar.constant(1)
-    acc = extents[0]
-    for e in extents[1:]:
-        acc = ScalarExpr("*", acc, e)
-    return acc
 
 
 # ---------------------------------------------------------------- domains
@@ -1161,7 +1153,8 @@ class Deallocate(Expr):
     INPUTS = ("buffer",)
 
 
-def _nbytes(t) -> int:
+def nbytes(t) -> int:
+    """The bytes of tensor `t` (0 for None: a rank that holds none)."""
     return 0 if t is None else t.numel() * t.element_size()
 
 
@@ -1180,7 +1173,7 @@ def _all_pairs_traffic(size):
 
 
 def _broadcast_traffic(e, me, root, input, out):
-    size = _nbytes(out) if out is not None else _nbytes(input)
+    size = nbytes(out) if out is not None else nbytes(input)
     if me == root:
         return {p: size for p in e.team if p != me}, {}
     return {}, {root: size}
@@ -1189,22 +1182,22 @@ def _broadcast_traffic(e, me, root, input, out):
 def _gather_traffic(e, me, root, input, out):
     senders = [p for p in e.team if p in e.input.mesh]
     if me == root:
-        piece = _nbytes(out) // max(len(senders), 1)
+        piece = nbytes(out) // max(len(senders), 1)
         return {}, {p: piece for p in senders if p != me}
-    return ({root: _nbytes(input)} if input is not None else {}), {}
+    return ({root: nbytes(input)} if input is not None else {}), {}
 
 
 def _scatter_traffic(e, me, root, input, out):
     receivers = [p for p in e.team if p in e.out.mesh]
     if me == root:
-        piece = _nbytes(input) // max(len(e.out.mesh.devices), 1)
+        piece = nbytes(input) // max(len(e.out.mesh.devices), 1)
         return {p: piece for p in receivers if p != me}, {}
-    return {}, ({root: _nbytes(out)} if out is not None else {})
+    return {}, ({root: nbytes(out)} if out is not None else {})
 
 
 def _reduce_traffic(e, me, root, input, out):
     if me == root:
-        return {}, {p: _nbytes(out) for p in e.team if p != me}
+        return {}, {p: nbytes(out) for p in e.team if p != me}
     # Sent in the output's dtype (a sum of integers is int64).
     piece = input.numel() * e.out.dtype.itemsize
     for d in e.local_reduce:
@@ -1217,9 +1210,9 @@ def _send_recv_traffic(e, me, root, input, out):
     if sender == receiver:
         return {}, {}
     if me == sender:
-        return {receiver: _nbytes(input)}, {}
+        return {receiver: nbytes(input)}, {}
     if me == receiver:
-        return {}, {sender: _nbytes(out)}
+        return {}, {sender: nbytes(out)}
     return {}, {}
 
 
@@ -1227,7 +1220,7 @@ def _all_to_all_traffic(e, me, root, input, out):
     # Each rank keeps its own piece and trades one with every other.
     n = max(len(e.team), 1)
     others = [p for p in e.team if p != me]
-    return {p: _nbytes(input) // n for p in others}, {p: _nbytes(out) // n for p in others}
+    return {p: nbytes(input) // n for p in others}, {p: nbytes(out) // n for p in others}
 
 
 class CommunicationType(enum.Enum):
@@ -1257,9 +1250,9 @@ class CommunicationType(enum.Enum):
         member.traffic = traffic
         return member
 
-    Allgather = "Allgather", False, False, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(i))
-    Allreduce = "Allreduce", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(o))
-    ReduceScatter = "ReduceScatter", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(o))
+    Allgather = "Allgather", False, False, "all", "all", True, _all_pairs_traffic(lambda e, i, o: nbytes(i))
+    Allreduce = "Allreduce", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: nbytes(o))
+    ReduceScatter = "ReduceScatter", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: nbytes(o))
     Broadcast = "Broadcast", True, False, "root", "others", True, _broadcast_traffic
     Gather = "Gather", True, False, "all", "root", True, _gather_traffic
     Scatter = "Scatter", True, False, "root", "all", True, _scatter_traffic

@@ -810,18 +810,9 @@ def _insert(frame: Frame, e: ir.InsertOp) -> None:
 @impl(ir.ReshapeOp)
 def _reshape(frame: Frame, e: ir.ReshapeOp) -> None:
     src = frame.get(e.input)
-    if src.numel() != _numel_of(e.shape, src.numel()):
+    if src.numel() != layout.reshape_numel(e.shape, src.numel()):
         raise ShapeError(f"cannot reshape T{e.input.name} of shape {list(src.shape)} to {list(e.shape)}")
     _view_out(frame, e, src.reshape(e.shape))
-
-
-def _numel_of(shape, numel: int) -> int:
-    known = 1
-    for size in shape:
-        known *= size if size != -1 else 1
-    if -1 in shape and known and numel % known == 0:
-        return numel
-    return known
 
 
 @impl(ir.SliceOp)

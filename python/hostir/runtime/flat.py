@@ -325,9 +325,8 @@ def _select(cc, e) -> None:
 
 
 def _local_shape(cc: _Compiler, tv: ir.TensorView) -> list[int]:
-    """Scalar nodes of `tv`'s local loop shape (a constant 1 on mesh_x)."""
-    one = ir.Scalar.constant(1)
-    return [cc.scalar(one if d.is_device_parallel else d.extent) for d in tv.loop_axes()]
+    """Scalar nodes of `tv`'s local loop shape (`layout.local_loop_extents`)."""
+    return [cc.scalar(extent) for extent in layout.local_loop_extents(tv)]
 
 
 @_compiles(ir.Allocate)
