@@ -351,10 +351,7 @@ def shard_tensor(t: torch.Tensor, tv: ir.TensorView, rank: int | None = None) ->
                 raise InputError(f"axis {axis} of T{tv.name}: extent {size} differs from mesh size {n}")
             t = t.narrow(axis, mesh.index_along(rank, d.parallel_type), 1)
             continue
-        n = 1
-        for x in leaves:
-            if x.is_device_parallel:
-                n *= mesh.size_along(x.parallel_type)
+        n = layout.shard_count(mesh, d)
         if size % n:
             raise InputError(f"axis {axis} of T{tv.name}: extent {size} not divisible by mesh size {n}")
         pieces = layout.leaf_sizes(leaves, size, mesh)

@@ -162,6 +162,23 @@ def global_extent(d: ir.IterDomain, local: int) -> int:
     return local * n
 
 
+def device_types(d: ir.IterDomain) -> frozenset:
+    """The mesh dimensions a logical axis is sharded on (through its pieces)."""
+    return frozenset(x.parallel_type for x in d.loop_leaves() if x.is_device_parallel)
+
+
+def shard_count(mesh: ir.DeviceMesh | None, d: ir.IterDomain) -> int:
+    """How many pieces logical axis `d` is cut into across `mesh`: the
+    product of the mesh's sizes along its device-parallel pieces (1
+    without a mesh or a sharded piece)."""
+    n = 1
+    if mesh is not None:
+        for leaf in d.loop_leaves():
+            if leaf.is_device_parallel:
+                n *= mesh.size_along(leaf.parallel_type)
+    return n
+
+
 def whole_size(tv: ir.TensorView, d: ir.IterDomain, size: int) -> int:
     """The size of logical axis `d` across all ranks, from this rank's."""
     for leaf in d.loop_leaves():
@@ -184,10 +201,7 @@ def local_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None:
     size = whole_extent(d.extent, sizes)
     if size is None:
         return None
-    for leaf in d.loop_leaves():
-        if leaf.is_device_parallel:
-            size //= tv.mesh.size_along(leaf.parallel_type)
-    return size
+    return size // shard_count(tv.mesh, d)
 
 
 def whole_extent(extent: ir.Scalar, sizes) -> int | None:

@@ -12,7 +12,7 @@ failing inside an op or a communication.
 
 from __future__ import annotations
 
-from hostir import axis_graph, ir, printer
+from hostir import axis_graph, ir, layout, printer
 from hostir.errors import HostIrError
 
 
@@ -47,9 +47,7 @@ def check(fusion: ir.Fusion, sizes: dict) -> None:
                 continue
             # Each rank holds whole / ranks rows (stream chunks of them may
             # be ragged).
-            ranks = 1
-            for x in sharded:
-                ranks *= tv.mesh.size_along(x.parallel_type)
+            ranks = layout.shard_count(tv.mesh, d)
             if whole % ranks:
                 raise MeshExtentError(
                     f"axis {pos} of {printer.format_tv(tv)} is split across {ranks} ranks, but its size is "

@@ -91,3 +91,22 @@ def test_an_allocation_counts_a_streamed_axis_whole():
     tv.outer_split(0, 2)
     tv.axis(0).parallelize(ParallelType.mesh_x)
     assert [e.value for e in layout.allocated_extents(tv)] == [2, 4, 6]
+
+
+def test_shard_count_multiplies_the_mesh_along_every_sharded_piece():
+    mesh = DeviceMesh([[0, 1, 2], [3, 4, 5]])  # 2 along mesh_y, 3 along mesh_x
+    _, tv = _fusion_tensor([12, 3, 5])
+    tv.set_device_mesh(mesh)
+    tv.outer_split(0, 2)
+    tv.axis(0).parallelize(ParallelType.mesh_y)
+    tv.outer_split(1, 3)
+    tv.axis(1).parallelize(ParallelType.mesh_x)
+    tv.axis(3).parallelize(ParallelType.mesh_x)
+    rows, cols, rest = tv.logical_runtime()
+    assert layout.shard_count(mesh, rows) == 6
+    assert layout.device_types(rows) == {ParallelType.mesh_x, ParallelType.mesh_y}
+    assert layout.shard_count(mesh, cols) == 3
+    assert layout.shard_count(mesh, rest) == 1 and not layout.device_types(rest)
+    assert layout.shard_count(None, rows) == 1
+    # This rank's rows: 12 whole rows over 6 ranks.
+    assert layout.local_size(tv, rows, {}) == 2

@@ -519,7 +519,7 @@ def _local_slices(e: ir.Expr, source: dict) -> dict[int, list]:
     for o, i in whole.id_pairs():
         if o.is_reduction and partial is None:
             continue
-        missing = _types(o) - _types(i)
+        missing = layout.device_types(o) - layout.device_types(i)
         if not missing or i.is_broadcast:
             # A broadcast operand axis is the same size-1 dim on every rank.
             continue
@@ -527,10 +527,6 @@ def _local_slices(e: ir.Expr, source: dict) -> dict[int, list]:
             if isinstance(v, ir.TensorView) and i in v.logical:
                 found.setdefault(id(back[id(v)]), []).append((v.logical_runtime().index(i), o, i))
     return found
-
-
-def _types(d: ir.IterDomain) -> set:
-    return {x.parallel_type for x in d.loop_leaves() if x.is_device_parallel}
 
 
 def _operand(frame: Frame, e, tv, full_rank: bool = False):
@@ -552,7 +548,7 @@ def _operand(frame: Frame, e, tv, full_rank: bool = False):
         t = layout.to_logical(tv, t)
     for pos, o, i in cuts:
         mesh = e.out.mesh
-        missing = _types(o) - _types(i)
+        missing = layout.device_types(o) - layout.device_types(i)
         sizes = layout.leaf_sizes(o.loop_leaves(), t.shape[pos], mesh, missing)
         pieces = t.reshape(list(t.shape[:pos]) + sizes + list(t.shape[pos + 1 :]))
         for j, x in enumerate(o.loop_leaves()):
@@ -736,10 +732,7 @@ def _check_kept_sizes(e: ir.BroadcastInDimOp, src: torch.Tensor) -> None:
         o = out[j]
         if d.is_broadcast or o.is_broadcast or not o.extent.is_constant or src.shape[i] == 0:
             continue
-        whole = src.shape[i]
-        for leaf in d.loop_leaves():
-            if leaf.is_device_parallel and e.input.mesh is not None:
-                whole *= e.input.mesh.size_along(leaf.parallel_type)
+        whole = src.shape[i] * layout.shard_count(e.input.mesh, d)
         if whole != o.extent.value:
             raise ShapeError(
                 f"broadcast_in_dim: axis {i} of T{e.input.name} has size {whole}, but output axis {j} "
