@@ -517,6 +517,8 @@ class TensorView:
 
     @property
     def is_split(self) -> bool:
+        """Whether any logical axis is split into loop pieces (how those
+        pieces lie in the runtime dims is `layout.is_chunked`)."""
         return len(self.domain) != len(self.logical) or any(d.leaves is not None for d in self.logical)
 
     # -- scheduling

@@ -263,9 +263,10 @@ def leaf_sizes(leaves: Sequence[ir.IterDomain], size: int, mesh, whole=None) -> 
     return [size // known if v is None else v for v in sizes]
 
 
-def is_split(tv: ir.TensorView) -> bool:
-    """Whether `tv` has a split axis: its runtime dims merge pieces, or an
-    extent is a ceilDiv."""
+def is_chunked(tv: ir.TensorView) -> bool:
+    """Whether a split of `tv` shows at run time: a runtime dim merges the
+    pieces of a split axis (a loop walks it in chunks), or an extent is a
+    ceilDiv. (`tv.is_split` asks only whether any axis is split.)"""
     if any(len(dim) > 1 for dim in dims(tv)):
         return True
     return any(isinstance(d.extent, ir.ScalarExpr) and d.extent.op == "ceilDiv" for d in tv.domain)

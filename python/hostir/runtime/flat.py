@@ -549,7 +549,7 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
             )
             break
     for e in container.walk():
-        split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and layout.is_split(v)), None)
+        split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and layout.is_chunked(v)), None)
         if split is not None:
             note("split", f"it has a split axis (ceilDiv extents, merged runtime dims): {printer.format_tv(split)}")
         if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk":
