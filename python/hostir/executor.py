@@ -261,9 +261,6 @@ class _Program:
     binding: Binding
     # What runs it, and why.
     runner: Runner
-    # (input, axis, size) of every static axis: the sizes this program was
-    # made for, part of its key.
-    static_sizes: tuple = ()
     # Dry-run reports of this program, per exact input shapes (and number
     # of streams): a report holds every size, so it serves no other.
     reports: dict = dataclasses.field(default_factory=dict)
@@ -629,7 +626,7 @@ class FusionExecutor:
         if "copy" not in self._warned:
             self._warned.add("copy")
             names = ", ".join(f"{i} (T{self.fusion.inputs[i].name})" for i in moved if i < len(self.fusion.inputs))
-            size = sum(inputs[i].numel() * inputs[i].element_size() for i in moved)
+            size = sum(ir.nbytes(inputs[i]) for i in moved)
             warnings.warn(
                 f"inputs {names} are on the CPU but the fusion runs on {device}: copied there "
                 f"({size} bytes this call); pass them on {device} to avoid the copy",
@@ -710,7 +707,6 @@ class FusionExecutor:
             program = self._programs[key] = self._lower(
                 device, evaluator, reasons, comm, chosen, params.resharding, strict, host, hoisting
             )
-            program.static_sizes = static
             return program, True
 
     def _lower(

@@ -18,7 +18,8 @@ import hostir
 from conftest import check_golden
 from hostir import FusionDefinition, ir, machine
 from hostir.lower import lower
-from hostir.lower.hoist_transfers import Hoisting, HoistingError, constant_bytes, parse
+from hostir.layout import constant_bytes
+from hostir.lower.hoist_transfers import Hoisting, HoistingError, parse
 
 H = 16
 WEIGHT = H * H * 4

@@ -397,10 +397,6 @@ def _recording_calls(backend: str, transfer: Transfer, comm: RecordingCommunicat
     return torch_dist.Calls(**{f.name: call(f.name) for f in dataclasses.fields(torch_dist.Calls)})
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
 class RecordingTransport(Transport):
     """The transport of a dry run: each posted communication becomes a
     `Transfer` of its rank, and a work whose `wait` marks it completed.
@@ -446,7 +442,7 @@ class RecordingTransport(Transport):
     def post_p2p(self, frame, e, buf, peer: int, ops: list | None) -> Posted:
         send = e.type == "send"
         t = self._transfer(e, buf if send else None, None if send else buf, tuple(sorted({self.comm.rank, peer})), None)
-        (t.sent if send else t.received)[peer] = _nbytes(buf)
+        (t.sent if send else t.received)[peer] = ir.nbytes(buf)
         work = _RecordedWork(t, self.comm)
         if ops is not None:
             # Coalesced: the group's Wait completes it.
@@ -472,8 +468,8 @@ class RecordingTransport(Transport):
             loops=[],
             stream="",
             dtype=_dtype(src.dtype) if src is not None else "",
-            input_bytes=_nbytes(input),
-            output_bytes=_nbytes(out),
+            input_bytes=ir.nbytes(input),
+            output_bytes=ir.nbytes(out),
             sent={},
             received={},
         )
@@ -558,7 +554,7 @@ class _Recorder:
         if isinstance(e, ir.Transfer):
             moved = frame.get(e.out, None)
             self.transfers.append(
-                {"direction": e.direction, "bytes": _nbytes(moved), "line": printer.format_expr_head(e), "loops": _loops(frame)}
+                {"direction": e.direction, "bytes": ir.nbytes(moved), "line": printer.format_expr_head(e), "loops": _loops(frame)}
             )
         if self.comm is not None:
             for t in self.comm.transfers[self._annotated :]:

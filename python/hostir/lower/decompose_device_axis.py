@@ -44,7 +44,7 @@ transport (and why the transport was not `cuda`, if it was asked for).
 
 from __future__ import annotations
 
-from hostir import ir, layout, printer
+from hostir import axis_graph, ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.lower.propagate_shardings import is_resharding
@@ -66,7 +66,7 @@ def decompose_device_axis(
     `(extent, parts, where)` to for each axis of symbolic extent it cuts
     into chunks, whose sizes the runtime checks divide."""
     schedule = schedule or Schedule()
-    graph = ir.IdGraph(container.exprs, broadcast=True)
+    graph = axis_graph.IdGraph(container.exprs, broadcast=True)
     result = container.derive()
     exprs = list(container.exprs)
     i = 0
@@ -93,7 +93,7 @@ def decompose_device_axis(
 def walks_device_axis(exprs) -> bool:
     """Whether `exprs` (a fusion's, before sharding propagation) hold a
     pattern this pass decomposes, so that a schedule matters."""
-    graph = ir.IdGraph(exprs, broadcast=True)
+    graph = axis_graph.IdGraph(exprs, broadcast=True)
     for e in exprs:
         if _gather_axis(e, graph) is not None:
             return True
@@ -165,7 +165,7 @@ def _reduce_run(exprs, start, graph):
 
 class _Builder:
     def __init__(
-        self, result: HostIrContainer, graph: ir.IdGraph, schedule: Schedule, backend: str, chunking: list | None
+        self, result: HostIrContainer, graph: axis_graph.IdGraph, schedule: Schedule, backend: str, chunking: list | None
     ):
         self.c = result
         self.graph = graph

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hostir import ir, layout, mesh_extents
+from hostir import axis_graph, ir, layout, mesh_extents
 from hostir.errors import HostIrError, ScheduleError
 from hostir.kinds import ReductionKind
 
@@ -177,7 +177,7 @@ def equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
     """Groups of (input index, axis) whose whole sizes the program makes
     equal: axes its ops iterate together, through any chain of ops (the
     extents' classes), whether the axes are split or sharded or not."""
-    classes = ir.ExtentClasses(fusion.exprs)
+    classes = axis_graph.ExtentClasses(fusion.exprs)
     by_class: dict = {}
     for i, tv in enumerate(fusion.inputs):
         if not isinstance(tv, ir.TensorView):

@@ -327,9 +327,8 @@ def _select(cc, e) -> None:
 
 
 def _local_shape(cc: _Compiler, tv: ir.TensorView) -> list[int]:
-    """Scalar nodes of `tv`'s local loop shape (a constant 1 on mesh_x)."""
-    one = ir.Scalar.constant(1)
-    return [cc.scalar(one if d.is_device_parallel else d.extent) for d in tv.loop_axes()]
+    """Scalar nodes of `tv`'s local loop shape (`layout.local_loop_extents`)."""
+    return [cc.scalar(extent) for extent in layout.local_loop_extents(tv)]
 
 
 @_compiles(ir.Allocate)
@@ -552,7 +551,7 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
             )
             break
     for e in container.walk():
-        split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and layout.is_split(v)), None)
+        split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and layout.is_chunked(v)), None)
         if split is not None:
             note("split", f"it has a split axis (ceilDiv extents, merged runtime dims): {printer.format_tv(split)}")
         if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk":
