@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hostir import ir, layout, printer, unannotated
 from hostir.container import HostIrContainer
-from hostir.runtime.evaluator import BindingError, MissingHandlerError, ProgramError, _local_slices, _types
+from hostir.runtime.evaluator import BindingError, MissingHandlerError, ProgramError, _local_slices
 
 # Opcodes shared with csrc/host_ir/program.h (enum class Opcode).
 OPCODES = (
@@ -103,9 +103,11 @@ class FlatProgram:
 
 
 class _Compiler:
-    def __init__(self, container: HostIrContainer, communicator):
+    def __init__(self, container: HostIrContainer, communicator, rank: int | None = None):
         self.container = container
         self.comm = communicator
+        # The rank the program was pruned for (None: it holds every rank's part).
+        self.rank = rank
         self.alias = container.aliases.resolved()
         self.tensors: dict[ir.TensorView, int] = {}
         self.tensor_names: list[str] = []
@@ -197,14 +199,14 @@ class _Compiler:
             )
         # A scalar input is an integer slot, listed as -2 - slot.
         inputs = [self.tensor(v) if isinstance(v, ir.TensorView) else -2 - self.int_slot(v) for v in c.inputs]
-        outputs = [self.tensor(tv) if c.holds(tv) else -1 for tv in c.outputs]
+        outputs = [self.tensor(tv) if tv.held_by(self.rank) else -1 for tv in c.outputs]
         named = c.named_scalars()
         nos = named.get("numberOfStreams")
         number_of_streams = self.int_slot(nos) if nos is not None else -1
         self.body_locals = self._find_body_locals()
         self.scope(c.exprs)
         rules = {}
-        for tv in [t for t in c.inputs if isinstance(t, ir.TensorView)] + [t for t in c.outputs if c.holds(t)]:
+        for tv in [t for t in c.inputs if isinstance(t, ir.TensorView)] + [t for t in c.outputs if t.held_by(self.rank)]:
             rules[self.tensor(tv)] = self.extent_rules(tv)
         world = -1
         if self.comm is not None and any(isinstance(e, ir.P2PCommunication) for e in c.walk()):
@@ -308,7 +310,7 @@ class _Compiler:
         compiled = []
         for pos, o, i in cuts:
             mesh = e.out.mesh
-            missing = _types(o) - _types(i)
+            missing = layout.device_types(o) - layout.device_types(i)
             sizes, narrows = [], []
             for j, x in enumerate(o.loop_leaves()):
                 if x.is_device_parallel:
@@ -594,7 +596,7 @@ def _mesh_axis(tv: ir.TensorView) -> int:
 
 @_compiles(ir.Communication)
 def _communication(cc: _Compiler, e: ir.Communication) -> None:
-    rank = cc.container.rank if cc.container.rank is not None else cc.comm.rank
+    rank = cc.rank if cc.rank is not None else cc.comm.rank
     if rank not in e.team:
         return
     order = tuple(cc.comm.group_order(e.team))
@@ -694,7 +696,7 @@ def _end(cc, e) -> None:
 @_compiles(ir.Wait)
 def _wait(cc, e) -> None:
     target = e.communication
-    rank = cc.container.rank if cc.container.rank is not None else cc.comm.rank
+    rank = cc.rank if cc.rank is not None else cc.comm.rank
     if isinstance(target, ir.Communication) and rank not in target.team:
         return
     # The posting instruction of the target: the last one emitted for it
@@ -776,10 +778,11 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
     return list(found.values())
 
 
-def compile_program(container: HostIrContainer, communicator=None) -> FlatProgram:
+def compile_program(container: HostIrContainer, communicator=None, rank: int | None = None) -> FlatProgram:
     """The flat program of `container` (for a multi-device program, of the
-    communicator's rank, with its process groups, which must exist)."""
-    return _Compiler(container, communicator).compile()
+    communicator's rank, with its process groups, which must exist);
+    `rank`: the rank the program was pruned for, if it was."""
+    return _Compiler(container, communicator, rank).compile()
 
 
 # ---------------------------------------------------------------- dump
