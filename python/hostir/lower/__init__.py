@@ -22,6 +22,7 @@ from hostir.analysis.races import check_races
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 
+from hostir.lower.assign_streams import assign_streams
 from hostir.lower.build_host_program import build_host_program
 from hostir.lower.decompose_device_axis import decompose_device_axis
 from hostir.lower.insert_deallocations import insert_deallocations
@@ -42,6 +43,7 @@ PIPELINE = [
     insert_reshardings,
     decompose_device_axis,
     parallelize_streams,
+    assign_streams,
     lower_communications,
     lower_transfers,
     insert_deallocations,
@@ -81,8 +83,9 @@ def lower(
     """The host program of `fusion`; with `rank`, the part that rank runs.
     With `until` (a name of `pass_names()`), the program right after that
     pass (a rank pass is skipped, as in a full lowering, where there is no
-    rank or no mesh). `stream_form` is `parallelize_streams`' form of a
-    stream loop (by default chosen by whether the program has meshes).
+    rank or no mesh). `stream_form` is `assign_streams`' form of every
+    stream loop (by default the one `assign_streams` chooses for the
+    program).
     `backend` is the communication backend the dump names; `resharding` is
     `insert_reshardings`' mode ("auto", "before", "after", or "strict",
     which refuses an op that computes and reshards); `schedule` (a
@@ -165,7 +168,7 @@ def pass_options(
     """The arguments each pass takes beyond the program, by pass."""
     return {
         insert_reshardings: {"mode": resharding},
-        parallelize_streams: {"form": stream_form},
+        assign_streams: {"form": stream_form},
         decompose_device_axis: {"schedule": schedule, "backend": backend},
         lower_communications: {"backend": backend},
         lower_transfers: {"chunks": hoisting.chunks if hoisting is not None else 1},
