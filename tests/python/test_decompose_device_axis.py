@@ -18,7 +18,7 @@ from conftest import check_golden
 
 
 def _dump(fd, sched, rank=0, backend="gloo") -> str:
-    return str(_program(fd, sched, rank, backend))
+    return str(_program(fd, sched, rank, backend).program)
 
 
 def _program(fd, sched, rank=0, backend="gloo"):
@@ -66,9 +66,9 @@ PASS_CASES = {
 @pytest.mark.parametrize("name", list(PASS_CASES))
 def test_decomposition_builds_only_loops(name):
     make, sched = PASS_CASES[name]
-    program = lower(make(2).fusion, rank=0, backend="gloo", schedule=sched, until="decompose_device_axis")
-    check_golden(f"decompose_loops_{name}", program)
-    text = str(program)
+    lowered = lower(make(2).fusion, rank=0, backend="gloo", schedule=sched, until="decompose_device_axis")
+    check_golden(f"decompose_loops_{name}", lowered)
+    text = str(lowered.program)
     assert "CurrentStream" not in text and "Synchronize" not in text, text
     assert text.count("on worker streams") == 1, text
 
@@ -79,15 +79,17 @@ def test_decomposition_builds_only_loops(name):
 @pytest.mark.parametrize("name", ["ag_ring", "ag_collective", "rs_ring"])
 def test_assigned_streams_of_a_decomposition(name, form):
     make, sched = PASS_CASES[name]
-    program = lower(make(2).fusion, rank=0, backend="gloo", schedule=sched, until="assign_streams", stream_form=form)
-    check_golden(f"assign_{name}" if form == "pipelined" else f"assign_{name}_{form}", program)
-    assert "on worker streams" not in str(program)
+    lowered = lower(make(2).fusion, rank=0, backend="gloo", schedule=sched, until="assign_streams", stream_form=form)
+    check_golden(f"assign_{name}" if form == "pipelined" else f"assign_{name}_{form}", lowered)
+    assert "on worker streams" not in str(lowered.program)
 
 
 def test_ring_own_chunk_runs_on_the_caller_between_the_two_loops():
     """The workers wait for the caller before the rank's own shard is
     computed, so the shard's matmul overlaps the ring's steps."""
-    program = lower(overlap.allgather_matmul(2).fusion, rank=0, backend="gloo", schedule=Schedule(), until="assign_streams")
+    program = lower(
+        overlap.allgather_matmul(2).fusion, rank=0, backend="gloo", schedule=Schedule(), until="assign_streams"
+    ).program
     kinds = [type(e).__name__ for e in program.exprs]
     assert kinds == [
         "Allocate", "Allocate", "GetCurrentStream", "ForLoop",
@@ -99,7 +101,7 @@ def test_ring_own_chunk_runs_on_the_caller_between_the_two_loops():
 def test_ring_on_four_ranks_of_an_offset_mesh_names_positions():
     program = _program(overlap.allgather_matmul(4, first=2), Schedule(), rank=3)
     check_golden("decompose_ag_ring_mesh_2_to_5", program)
-    dump = str(program)
+    dump = str(program.program)
     # This rank's position is rank - 2; peers go back to global ranks.
     assert "peer=( ( ( ( rank - 2 ) - StreamIdx ) % 4 ) + 2 )" in dump
 
@@ -154,9 +156,9 @@ def test_constant_rows_that_do_not_split_into_chunks_are_rejected():
 
 
 def test_symbolic_rows_record_their_chunk_check():
-    program = lower(overlap.allgather_matmul(2).fusion, rank=0, schedule=Schedule(chunks=4))
-    assert [(extent.label, parts) for extent, parts, _ in program.chunked] == [("i0", 4)]
-    assert program.chunked[0][2].startswith("axis iS6{i0}")
+    lowered = lower(overlap.allgather_matmul(2).fusion, rank=0, schedule=Schedule(chunks=4))
+    assert [(extent.label, parts) for extent, parts, _ in lowered.chunking] == [("i0", 4)]
+    assert lowered.chunking[0].where.startswith("axis iS6{i0}")
 
 
 @pytest.mark.parametrize(

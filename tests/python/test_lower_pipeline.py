@@ -17,13 +17,13 @@ def test_lower_until_a_pass_stops_right_after_it():
     names = pass_names()
     assert names[0] == "build_host_program" and names[-1] == "prune_for_rank"
     container = _run_one(build_host_program, fusion, None)
-    container.backend = "gloo"
-    assert str(lower(fusion, rank=1, backend="gloo", until="build_host_program")) == str(container)
+    assert str(lower(fusion, rank=1, backend="gloo", until="build_host_program").program) == str(container)
     options = pass_options(1, "gloo")
     for p in PIPELINE:
         container = _run_one(p, container, None, options.get(p))
-        assert str(lower(fusion, rank=1, backend="gloo", until=p.__name__)) == str(container), p.__name__
-    assert str(lower(fusion, rank=1, backend="gloo", until="prune_for_rank")) == str(lower(fusion, rank=1, backend="gloo"))
+        assert str(lower(fusion, rank=1, backend="gloo", until=p.__name__).program) == str(container), p.__name__
+    pruned = lower(fusion, rank=1, backend="gloo", until="prune_for_rank")
+    assert str(pruned.program) == str(lower(fusion, rank=1, backend="gloo").program)
     with pytest.raises(LoweringError, match="unknown pass 'fuse'; passes in order: build_host_program, "):
         lower(fusion, until="fuse")
 
@@ -43,9 +43,9 @@ def test_the_stream_form_is_an_option():
         y = fd.ops.add(x, x)
         fd.add_output(y)
     y.axis(0).parallelize(ParallelType.stream)
-    default = str(lower(fd.fusion))
-    assert default == str(lower(fd.fusion, stream_form="per_iteration"))
-    pipelined = lower(fd.fusion, stream_form="pipelined")
+    default = str(lower(fd.fusion).program)
+    assert default == str(lower(fd.fusion, stream_form="per_iteration").program)
+    pipelined = lower(fd.fusion, stream_form="pipelined").program
     text = str(pipelined)
     assert default.count("FOR StreamIdx") == 1 and text.count("FOR StreamIdx") == 2, text
     assert text.index("GetCurrentStream") < text.index("FOR StreamIdx"), text
@@ -70,7 +70,7 @@ def _marked_program(caller_ops: int):
         x = fd.define_tensor(shape=[-1, -1])
         fd.add_output(fd.ops.mul(x, 2.0))
     fd.fusion.outputs[0].axis(0).parallelize(ParallelType.stream)
-    program = lower(fd.fusion, until="parallelize_streams")
+    program = lower(fd.fusion, until="parallelize_streams").program
     program.exprs = [e.replace(caller_ops=caller_ops) if isinstance(e, ForLoop) else e for e in program.exprs]
     return program
 
@@ -86,7 +86,7 @@ def test_the_default_stream_form_follows_the_program():
     """One place chooses the form when none is asked for: pipelined for a
     multi-device program, per iteration otherwise."""
     assert default_form(_marked_program(0)) == "per_iteration"
-    assert default_form(lower(overlap.allgather_matmul(2).fusion, until="parallelize_streams")) == "pipelined"
+    assert default_form(lower(overlap.allgather_matmul(2).fusion, until="parallelize_streams").program) == "pipelined"
 
 
 def test_a_loop_counting_missing_caller_ops_is_refused():

@@ -131,7 +131,7 @@ def _check_deallocations(container) -> None:
 def test_random_programs_lower_and_match_eager(program):
     steps, axes, reduce, reduce_stream, shape, streams = program
     fd = _build(steps, axes, reduce, reduce_stream)
-    container = lower(fd.fusion)
+    container = lower(fd.fusion).program
 
     loops = [e for e in container.exprs if isinstance(e, ir.ForLoop)]
     assert len(loops) == _expected_loops(steps, axes, reduce, reduce_stream)
@@ -204,8 +204,8 @@ def test_assign_streams_adds_only_stream_ops(program, form):
     eager torch computes."""
     steps, axes, reduce, reduce_stream, shape, streams = program
     fd = _build(steps, axes, reduce, reduce_stream)
-    loops_only = lower(fd.fusion, until="parallelize_streams")
-    assigned = lower(fd.fusion, until="assign_streams", stream_form=form)
+    loops_only = lower(fd.fusion, until="parallelize_streams").program
+    assigned = lower(fd.fusion, until="assign_streams", stream_form=form).program
     marked = [e for e in loops_only.exprs if isinstance(e, ir.ForLoop)]
     assert all(e.stream_parallel for e in marked)
     assert not any(isinstance(e, ir.ForLoop) and e.stream_parallel for e in assigned.walk())
@@ -216,7 +216,7 @@ def test_assign_streams_adds_only_stream_ops(program, form):
     assert sum(isinstance(e, ir.ForLoop) for e in assigned.exprs) == per_loop * len(marked)
     assert not check_races(assigned)
 
-    program = lower(fd.fusion, stream_form=form)
+    program = lower(fd.fusion, stream_form=form).program
     x = torch.randn(shape)
     w = torch.rand(shape) + 0.5
     t = x

@@ -23,7 +23,7 @@ between ends the loop.
 
 from __future__ import annotations
 
-from hostir import ir, layout, printer
+from hostir import axis_graph, ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 
@@ -33,7 +33,7 @@ class StreamParallelError(HostIrError, ValueError):
 
 
 def parallelize_streams(container: HostIrContainer) -> HostIrContainer:
-    graph = ir.IdGraph(container.exprs, broadcast=True)
+    graph = axis_graph.IdGraph(container.exprs, broadcast=True)
 
     grouped: list = []
     loops: set[int] = set()
@@ -113,7 +113,7 @@ def _stream_axis(e: ir.Expr) -> ir.IterDomain | None:
 class _Slicer:
     """Replaces operands by slices; one slice per (tensor, axis, index)."""
 
-    def __init__(self, container: HostIrContainer, graph: ir.IdGraph):
+    def __init__(self, container: HostIrContainer, graph: axis_graph.IdGraph):
         self._container = container
         self._graph = graph
         self._cache: dict[tuple, ir.TensorView] = {}

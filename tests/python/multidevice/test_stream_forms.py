@@ -31,18 +31,18 @@ def _run(fd, inputs, world, device, sched, form, evaluator):
         # Every rank skips alike: the build is the same on every rank.
         pytest.skip("the C++ executor is not built")
     backend = "NCCL" if device.type == "cuda" else "gloo"
-    program = lower(fd.fusion, rank=world.rank, backend=backend, schedule=parse(sched), stream_form=form)
+    lowered = lower(fd.fusion, rank=world.rank, backend=backend, schedule=parse(sched), stream_form=form)
+    program = lowered.program
     text = str(program)
     loops = text.count("FOR StreamIdx")
     assert loops == (2 if form == "pipelined" else 1), text
     assert "on worker streams" not in text, text
     communicator = hostir.communicator.get()
-    communicator.ensure_groups(program.all_teams)
+    communicator.ensure_groups(lowered.teams)
     runner = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
     binding = Binding.of(program)
-    results = runner(program, streams=streams_for(device), device=device, communicator=communicator).run(
-        binding.bind(inputs), number_of_streams=2
-    )
+    run = runner(program, streams=streams_for(device), device=device, communicator=communicator, rank=lowered.rank)
+    results = run.run(binding.bind(inputs), number_of_streams=2)
     (out,) = binding.unbind(results)
     return out
 
