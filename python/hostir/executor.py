@@ -17,8 +17,9 @@
 4. agree and make groups: for a multi-device fusion, the ranks exchange a
    fixed-size record (`agreement.py`) — the call, the program, the inputs'
    shapes and any local error — and every rank raises together if they
-   differ; then they create the process groups the program needs. Nothing
-   to do for one rank;
+   differ; then they create the process groups the program needs (with
+   check_ranks="always" a step of the full path comes first: it pairs with
+   the steps of ranks whose call is prepared). Nothing to do for one rank;
 5. bind the inputs and outputs (a rank's pieces viewed with loop axes);
 6. run with the evaluator, in a frame of its own, without autograd: the
    Python reference (`HostIrEvaluator`) or the C++ executor (`hostir.cpp`),
@@ -27,12 +28,18 @@
    (`hostir.runtime.graphs`);
 7. convert the results back to the fusion's logical axes.
 
-A single-device call whose exact signature (every tensor's type, shape,
-strides, dtype, device and requires_grad; the parameters; the variables
-that pick the evaluator and the dry run) already ran enters at step 5 with
-its record (`hostir.runtime.prepared`), a memo of steps 1-4: they decided
-nothing else for it but whether a preallocated output shares memory with an
-input, which is checked again on every call.
+A call whose exact signature (every tensor's type, shape, strides, dtype,
+device and requires_grad; the parameters; the variables that pick the
+evaluator and the dry run) already ran enters at step 5 with its record
+(`hostir.runtime.prepared`), a memo of steps 1-4: they decided nothing else
+for it but whether a preallocated output shares memory with an input, which
+is checked again on every call. For a multi-device fusion the record is per
+communicator; on many ranks it is kept once the ranks agreed on the
+signature (step 4's full record), and with check_ranks="always" a prepared
+call first checks a six-word step with the other ranks (`_steady`): the
+same call of the same fusion, the same agreed signature. A step that
+differs on any rank sends every rank to the full record, which raises on
+all of them what differs.
 
 A failure in steps 1-3 on one rank of a multi-device fusion is carried by
 step 4 to every rank, so all raise the same error instead of one raising and
