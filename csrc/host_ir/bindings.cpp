@@ -287,6 +287,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("ops_executed", &hostir::Executor::opsExecuted);
   m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kPermute) + 1;
   m.attr("UNARY_KINDS") = py::tuple(py::cast(hostir::unaryKindNames()));
+  m.attr("BINARY_KINDS") = py::tuple(py::cast(hostir::binaryKindNames()));
   m.def(
       "stream_pool_size",
       []() { return hostir::streamPool().size(); },

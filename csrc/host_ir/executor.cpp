@@ -852,22 +852,45 @@ class Run {
     at::Tensor lhs = ins.lhs.tensor >= 0 ? viewed(ins, 0, operandTensor(ins.lhs)) : operandTensor(ins.lhs);
     at::Tensor rhs = ins.rhs.tensor >= 0 ? viewed(ins, 1, operandOther(ins.rhs)) : operandOther(ins.rhs);
     OpKind kind = ins.op_kind;
+    auto fresh = [&]() {
+      switch (kind) {
+        case OpKind::kAdd:
+          return at::add(lhs, rhs);
+        case OpKind::kSub:
+          return at::sub(lhs, rhs);
+        case OpKind::kMul:
+          return at::mul(lhs, rhs);
+        case OpKind::kDiv:
+          return at::div(lhs, rhs);
+        case OpKind::kReluGrad:
+          return at::threshold_backward(lhs, rhs, 0);
+        case OpKind::kGeluGrad:
+          return at::gelu_backward(lhs, rhs);
+        case OpKind::kGeluTanhGrad:
+          return at::gelu_backward(lhs, rhs, "tanh");
+        case OpKind::kSiluGrad:
+          return at::silu_backward(lhs, rhs);
+        case OpKind::kTanhGrad:
+          return at::tanh_backward(lhs, rhs);
+        case OpKind::kSigmoidGrad:
+          return at::sigmoid_backward(lhs, rhs);
+        case OpKind::kAbsGrad:
+          return at::mul(lhs, at::sgn(rhs));
+        default:
+          return at::eq(lhs, rhs).to(lhs.scalar_type());
+      }
+    };
+    bool copies = kind != OpKind::kAdd && kind != OpKind::kSub && kind != OpKind::kMul && kind != OpKind::kDiv;
     store(
         ins,
         false,
-        [&]() {
-          switch (kind) {
-            case OpKind::kAdd:
-              return at::add(lhs, rhs);
-            case OpKind::kSub:
-              return at::sub(lhs, rhs);
-            case OpKind::kMul:
-              return at::mul(lhs, rhs);
-            default:
-              return at::div(lhs, rhs);
-          }
-        },
+        fresh,
         [&](at::Tensor& o) {
+          if (copies) {
+            // The derivative kinds have no out= form: computed, then copied.
+            o.copy_(fresh());
+            return;
+          }
           switch (kind) {
             case OpKind::kAdd:
               at::add_out(o, lhs, rhs);
@@ -1344,6 +1367,22 @@ class Run {
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };
 
+// The binary kinds the core runs (python/hostir/kinds.py's BinaryKind
+// names); the flat compiler reads them through `binaryKindNames`.
+const std::pair<const char*, OpKind> kBinary[] = {
+    {"add", OpKind::kAdd},
+    {"sub", OpKind::kSub},
+    {"mul", OpKind::kMul},
+    {"div", OpKind::kDiv},
+    {"relu_grad", OpKind::kReluGrad},
+    {"gelu_grad", OpKind::kGeluGrad},
+    {"gelu_tanh_grad", OpKind::kGeluTanhGrad},
+    {"silu_grad", OpKind::kSiluGrad},
+    {"tanh_grad", OpKind::kTanhGrad},
+    {"sigmoid_grad", OpKind::kSigmoidGrad},
+    {"abs_grad", OpKind::kAbsGrad},
+    {"eq", OpKind::kEq}};
+
 // The unary kinds the core runs (python/hostir/kinds.py's UnaryKind names);
 // the flat compiler reads them through `unaryKindNames`.
 const std::pair<const char*, OpKind> kUnary[] = {
@@ -1360,8 +1399,6 @@ const std::pair<const char*, OpKind> kUnary[] = {
 
 OpKind opKind(const std::string& kind, Opcode op) {
   // The kinds of python/hostir/kinds.py the C++ core runs, by their names.
-  static const std::pair<const char*, OpKind> kBinary[] = {
-      {"add", OpKind::kAdd}, {"sub", OpKind::kSub}, {"mul", OpKind::kMul}, {"div", OpKind::kDiv}};
   static const std::pair<const char*, OpKind> kReduction[] = {
       {"sum", OpKind::kSum}, {"max", OpKind::kMax}, {"min", OpKind::kMin}};
   auto find = [&](const auto& table) -> std::optional<OpKind> {
@@ -1383,6 +1420,14 @@ OpKind opKind(const std::string& kind, Opcode op) {
 }
 
 } // namespace
+
+std::vector<std::string> binaryKindNames() {
+  std::vector<std::string> names;
+  for (const auto& [name, kind] : kBinary) {
+    names.emplace_back(name);
+  }
+  return names;
+}
 
 std::vector<std::string> unaryKindNames() {
   std::vector<std::string> names;

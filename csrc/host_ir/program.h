@@ -164,6 +164,16 @@ enum class OpKind : int {
   kExp,
   kTanh,
   kSigmoid,
+  // The derivative kinds of BinaryKind: torch's backward kernels,
+  // kind(grad, saved), and eq's 0/1 mask.
+  kReluGrad,
+  kGeluGrad,
+  kGeluTanhGrad,
+  kSiluGrad,
+  kTanhGrad,
+  kSigmoidGrad,
+  kAbsGrad,
+  kEq,
 };
 
 // This rank's slice of a replicated operand axis where the op's output is
@@ -373,7 +383,8 @@ class Executor {
 // The process-wide pool of worker streams.
 StreamPool& streamPool();
 
-// The names of the unary kinds the executor runs.
+// The names of the unary and binary kinds the executor runs.
 std::vector<std::string> unaryKindNames();
+std::vector<std::string> binaryKindNames();
 
 } // namespace hostir

@@ -186,3 +186,53 @@ def test_parallel_linears_on_one_rank_run_in_cpp(monkeypatch):
     torch.testing.assert_close(dx_cpp, inp.grad)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(g_cpp[name], p.grad)
+
+
+def test_the_core_knows_every_binary_kind():
+    """The derivative kinds backward programs use included."""
+    from hostir.kinds import BinaryKind
+
+    assert sorted(flat.CPP_BINARY_KINDS) == sorted(k.value for k in BinaryKind)
+
+
+@pytest.mark.parametrize("kind", ["relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "abs"])
+def test_backward_programs_run_in_cpp_as_in_python(kind, monkeypatch):
+    """A backward program's derivative kinds (torch's backward kernels) run
+    in C++ with the Python evaluator's results and torch's gradients."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        fd.add_output(_build(kind, fd, x))
+    x_in = torch.randn(4, 6, dtype=torch.float32)
+    x_in[0, :2] = 0.0  # relu's and abs's kink
+    grads = {}
+    for evaluator in ("python", "cpp"):
+        monkeypatch.setenv("HOSTIR_EVALUATOR", evaluator)
+        leaf = x_in.clone().requires_grad_(True)
+        (out,) = fd.execute([leaf])
+        cotangent = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+        out.backward(cotangent)
+        (training,) = fd.__dict__["_trainings"].values()
+        assert training.backward.last_runner.name == evaluator, training.backward.last_runner
+        grads[evaluator] = leaf.grad
+    torch.testing.assert_close(grads["cpp"], grads["python"], rtol=0, atol=0)
+    leaf = x_in.clone().requires_grad_(True)
+    expected = UnaryKind(kind).torch_fn(leaf)
+    expected.backward(torch.linspace(-1, 1, expected.numel()).reshape(expected.shape))
+    torch.testing.assert_close(grads["cpp"], leaf.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_the_tie_mask_runs_in_cpp(dtype, device):
+    """`eq`, the 0/1 mask of lhs == rhs in lhs's dtype (a max's or min's
+    backward), on data with ties."""
+    from hostir import builders
+
+    with FusionDefinition() as fd:
+        a = fd.define_tensor(shape=[-1, -1], dtype=dtype)
+        b = fd.define_tensor(shape=[-1, -1], dtype=dtype)
+        fd.add_output(builders.binary("eq", a, b))
+    a_in = torch.randint(0, 3, (5, 4), device=device).to(dtype)
+    b_in = torch.randint(0, 3, (5, 4), device=device).to(dtype)
+    python, compiled = _both(fd, [a_in, b_in])
+    _same(python, compiled)
+    torch.testing.assert_close(compiled[0], (a_in == b_in).to(dtype))

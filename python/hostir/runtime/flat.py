@@ -58,13 +58,13 @@ COMMUNICATION_TYPES = tuple(t.value for t in ir.CommunicationType if t.in_cpp)
 
 _DTYPES = {dtype: i for i, dtype in enumerate(ir.SUPPORTED_DTYPES)}
 
-# The unary kinds the C++ core has an ATen call for (a kind declared in
+# The unary and binary kinds the C++ core has an ATen call for (a kind declared in
 # hostir.kinds without one runs on the Python evaluator, and the runner says
 # so); none without the extension, which then runs nothing.
 try:
-    from hostir._C import UNARY_KINDS as CPP_UNARY_KINDS
+    from hostir._C import BINARY_KINDS as CPP_BINARY_KINDS, UNARY_KINDS as CPP_UNARY_KINDS
 except Exception:  # noqa: BLE001 - any failure to load means "not built"
-    CPP_UNARY_KINDS = ()
+    CPP_UNARY_KINDS = CPP_BINARY_KINDS = ()
 
 
 @dataclasses.dataclass
@@ -757,7 +757,7 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
             continue
         if isinstance(e, ir.UnaryOp) and e.kind.value not in CPP_UNARY_KINDS:
             note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
-        if isinstance(e, ir.BinaryOp) and e.kind.symbol is None:
+        if isinstance(e, ir.BinaryOp) and e.kind.value not in CPP_BINARY_KINDS:
             note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
         if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):
             note(f"transport {e.backend}", f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}")
