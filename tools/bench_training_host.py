@@ -10,9 +10,11 @@ forward+backward step is what is timed. Rows, as in `bench_training`:
 with autograd) and ``hostir.parallel`` (`hostir.parallel.parallelize_module`
 on a one-rank mesh, every Linear a hostir program with DTensor parameters).
 
-Besides the median host µs per step (the rows interleaved round by round, so
-that a busy machine slows them alike), each row counts what one
-steady-state step does beyond the eager step:
+Each row's time is the median over rounds of the main thread's CPU time per
+step (`time.thread_time`: what the host spends, whatever else the machine
+runs), beside the wall-clock median and minimum (the rows interleaved round
+by round, so that a busy machine slows them alike). Each row also counts
+what one steady-state step does beyond the eager step:
 
 * ``copies``: torch ops that copy tensor data (``copy_``, ``clone``,
   ``contiguous`` copies, ``_to_copy``), seen by a dispatch mode;
@@ -146,17 +148,20 @@ def measure(steps: dict, args) -> dict:
         for _ in range(args.warmup):
             step()
     times = {name: [] for name in steps}
+    cpu = {name: [] for name in steps}
     for _ in range(args.rounds):
         for name, step in steps.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(args.steps):
                 step()
+            cpu[name].append((time.thread_time() - c0) / args.steps * 1e6)
             times[name].append((time.perf_counter() - t0) / args.steps * 1e6)
     rows = {}
     for name, step in steps.items():
         with _Counts() as copies, _probe() as probe:
             step()
         rows[name] = {
+            "cpu_us": statistics.median(cpu[name]),
             "median_us": statistics.median(times[name]),
             "min_us": min(times[name]),
             "copies": copies.copies,
@@ -189,14 +194,15 @@ def main(argv=None) -> None:
         f"# bench_training_host: cpu, one thread, world size 1, float32, tokens {args.tokens}, "
         f"hidden {args.hidden}, intermediate {args.intermediate}",
         "",
-        "| layer | variant | host µs/step (median) | min | × eager | copies | collectives | plans | dtensor |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| layer | variant | CPU µs/step | × eager | wall µs/step (median) | min | copies | collectives | plans | dtensor |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for kind, rows in results["kinds"].items():
-        eager = rows["eager"]["median_us"]
+        eager = rows["eager"]["cpu_us"]
         for name, r in rows.items():
             lines.append(
-                f"| {kind} | {name} | {r['median_us']:.0f} | {r['min_us']:.0f} | {r['median_us'] / eager:.2f} | "
+                f"| {kind} | {name} | {r['cpu_us']:.0f} | {r['cpu_us'] / eager:.2f} | {r['median_us']:.0f} | "
+                f"{r['min_us']:.0f} | "
                 f"{r['copies']} | {r['collectives']} | {r['plans']} | {r['dtensor']} |"
             )
     text = "\n".join(lines) + "\n"
