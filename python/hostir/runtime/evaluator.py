@@ -97,6 +97,11 @@ class HostIrEvaluator:
                 f"A communicator must be provided: the program has communications, such as\n"
                 f"{printer.format_expr_head(needs[0])}"
             )
+        # The layout conversions of the program's tensors, planned once each.
+        self.layouts = layout.Conversions()
+        # How each bound tensor's sizes bind its extents, planned once each
+        # (`Frame.bind_extents`).
+        self.extent_plans: dict = {}
         self.rank_scalar = container.named_scalars().get("rank")
         self.alias = container.aliases.resolved()
         self.number_of_streams = container.named_scalars().get("numberOfStreams")
@@ -349,24 +354,25 @@ class Frame:
         tensor, or check them against those already bound."""
         if not isinstance(value, torch.Tensor):
             raise BindingError(f"{printer.format_tv(tv)} must be bound to a torch.Tensor, got {type(value).__name__}")
-        runtime = layout.dims(tv)
-        if value.dim() != len(runtime):
+        plans = self.evaluator.extent_plans
+        plan = plans.get(tv)
+        if plan is None:
+            plan = plans[tv] = _extent_plan(tv)
+        if value.dim() != len(plan):
             raise BindingError(
-                f"{printer.format_tv(tv)} has {len(runtime)} dims but its tensor has shape {list(value.shape)}"
+                f"{printer.format_tv(tv)} has {len(plan)} dims but its tensor has shape {list(value.shape)}"
             )
-        for i, (dim, size) in enumerate(zip(runtime, value.shape)):
-            first = dim[0]
-            if first.is_device_parallel:
+        for i, ((first, extent, whole), size) in enumerate(zip(plan, value.shape)):
+            if first is not None:
                 if size != 1:
                     raise BindingError(
                         f"axis {i} of {printer.format_tv(tv)} is sharded ({printer.format_id(first)}): "
                         f"each rank holds size 1 of it, got {size}"
                     )
-                if first.parent is None:
-                    self._bind_size(tv, i, first.extent, tv.mesh.size_along(first.parallel_type))
+                if extent is not None:
+                    self._bind_size(tv, i, extent, whole)
                 continue
-            axis = layout.logical_axis(first)
-            self._bind_size(tv, i, axis.extent, layout.global_extent(axis, size))
+            self._bind_size(tv, i, extent, whole(size))
 
     def _bind_size(self, tv: ir.TensorView, i: int, extent: ir.Scalar, size: int) -> None:
         known = self.get(extent, None)
@@ -379,6 +385,23 @@ class Frame:
                 f"axis {i} of {printer.format_tv(tv)} is {size} but its extent "
                 f"{printer.format_scalar(extent)} is {known}"
             )
+
+
+def _extent_plan(tv: ir.TensorView) -> list[tuple]:
+    """Per runtime dim of `tv`, how its size binds an extent: (the sharded
+    piece, the extent it binds or None, the mesh's size along it) for a
+    dim that holds a sharded piece; else (None, the logical axis's extent,
+    the whole size as a function of the dim's)."""
+    plan = []
+    for dim in layout.dims(tv):
+        first = dim[0]
+        if first.is_device_parallel:
+            extent = first.extent if first.parent is None else None
+            plan.append((first, extent, tv.mesh.size_along(first.parallel_type) if extent is not None else None))
+            continue
+        axis = layout.logical_axis(first)
+        plan.append((None, axis.extent, lambda size, axis=axis: layout.global_extent(axis, size)))
+    return plan
 
 
 def _note(err: BaseException, text: str) -> None:
@@ -553,7 +576,7 @@ def _operand(frame: Frame, e, tv, full_rank: bool = False):
         else:
             cuts = [(pos - (pos > removed), o, i) for pos, o, i in cuts if pos != removed]
     else:
-        t = layout.to_logical(tv, t)
+        t = frame.evaluator.layouts.to_logical(tv, t)
     for pos, o, i in cuts:
         mesh = e.out.mesh
         missing = _types(o) - _types(i)
@@ -589,9 +612,9 @@ def _store(
         result = fresh()
         if partial is not None:
             result = result.unsqueeze(0)
-        frame.bind(tv, layout.to_runtime(tv, result))
+        frame.bind(tv, frame.evaluator.layouts.to_runtime(tv, result))
         return
-    view = layout.to_logical(tv, out)
+    view = frame.evaluator.layouts.to_logical(tv, out)
     into(view.squeeze(0) if partial is not None else view)
 
 
@@ -769,8 +792,9 @@ def _permute(frame: Frame, e: ir.PermuteOp) -> None:
         # view, as without device axes: its runtime dims only add size-1
         # dims (the rank's index of a sharded axis) and split a dim, which
         # any strides allow.
-        src = layout.to_logical(e.input, frame.get(e.input))
-        result = layout.to_runtime(e.out, src.permute(e.dims))
+        layouts = frame.evaluator.layouts
+        src = layouts.to_logical(e.input, frame.get(e.input))
+        result = layouts.to_runtime(e.out, src.permute(e.dims))
         out = frame.get(e.out, None)
         if out is None:
             frame.bind(e.out, result)
