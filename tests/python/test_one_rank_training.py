@@ -70,7 +70,7 @@ def test_a_one_rank_allreduce_is_lowered_as_ever(plain_process):
     # The program keeps its communication (the same program on every rank
     # count); running it is what changes.
     fd = _rowwise_linear()
-    program = lower(fd.fusion, rank=0, backend="gloo")
+    program = lower(fd.fusion, rank=0, backend="gloo").program
     (comm,) = [e for e in program.walk() if isinstance(e, ir.Communication)]
     assert comm.type is ir.CommunicationType.Allreduce and comm.team == (0,)
 
@@ -98,9 +98,10 @@ def test_a_one_rank_allreduce_writes_into_a_preallocated_output(plain_process):
 
 def _one_rank_program(fd, inputs):
     comm = communicator.get(backend="gloo")
-    program = lower(fd.fusion, rank=0, backend="gloo")
-    comm.ensure_groups(program.all_teams)
-    evaluator = HostIrEvaluator(program, communicator=comm)
+    lowered = lower(fd.fusion, rank=0, backend="gloo")
+    comm.ensure_groups(lowered.teams)
+    program = lowered.program
+    evaluator = HostIrEvaluator(program, communicator=comm, rank=0)
     binding = Binding.of(program)
     return program, evaluator, dict(zip(binding.input_tvs, binding.inputs(inputs)))
 
