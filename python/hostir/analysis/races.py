@@ -359,6 +359,13 @@ def _communication(ck: _Checker, e: ir.Communication) -> None:
 
 @_rule(ir.Transfer)
 def _transfer(ck: _Checker, e: ir.Transfer) -> None:
+    if not e.posted:
+        # On the current stream, in order with the ops around it.
+        line = _line(e)
+        ck.access("read", ck.region(e.input), ck.current, line)
+        r = ck.region(e.out)
+        ck.access("write", r if r is not None else ck.fresh(e.out), ck.current, line)
+        return
     # A copy stream of its own: it starts after the work on the current
     # stream and its Wait orders it before what follows.
     tl = _post(ck, e, [e.input], [e.out])

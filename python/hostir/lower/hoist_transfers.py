@@ -19,7 +19,12 @@ so the post runs on its own stream (a collective's, or the transfer's copy
 stream) under the compute in between. The hoisted post's dump line says how
 far it moved and why; with mode "sequential" nothing moves and each post
 says why. Deallocations stay right: a buffer is still freed after its last
-use, which a `Wait` counts as.
+use, which a `Wait` counts as. Last, an H2D transfer with nothing but
+allocations, deallocations and views between it and its `Wait` (each one
+of the sequential program, and one the budget or an operand held in
+place) runs on the current stream (`stream=current` in the dump) and
+loses its `Wait`: nothing would overlap it, and a copy stream would only
+add a cross-stream wait.
 
     T3 = ALLOCATE(W1 copy)                 T3 = ALLOCATE(W1 copy)
     Transfer 1 (W1 -> T3)                  Transfer 1 (W1 -> T3, hoisted above 2 compute ops)
@@ -58,7 +63,9 @@ class Hoisting:
     mode: str = "hoist"
     budget_bytes: int | None = None
     lookahead: int | None = None
-    free_bytes: int | None = None
+    # Not compared: free memory moves from call to call, and calls that
+    # differ in it alone run one program (and one prepared record).
+    free_bytes: int | None = dataclasses.field(default=None, compare=False)
     note: str = ""
     chunks: int = 1
 
@@ -152,9 +159,36 @@ def hoist_transfers(container: HostIrContainer, hoisting: Hoisting | None = None
         for post in [e for e in exprs if isinstance(e, _POSTS)]:
             exprs = _hoist(exprs, post, budget, hoisting, resolve)
     result = container.derive()
-    for e in _rewait(exprs, container.exprs):
+    for e in _in_order(_rewait(exprs, container.exprs)):
         result.push_back(e)
     return result
+
+
+# What may lie between a transfer and its Wait for it to run on the current
+# stream: nothing that computes, waits or posts.
+_QUIET = (ir.Allocate, ir.Deallocate, ir.HirAliasChunk, ir.HirAliasSelect)
+
+
+def _in_order(exprs: list) -> list:
+    """`exprs` with each H2D transfer that nothing would overlap — only
+    allocations, deallocations and views lie between it and its Wait — on
+    the current stream, its Wait dropped: a copy stream would only add a
+    cross-stream wait (two events and a stream switch per transfer, on the
+    host and on the GPU). So the sequential program is the hand-written
+    one: copy, then the op, in order on one stream."""
+    waits = {id(e.communication): i for i, e in enumerate(exprs) if isinstance(e, ir.Wait)}
+    inline: dict[int, ir.Transfer] = {}
+    for i, e in enumerate(exprs):
+        if not isinstance(e, ir.Transfer) or not e.posted or e.direction != "H2D" or id(e) not in waits:
+            continue
+        if all(isinstance(between, _QUIET) for between in exprs[i + 1 : waits[id(e)]]):
+            inline[id(e)] = e.replace(stream="current")
+    if not inline:
+        return exprs
+    return [
+        inline.get(id(e), e) for e in exprs
+        if not (isinstance(e, ir.Wait) and id(e.communication) in inline)
+    ]
 
 
 def _noted(e: ir.Expr, note: str) -> ir.Expr:
