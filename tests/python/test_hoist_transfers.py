@@ -280,3 +280,24 @@ def test_weights_in_pieces_are_freed_like_whole_ones(layers, chunks):
     assert len(views) == (2 * layers * chunks if chunks > 1 else 0)
     assert all(v in freed for v in views if v not in program.outputs)
     assert hostir.check_races(program) == []
+
+
+def test_host_ir_with_inputs_shows_the_choice_for_their_signature(monkeypatch):
+    # A machine whose copies take as long as 65536 rows compute.
+    slow_copies = machine.MachineModel("cpu", 0.05, 0.0, 2.0, 1.0, h2d_gbps=0.0015, d2h_gbps=0.0015)
+    monkeypatch.setattr(machine, "CPU_MODEL", slow_copies)
+    fd = mlp(3)
+    ws = [torch.randn(H, H) for _ in range(3)]
+    few, many = torch.randn(1, H), torch.randn(65536, H)
+    assert "sequential: model (cpu)" in fd.host_ir(inputs=[few, *ws])
+    assert re.search(r"hoisted above \d+ compute ops; model \(cpu\)", fd.host_ir(inputs=[many, *ws]))
+    assert "schedule=(sequential: forced)" in fd.host_ir(inputs=[many, *ws], hoist="sequential")
+    # Without inputs: the default hoisting, no model's note.
+    default = fd.host_ir()
+    assert "hoisted above" in default and "model (" not in default
+    # The programs shown are the ones the calls then run.
+    shown = fd.num_programs
+    (out,) = fd.execute([few, *ws])
+    torch.testing.assert_close(out, reference(few, ws))
+    assert fd.num_programs == shown
+    assert hostir.check_races(fd.host_program(inputs=[few, *ws])) == []
