@@ -19,12 +19,11 @@ from hostir.lower.hoist_transfers import Hoisting
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_golden_dump_of_hoisted_allgathers(world_size):
-    program = lower(fsdp_mlp(world_size).fusion, rank=0, backend="gloo")
-    check_golden(f"fsdp_mlp_np{world_size}", program)
+    check_golden(f"fsdp_mlp_np{world_size}", lower(fsdp_mlp(world_size).fusion, rank=0, backend="gloo"))
 
 
 def test_each_gathered_weight_is_freed_after_its_linear():
-    program = lower(fsdp_mlp(2).fusion, rank=0, backend="gloo")
+    program = lower(fsdp_mlp(2).fusion, rank=0, backend="gloo").program
     exprs = program.exprs
     for comm in [e for e in exprs if isinstance(e, ir.Communication)]:
         (linear,) = [e for e in exprs if isinstance(e, ir.LinearOp) and e.weight is comm.out]
@@ -34,7 +33,8 @@ def test_each_gathered_weight_is_freed_after_its_linear():
 
 
 def test_at_most_two_gathered_weights_are_live():
-    program = lower(fsdp_mlp(4, layers=5).fusion, rank=1, backend="gloo")
+    lowered = lower(fsdp_mlp(4, layers=5).fusion, rank=1, backend="gloo")
+    program = lowered.program
     live = peak = 0
     for e in program.exprs:
         if isinstance(e, ir.Allocate):
@@ -47,11 +47,11 @@ def test_at_most_two_gathered_weights_are_live():
     assert peak == 2
     hoisted = [e for e in program.exprs if isinstance(e, ir.Communication) and e.schedule]
     assert len(hoisted) == 4 and all("hoisted above" in e.schedule for e in hoisted)
-    assert hostir.check_races(program) == []
+    assert hostir.check_races(program, lowered.rank) == []
 
 
 def test_sequential_leaves_each_allgather_by_its_use():
-    program = lower(fsdp_mlp(2).fusion, rank=0, backend="gloo", hoisting=Hoisting("sequential"))
+    program = lower(fsdp_mlp(2).fusion, rank=0, backend="gloo", hoisting=Hoisting("sequential")).program
     exprs = program.exprs
     for i, e in enumerate(exprs):
         if isinstance(e, ir.Communication):
@@ -80,7 +80,8 @@ def _index(exprs, pred) -> int:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_weight_gradients_reduce_scatter_under_the_next_layers_backward(world_size):
     layers = 4
-    program = _backward(world_size, layers, rank=world_size - 1)
+    lowered = _backward(world_size, layers, rank=world_size - 1)
+    program = lowered.program
     exprs = program.exprs
     scatters = [e for e in exprs if isinstance(e, ir.Communication) and e.type.value == "ReduceScatter"]
     gathers = [e for e in exprs if isinstance(e, ir.Communication) and e.type.value == "Allgather"]
@@ -103,11 +104,11 @@ def test_weight_gradients_reduce_scatter_under_the_next_layers_backward(world_si
         use = _index(exprs, lambda e, ag=ag: isinstance(e, ir.FUSION_OPS) and any(v is ag.out for v in e.inputs()))
         assert sum(isinstance(e, ir.FUSION_OPS) for e in exprs[post:use]) >= 3
         assert "hoisted above" in ag.schedule
-    assert hostir.check_races(program) == []
+    assert hostir.check_races(program, lowered.rank) == []
 
 
 def test_the_backward_holds_at_most_two_gathered_weights():
-    program = _backward(4, layers=5, rank=2)
+    program = _backward(4, layers=5, rank=2).program
     gathered = {e.out for e in program.exprs if isinstance(e, ir.Communication) and e.type.value == "Allgather"}
     live = peak = 0
     for e in program.exprs:
@@ -120,7 +121,7 @@ def test_the_backward_holds_at_most_two_gathered_weights():
 
 
 def test_the_sequential_backward_waits_for_each_communication_at_once():
-    program = _backward(2, hoisting=Hoisting("sequential"))
+    program = _backward(2, hoisting=Hoisting("sequential")).program
     exprs = program.exprs
     for i, e in enumerate(exprs):
         if isinstance(e, ir.Communication):

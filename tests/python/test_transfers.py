@@ -66,7 +66,7 @@ def test_a_host_tensor_read_twice_is_moved_once():
         w = fd.define_tensor([H, H], memory="host")
         a = fd.ops.linear(x, w)
         fd.add_output(fd.ops.linear(a, w))
-    program = lower(fd.fusion)
+    program = lower(fd.fusion).program
     transfers = [e for e in program.walk() if isinstance(e, ir.Transfer)]
     assert [t.direction for t in transfers] == ["H2D"]
     x, w = torch.randn(3, H), torch.randn(H, H)
@@ -125,14 +125,14 @@ def test_streamed_cpu_inputs_lower_to_transfers(monkeypatch, capsys):
 
 def test_lowered_programs_have_no_races():
     for fd in (mlp(3), offload_output()):
-        program = lower(fd.fusion)
+        program = lower(fd.fusion).program
         assert any(isinstance(e, ir.Transfer) for e in program.walk())
         assert hostir.check_races(program) == []
 
 
 def test_removing_a_transfers_wait_races():
     # Hoisted: layer 1's transfer runs on a copy stream under layer 0.
-    program = lower(mlp(2).fusion)
+    program = lower(mlp(2).fusion).program
     at = next(i for i, e in enumerate(program.exprs) if isinstance(e, ir.Wait))
     mutant = program.derive()
     mutant.exprs = program.exprs[:at] + program.exprs[at + 1 :]
@@ -147,7 +147,7 @@ def test_the_sequential_program_copies_on_the_current_stream(monkeypatch):
     from hostir.lower.hoist_transfers import Hoisting
     from hostir.runtime import transports
 
-    program = lower(mlp(3).fusion, hoisting=Hoisting("sequential"))
+    program = lower(mlp(3).fusion, hoisting=Hoisting("sequential")).program
     moves = [e for e in program.exprs if isinstance(e, ir.Transfer)]
     assert len(moves) == 3 and all(e.stream == "current" for e in moves)
     assert not any(isinstance(e, ir.Wait) for e in program.exprs)
@@ -168,7 +168,7 @@ def test_the_sequential_program_copies_on_the_current_stream(monkeypatch):
 
 
 def test_a_transfer_on_the_current_stream_has_no_wait():
-    program = lower(mlp(1).fusion, hoisting=None)
+    program = lower(mlp(1).fusion, hoisting=None).program
     (t,) = [e for e in program.exprs if isinstance(e, ir.Transfer)]
     with pytest.raises(hostir.HostIrError, match="runs on the current stream: it has no Wait"):
         ir.Wait(t)
@@ -375,9 +375,9 @@ def test_a_rank_outside_a_host_tensors_mesh_drops_its_transfer_and_wait():
         fd.add_output(z)
     for tv in (x, w, v, y, z):
         tv.set_device_mesh(DeviceMesh([0]))
-    on_mesh = lower(fd.fusion, rank=0, backend="gloo")
+    on_mesh = lower(fd.fusion, rank=0, backend="gloo").program
     # v's transfer is hoisted above the first linear, so both are posted.
     moves = [type(e).__name__ for e in on_mesh.exprs if isinstance(e, (ir.Transfer, ir.Wait))]
     assert moves == ["Transfer", "Transfer", "Wait", "Wait"]
-    elsewhere = lower(fd.fusion, rank=1, backend="gloo")
+    elsewhere = lower(fd.fusion, rank=1, backend="gloo").program
     assert not any(isinstance(e, (ir.Transfer, ir.Wait)) for e in elsewhere.exprs)
