@@ -18,7 +18,8 @@ one per posted communication: program order on a stream; `Synchronize s`
 orders everything enqueued on `s` so far before what follows on the current
 stream; a communication or a transfer starts after the work already on the
 current stream, and its `Wait` (or its coalescing group's) orders it before what follows on
-the current stream. The caller's stream writes the inputs before the program
+the current stream (a transfer on the current stream, `stream=current`, is an
+access of that stream like a compute op's, with no `Wait`). The caller's stream writes the inputs before the program
 and, after the program joins every stream it used (as the evaluator does),
 reads the outputs and may overwrite the inputs; a communication never waited
 for is not joined. Loops are unrolled for three iterations (fewer if the
