@@ -195,19 +195,22 @@ class _Linear:
     def __call__(self, module: nn.Linear, x):
         from torch.distributed.tensor import DTensor
 
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, self.mesh, (self.input_layout,), run_check=False)
-        (placement,) = x.placements
+        # A plain input is the local piece `input_layout` places (as torch's
+        # `DTensor.from_local` takes it): the fusion's input is placed so
+        # when defined, and the tensor goes in as it is; a local output
+        # comes out as it is. No DTensor is made only to be taken apart.
+        local = not isinstance(x, DTensor)
+        placement = self.input_layout if local else x.placements[0]
         bias = module.bias
-        key = (_placement_key(placement, x.dim()), x.dim(), x.dtype, bias is not None)
+        key = (_placement_key(placement, x.dim()), x.dim(), x.dtype, bias is not None, local)
         fd = self.fusions.get(key)
         if fd is None:
-            fd = self.fusions[key] = self._define(x.dim(), x.dtype, bias is not None)
+            fd = self.fusions[key] = self._define(x.dim(), x.dtype, bias is not None, placement if local else None)
         inputs = [x, module.weight] + ([bias] if bias is not None else [])
-        (y,) = fd.execute(inputs, return_dtensors=True)
-        return y.to_local() if self.use_local_output else y
+        (y,) = fd.execute(inputs, return_dtensors=not self.use_local_output)
+        return y
 
-    def _define(self, ndim: int, dtype: torch.dtype, bias: bool):
+    def _define(self, ndim: int, dtype: torch.dtype, bias: bool, input_placement=None):
         from hostir.frontend import FusionDefinition
         from hostir.ir import DeviceMesh, ParallelType
 
@@ -217,6 +220,16 @@ class _Linear:
             b = fd.define_tensor([-1], dtype) if bias else None
             y = fd.ops.linear(x, w, b)
             fd.add_output(y)
+        if input_placement is not None:
+            x.set_device_mesh(DeviceMesh(self.mesh))
+            if input_placement.is_shard():
+                d = input_placement.dim % ndim
+                x.outer_split(d, self.mesh.size())
+                x.axis(d).parallelize(ParallelType.mesh_x)
+            elif not input_placement.is_replicate():
+                raise ParallelizeError(
+                    f"input layout {input_placement!r} of a {self.kind} linear: hostir takes Shard(d) or Replicate()"
+                )
         y.set_device_mesh(DeviceMesh(self.mesh))
         layout = self.output_layout
         if layout.is_shard():
