@@ -957,9 +957,15 @@ class Run {
     at::Tensor src = tensor(ins.input);
     if (!ins.views.empty()) {
       // On sharded tensors: this rank's piece, permuted, its sharded axes
-      // moving with it, bound fresh.
-      at::Tensor r = viewed(ins, 0, src).permute(ins.dims).contiguous();
-      bind(ins.out, toRuntime(r, ins.store));
+      // moving with it (a view: the runtime dims only add size-1 dims and
+      // split a dim), written into the output if it is bound.
+      at::Tensor r = toRuntime(viewed(ins, 0, src).permute(ins.dims), ins.store);
+      const at::Tensor* bound = maybeTensor(ins.out);
+      if (bound != nullptr) {
+        at::Tensor(*bound).copy_(r);
+      } else {
+        bind(ins.out, r);
+      }
       return;
     }
     at::Tensor r = fullRank(src, ins.a_dim).permute(ins.dims);
@@ -1312,11 +1318,17 @@ class Run {
       throw Error(
           text("invalid peer ", peer, ": the world has ", ins.world_size, " ranks"), "BindingError");
     }
-    const at::Tensor& buf = tensor(ins.buffer);
+    at::Tensor buf = tensor(ins.buffer);
     if (!buf.is_contiguous()) {
-      throw Error(
-          text("the buffer of a P2P communication must be contiguous (strides ", buf.strides(), ")"),
-          "BindingError");
+      if (!ins.send) {
+        throw Error(
+            text("the buffer of a P2P receive must be contiguous (strides ", buf.strides(), ")"),
+            "BindingError");
+      }
+      // A send of a view (a permute's): the backends move contiguous
+      // memory, so the send goes from a compact copy, kept to the run's end.
+      buf = buf.contiguous();
+      kept_.push_back(buf);
     }
     std::vector<at::Tensor> bufs{buf};
     auto& group = worldGroup();
@@ -1369,6 +1381,7 @@ class Run {
   std::optional<c10::Stream> caller_;
   std::map<int64_t, Posted> posted_;
   bool coalescing_ = false;
+  std::vector<at::Tensor> kept_;  // compact copies of views being sent
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };
 
