@@ -74,12 +74,48 @@ def device_summary(prof) -> list[str]:
     return lines
 
 
+def rounds(calls, names, x, n) -> list[str]:
+    """Medians over `n` rounds, each running every variant once in turn:
+    wall (host clock from the call to the end of its device work), device
+    (CUDA events recorded on the current stream before and after the call),
+    host (the call's own host time) and the gap wall - device: how long the
+    device waited for the call to start its work, plus the events' cost."""
+    import statistics
+
+    for name in names:
+        for _ in range(2):
+            calls[name](x)
+    torch.cuda.synchronize()
+    got: dict[str, list[tuple[float, float, float]]] = {name: [] for name in names}
+    for r in range(n):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            a.record()
+            calls[name](x)
+            b.record()
+            host = (time.perf_counter() - start) * 1e3
+            b.synchronize()
+            wall = (time.perf_counter() - start) * 1e3
+            got[name].append((wall, a.elapsed_time(b), host))
+    lines = [f"\n## M={x.shape[0]}: {n} interleaved rounds, medians (ms)"]
+    for name, ts in got.items():
+        wall, dev, host = (statistics.median(t[k] for t in ts) for k in range(3))
+        lines.append(f"  {name:<18} wall {wall:8.3f}  device {dev:8.3f}  host {host:7.3f}  wall - device {wall - dev:6.3f}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16384])
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=8192)
     ap.add_argument("--variants", nargs="+", default=["hand sequential", "hostir sequential", "hand prefetch", "hostir"])
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="also time the variants in this many interleaved rounds: host clock to the end of the "
+                         "device work, device events around the call, and the host time of the call alone")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -98,9 +134,14 @@ def main() -> None:
     }
     out = [f"# profile_offload: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
            f"{args.layers} x {args.hidden}² {str(DTYPE).removeprefix('torch.')}"]
+    stacks["hostir graph"] = hostir.offload(copy.deepcopy(cpu_stack), device, cuda_graph=True)
+    calls["hostir graph"] = stacks["hostir graph"]
     with torch.no_grad():
         for m in args.m:
             x = torch.randn(m, args.hidden, device=device, dtype=DTYPE)
+            if args.rounds:
+                out += rounds(calls, args.variants, x, args.rounds)
+                print("\n".join(out[-len(args.variants) - 1:]), flush=True)
             for name in args.variants:
                 fn = calls[name]
                 for _ in range(3):
