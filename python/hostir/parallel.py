@@ -202,29 +202,45 @@ class _Linear:
         key = (_placement_key(placement, x.dim()), x.dim(), x.dtype, bias is not None)
         fd = self.fusions.get(key)
         if fd is None:
-            fd = self.fusions[key] = self._define(x.dim(), x.dtype, bias is not None)
+            fd = self.fusions[key] = self._define(x.dim(), x.dtype, bias is not None, key[0])
         inputs = [x, module.weight] + ([bias] if bias is not None else [])
         (y,) = fd.execute(inputs, return_dtensors=True)
         return y.to_local() if self.use_local_output else y
 
-    def _define(self, ndim: int, dtype: torch.dtype, bias: bool):
+    def _define(self, ndim: int, dtype: torch.dtype, bias: bool, placement: tuple = ("replicate",)):
         from hostir.frontend import FusionDefinition
         from hostir.ir import DeviceMesh, ParallelType
 
+        D = self.mesh.size()
+        layout = self.output_layout
+        out_dim = layout.dim % ndim if layout.is_shard() else None
+        # A colwise linear on an activation sharded on a row axis (sequence
+        # parallelism) gathers it walking that axis: the AG+GEMM, with the
+        # schedule the machine model (or a forced one) picks.
+        walked = placement[1] if placement[0] == "shard" and placement[1] < ndim - 1 else None
+        if walked is not None and (D < 2 or self.kind != "colwise" or walked == out_dim):
+            walked = None
         with FusionDefinition() as fd:
             x = fd.define_tensor([-1] * ndim, dtype)
             w = fd.define_tensor([-1, -1], dtype)
             b = fd.define_tensor([-1], dtype) if bias else None
-            y = fd.ops.linear(x, w, b)
+            xg = fd.ops.set(x) if walked is not None else x
+            y = fd.ops.linear(xg, w, b)
             fd.add_output(y)
-        y.set_device_mesh(DeviceMesh(self.mesh))
-        layout = self.output_layout
+        mesh = DeviceMesh(self.mesh)
+        y.set_device_mesh(mesh)
         if layout.is_shard():
-            d = layout.dim % ndim
-            y.outer_split(d, self.mesh.size())
-            y.axis(d).parallelize(ParallelType.mesh_x)
+            y.outer_split(out_dim, D)
+            y.axis(out_dim).parallelize(ParallelType.mesh_x)
         elif not layout.is_replicate():
             raise ParallelizeError(f"output layout {layout!r} of a {self.kind} linear: hostir makes Shard(d) or Replicate()")
+        if walked is not None:
+            xg.set_device_mesh(mesh)
+            for tv in (xg, y):
+                # Loop index of the walked axis: one more behind a split output axis.
+                at = walked + (tv is y and out_dim is not None and out_dim < walked)
+                tv.outer_split(at, D)
+                tv.axis(at).parallelize(ParallelType.stream)
         return fd
 
 
