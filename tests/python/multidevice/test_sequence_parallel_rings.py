@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hostir import DeviceMesh, FusionDefinition, ParallelType, shard_tensor
+from hostir import DeviceMesh, FusionDefinition, ParallelType
 
 MESH_X, STREAM = ParallelType.mesh_x, ParallelType.stream
 
@@ -72,7 +72,6 @@ def test_hostir_parallel_colwise_under_sequence_parallelism(world, monkeypatch, 
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from hostir import autograd
     from hostir.parallel import parallelize_module
 
     monkeypatch.setenv("HOSTIR_SCHEDULE", schedule)
