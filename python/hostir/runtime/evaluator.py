@@ -762,8 +762,9 @@ def _view_out(frame: Frame, e, result: torch.Tensor) -> None:
 def _permute(frame: Frame, e: ir.PermuteOp) -> None:
     if e.input.device_axes() or e.out.device_axes():
         # This rank's piece, permuted: its sharded axes move with it.
+        # A view, as torch's permute: a send of it copies it then (`_p2p`).
         src = layout.to_logical(e.input, frame.get(e.input))
-        frame.bind(e.out, layout.to_runtime(e.out, src.permute(e.dims).contiguous()))
+        frame.bind(e.out, layout.to_runtime(e.out, src.permute(e.dims)))
         return
     src = frame.full_rank(e.input, frame.get(e.input))
     _view_out(frame, e, src.permute(e.dims))
@@ -885,7 +886,11 @@ def _p2p(frame: Frame, e: ir.P2PCommunication) -> None:
         raise BindingError(f"invalid peer {peer}: the world has {comm.world_size} ranks")
     buf = frame.get(e.buffer)
     if not buf.is_contiguous():
-        raise BindingError(f"the buffer of a P2P communication must be contiguous (strides {list(buf.stride())})")
+        if e.type != "send":
+            raise BindingError(f"the buffer a P2P receive writes must be contiguous (strides {list(buf.stride())})")
+        # A strided view (a transposed shard) is sent from a contiguous copy,
+        # which the posted work keeps alive until it completes.
+        buf = buf.contiguous()
     ops = None
     if frame.coalescing is not None:
         backend, ops = frame.coalescing
