@@ -195,17 +195,18 @@ class _Linear:
     def __call__(self, module: nn.Linear, x):
         from torch.distributed.tensor import DTensor
 
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, self.mesh, (self.input_layout,), run_check=False)
-        (placement,) = x.placements
+        # A plain tensor is this rank's piece in `input_layout`: the fusion's
+        # input is placed so (no DTensor made for it), and a local output is
+        # returned as the program makes it (no DTensor made and unwrapped).
+        (placement,) = x.placements if isinstance(x, DTensor) else (self.input_layout,)
         bias = module.bias
         key = (_placement_key(placement, x.dim()), x.dim(), x.dtype, bias is not None)
         fd = self.fusions.get(key)
         if fd is None:
             fd = self.fusions[key] = self._define(x.dim(), x.dtype, bias is not None, key[0])
         inputs = [x, module.weight] + ([bias] if bias is not None else [])
-        (y,) = fd.execute(inputs, return_dtensors=True)
-        return y.to_local() if self.use_local_output else y
+        (y,) = fd.execute(inputs, return_dtensors=not self.use_local_output)
+        return y
 
     def _define(self, ndim: int, dtype: torch.dtype, bias: bool, placement: tuple = ("replicate",)):
         from hostir.frontend import FusionDefinition
@@ -228,6 +229,12 @@ class _Linear:
             y = fd.ops.linear(xg, w, b)
             fd.add_output(y)
         mesh = DeviceMesh(self.mesh)
+        x.set_device_mesh(mesh)
+        if placement[0] == "shard":
+            x.outer_split(placement[1], D)
+            x.axis(placement[1]).parallelize(ParallelType.mesh_x)
+        elif placement[0] != "replicate":
+            raise ParallelizeError(f"input placement {placement!r} of a {self.kind} linear: hostir takes Shard(d) or Replicate()")
         y.set_device_mesh(mesh)
         if layout.is_shard():
             y.outer_split(out_dim, D)
