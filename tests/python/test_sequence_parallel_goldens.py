@@ -75,3 +75,17 @@ def test_the_forward_saves_the_shard_not_the_gathered_activation():
     d = autodiff.derive(colwise_sp(2).fusion, [0, 1, 2])
     assert ("input", 0) in d.saved
     assert all(kind == "input" for kind, _ in d.saved), d.saved
+
+
+def test_the_machine_model_sizes_the_gemm_of_the_walked_activation():
+    """The model's GEMM per step is the activation's rows times the
+    weight's N, even where the weight has more elements than the
+    activation (a Llama MLP's up projection)."""
+    import torch
+
+    from hostir import machine
+
+    B, s, H, n = 2, 8, 16, 64  # per rank: x [B, s, H], w [n, H], bias [n]
+    fd = colwise_sp(2)
+    inputs = [torch.empty(B, s, H), torch.empty(n, H), torch.empty(n)]
+    assert machine._shape_hint(fd.fusion, inputs, 2) == (B * s, H, n, 4)
