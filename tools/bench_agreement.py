@@ -59,7 +59,7 @@ def agreement_step(fd, inputs):
     """The agreement step of this hostir version, as a thunk."""
     comm = hostir.communicator.get()
     program = next(iter(fd.executor._programs.values()))
-    digest = program.container.digest
+    digest = program.lowered.digest
     try:
         from hostir.runtime import agreement
     except ImportError:

@@ -136,10 +136,11 @@ def main() -> int:
         for sched in ("ring:transport=cuda", "ring:transport=cuda,chunks=2", "ring:transport=cuda,direction=-1,chunks=2"):
             label = f"{name} {sched}"
             try:
-                program = lower(fd.fusion, rank=rank, backend="gloo", schedule=parse(sched))
+                lowered = lower(fd.fusion, rank=rank, backend="gloo", schedule=parse(sched))
+                program = lowered.program
                 if rank == 0 and sched.endswith("chunks=2") and name == "AG+matmul":
                     print(program, flush=True)
-                ev = HostIrEvaluator(program, streams=streams, device=dev, communicator=comm)
+                ev = HostIrEvaluator(program, streams=streams, device=dev, communicator=comm, rank=lowered.rank)
                 bind = dict(zip(program.inputs, inputs))
                 with torch.no_grad():
                     (out,) = ev.run(bind)

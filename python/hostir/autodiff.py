@@ -45,7 +45,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from hostir import ir, printer, shape_ops
+from hostir import builders, ir, printer, shape_ops
 from hostir.errors import HostIrError
 
 __all__ = ["BackwardError", "Derivation", "NoTransposeRuleError", "derive"]
@@ -272,7 +272,7 @@ class _Deriver:
             return tv
         if have is None and layout.trivial:
             return tv
-        copy_ = ir.set_(tv)
+        copy_ = builders.set_(tv)
         layout.apply(copy_)
         self.known[copy_] = layout
         return copy_
@@ -295,7 +295,7 @@ class _Deriver:
             key = ("unstreamed", tv)
             found = self.gathered.get(key)
             if found is None:
-                found = ir.set_(self.save(self.producer[tv].input))
+                found = builders.set_(self.save(self.producer[tv].input))
                 layout.apply(found)
                 self.known[found] = layout
                 self.gathered[key] = found
@@ -315,7 +315,7 @@ class _Deriver:
         ):
             # Gathered in the forward: gather again from the saved shard.
             source = self.save(producer.input)
-            found = ir.set_(source)
+            found = builders.set_(source)
             self.layout(tv).apply(found)
             self.known[found] = self.layout(tv)
         else:
@@ -345,7 +345,7 @@ class _Deriver:
         if not self.regathered(tv):
             return self.permute(self.save(tv), dims)
         shard = self.permute(self.save(self.producer[tv].input), dims)
-        found = ir.set_(shard)
+        found = builders.set_(shard)
         layout = self.layout(tv).permuted(dims)
         layout.apply(found)
         self.known[found] = layout
@@ -401,7 +401,7 @@ class _Deriver:
     # -- cotangents
     def contribute(self, tv: ir.TensorView, g: ir.TensorView) -> None:
         if g.dtype != tv.dtype:
-            g = self.made(ir.unary("cast", g, tv.dtype))
+            g = self.made(builders.unary("cast", g, tv.dtype))
         self.contribs.setdefault(tv, []).append(g)
 
     def cotangent(self, tv: ir.TensorView, layout: Layout | None = None) -> ir.TensorView | None:
@@ -410,7 +410,7 @@ class _Deriver:
             return None
         total = parts[0]
         for p in parts[1:]:
-            total = self.made(ir.binary("add", total, p))
+            total = self.made(builders.binary("add", total, p))
         return self.place(total, layout if layout is not None else self.layout(tv))
 
     # -- gathers where a product would shard one mesh dimension twice
@@ -422,7 +422,7 @@ class _Deriver:
         found = self.gathered.get(key)
         if found is None:
             new_layout = lay.without_streams().unsharded(axes)
-            found = ir.set_(tv)
+            found = builders.set_(tv)
             new_layout.apply(found)
             self.known[found] = new_layout
             self.gathered[key] = found
@@ -491,7 +491,7 @@ class _Deriver:
             if g is None:
                 continue
             if g in self.bwd.inputs or g in self.bwd.outputs:
-                g = ir.set_(g)
+                g = builders.set_(g)
                 self.layout(tv).apply(g)
             self.bwd.add_output(g)
             grad_inputs.append(i)
@@ -560,14 +560,14 @@ def _unary_rule(d: _Deriver, e: ir.UnaryOp, needs) -> None:
     if not _wants(d, e.input, needs):
         return
     if e.kind == "neg":
-        gx = ir.unary("neg", g)
+        gx = builders.unary("neg", g)
     elif e.kind == "cast":
-        gx = ir.unary("cast", g, e.input.dtype)
+        gx = builders.unary("cast", g, e.input.dtype)
     elif e.kind == "exp":
-        gx = ir.binary("mul", g, d.save(e.out))
+        gx = builders.binary("mul", g, d.save(e.out))
     elif e.kind in _UNARY_GRADS:
         kind, which = _UNARY_GRADS[e.kind]
-        gx = ir.binary(kind, g, d.save(getattr(e, which)))
+        gx = builders.binary(kind, g, d.save(getattr(e, which)))
     else:
         raise NoTransposeRuleError(_no_rule(e, f"hostir has no backward rule for unary {e.kind}"))
     d.contribute(e.input, d.made(gx))
@@ -584,7 +584,7 @@ def _unbroadcast(d: _Deriver, g: ir.TensorView, operand: ir.TensorView) -> ir.Te
     ]
     if not dims:
         return g
-    s = ir.reduction("sum", g, dims)
+    s = builders.reduction("sum", g, dims)
     if offset == 0:
         return _emit_expand(s, d.shaped_like(operand), dims)
     raise NoTransposeRuleError(f"an operand with fewer axes than its op's output: T{operand.name}")
@@ -607,21 +607,21 @@ def _binary_rule(d: _Deriver, e: ir.BinaryOp, needs) -> None:
         if e.kind in ("add", "sub"):
             gl = g
         elif e.kind == "mul":
-            gl = ir.binary("mul", g, d.save(rhs))
+            gl = builders.binary("mul", g, d.save(rhs))
         else:
-            gl = ir.binary("div", g, d.save(rhs))
+            gl = builders.binary("div", g, d.save(rhs))
         d.contribute(lhs, d.made(_unbroadcast(d, gl, lhs)))
     if _wants(d, rhs, needs):
         if e.kind == "add":
             gr = g
         elif e.kind == "sub":
-            gr = ir.unary("neg", g)
+            gr = builders.unary("neg", g)
         elif e.kind == "mul":
-            gr = ir.binary("mul", g, d.save(lhs))
+            gr = builders.binary("mul", g, d.save(lhs))
         else:
             # torch: -grad * self / (other * other)
             r = d.save(rhs)
-            gr = ir.unary("neg", ir.binary("div", ir.binary("mul", g, d.save(lhs)), ir.binary("mul", r, r)))
+            gr = builders.unary("neg", builders.binary("div", builders.binary("mul", g, d.save(lhs)), builders.binary("mul", r, r)))
         d.contribute(rhs, d.made(_unbroadcast(d, gr, rhs)))
 
 
@@ -638,10 +638,10 @@ def _reduction_rule(d: _Deriver, e: ir.ReductionOp, needs) -> None:
     # amax / amin: the gradient shared equally by the elements equal to the
     # result, as torch computes it.
     y = _emit_expand(d.save(e.out), x, dims)
-    mask = ir.binary("eq", x, y)
-    count = ir.reduction("sum", mask, dims)
-    share = _emit_expand(ir.binary("div", g, count), x, dims)
-    d.contribute(e.input, d.made(ir.binary("mul", share, mask)))
+    mask = builders.binary("eq", x, y)
+    count = builders.reduction("sum", mask, dims)
+    share = _emit_expand(builders.binary("div", g, count), x, dims)
+    d.contribute(e.input, d.made(builders.binary("mul", share, mask)))
 
 
 def _swap_last(n: int) -> list[int]:
@@ -657,18 +657,18 @@ def _matmul_rule(d: _Deriver, e: ir.MatmulOp, needs) -> None:
         bs = d.save(b)
         if nb == 2:
             gg, bs = d.contraction_ready(g, [ng - 1], bs, [1])
-            ga = ir.linear(gg, bs)
+            ga = builders.linear(gg, bs)
         else:
             bt = d.permute(bs, _swap_last(nb))
             gg, bt = d.contraction_ready(g, [ng - 1], bt, [nb - 2])
-            ga = ir.matmul(gg, bt)
+            ga = builders.matmul(gg, bt)
         d.contribute(a, d.made(_unbroadcast(d, ga, a)))
     if _wants(d, b, needs):
         at = d.save_permuted(a, _swap_last(na))
         at, gg = d.contraction_ready(at, [na - 1], g, [ng - 2])
-        gb = ir.matmul(at, gg)
+        gb = builders.matmul(at, gg)
         if nb == 2 and ng > 2:
-            gb = ir.reduction("sum", gb, list(range(ng - 2)))
+            gb = builders.reduction("sum", gb, list(range(ng - 2)))
         else:
             gb = _unbroadcast(d, gb, b)
         d.contribute(b, d.made(gb))
@@ -693,19 +693,19 @@ def _linear_rule(d: _Deriver, e: ir.LinearOp, needs) -> None:
     if _wants(d, x, needs):
         ws = d.save(w)
         gg, ws = d.contraction_ready(g, [n - 1], ws, [0])
-        d.contribute(x, d.made(ir.matmul(gg, ws)))
+        d.contribute(x, d.made(builders.matmul(gg, ws)))
     if _wants(d, w, needs):
         xs = d.save(x, contracted=[n - 2])
         gt = d.permute(g, list(range(1, n)) + [0]) if n == 2 else d.permute(g, _swap_last(n))
         if n == 2:
             gt, xs = d.contraction_ready(gt, [1], xs, [0])
-            gw = ir.matmul(gt, xs)
+            gw = builders.matmul(gt, xs)
         else:
             gt, xs = d.contraction_ready(gt, [n - 1], xs, [n - 2])
-            gw = ir.reduction("sum", ir.matmul(gt, xs), list(range(n - 2)))
+            gw = builders.reduction("sum", builders.matmul(gt, xs), list(range(n - 2)))
         d.contribute(w, d.made(gw))
     if bias is not None and _wants(d, bias, needs):
-        d.contribute(bias, d.made(ir.reduction("sum", g, lead)))
+        d.contribute(bias, d.made(builders.reduction("sum", g, lead)))
 
 
 @rule(ir.BroadcastInDimOp)
@@ -719,7 +719,7 @@ def _broadcast_in_dim_rule(d: _Deriver, e: ir.BroadcastInDimOp, needs) -> None:
     # Input axes of size 1 that the op grew: summed, and kept as size 1.
     grown = [i for i, a in enumerate(x_axes) if a.is_broadcast and not out_axes[e.dims[i]].is_broadcast]
     summed = sorted(new + [e.dims[i] for i in grown])
-    gx = ir.reduction("sum", g, summed) if summed else ir.set_(g)
+    gx = builders.reduction("sum", g, summed) if summed else builders.set_(g)
     if grown:
         gx = _emit_expand(gx, d.shaped_like(e.input), grown)
     d.contribute(e.input, d.made(gx))

@@ -60,7 +60,8 @@ def host_program(fusion: Any, rank: int, pass_name: str | None = None, backend: 
     if pass_name is not None and pass_name not in names:
         raise CommandLineError(f"hostir dump: unknown pass {pass_name!r}; passes in order: {', '.join(names)}")
     multi = is_multi_device(fusion)
-    return str(lower.lower(fusion, rank=rank if multi else None, backend=backend, until=pass_name))
+    options = lower.LoweringOptions(rank=rank if multi else None, backend=backend)
+    return str(lower.lower(fusion, options, until=pass_name).program)
 
 
 @contextlib.contextmanager

@@ -1047,7 +1047,6 @@ def local_rank() -> int:
     return _current().local_rank
 
 
-@atexit.register
 def _shutdown_live() -> None:
     # Groups still alive when the interpreter finalizes now and then abort it
     # (see Communicator.shutdown); free them while Python is still whole.
@@ -1056,6 +1055,10 @@ def _shutdown_live() -> None:
             communicator.shutdown()
         except Exception:
             pass
+
+
+# Called at interpreter exit, never by the package itself.
+atexit.register(_shutdown_live)
 
 
 def torch_mesh(devices, shape, device_type: str | None = None):

@@ -86,18 +86,6 @@ class HostIrContainer(ir.IrContainer):
         self.exprs: list[ir.Expr] = []
         self.aliases = AliasMap()
         self._named: dict[str, ir.Scalar] = {}
-        # The rank this program runs on (None before `prune_for_rank`) and
-        # the communication backend its dump names.
-        self.rank: int | None = None
-        self.backend = "NCCL"
-        # How `decompose_device_axis` decomposes (a hostir.lower.schedule.Schedule; None: the default).
-        self.schedule = None
-        # (extent, parts, where) of every axis a decomposition cuts into chunks.
-        self.chunked: list = []
-        # Set by `lower`: the hash of the dump before pruning for a rank,
-        # and the teams of every rank's communications.
-        self.digest: str | None = None
-        self.all_teams: list[tuple[int, ...]] = []
 
     def derive(self) -> HostIrContainer:
         """An empty program with this one's inputs, outputs, aliases, named
@@ -106,8 +94,6 @@ class HostIrContainer(ir.IrContainer):
         new.inputs, new.outputs = list(self.inputs), list(self.outputs)
         new.aliases = self.aliases
         new._named = self._named
-        new.rank, new.backend, new.schedule = self.rank, self.backend, self.schedule
-        new.chunked = self.chunked
         return new
 
     # -- building
@@ -161,17 +147,18 @@ class HostIrContainer(ir.IrContainer):
         return printer.print_container(self)
 
     # -- checking
-    def verify(self) -> None:
+    def verify(self, rank: int | None = None) -> None:
         """Raise VerifyError unless every TensorView an expr reads is bound
         before it (an input, or defined earlier in an enclosing scope),
-        every output is defined (on this rank, once the program is pruned
-        for one), no input is an alias, and every communication says, by
-        annotations or by its type and team, which piece each rank holds
-        (`hostir.unannotated`)."""
+        every output is defined, no input is an alias, and every
+        communication says, by annotations or by its type and team, which
+        piece each rank holds (`hostir.unannotated`). `rank`: the rank the
+        program is pruned for, if it is: a tensor that rank does not hold
+        need not be defined."""
         self.check_inputs_unaliased(VerifyError)
         resolve = self.aliases.resolve
         defined = {resolve(t) for t in self.inputs}
-        self._verify_scope(self.exprs, defined, resolve)
+        self._verify_scope(self.exprs, defined, resolve, rank)
         for e in self.walk():
             if isinstance(e, ir.Communication):
                 try:
@@ -179,14 +166,10 @@ class HostIrContainer(ir.IrContainer):
                 except unannotated.UnannotatedCommunicationError as err:
                     raise VerifyError(str(err)) from err
         for tv in self.outputs:
-            if not self.holds(tv):
+            if not tv.held_by(rank):
                 continue
             if resolve(tv) not in defined:
                 raise VerifyError(f"output {printer.format_tv(tv)} is never defined")
-
-    def holds(self, tv: ir.TensorView) -> bool:
-        """Whether this program's rank holds `tv` (always, before pruning)."""
-        return tv.held_by(self.rank)
 
     def check_inputs_unaliased(self, error: type[Exception] | None = None, inputs=None) -> None:
         """Raise `error` (AliasError by default) if an input (of `inputs`,
@@ -196,10 +179,10 @@ class HostIrContainer(ir.IrContainer):
             if self.aliases.is_alias(tv):
                 raise (error or AliasError)(f"Inputs cannot be aliased: T{tv.name} is an alias")
 
-    def _verify_scope(self, exprs: Sequence[ir.Expr], defined: set, resolve) -> None:
+    def _verify_scope(self, exprs: Sequence[ir.Expr], defined: set, resolve, rank: int | None) -> None:
         for e in exprs:
             for v in ir.read_vals(e):
-                if isinstance(v, ir.TensorView) and resolve(v) not in defined and self.holds(v):
+                if isinstance(v, ir.TensorView) and resolve(v) not in defined and v.held_by(rank):
                     raise VerifyError(
                         f"{printer.format_tv(v)} is read before it is defined, by:\n"
                         f"{printer.format_expr_head(e)}"
@@ -207,7 +190,7 @@ class HostIrContainer(ir.IrContainer):
             # A loop may run zero times and a branch may not run: what
             # their bodies define is not visible after them.
             for body in ir.bodies(e):
-                self._verify_scope(body, set(defined), resolve)
+                self._verify_scope(body, set(defined), resolve, rank)
             defined.update(resolve(t) for t in ir.defined_tvs(e))
 
 

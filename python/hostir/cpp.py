@@ -74,12 +74,16 @@ def warn_unavailable() -> None:
 
 class CppEvaluator:
     """Runs one host program with the C++ executor, any number of times and
-    from several threads at once (each run has its own frame in C++)."""
+    from several threads at once (each run has its own frame in C++).
+    `rank`: the rank the program was pruned for, as `HostIrEvaluator` takes it."""
 
-    def __init__(self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None):
+    def __init__(
+        self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None, rank=None
+    ):
         if _C is None:
             raise CppUnavailableError(f"the C++ executor is unavailable: {_REASON}")
         self.container = container
+        self.rank = rank
         self.device = torch.device(device)
         self.communicator = communicator
         self.dumper = dumper
@@ -96,7 +100,7 @@ class CppEvaluator:
     def _compile(self):
         with self._lock:
             if self._executor is None:
-                flat = compile_program(self.container, self.communicator)
+                flat = compile_program(self.container, self.communicator, self.rank)
                 if self.dumper is not None:
                     self.dumper.emit("flat_program", "Flat program:", flat.dump())
                 opcodes = [OPCODES.index(i.op) for i in flat.instrs]

@@ -61,7 +61,8 @@ from hostir.analysis import dry_run
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError, UsageError
 from hostir.log import logger
-from hostir.lower import RESHARDING_MODES, lower
+from hostir.lower import LoweredProgram, LoweringOptions, lower
+from hostir.lower.insert_reshardings import MODES as RESHARDING_MODES
 from hostir.lower.hoist_transfers import forced as forced_hoisting
 from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
 from hostir.runtime import flat, prepared, profiling
@@ -260,14 +261,12 @@ class _Program:
     binding: Binding
     # What runs it, and why.
     runner: Runner
-    # (input, axis, size) of every static axis: the sizes this program was
-    # made for, part of its key.
-    static_sizes: tuple = ()
     # Dry-run reports of this program, per exact input shapes (and number
     # of streams): a report holds every size, so it serves no other.
     reports: dict = dataclasses.field(default_factory=dict)
-    # How its communications and transfers were hoisted (None: the default).
-    hoisting: object = None
+    # What `lower` returned: the container with its digest, teams, chunked
+    # axes and options (None for the fake runner's program).
+    lowered: LoweredProgram | None = None
 
 
 _MAX_REPORTS = 64
@@ -331,14 +330,18 @@ class FusionExecutor:
         """Programs cached for the fusion as it is now."""
         return len(self._programs) if self._version == self.fusion.version else 0
 
-    def host_program(self, resharding: str = "auto") -> HostIrContainer:
-        """The program the fusion lowers to now (for a multi-device fusion,
-        this rank's program), with `resharding` as ExecutorParams takes it."""
+    def lowered_program(self, resharding: str = "auto") -> LoweredProgram:
+        """What the fusion lowers to now (for a multi-device fusion, this
+        rank's program), with `resharding` as ExecutorParams takes it."""
         if is_multi_device(self.fusion):
             rank = communicator.rank()
             backend = _BACKEND_NAMES["nccl" if torch.cuda.is_available() else "gloo"]
             return lower(self.fusion, rank=rank, backend=backend, resharding=resharding)
         return lower(self.fusion, resharding=resharding)
+
+    def host_program(self, resharding: str = "auto") -> HostIrContainer:
+        """The host program of `lowered_program(resharding)`."""
+        return self.lowered_program(resharding).program
 
     def host_ir(self, resharding: str = "auto") -> str:
         """The dump of `host_program(resharding)`."""
@@ -511,7 +514,7 @@ class FusionExecutor:
         program, lowered = self._lookup(inputs, device, params, comm)
         sizes = check_sizes(self.fusion, inputs, program.equal_axes)
         check_reductions(self.fusion, sizes)
-        check_chunks(program.container, sizes)
+        check_chunks(program.lowered.chunking, sizes)
         if outputs is not None:
             check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
         if mode == "auto" and comm is not None:
@@ -572,7 +575,7 @@ class FusionExecutor:
                 1,
                 params.number_of_streams,
                 multi=False,
-                container=program.container,
+                program=program.lowered,
                 raw_errors=True,
             )
             report = dry_run.DryRunReport(1, params.number_of_streams, [only])
@@ -582,10 +585,10 @@ class FusionExecutor:
                 inputs,
                 world_size=world_size,
                 number_of_streams=params.number_of_streams,
-                backend=program.container.backend,
-                schedule=program.container.schedule,
+                backend=program.lowered.backend,
+                schedule=program.lowered.schedule,
                 resharding=params.resharding,
-                hoisting=program.hoisting,
+                hoisting=program.lowered.hoisting,
             )
         self.dry_runs += 1
         with self._lock:
@@ -623,7 +626,7 @@ class FusionExecutor:
         if "copy" not in self._warned:
             self._warned.add("copy")
             names = ", ".join(f"{i} (T{self.fusion.inputs[i].name})" for i in moved if i < len(self.fusion.inputs))
-            size = sum(inputs[i].numel() * inputs[i].element_size() for i in moved)
+            size = sum(ir.nbytes(inputs[i]) for i in moved)
             warnings.warn(
                 f"inputs {names} are on the CPU but the fusion runs on {device}: copied there "
                 f"({size} bytes this call); pass them on {device} to avoid the copy",
@@ -704,8 +707,6 @@ class FusionExecutor:
             program = self._programs[key] = self._lower(
                 device, evaluator, reasons, comm, chosen, params.resharding, strict, host, hoisting
             )
-            program.static_sizes = static
-            program.hoisting = hoisting
             return program, True
 
     def _lower(
@@ -724,11 +725,9 @@ class FusionExecutor:
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
         if comm is None:
-            container = lower(self.fusion, dumper, resharding=resharding, host_inputs=host, hoisting=hoisting)
+            options = LoweringOptions(resharding=resharding, host_inputs=host, hoisting=hoisting)
         else:
-            container = lower(
-                self.fusion,
-                dumper,
+            options = LoweringOptions(
                 rank=comm.rank,
                 backend=_BACKEND_NAMES[comm.backend],
                 schedule=chosen,
@@ -736,6 +735,8 @@ class FusionExecutor:
                 host_inputs=host,
                 hoisting=hoisting,
             )
+        lowered = lower(self.fusion, options, dumper)
+        container = lowered.program
         self.lowerings += 1
         streams = self._streams.get(device)
         if streams is None:
@@ -753,17 +754,17 @@ class FusionExecutor:
         logger.info("%s", runner)
         torch_dist.check_p2p_memory(container, device)
         make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
-        run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper)
+        run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper, rank=lowered.rank)
         if logger.isEnabledFor(logging.INFO):
             exprs = list(container.walk())
             comms = sum(isinstance(e, ir.Communication) for e in exprs)
             logger.info(
                 "lowered fusion %s to a host program of %d ops (%d communications), digest %s; "
                 "evaluator %s on %s with %s",
-                signature(self.fusion), len(exprs), comms, (getattr(container, "digest", None) or "")[:12],
+                signature(self.fusion), len(exprs), comms, (lowered.digest or "")[:12],
                 type(run).__name__, device, type(streams).__name__,
             )
-        return _Program(container, run, equal_input_axes(self.fusion), Binding.of(container), runner)
+        return _Program(container, run, equal_input_axes(self.fusion), Binding.of(container), runner, lowered=lowered)
 
     # -- 4: agree and make groups
     def _communicator(self, params, kwargs):
@@ -807,20 +808,20 @@ class FusionExecutor:
             # One rank: no one to disagree with; its own error is the call's.
             if error is not None:
                 raise error
-            if comm.missing_teams(call.program.container.all_teams):
-                comm.ensure_groups(call.program.container.all_teams)
+            if comm.missing_teams(call.program.lowered.teams):
+                comm.ensure_groups(call.program.lowered.teams)
             return
         if first_only and not call.lowered:
             # No agreement: each rank makes the groups it lacks (a
             # collective of its own, which checks the teams).
-            if comm.missing_teams(call.program.container.all_teams):
-                comm.ensure_groups(call.program.container.all_teams)
+            if comm.missing_teams(call.program.lowered.teams):
+                comm.ensure_groups(call.program.lowered.teams)
             return
-        teams = call.program.container.all_teams if call is not None else []
+        teams = call.program.lowered.teams if call is not None else ()
         offer = Offer(
             fusion=sequence[0],
             call=sequence[1],
-            digest=call.program.container.digest if call is not None else None,
+            digest=call.program.lowered.digest if call is not None else None,
             inputs=input_signature(call.inputs if call is not None else inputs),
             error=None if error is None else f"{type(error).__name__}: {error}",
             needs_groups=bool(comm.missing_teams(teams)),

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hostir import autograd, broadcast_ops, communicator, ir, layout, printer, shape_ops
+from hostir import autograd, broadcast_ops, builders, communicator, ir, layout, printer, shape_ops
 from hostir.analysis.dry_run import dry_run
 from hostir.dtensor import Adapter, has_dtensors, is_dtensor
 from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
@@ -49,29 +49,29 @@ class Ops:
         memory (a transfer of a tensor in host memory)."""
         self._check(x)
         if memory is None:
-            return ir.set_(x)
-        return ir.set_(x, ir.MemoryType.from_word(memory))
+            return builders.set_(x)
+        return builders.set_(x, ir.MemoryType.from_word(memory))
 
     def add(self, lhs, rhs) -> ir.TensorView:
         self._check(lhs, rhs)
-        return ir.binary("add", lhs, rhs)
+        return builders.binary("add", lhs, rhs)
 
     def sub(self, lhs, rhs) -> ir.TensorView:
         self._check(lhs, rhs)
-        return ir.binary("sub", lhs, rhs)
+        return builders.binary("sub", lhs, rhs)
 
     def mul(self, lhs, rhs) -> ir.TensorView:
         self._check(lhs, rhs)
-        return ir.binary("mul", lhs, rhs)
+        return builders.binary("mul", lhs, rhs)
 
     def div(self, lhs, rhs) -> ir.TensorView:
         """True division, as torch.div."""
         self._check(lhs, rhs)
-        return ir.binary("div", lhs, rhs)
+        return builders.binary("div", lhs, rhs)
 
     def _unary(self, kind: str, x: ir.TensorView) -> ir.TensorView:
         self._check(x)
-        return ir.unary(kind, x)
+        return builders.unary(kind, x)
 
     def relu(self, x: ir.TensorView) -> ir.TensorView:
         return self._unary("relu", x)
@@ -104,30 +104,30 @@ class Ops:
     def cast(self, x: ir.TensorView, dtype: torch.dtype) -> ir.TensorView:
         """`x` converted to `dtype`, as Tensor.to(dtype)."""
         self._check(x)
-        return ir.unary("cast", x, dtype)
+        return builders.unary("cast", x, dtype)
 
     def sum(self, x: ir.TensorView, dims) -> ir.TensorView:
         """Sum over `dims`; integer inputs sum to int64, as in torch."""
         self._check(x)
-        return ir.reduction("sum", x, dims)
+        return builders.reduction("sum", x, dims)
 
     def max(self, x: ir.TensorView, dims) -> ir.TensorView:
         self._check(x)
-        return ir.reduction("max", x, dims)
+        return builders.reduction("max", x, dims)
 
     def min(self, x: ir.TensorView, dims) -> ir.TensorView:
         self._check(x)
-        return ir.reduction("min", x, dims)
+        return builders.reduction("min", x, dims)
 
     def matmul(self, a: ir.TensorView, b: ir.TensorView) -> ir.TensorView:
         """torch.matmul of [..., M, K] and [K, N] or [..., K, N]."""
         self._check(a, b)
-        return ir.matmul(a, b)
+        return builders.matmul(a, b)
 
     def linear(self, x: ir.TensorView, weight: ir.TensorView, bias: ir.TensorView | None = None) -> ir.TensorView:
         """x @ weight.T (+ bias), weight [N, K], bias [N]."""
         self._check(x, weight, bias)
-        return ir.linear(x, weight, bias)
+        return builders.linear(x, weight, bias)
 
 
     def broadcast_in_dim(self, x: ir.TensorView, shape, broadcast_dims) -> ir.TensorView:
@@ -277,7 +277,9 @@ class FusionDefinition:
 
     def host_program(self, resharding: str = "auto"):
         """This rank's lowered `HostIrContainer` (for `hostir.check_races`);
-        `resharding` as `host_ir` takes it."""
+        `resharding` as `host_ir` takes it. What it was lowered with (the
+        rank it was pruned for, its digest and teams) is
+        `executor.lowered_program()`."""
         return self.executor.host_program(resharding)
 
     def graph_inputs(self, inputs, outputs=None, params=None, **kwargs) -> list[torch.Tensor]:
@@ -351,10 +353,7 @@ def shard_tensor(t: torch.Tensor, tv: ir.TensorView, rank: int | None = None) ->
                 raise InputError(f"axis {axis} of T{tv.name}: extent {size} differs from mesh size {n}")
             t = t.narrow(axis, mesh.index_along(rank, d.parallel_type), 1)
             continue
-        n = 1
-        for x in leaves:
-            if x.is_device_parallel:
-                n *= mesh.size_along(x.parallel_type)
+        n = layout.shard_count(mesh, d)
         if size % n:
             raise InputError(f"axis {axis} of T{tv.name}: extent {size} not divisible by mesh size {n}")
         pieces = layout.leaf_sizes(leaves, size, mesh)

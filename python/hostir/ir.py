@@ -5,6 +5,10 @@ a tensor lives on), the fusion ops a user writes (`Set`, `BinaryOp`,
 `ReductionOp`, `MatmulOp`, `LinearOp`) and the host ops a lowering emits
 (`ForLoop`, `HirAliasSelect`, `Allocate`, stream ops, `Communication`,
 `P2PCommunication`, coalescing and `Wait`).
+The builders that check operands and infer an op's output are in
+`builders.py` (and `shape_ops.py`, `broadcast_ops.py`); the walks over the
+axes ops iterate together (`IdGraph`, `ExtentClasses`) are in
+`axis_graph.py`. Both import this module; it imports neither.
 Every node is plain data compared by identity. Names are small integers drawn
 from the owning container's counters at creation, so a dump is the same on
 every run and every rank; nothing prints an address.
@@ -229,14 +233,6 @@ def same_scalar(a: Scalar, b: Scalar, equal=None) -> bool:
     return equal is not None and equal(a, b)
 
 
-def product(extents: Sequence[Scalar]) -> Scalar:
-    """`( ( a * b ) * c )`: the left-nested product nvFuser prints for sizes."""
-    if not extents:
-        return Scalar.constant(1)
-    acc = extents[0]
-    for e in extents[1:]:
-        acc = ScalarExpr("*", acc, e)
-    return acc
 
 
 # ---------------------------------------------------------------- domains
@@ -521,6 +517,8 @@ class TensorView:
 
     @property
     def is_split(self) -> bool:
+        """Whether any logical axis is split into loop pieces (how those
+        pieces lie in the runtime dims is `layout.is_chunked`)."""
         return len(self.domain) != len(self.logical) or any(d.leaves is not None for d in self.logical)
 
     # -- scheduling
@@ -717,7 +715,7 @@ def _op(cls):
     return dataclasses.dataclass(eq=False, repr=False)(cls)
 
 
-def _kind(kinds: type, kind, what: str):
+def as_kind(kinds: type, kind, what: str):
     """`kind` (a name or a member) as a member of the enum `kinds`."""
     try:
         return kinds(kind)
@@ -762,7 +760,7 @@ class BinaryOp(Expr):
     OUTPUTS = ("out",)
 
     def __post_init__(self):
-        self.kind = _kind(BinaryKind, self.kind, "binary op")
+        self.kind = as_kind(BinaryKind, self.kind, "binary op")
 
     def id_pairs(self):
         # Aligned from the last axis, as torch broadcasts.
@@ -787,7 +785,7 @@ class UnaryOp(Expr):
     OUTPUTS = ("out",)
 
     def __post_init__(self):
-        self.kind = _kind(UnaryKind, self.kind, "unary op")
+        self.kind = as_kind(UnaryKind, self.kind, "unary op")
 
     def id_pairs(self):
         return _zip_axes(self.out, self.input)
@@ -807,7 +805,7 @@ class ReductionOp(Expr):
     OUTPUTS = ("out",)
 
     def __post_init__(self):
-        self.kind = _kind(ReductionKind, self.kind, "reduction")
+        self.kind = as_kind(ReductionKind, self.kind, "reduction")
 
     def id_pairs(self):
         return zip(self.out.logical, self.input.logical_runtime())
@@ -1157,7 +1155,8 @@ class Deallocate(Expr):
     INPUTS = ("buffer",)
 
 
-def _nbytes(t) -> int:
+def nbytes(t) -> int:
+    """The bytes of tensor `t` (0 for None: a rank that holds none)."""
     return 0 if t is None else t.numel() * t.element_size()
 
 
@@ -1176,7 +1175,7 @@ def _all_pairs_traffic(size):
 
 
 def _broadcast_traffic(e, me, root, input, out):
-    size = _nbytes(out) if out is not None else _nbytes(input)
+    size = nbytes(out) if out is not None else nbytes(input)
     if me == root:
         return {p: size for p in e.team if p != me}, {}
     return {}, {root: size}
@@ -1185,22 +1184,22 @@ def _broadcast_traffic(e, me, root, input, out):
 def _gather_traffic(e, me, root, input, out):
     senders = [p for p in e.team if p in e.input.mesh]
     if me == root:
-        piece = _nbytes(out) // max(len(senders), 1)
+        piece = nbytes(out) // max(len(senders), 1)
         return {}, {p: piece for p in senders if p != me}
-    return ({root: _nbytes(input)} if input is not None else {}), {}
+    return ({root: nbytes(input)} if input is not None else {}), {}
 
 
 def _scatter_traffic(e, me, root, input, out):
     receivers = [p for p in e.team if p in e.out.mesh]
     if me == root:
-        piece = _nbytes(input) // max(len(e.out.mesh.devices), 1)
+        piece = nbytes(input) // max(len(e.out.mesh.devices), 1)
         return {p: piece for p in receivers if p != me}, {}
-    return {}, ({root: _nbytes(out)} if out is not None else {})
+    return {}, ({root: nbytes(out)} if out is not None else {})
 
 
 def _reduce_traffic(e, me, root, input, out):
     if me == root:
-        return {}, {p: _nbytes(out) for p in e.team if p != me}
+        return {}, {p: nbytes(out) for p in e.team if p != me}
     # Sent in the output's dtype (a sum of integers is int64).
     piece = input.numel() * e.out.dtype.itemsize
     for d in e.local_reduce:
@@ -1213,9 +1212,9 @@ def _send_recv_traffic(e, me, root, input, out):
     if sender == receiver:
         return {}, {}
     if me == sender:
-        return {receiver: _nbytes(input)}, {}
+        return {receiver: nbytes(input)}, {}
     if me == receiver:
-        return {}, {sender: _nbytes(out)}
+        return {}, {sender: nbytes(out)}
     return {}, {}
 
 
@@ -1223,7 +1222,7 @@ def _all_to_all_traffic(e, me, root, input, out):
     # Each rank keeps its own piece and trades one with every other.
     n = max(len(e.team), 1)
     others = [p for p in e.team if p != me]
-    return {p: _nbytes(input) // n for p in others}, {p: _nbytes(out) // n for p in others}
+    return {p: nbytes(input) // n for p in others}, {p: nbytes(out) // n for p in others}
 
 
 class CommunicationType(enum.Enum):
@@ -1253,9 +1252,9 @@ class CommunicationType(enum.Enum):
         member.traffic = traffic
         return member
 
-    Allgather = "Allgather", False, False, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(i))
-    Allreduce = "Allreduce", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(o))
-    ReduceScatter = "ReduceScatter", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: _nbytes(o))
+    Allgather = "Allgather", False, False, "all", "all", True, _all_pairs_traffic(lambda e, i, o: nbytes(i))
+    Allreduce = "Allreduce", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: nbytes(o))
+    ReduceScatter = "ReduceScatter", False, True, "all", "all", True, _all_pairs_traffic(lambda e, i, o: nbytes(o))
     Broadcast = "Broadcast", True, False, "root", "others", True, _broadcast_traffic
     Gather = "Gather", True, False, "all", "root", True, _gather_traffic
     Scatter = "Scatter", True, False, "root", "all", True, _scatter_traffic
@@ -1313,7 +1312,7 @@ class Communication(Expr):
     def __post_init__(self):
         self.backend = backend_name(self.backend)
         if self.red_op is not None:
-            self.red_op = _kind(ReductionKind, self.red_op, "reduction")
+            self.red_op = as_kind(ReductionKind, self.red_op, "reduction")
         if not self.team:
             raise DefinitionError("a Communication needs a non-empty team")
         if self.type.has_root != (self.root is not None):
@@ -1451,122 +1450,6 @@ def read_vals(e: Expr) -> list:
     return [v for v in e.inputs() if isinstance(v, (TensorView, Scalar, Stream))]
 
 
-# ---------------------------------------------------------------- ID graph
-
-
-def split_alike(a: IterDomain, b: IterDomain, equal=None) -> bool:
-    """Whether logical axes `a` and `b` are split into pieces of the same
-    extents, taking the two axes' own extents as equal (they iterate
-    together) and, with `equal`, any other extents it declares equal."""
-
-    def leaf_equal(x: Scalar, y: Scalar) -> bool:
-        if {id(x), id(y)} == {id(a.extent), id(b.extent)}:
-            return True
-        return equal is not None and equal(x, y)
-
-    la, lb = a.loop_leaves(), b.loop_leaves()
-    return len(la) == len(lb) and all(same_scalar(x.extent, y.extent, leaf_equal) for x, y in zip(la, lb))
-
-
-def leaf_pairs(e: Expr) -> Iterator[tuple[IterDomain, IterDomain]]:
-    """`e.id_pairs()` on loop axes: a pair of logical axes split the same way
-    pairs their pieces in order; split differently (a resharding op that
-    gathers a split axis whole), they pair nothing."""
-    for a, b in e.id_pairs():
-        la, lb = a.loop_leaves(), b.loop_leaves()
-        if len(la) == 1 and len(lb) == 1:
-            yield a, b
-        elif split_alike(a, b):
-            yield from zip(la, lb)
-
-
-class ExtentClasses:
-    """Which extents a program makes equal: the extents of axes that its
-    ops iterate together (broadcasts aside) are one class.
-    Sizes in one class are checked equal when the program runs."""
-
-    def __init__(self, exprs: Sequence[Expr]):
-        self._parent: dict[int, Scalar] = {}
-        self._scalars: dict[int, Scalar] = {}
-        for e in walk(exprs):
-            for a, b in list(e.id_pairs()) + list(leaf_pairs(e)):
-                if not (a.is_broadcast or b.is_broadcast):
-                    self._union(a.extent, b.extent)
-
-    def _find(self, s: Scalar) -> Scalar:
-        while id(s) in self._parent:
-            s = self._parent[id(s)]
-        return s
-
-    def _union(self, a: Scalar, b: Scalar) -> None:
-        ra, rb = self._find(a), self._find(b)
-        if ra is not rb:
-            if ra.is_constant and not isinstance(ra, ScalarExpr):
-                ra, rb = rb, ra  # a constant stays its class's root
-            self._parent[id(ra)] = rb
-            self._scalars[id(ra)] = ra  # keep it alive while mapped by id
-
-    def key(self, s: Scalar):
-        """One key per class: its constant value if it has one, else the
-        class's representative scalar."""
-        root = self._find(s)
-        return root.value if root.is_constant and not isinstance(root, ScalarExpr) else root
-
-    def equal(self, a: Scalar, b: Scalar) -> bool:
-        ra, rb = self._find(a), self._find(b)
-        if ra is rb:
-            return True
-        return ra.is_constant and rb.is_constant and not isinstance(ra, ScalarExpr) and ra.value == rb.value
-
-    def same(self, a: Scalar, b: Scalar) -> bool:
-        """Structural equality of two extents up to the program's classes."""
-        return same_scalar(a, b, self.equal)
-
-
-class IdGraph:
-    """Union-find of axes that ops iterate together.
-
-    With `broadcast=True` a broadcast axis joins the axis it broadcasts to
-    (used to find which operand axes a stream axis walks); without, only
-    axes whose extents must be equal are joined (used to check shapes).
-    Built over ops as defined, before any pass replaces operands by slices.
-    """
-
-    def __init__(self, exprs: Sequence[Expr], broadcast: bool):
-        self._parent: dict[IterDomain, IterDomain] = {}
-        for e in walk(exprs):
-            for a, b in leaf_pairs(e):
-                if not broadcast and (a.is_broadcast or b.is_broadcast):
-                    continue
-                self._union(a, b)
-
-    def _find(self, d: IterDomain) -> IterDomain:
-        root = d
-        while self._parent.get(root, root) is not root:
-            root = self._parent[root]
-        while d is not root:
-            d, self._parent[d] = self._parent.get(d, d), root
-        return root
-
-    def _union(self, a: IterDomain, b: IterDomain) -> None:
-        ra, rb = self._find(a), self._find(b)
-        if ra is not rb:
-            self._parent[ra] = rb
-
-    def mapped(self, a: IterDomain, b: IterDomain) -> bool:
-        return a is b or self._find(a) is self._find(b)
-
-    def groups(self) -> list[list[IterDomain]]:
-        by_root: dict[IterDomain, list[IterDomain]] = {}
-        for d in list(self._parent):
-            by_root.setdefault(self._find(d), []).append(d)
-        for root, members in by_root.items():
-            if root not in members:
-                members.append(root)
-        return list(by_root.values())
-
-
-
 # ---------------------------------------------------------------- fusion
 
 
@@ -1638,190 +1521,5 @@ class Fusion(IrContainer):
             raise DefinitionError(f"{what}: T{v.name} belongs to another fusion")
 
 
-def _owner(*operands) -> Fusion:
-    owners = {id(v.owner): v.owner for v in operands if isinstance(v, TensorView)}
-    if not owners:
-        raise DefinitionTypeError("an op needs at least one TensorView operand")
-    if len(owners) > 1:
-        raise DefinitionError("operands belong to different fusions")
-    (fusion,) = owners.values()
-    return fusion
-
-
-def _emit(fusion: Fusion, e: Expr) -> TensorView:
-    fusion.add_expr(e)
-    return e.out
-
-
-def set_(x: TensorView, memory_type: MemoryType = MemoryType.local) -> TensorView:
-    """A copy of `x`; in `MemoryType.host` it is a device-to-host transfer."""
-    fusion = _owner(x)
-    out = TensorView(fusion, [d.clone(fusion) for d in x.logical_runtime()], x.dtype, memory_type)
-    return _emit(fusion, Set(out, x))
-
-
 def in_host_memory(tv) -> bool:
     return isinstance(tv, TensorView) and tv.memory_type is MemoryType.host
-
-
-def _as_operand(v) -> TensorView | Scalar:
-    if isinstance(v, (TensorView, InputScalar)):
-        return v
-    if isinstance(v, (bool, int, float)):
-        return Scalar.constant(v)
-    raise DefinitionTypeError(f"operand must be a TensorView or a Python number, got {type(v).__name__}")
-
-
-def _probe(v):
-    """A value with v's dtype for asking torch about type promotion."""
-    if isinstance(v, TensorView):
-        return torch.empty(0, dtype=v.dtype)
-    if isinstance(v, InputScalar):
-        return torch.zeros((), dtype=v.dtype)
-    return v.value
-
-
-def binary(kind: str, lhs, rhs) -> TensorView:
-    kind = _kind(BinaryKind, kind, "binary op")
-    lhs, rhs = _as_operand(lhs), _as_operand(rhs)
-    fusion = _owner(lhs, rhs)
-    tensors = [v for v in (lhs, rhs) if isinstance(v, TensorView)]
-    ranks = {t.logical_ndim for t in tensors}
-    if len(ranks) > 1:
-        shapes = " and ".join(f"T{t.name} ({t.logical_ndim} axes)" for t in tensors)
-        raise DefinitionError(f"{kind}: operands must have the same number of axes, got {shapes}")
-    probe = [_probe(v) for v in (lhs, rhs)]
-    if not isinstance(probe[0], torch.Tensor):
-        probe[0] = torch.tensor(probe[0])
-    dtype = kind.torch_fn(*probe).dtype
-    domain = []
-    for axes in zip(*(t.logical_runtime() for t in tensors)):
-        wide = [d for d in axes if not d.is_broadcast]
-        src = wide[0] if wide else axes[0]
-        for d in wide[1:]:
-            if d.extent.is_constant and src.extent.is_constant and d.extent.value != src.extent.value:
-                raise DefinitionError(f"{kind}: axis sizes {src.extent.value} and {d.extent.value} differ")
-        domain.append(src.clone(fusion))
-    out = TensorView(fusion, domain, dtype)
-    return _emit(fusion, BinaryOp(out, kind, lhs, rhs))
-
-
-def unary(kind: str, x: TensorView, dtype: torch.dtype | None = None) -> TensorView:
-    kind = _kind(UnaryKind, kind, "unary op")
-    if not isinstance(x, TensorView):
-        raise DefinitionTypeError(f"{kind} takes a TensorView, got {type(x).__name__}")
-    fusion = _owner(x)
-    if kind is UnaryKind.cast:
-        if not isinstance(dtype, torch.dtype):
-            raise DefinitionTypeError(f"cast needs a torch.dtype, got {dtype!r}")
-        if dtype not in _DTYPE_NAMES:
-            raise DefinitionTypeError(f"cast: dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES)}")
-    elif dtype is not None:
-        raise DefinitionTypeError(f"{kind} takes no dtype")
-    if kind.floating and not x.dtype.is_floating_point:
-        raise DefinitionTypeError(f"{kind}: T{x.name} is {x.dtype}; {kind} takes a floating-point tensor")
-    out = TensorView(fusion, [d.clone(fusion) for d in x.logical_runtime()], dtype or x.dtype)
-    return _emit(fusion, UnaryOp(out, kind, x))
-
-
-def _normalize_dims(x: TensorView, dims, what: str) -> list[int]:
-    if isinstance(dims, int):
-        dims = [dims]
-    dims = list(dims)
-    if not dims:
-        raise DefinitionError(f"{what}: give at least one axis to reduce")
-    n = x.logical_ndim
-    norm = []
-    for d in dims:
-        if not isinstance(d, int) or not -n <= d < n:
-            raise DefinitionIndexError(f"{what}: axis {d} is out of range for T{x.name}, which has {n} axes")
-        norm.append(d % n)
-    if len(set(norm)) != len(norm):
-        raise DefinitionError(f"{what}: axes {dims} repeat an axis")
-    return sorted(norm)
-
-
-def reduction(kind: str, x: TensorView, dims) -> TensorView:
-    kind = _kind(ReductionKind, kind, "reduction")
-    fusion = _owner(x)
-    reduced = _normalize_dims(x, dims, kind)
-    dtype = x.dtype
-    if kind is ReductionKind.sum and not (dtype.is_floating_point or dtype.is_complex):
-        dtype = torch.int64
-    domain = [
-        d.clone(fusion, IterType.reduction if i in reduced else None)
-        for i, d in enumerate(x.logical_runtime())
-    ]
-    out = TensorView(fusion, domain, dtype)
-    return _emit(fusion, ReductionOp(out, kind, x))
-
-
-def matmul(a: TensorView, b: TensorView) -> TensorView:
-    fusion = _owner(a, b)
-    for t in (a, b):
-        if not isinstance(t, TensorView):
-            raise DefinitionTypeError(f"matmul takes TensorViews, got {type(t).__name__}")
-        if t.logical_ndim < 2:
-            raise DefinitionError(f"matmul: T{t.name} must have at least 2 axes, got {t.logical_ndim}")
-    if a.dtype != b.dtype:
-        raise DefinitionTypeError(f"matmul: dtypes differ, T{a.name} is {a.dtype} and T{b.name} is {b.dtype}")
-    ad, bd = a.logical_runtime(), b.logical_runtime()
-    _check_same_size(ad[-1], bd[-2], "matmul: K of a and b")
-    # torch's batch broadcasting: batch axes align from the right; a
-    # broadcast (size-1) axis takes the other operand's.
-    n_batch = max(len(ad), len(bd)) - 2
-    batch = []
-    for i in range(n_batch):
-        j_a, j_b = len(ad) - 2 - n_batch + i, len(bd) - 2 - n_batch + i
-        pair = [d for d in (ad[j_a] if j_a >= 0 else None, bd[j_b] if j_b >= 0 else None) if d is not None]
-        wide = [d for d in pair if not d.is_broadcast]
-        if len(wide) == 2:
-            _check_same_size(wide[0], wide[1], f"matmul: batch axis {i}")
-        batch.append((wide or pair)[0].clone(fusion))
-    domain = batch + [
-        ad[-2].clone(fusion),
-        bd[-1].clone(fusion),
-        ad[-1].clone(fusion, IterType.reduction),
-    ]
-    out = TensorView(fusion, domain, a.dtype)
-    return _emit(fusion, MatmulOp(out, a, b))
-
-
-def linear(x: TensorView, weight: TensorView, bias: TensorView | None = None) -> TensorView:
-    """`x @ weight.T + bias` for a weight [N, K]; a weight [*W, N, K] (its
-    leading axes a logical split of N, as nvFuser allows) gives out
-    [..., *W, N], with a bias [*W, N] or [N]."""
-    fusion = _owner(x, weight, bias)
-    for t in (x, weight, bias):
-        if t is not None and not isinstance(t, TensorView):
-            raise DefinitionTypeError(f"linear takes TensorViews, got {type(t).__name__}")
-    if x.logical_ndim < 1 or weight.logical_ndim < 2:
-        raise DefinitionError(
-            f"linear: weight T{weight.name} must have at least 2 axes [N, K], got {weight.logical_ndim}"
-        )
-    wd = weight.logical_runtime()
-    if bias is not None and not 1 <= bias.logical_ndim <= len(wd) - 1:
-        raise DefinitionError(
-            f"linear: bias T{bias.name} must have the weight's leading axes {len(wd) - 1} or 1 axis [N], "
-            f"got {bias.logical_ndim}"
-        )
-    for t in (weight, bias):
-        if t is not None and t.dtype != x.dtype:
-            raise DefinitionTypeError(f"linear: T{t.name} is {t.dtype} but T{x.name} is {x.dtype}")
-    xd = x.logical_runtime()
-    _check_same_size(xd[-1], wd[-1], "linear: K of input and weight")
-    if bias is not None:
-        for i, (wa, ba) in enumerate(zip(reversed(wd[:-1]), reversed(bias.logical_runtime()))):
-            _check_same_size(wa, ba, f"linear: axis {len(wd) - 2 - i} of weight and bias")
-    domain = (
-        [d.clone(fusion) for d in xd[:-1]]
-        + [d.clone(fusion, IterType.iteration) for d in wd[:-1]]
-        + [xd[-1].clone(fusion, IterType.reduction)]
-    )
-    out = TensorView(fusion, domain, x.dtype)
-    return _emit(fusion, LinearOp(out, x, weight, bias))
-
-
-def _check_same_size(a: IterDomain, b: IterDomain, what: str) -> None:
-    if a.extent.is_constant and b.extent.is_constant and a.extent.value != b.extent.value:
-        raise DefinitionError(f"{what} differ: {a.extent.value} vs {b.extent.value}")

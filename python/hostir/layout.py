@@ -20,7 +20,7 @@ goes through this module.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -162,6 +162,23 @@ def global_extent(d: ir.IterDomain, local: int) -> int:
     return local * n
 
 
+def device_types(d: ir.IterDomain) -> frozenset:
+    """The mesh dimensions a logical axis is sharded on (through its pieces)."""
+    return frozenset(x.parallel_type for x in d.loop_leaves() if x.is_device_parallel)
+
+
+def shard_count(mesh: ir.DeviceMesh | None, d: ir.IterDomain) -> int:
+    """How many pieces logical axis `d` is cut into across `mesh`: the
+    product of the mesh's sizes along its device-parallel pieces (1
+    without a mesh or a sharded piece)."""
+    n = 1
+    if mesh is not None:
+        for leaf in d.loop_leaves():
+            if leaf.is_device_parallel:
+                n *= mesh.size_along(leaf.parallel_type)
+    return n
+
+
 def whole_size(tv: ir.TensorView, d: ir.IterDomain, size: int) -> int:
     """The size of logical axis `d` across all ranks, from this rank's."""
     for leaf in d.loop_leaves():
@@ -184,10 +201,7 @@ def local_size(tv: ir.TensorView, d: ir.IterDomain, sizes) -> int | None:
     size = whole_extent(d.extent, sizes)
     if size is None:
         return None
-    for leaf in d.loop_leaves():
-        if leaf.is_device_parallel:
-            size //= tv.mesh.size_along(leaf.parallel_type)
-    return size
+    return size // shard_count(tv.mesh, d)
 
 
 def whole_extent(extent: ir.Scalar, sizes) -> int | None:
@@ -249,9 +263,10 @@ def leaf_sizes(leaves: Sequence[ir.IterDomain], size: int, mesh, whole=None) -> 
     return [size // known if v is None else v for v in sizes]
 
 
-def is_split(tv: ir.TensorView) -> bool:
-    """Whether `tv` has a split axis: its runtime dims merge pieces, or an
-    extent is a ceilDiv."""
+def is_chunked(tv: ir.TensorView) -> bool:
+    """Whether a split of `tv` shows at run time: a runtime dim merges the
+    pieces of a split axis (a loop walks it in chunks), or an extent is a
+    ceilDiv. (`tv.is_split` asks only whether any axis is split.)"""
     if any(len(dim) > 1 for dim in dims(tv)):
         return True
     return any(isinstance(d.extent, ir.ScalarExpr) and d.extent.op == "ceilDiv" for d in tv.domain)
@@ -267,3 +282,78 @@ def sharded_axis(tv: ir.TensorView, parallel_type=None) -> tuple[int, int] | Non
             if leaf.parallel_type is parallel_type:
                 return index, at
     return None
+
+
+# ---------------------------------------------------------------- counts
+
+
+def numel(shape: Iterable[int]) -> int:
+    """The number of elements of a tensor of `shape`."""
+    n = 1
+    for size in shape:
+        n *= int(size)
+    return n
+
+
+def reshape_numel(shape: Sequence[int], numel_in: int) -> int:
+    """The number of elements a reshape to `shape` holds for an input of
+    `numel_in` elements: a -1 takes the rest where the known sizes divide
+    it."""
+    known = numel(size for size in shape if size != -1)
+    if -1 in shape and known and numel_in % known == 0:
+        return numel_in
+    return known
+
+
+def product(extents: Sequence[ir.Scalar]) -> ir.Scalar:
+    """`( ( a * b ) * c )`: the left-nested product nvFuser prints for sizes."""
+    if not extents:
+        return ir.Scalar.constant(1)
+    acc = extents[0]
+    for e in extents[1:]:
+        acc = ir.ScalarExpr("*", acc, e)
+    return acc
+
+
+def local_loop_extents(tv: ir.TensorView) -> list[ir.Scalar]:
+    """The extents of `tv`'s loop axes (reductions excluded) on one rank:
+    a mesh_x axis is 1."""
+    one = ir.Scalar.constant(1)
+    return [one if d.is_device_parallel else d.extent for d in tv.loop_axes()]
+
+
+def allocated_extents(tv: ir.TensorView) -> list[ir.Scalar]:
+    """The extents whose product is the element count an allocation of
+    `tv` prints: a split axis whose pieces are all runtime dims counts as
+    its whole extent."""
+    extents: list[ir.Scalar] = []
+    for dim in dims(tv):
+        parent = dim[0].parent
+        whole = parent is not None and len(dim) == len(parent.loop_leaves())
+        extents += [parent.extent] if whole else [d.extent for d in dim]
+    return extents
+
+
+def constant_bytes(tv: ir.TensorView) -> int | None:
+    """The bytes of `tv`'s buffer on one rank when every extent is a
+    constant, else None."""
+    n = tv.dtype.itemsize
+    for d in tv.loop_axes():
+        if not d.extent.is_constant:
+            return None
+        n *= 1 if d.is_device_parallel else d.extent.value
+    return n
+
+
+def local_reduce_dims(e: ir.ReductionOp, parallel_type: ir.ParallelType) -> tuple[int, ...]:
+    """Runtime dims of a reduction's input that are pieces of a reduced axis
+    but not its piece sharded along `parallel_type`: each rank sums its rows
+    of them before the collective sums across ranks."""
+    found = []
+    for o, i in e.id_pairs():
+        if not o.is_reduction:
+            continue
+        for leaf in i.loop_leaves():
+            if leaf.parallel_type is not parallel_type and leaf in e.input.domain and not leaf.is_reduction:
+                found.append(position(e.input, leaf))
+    return tuple(sorted(found))

@@ -357,7 +357,7 @@ def _posts_and_computes(fusion, inputs, host: frozenset, model: MachineModel, co
     for i, (tv, t) in enumerate(zip(fusion.inputs, inputs)):
         if not isinstance(tv, ir.TensorView) or not isinstance(t, torch.Tensor):
             continue
-        nbytes = t.numel() * t.element_size()
+        nbytes = ir.nbytes(t)
         if ir.in_host_memory(tv) or i in host:
             moved[tv], whole[tv] = model.transfer_ms(nbytes), t.numel()
         elif comm is not None and tv.device_axes():

@@ -12,7 +12,7 @@ failing inside an op or a communication.
 
 from __future__ import annotations
 
-from hostir import ir, printer
+from hostir import axis_graph, ir, layout, printer
 from hostir.errors import HostIrError
 
 
@@ -22,7 +22,7 @@ class MeshExtentError(HostIrError, ValueError):
 
 def check(fusion: ir.Fusion, sizes: dict) -> None:
     """`sizes`: the whole size of each symbolic input extent."""
-    classes = ir.ExtentClasses(fusion.exprs)
+    classes = axis_graph.ExtentClasses(fusion.exprs)
     known: dict = {}
     for extent, size in sizes.items():
         known.setdefault(_key(classes, extent), size)
@@ -47,9 +47,7 @@ def check(fusion: ir.Fusion, sizes: dict) -> None:
                 continue
             # Each rank holds whole / ranks rows (stream chunks of them may
             # be ragged).
-            ranks = 1
-            for x in sharded:
-                ranks *= tv.mesh.size_along(x.parallel_type)
+            ranks = layout.shard_count(tv.mesh, d)
             if whole % ranks:
                 raise MeshExtentError(
                     f"axis {pos} of {printer.format_tv(tv)} is split across {ranks} ranks, but its size is "
@@ -57,7 +55,7 @@ def check(fusion: ir.Fusion, sizes: dict) -> None:
                 )
 
 
-def _key(classes: ir.ExtentClasses, extent: ir.Scalar):
+def _key(classes: axis_graph.ExtentClasses, extent: ir.Scalar):
     key = classes.key(extent)
     return id(key) if isinstance(key, ir.Scalar) else ("c", key)
 

@@ -296,11 +296,5 @@ def print_container(container) -> str:
 
 
 def _allocation_size(e: ir.Allocate) -> ir.Scalar:
-    """The element count an Allocate prints: a split axis whose pieces are
-    all runtime dims counts as its whole extent."""
-    extents = []
-    for dim in layout.dims(e.buffer):
-        parent = dim[0].parent
-        whole = parent is not None and len(dim) == len(parent.loop_leaves())
-        extents += [parent.extent] if whole else [d.extent for d in dim]
-    return ir.product(extents)
+    """The element count an Allocate prints (`layout.allocated_extents`)."""
+    return layout.product(layout.allocated_extents(e.buffer))

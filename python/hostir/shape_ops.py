@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from hostir import ir
+from hostir import ir, layout
 from hostir.errors import DefinitionError, DefinitionIndexError, DefinitionTypeError
 
 
@@ -61,19 +61,15 @@ def reshape(x: ir.TensorView, shape: Sequence[int]) -> ir.TensorView:
         raise DefinitionError(f"reshape: shape {list(shape)} has more than one -1")
     fusion = x.owner
     extents = [d.extent for d in x.logical_runtime()]
-    known = 1
-    for size in shape:
-        known *= size if size != -1 else 1
+    known = layout.numel(size for size in shape if size != -1)
     if all(e.is_constant for e in extents):
-        numel = 1
-        for e in extents:
-            numel *= e.value
+        numel = layout.numel(e.value for e in extents)
         inferred = numel // known if known else 0
         if (known and numel % known) or (-1 not in shape and known != numel) or (-1 in shape and known == 0):
             raise DefinitionError(f"reshape: T{x.name} has {numel} elements, which shape {list(shape)} cannot hold")
         rest = ir.Scalar.constant(inferred)
     else:
-        rest = ir.ScalarExpr("/", ir.product(extents), ir.Scalar.constant(known))
+        rest = ir.ScalarExpr("/", layout.product(extents), ir.Scalar.constant(known))
     domain = []
     for size in shape:
         extent = rest if size == -1 else ir.Scalar.constant(size)

@@ -39,17 +39,22 @@ def cuda_device() -> str:
 
 
 def check_golden(name: str, program) -> None:
-    """Compare `program` (a HostIrContainer, or its dump) with
-    tests/python/golden/<name>.hir; HOSTIR_ACCEPT=1 writes the file instead.
-    A container is also checked for stream races, and so is every mutant
-    of it that lacks one of its Synchronize or Wait ops (each must race,
-    or be a provably harmless removal)."""
+    """Compare `program` (what `lower` returns, a HostIrContainer, or its
+    dump) with tests/python/golden/<name>.hir; HOSTIR_ACCEPT=1 writes the
+    file instead. A program is also checked for stream races (as the rank
+    it was pruned for, if it was), and so is every mutant of it that lacks
+    one of its Synchronize or Wait ops (each must race, or be a provably
+    harmless removal)."""
     from hostir.container import HostIrContainer
+    from hostir.lower import LoweredProgram
     from race_mutations import check_sync_mutations
 
+    rank = None
+    if isinstance(program, LoweredProgram):
+        program, rank = program.program, program.rank
     text = str(program)
     if isinstance(program, HostIrContainer):
-        check_sync_mutations(program)
+        check_sync_mutations(program, rank)
     path = GOLDEN / f"{name}.hir"
     if os.environ.get("HOSTIR_ACCEPT") == "1":
         path.write_text(text)

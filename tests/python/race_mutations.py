@@ -1,6 +1,6 @@
 """Mutation analysis of the stream-race checker on a host program.
 
-`check_sync_mutations(container)` removes each `Synchronize` and each `Wait`
+`check_sync_mutations(container, rank)` removes each `Synchronize` and each `Wait`
 of a race-free program, one at a time, and requires the race checker to
 report a race for the mutant, unless the removal is provably harmless: a
 `Synchronize` that ends a loop body's join with the caller's stream, where
@@ -59,12 +59,13 @@ def mutant(container: HostIrContainer, path) -> HostIrContainer:
     return m
 
 
-def check_sync_mutations(container: HostIrContainer) -> None:
-    races = check_races(container)
+def check_sync_mutations(container: HostIrContainer, rank: int | None = None) -> None:
+    """`rank`: the rank the program was pruned for, if it was."""
+    races = check_races(container, rank)
     assert not races, "races in the program:\n" + "\n".join(map(str, races))
     for path in sync_paths(container.exprs):
         line = printer.format_expr_head(at(container.exprs, path))
-        found = check_races(mutant(container, path))
+        found = check_races(mutant(container, path), rank)
         if harmless(container, path):
             assert not found, f"removing {line} is harmless, yet races were reported:\n" + "\n".join(map(str, found))
         else:

@@ -41,8 +41,8 @@ def test_lowering_and_schedules_take_any_case():
     for tv in (x, y):
         tv.set_device_mesh(hostir.DeviceMesh([0, 1]))
     x.axis(0).parallelize(ParallelType.mesh_x)
-    program = lower(fd.fusion, backend="GLOO")
-    assert program.backend == "gloo" and "backend=gloo)" in str(program)
+    lowered = lower(fd.fusion, backend="GLOO")
+    assert lowered.backend == "gloo" and "backend=gloo)" in str(lowered.program)
     assert parse("ring:transport=nccl").transport == "NCCL"
     assert parse("ring:transport=Gloo").transport == "gloo"
 

@@ -229,7 +229,6 @@ def _p2p_program(rank: int, peer: int, kind: str, n: int = 6, wait: bool = True)
     c.push_back(e)
     if wait:
         c.push_back(ir.Wait(e))
-    c.rank = rank
     return c
 
 
@@ -279,7 +278,7 @@ def test_missing_wait_is_reported():
 
 
 def _rank_programs(fd, d: int) -> dict[int, HostIrContainer]:
-    return {r: lower(fd.fusion, rank=r) for r in range(d)}
+    return {r: lower(fd.fusion, rank=r).program for r in range(d)}
 
 
 def _without(container: HostIrContainer, drop) -> HostIrContainer:
@@ -356,7 +355,7 @@ def test_other_type_root_or_size_on_one_rank_is_reported():
             fd.add_output(y)
         x.set_device_mesh(DeviceMesh([0]))
         y.set_device_mesh(DeviceMesh([0, 1]))
-        bcast[r] = lower(fd.fusion, rank=r)
+        bcast[r] = lower(fd.fusion, rank=r).program
     dry_run_programs(bcast, [[5]])  # as lowered, they match
     moved = _retyped(bcast[1], root=1)
     with pytest.raises(CommunicationMismatchError, match=r"(?s)differs \(root 0 vs 1\)"):

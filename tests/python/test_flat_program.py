@@ -35,7 +35,7 @@ def _inputs(shapes, device="cpu"):
 def test_flat_program_dump(case):
     build, _, _ = CASES[case]
     fd = _define(build)
-    check_golden(f"flat_{case}", compile_program(lower(fd.fusion)).dump())
+    check_golden(f"flat_{case}", compile_program(lower(fd.fusion).program).dump())
 
 
 @needs_cpp

@@ -19,12 +19,11 @@ from hostir.lower.hoist_transfers import Hoisting
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_golden_dump_of_hoisted_allgathers(world_size):
-    program = lower(fsdp_mlp(world_size).fusion, rank=0, backend="gloo")
-    check_golden(f"fsdp_mlp_np{world_size}", program)
+    check_golden(f"fsdp_mlp_np{world_size}", lower(fsdp_mlp(world_size).fusion, rank=0, backend="gloo"))
 
 
 def test_each_gathered_weight_is_freed_after_its_linear():
-    program = lower(fsdp_mlp(2).fusion, rank=0, backend="gloo")
+    program = lower(fsdp_mlp(2).fusion, rank=0, backend="gloo").program
     exprs = program.exprs
     for comm in [e for e in exprs if isinstance(e, ir.Communication)]:
         (linear,) = [e for e in exprs if isinstance(e, ir.LinearOp) and e.weight is comm.out]
@@ -34,7 +33,8 @@ def test_each_gathered_weight_is_freed_after_its_linear():
 
 
 def test_at_most_two_gathered_weights_are_live():
-    program = lower(fsdp_mlp(4, layers=5).fusion, rank=1, backend="gloo")
+    lowered = lower(fsdp_mlp(4, layers=5).fusion, rank=1, backend="gloo")
+    program = lowered.program
     live = peak = 0
     for e in program.exprs:
         if isinstance(e, ir.Allocate):
@@ -47,11 +47,11 @@ def test_at_most_two_gathered_weights_are_live():
     assert peak == 2
     hoisted = [e for e in program.exprs if isinstance(e, ir.Communication) and e.schedule]
     assert len(hoisted) == 4 and all("hoisted above" in e.schedule for e in hoisted)
-    assert hostir.check_races(program) == []
+    assert hostir.check_races(program, lowered.rank) == []
 
 
 def test_sequential_leaves_each_allgather_by_its_use():
-    program = lower(fsdp_mlp(2).fusion, rank=0, backend="gloo", hoisting=Hoisting("sequential"))
+    program = lower(fsdp_mlp(2).fusion, rank=0, backend="gloo", hoisting=Hoisting("sequential")).program
     exprs = program.exprs
     for i, e in enumerate(exprs):
         if isinstance(e, ir.Communication):

@@ -18,7 +18,8 @@ import hostir
 from conftest import check_golden
 from hostir import FusionDefinition, ir, machine
 from hostir.lower import lower
-from hostir.lower.hoist_transfers import Hoisting, HoistingError, constant_bytes, parse
+from hostir.layout import constant_bytes
+from hostir.lower.hoist_transfers import Hoisting, HoistingError, parse
 
 H = 16
 WEIGHT = H * H * 4
@@ -69,11 +70,11 @@ def posts_ahead(program) -> list[int]:
     [("default", Hoisting()), ("sequential", Hoisting("sequential", note="forced")), ("lookahead_1", Hoisting(lookahead=1))],
 )
 def test_golden_dump(name, hoisting):
-    check_golden(f"hoist_mlp_{name}", lower(mlp(3).fusion, hoisting=hoisting))
+    check_golden(f"hoist_mlp_{name}", lower(mlp(3).fusion, hoisting=hoisting).program)
 
 
 def test_next_layers_weights_move_while_this_layer_computes():
-    program = lower(mlp(4).fusion)
+    program = lower(mlp(4).fusion).program
     # Layer 0's weights have nothing to hide under; each later layer's
     # transfer is posted before the previous layer's linear and gelu.
     assert posts_ahead(program)[0] == 0
@@ -90,8 +91,8 @@ def test_next_layers_weights_move_while_this_layer_computes():
 )
 def test_any_budget_keeps_its_bound_and_no_races(layers, budget, lookahead):
     hoisting = Hoisting(budget_bytes=None if budget is None else budget * WEIGHT, lookahead=lookahead)
-    program = lower(mlp(layers).fusion, hoisting=hoisting)
-    sequential = lower(mlp(layers).fusion, hoisting=Hoisting("sequential"))
+    program = lower(mlp(layers).fusion, hoisting=hoisting).program
+    sequential = lower(mlp(layers).fusion, hoisting=Hoisting("sequential")).program
     bound = 2 * WEIGHT if budget is None else max(budget * WEIGHT, live_weights(sequential))
     assert live_weights(program) <= bound
     if lookahead is not None:
@@ -112,7 +113,7 @@ def test_every_choice_matches_eager_torch(option):
 
 
 def test_a_budget_of_one_weight_keeps_one_weight_on_the_device():
-    program = lower(mlp(3).fusion, hoisting=parse("hoist:budget=1KiB"))
+    program = lower(mlp(3).fusion, hoisting=parse("hoist:budget=1KiB")).program
     # Each layer's weights move only once the previous layer's are freed
     # (after its linear): under that layer's gelu alone.
     assert posts_ahead(program) == [0, 1, 1]
@@ -228,7 +229,7 @@ def test_weights_in_pieces_are_freed_like_whole_ones(layers, chunks):
     sequential = fd.dry_run([x, *ws], hoisting=Hoisting("sequential", chunks=chunks))[0].peak_bytes
     activations = sequential - WEIGHT
     assert WEIGHT + activations < peak <= 2 * WEIGHT + activations, (peak, activations)
-    program = lower(fd.fusion, hoisting=Hoisting(chunks=chunks))
+    program = lower(fd.fusion, hoisting=Hoisting(chunks=chunks)).program
     freed = {e.buffer for e in program.exprs if isinstance(e, ir.Deallocate)}
     views = [e.out for e in program.exprs if isinstance(e, ir.HirAliasChunk) and not ir.in_host_memory(e.out)]
     assert len(views) == (2 * layers * chunks if chunks > 1 else 0)

@@ -192,3 +192,12 @@ def test_the_checker_finds_a_circle_closed_inside_a_function(tmp_path):
     (package / "sub" / "d.py").write_text("def g():\n    from hostir.sub import x\n")
     graph = import_graph(package)
     assert cycles(graph) == [["hostir.a", "hostir.b"], ["hostir.sub", "hostir.sub.c", "hostir.sub.d"]]
+
+
+def test_the_ir_imports_neither_its_builders_nor_its_axis_graphs():
+    """ir.py is the IR's data: the op builders and the axis graphs import
+    it, never the reverse."""
+    graph = import_graph()
+    assert not {t for t, _, _ in graph["hostir.ir"]} & {"hostir.builders", "hostir.axis_graph", "hostir.layout"}
+    for module in ("hostir.builders", "hostir.axis_graph"):
+        assert "hostir.ir" in {t for t, _, _ in graph[module]}

@@ -55,7 +55,7 @@ def test_golden_dump(case):
 
 def test_buffer_of_a_stream_loop_is_freed_after_the_loop():
     fd, _ = stream_loop_then_serial()
-    container = lower(fd.fusion)
+    container = lower(fd.fusion).program
     loop_at = next(i for i, e in enumerate(container.exprs) if isinstance(e, ir.ForLoop))
     frees = {e.buffer.name: i for i, e in enumerate(container.exprs) if isinstance(e, ir.Deallocate)}
     # T1 (y) and T2 (z) are written in the loop; z is read after it.
@@ -101,7 +101,7 @@ def test_deallocate_of_a_collective_input_comes_after_its_wait():
         tv.set_device_mesh(DeviceMesh([0, 1]))
     x.axis(0).parallelize(ParallelType.mesh_x)
     a.axis(0).parallelize(ParallelType.mesh_x)
-    text = str(lower(fd.fusion, rank=0))
+    text = str(lower(fd.fusion, rank=0).program)
     check_golden("deallocate_after_wait", text)
     lines = [line.strip() for line in text.splitlines()]
     wait = next(i for i, line in enumerate(lines) if line.startswith("Wait Communication"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hostir import FusionDefinition, ir
+from hostir import FusionDefinition, builders
 from hostir.errors import DefinitionError
 from hostir.kinds import BinaryKind, ReductionKind, UnaryKind
 
@@ -34,9 +34,9 @@ def test_unknown_kinds_name_the_known_ones():
     with FusionDefinition() as fd:
         x = fd.define_tensor(shape=[-1])
         with pytest.raises(DefinitionError, match=r"unknown unary op 'erf'; expected one of \['relu', 'neg'"):
-            ir.unary("erf", x)
+            builders.unary("erf", x)
         with pytest.raises(DefinitionError, match=r"unknown reduction 'prod'; expected one of \['sum', 'max', 'min'\]"):
-            ir.reduction("prod", x, [0])
+            builders.reduction("prod", x, [0])
         fd.add_output(fd.ops.neg(x))
 
 
@@ -45,7 +45,7 @@ def test_unary_facts_match_torch(kind):
     x = torch.randn(5, 3)
     with FusionDefinition() as fd:
         t = fd.define_tensor(shape=[-1, -1])
-        fd.add_output(ir.unary(kind.value, t))
+        fd.add_output(builders.unary(kind.value, t))
     (out,) = fd.execute([x], evaluator="python")
     torch.testing.assert_close(out, kind.torch_fn(x))
 

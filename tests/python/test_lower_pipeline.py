@@ -15,13 +15,13 @@ def test_lower_until_a_pass_stops_right_after_it():
     names = pass_names()
     assert names[0] == "build_host_program" and names[-1] == "prune_for_rank"
     container = _run_one(build_host_program, fusion, None)
-    container.backend = "gloo"
-    assert str(lower(fusion, rank=1, backend="gloo", until="build_host_program")) == str(container)
+    assert str(lower(fusion, rank=1, backend="gloo", until="build_host_program").program) == str(container)
     options = pass_options(1, "gloo")
     for p in PIPELINE:
         container = _run_one(p, container, None, options.get(p))
-        assert str(lower(fusion, rank=1, backend="gloo", until=p.__name__)) == str(container), p.__name__
-    assert str(lower(fusion, rank=1, backend="gloo", until="prune_for_rank")) == str(lower(fusion, rank=1, backend="gloo"))
+        assert str(lower(fusion, rank=1, backend="gloo", until=p.__name__).program) == str(container), p.__name__
+    pruned = lower(fusion, rank=1, backend="gloo", until="prune_for_rank")
+    assert str(pruned.program) == str(lower(fusion, rank=1, backend="gloo").program)
     with pytest.raises(LoweringError, match="unknown pass 'fuse'; passes in order: build_host_program, "):
         lower(fusion, until="fuse")
 
@@ -41,9 +41,9 @@ def test_the_stream_form_is_an_option():
         y = fd.ops.add(x, x)
         fd.add_output(y)
     y.axis(0).parallelize(ParallelType.stream)
-    default = str(lower(fd.fusion))
-    assert default == str(lower(fd.fusion, stream_form="per_iteration"))
-    pipelined = lower(fd.fusion, stream_form="pipelined")
+    default = str(lower(fd.fusion).program)
+    assert default == str(lower(fd.fusion, stream_form="per_iteration").program)
+    pipelined = lower(fd.fusion, stream_form="pipelined").program
     text = str(pipelined)
     assert default.count("FOR StreamIdx") == 1 and text.count("FOR StreamIdx") == 2, text
     assert text.index("GetCurrentStream") < text.index("FOR StreamIdx"), text

@@ -43,7 +43,7 @@ def test_offloaded_stack_matches_the_module(bias):
 
 def test_offloaded_stack_moves_each_layer_while_the_previous_computes():
     offloaded = hostir.offload(stack(layers=4), "cpu")
-    program = lower(offloaded.fusion().fusion)
+    program = lower(offloaded.fusion().fusion).program
     transfers = [e for e in program.exprs if isinstance(e, ir.Transfer)]
     assert len(transfers) == 4
     assert all("hoisted above" in t.schedule for t in transfers[1:])
@@ -182,7 +182,7 @@ def test_offloaded_stack_in_chunks_matches_the_module():
     with torch.no_grad():
         for x in (torch.randn(2, 3, 32), torch.randn(5, 32)):
             torch.testing.assert_close(offloaded(x), expected(x), rtol=1e-4, atol=1e-5)
-    program = lower(offloaded.fusion().fusion, hoisting=parse("hoist:chunks=4"))
+    program = lower(offloaded.fusion().fusion, hoisting=parse("hoist:chunks=4")).program
     assert sum(isinstance(e, ir.Transfer) for e in program.exprs) == 2 * 4 + 2  # the weights in pieces, the biases whole
 
 

@@ -40,7 +40,7 @@ def test_aliases_and_allocations_bind_what_they_declare():
     y.axis(0).parallelize(ir.ParallelType.stream)
     from hostir.lower import lower
 
-    program = lower(fd.fusion)
+    program = lower(fd.fusion).program
     found = {type(e).__name__: ir.defined_tvs(e) for e in program.walk()}
     selects = [e for e in program.walk() if isinstance(e, ir.HirAliasSelect)]
     allocations = [e for e in program.walk() if isinstance(e, ir.Allocate)]

@@ -68,7 +68,7 @@ def test_communications_are_named_with_their_number_and_type():
     x.set_device_mesh(mesh)
     fd.fusion.outputs[0].set_device_mesh(mesh)
     x.axis(0).parallelize(ParallelType.mesh_x)
-    container = lower(fd.fusion, rank=0, backend="gloo")
+    container = lower(fd.fusion, rank=0, backend="gloo").program
     names = [profiling.op_name(e) for e in container.walk()]
     (comm,) = [n for n in names if n.startswith("Communication")]
     number = comm.split()[1]

@@ -88,14 +88,14 @@ def _ag_matmul_program():
     x.axis(1).parallelize(ParallelType.mesh_x)
     xg.axis(0).parallelize(ParallelType.stream)
     y.axis(0).parallelize(ParallelType.stream)
-    return lower(fd.fusion, rank=0)
+    return lower(fd.fusion, rank=0).program
 
 
 def test_communication_output_read_before_its_wait_races_with_loop_indices():
     program = _ag_matmul_program()
-    assert hostir.check_races(program) == []
+    assert hostir.check_races(program, rank=0) == []
     (wait_path,) = [p for p in sync_paths(program.exprs) if isinstance(_at(program, p), ir.Wait)]
-    races = hostir.check_races(mutant(program, wait_path))
+    races = hostir.check_races(mutant(program, wait_path), rank=0)
     posted = [r for r in races if r.first.kind == "write" and r.first.line.startswith("Communication")]
     (first,) = [r for r in posted if r.second.kind == "read"]
     # The deallocation of the gathered buffer after the loops races with

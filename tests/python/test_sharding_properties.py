@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hostir import DeviceMesh, FusionDefinition, ParallelType, shard_tensor
-from hostir import ir
+from hostir import axis_graph, ir
 from hostir.lower.insert_reshardings import _compare
 
 
@@ -72,7 +72,7 @@ def test_extents_joined_by_ops_are_one_class(n, data):
         for i in range(n):
             if i not in joined:
                 fd.add_output(fd.ops.neg(xs[i]))
-    classes = ir.ExtentClasses(fd.fusion.exprs)
+    classes = axis_graph.ExtentClasses(fd.fusion.exprs)
     extents = [x.axis(0).extent for x in xs]
     for i in range(n):
         for j in range(n):

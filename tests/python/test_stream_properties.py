@@ -128,7 +128,7 @@ def _check_deallocations(container) -> None:
 def test_random_programs_lower_and_match_eager(program):
     steps, axes, reduce, reduce_stream, shape, streams = program
     fd = _build(steps, axes, reduce, reduce_stream)
-    container = lower(fd.fusion)
+    container = lower(fd.fusion).program
 
     loops = [e for e in container.exprs if isinstance(e, ir.ForLoop)]
     assert len(loops) == _expected_loops(steps, axes, reduce, reduce_stream)

@@ -134,7 +134,7 @@ def test_forced_window_kind_must_be_known(monkeypatch):
 
 def test_fallback_from_cuda_is_in_the_dump():
     sched = Schedule("ring", transport=None, note="cuda transport unavailable: the ranks run on cpu")
-    dump = str(lower(overlap.allgather_matmul(2).fusion, rank=0, backend="gloo", schedule=sched))
+    dump = str(lower(overlap.allgather_matmul(2).fusion, rank=0, backend="gloo", schedule=sched).program)
     assert "transport=gloo, cuda transport unavailable: the ranks run on cpu" in dump
 
 
@@ -159,7 +159,7 @@ def test_the_lowering_asks_a_capability_not_a_name(monkeypatch):
     from hostir.runtime import transports
 
     def ring(rank=0):
-        return str(lower(overlap.allgather_matmul(2).fusion, rank=rank, backend="gloo", schedule=Schedule(transport="gloo")))
+        return str(lower(overlap.allgather_matmul(2).fusion, rank=rank, backend="gloo", schedule=Schedule(transport="gloo")).program)
 
     plain = ring()
     assert "symmetric" not in plain and "into=" not in plain

@@ -75,7 +75,7 @@ def test_unary_dump():
         y = fd.ops.relu(x)
         z = fd.ops.cast(fd.ops.gelu(y), torch.bfloat16)
         fd.add_output(z)
-    check_golden("unary_ops", str(lower(fd.fusion)))
+    check_golden("unary_ops", str(lower(fd.fusion).program))
 
 
 @pytest.mark.parametrize(

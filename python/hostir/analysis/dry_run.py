@@ -53,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hostir import ir, layout, printer
 from hostir.errors import HostIrError
-from hostir.lower import lower
+from hostir.lower import LoweredProgram, lower
 from hostir.runtime import checks
 from hostir.runtime.bind import Binding
 from hostir.runtime.checks import signature
@@ -397,10 +397,6 @@ def _recording_calls(backend: str, transfer: Transfer, comm: RecordingCommunicat
     return torch_dist.Calls(**{f.name: call(f.name) for f in dataclasses.fields(torch_dist.Calls)})
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
 class RecordingTransport(Transport):
     """The transport of a dry run: each posted communication becomes a
     `Transfer` of its rank, and a work whose `wait` marks it completed.
@@ -446,7 +442,7 @@ class RecordingTransport(Transport):
     def post_p2p(self, frame, e, buf, peer: int, ops: list | None) -> Posted:
         send = e.type == "send"
         t = self._transfer(e, buf if send else None, None if send else buf, tuple(sorted({self.comm.rank, peer})), None)
-        (t.sent if send else t.received)[peer] = _nbytes(buf)
+        (t.sent if send else t.received)[peer] = ir.nbytes(buf)
         work = _RecordedWork(t, self.comm)
         if ops is not None:
             # Coalesced: the group's Wait completes it.
@@ -472,8 +468,8 @@ class RecordingTransport(Transport):
             loops=[],
             stream="",
             dtype=_dtype(src.dtype) if src is not None else "",
-            input_bytes=_nbytes(input),
-            output_bytes=_nbytes(out),
+            input_bytes=ir.nbytes(input),
+            output_bytes=ir.nbytes(out),
             sent={},
             received={},
         )
@@ -558,7 +554,7 @@ class _Recorder:
         if isinstance(e, ir.Transfer):
             moved = frame.get(e.out, None)
             self.transfers.append(
-                {"direction": e.direction, "bytes": _nbytes(moved), "line": printer.format_expr_head(e), "loops": _loops(frame)}
+                {"direction": e.direction, "bytes": ir.nbytes(moved), "line": printer.format_expr_head(e), "loops": _loops(frame)}
             )
         if self.comm is not None:
             for t in self.comm.transfers[self._annotated :]:
@@ -717,13 +713,13 @@ def run_rank(
     number_of_streams: int = 4,
     backend: str = "NCCL",
     multi: bool | None = None,
-    container=None,
+    program: LoweredProgram | None = None,
     raw_errors: bool = False,
     schedule=None,
     resharding: str = "auto",
     hoisting=None,
 ) -> RankReport:
-    """One rank's part of a dry run (`container`: that rank's lowered
+    """One rank's part of a dry run (`program`: that rank's lowered
     program, if the caller has it; `raw_errors`: see `_run_container`)."""
     multi = checks.is_multi_device(fusion) if multi is None else multi
     try:
@@ -731,19 +727,22 @@ def run_rank(
         if multi:
             checks.check_world(fusion, world_size)
         checks.check_inputs(fusion, metas, "meta", sharded=multi)
-        if container is None:
+        if program is None:
             if multi:
-                container = lower(
+                program = lower(
                     fusion, rank=rank, backend=backend, schedule=schedule, resharding=resharding, hoisting=hoisting
                 )
             else:
-                container = lower(fusion, resharding=resharding, hoisting=hoisting)
+                program = lower(fusion, resharding=resharding, hoisting=hoisting)
         checks.check_sizes(fusion, metas, checks.equal_input_axes(fusion))
     except Exception as err:
         raise DryRunError(f"rank {rank}: {type(err).__name__}: {err}") from err
+    container = program.program
     binding = Binding.of(container)
     bindings = binding.bind(metas)
-    report = _run_container(container, bindings, rank, world_size if multi else None, number_of_streams, raw_errors)
+    report = _run_container(
+        container, bindings, rank, world_size if multi else None, number_of_streams, raw_errors, program.rank
+    )
     report.inputs = [_input_entry(tv, t) for tv, t in zip(fusion.inputs, metas)]
     report.outputs = [
         (name, None if shape is None else list(layout.to_logical(tv, _shaped(shape)).shape), dtype)
@@ -761,10 +760,17 @@ def _shaped(shape) -> torch.Tensor:
 
 
 def _run_container(
-    container, bindings: dict, rank: int, world_size: int | None, number_of_streams: int, raw_errors: bool = False
+    container,
+    bindings: dict,
+    rank: int,
+    world_size: int | None,
+    number_of_streams: int,
+    raw_errors: bool = False,
+    pruned_for: int | None = None,
 ) -> RankReport:
     """Run one rank's program on the meta tensors of `bindings`; with a
-    `world_size`, through a recording communicator. A failure is a
+    `world_size`, through a recording communicator (`pruned_for`: the rank
+    the program was pruned for, if it was). A failure is a
     `DryRunError` naming the rank, or with `raw_errors` the evaluator's own
     error (what a real run of the program would raise)."""
     comm = RecordingCommunicator(rank, world_size) if world_size is not None else None
@@ -773,7 +779,9 @@ def _run_container(
         comm.allocations = allocations
     recorder = _Recorder(comm, allocations)
     try:
-        ev = HostIrEvaluator(container, streams=RecordingStreams(), device="meta", communicator=comm)
+        ev = HostIrEvaluator(
+            container, streams=RecordingStreams(), device="meta", communicator=comm, rank=pruned_for
+        )
         ev.profiled = False
         ev.observers.append(recorder)
         with allocations:
@@ -812,8 +820,9 @@ def dry_run_programs(
     check: bool = True,
 ) -> DryRunReport:
     """The dry run of hand-built host programs: `programs` maps each rank to
-    its `HostIrContainer`, `inputs` gives tensors or shapes for each
-    container input (the same for every rank, or per rank)."""
+    its `HostIrContainer` (the program that rank runs: a tensor on a mesh
+    without the rank is not held there), `inputs` gives tensors or shapes
+    for each container input (the same for every rank, or per rank)."""
     world_size = len(programs) if world_size is None else world_size
     missing = [r for r in range(world_size) if r not in programs]
     if missing:
@@ -825,7 +834,7 @@ def dry_run_programs(
         if len(given) != len(container.inputs):
             raise DryRunError(f"rank {r}: the program takes {len(container.inputs)} inputs, got {len(given)}")
         bindings = {tv: _as_meta(tv, t, i) for i, (tv, t) in enumerate(zip(container.inputs, given))}
-        ranks.append(_run_container(container, bindings, r, world_size, number_of_streams))
+        ranks.append(_run_container(container, bindings, r, world_size, number_of_streams, pruned_for=r))
     report = DryRunReport(world_size, number_of_streams, ranks)
     if check:
         match_ranks(report)

@@ -96,16 +96,18 @@ class _Region:
 
 
 class _Checker:
-    def __init__(self, container: HostIrContainer):
+    def __init__(self, container: HostIrContainer, rank: int | None = None):
         self.container = container
+        # The rank the program was pruned for (None: every rank's part).
+        self.rank = rank
         self.resolve = container.aliases.resolve
         self.env: dict = {}
         named = container.named_scalars()
         if "numberOfStreams" in named:
             # Every iteration on a stream of its own: the most parallel run.
             self.env[named["numberOfStreams"]] = 1 << 30
-        if "rank" in named and container.rank is not None:
-            self.env[named["rank"]] = container.rank
+        if "rank" in named and rank is not None:
+            self.env[named["rank"]] = rank
         self.bound: dict = {}
         self.generation = itertools.count(1)
         self.current = CALLER
@@ -175,7 +177,7 @@ class _Checker:
         self.current = CALLER
         end = "(after the program returns, the caller reads its outputs and may overwrite its inputs)"
         for tv in self.container.outputs:
-            if self.container.holds(tv):
+            if tv.held_by(self.rank):
                 self.access("read", self.region(tv), CALLER, end)
         for tv in self.container.inputs:
             if isinstance(tv, ir.TensorView):
@@ -326,7 +328,7 @@ def _view(ck: _Checker, e) -> None:
 
 
 def _participates(ck: _Checker, e: ir.Communication) -> bool:
-    return ck.container.rank is None or ck.container.rank in e.team
+    return ck.rank is None or ck.rank in e.team
 
 
 def _post(ck: _Checker, e, reads, writes) -> tuple:
@@ -337,7 +339,7 @@ def _post(ck: _Checker, e, reads, writes) -> tuple:
         ck.access("read", ck.region(tv), tl, line)
     for tv in writes:
         r = ck.region(tv)
-        if r is None and ck.container.holds(tv):
+        if r is None and tv.held_by(ck.rank):
             r = ck.fresh(tv)
         ck.access("write", r, tl, line)
     return tl
@@ -348,10 +350,10 @@ def _communication(ck: _Checker, e: ir.Communication) -> None:
     if not _participates(ck, e):
         return
     writes = [e.out]
-    if e.type.receives == "root" and ck.container.rank is not None:
+    if e.type.receives == "root" and ck.rank is not None:
         # Only the root receives.
         root = ck.value(e.root) if isinstance(e.root, ir.Scalar) else e.root
-        if root is not None and root != ck.container.rank:
+        if root is not None and root != ck.rank:
             writes = []
     tl = _post(ck, e, [e.input], writes)
     ck.posted.setdefault(e, []).append(tl)
@@ -443,9 +445,10 @@ def find_races(accesses: list[Access]) -> list[Race]:
     return races
 
 
-def check_races(container: HostIrContainer) -> list[Race]:
+def check_races(container: HostIrContainer, rank: int | None = None) -> list[Race]:
     """Every unordered pair of conflicting accesses from different streams
-    in `container` (see the module doc); empty when there is none."""
+    in `container` (see the module doc); empty when there is none. `rank`:
+    the rank the program was pruned for (`LoweredProgram.rank`), if it was."""
     if not isinstance(container, HostIrContainer):
         raise RaceCheckTypeError(f"check_races takes a HostIrContainer, got {type(container).__name__}")
-    return _Checker(container).run()
+    return _Checker(container, rank).run()

@@ -59,13 +59,6 @@ class TrainingDryRunReport:
         return "\n".join(lines) + "\n"
 
 
-def _nbytes(shape, dtype: torch.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * torch.empty(0, dtype=dtype).element_size()
-
-
 def dry_run_training(fd, inputs, wrt=None, world_size: int | None = None, keep_gathered: bool = False, **kwargs):
     from hostir.autodiff import derive
 
@@ -96,12 +89,12 @@ def dry_run_training(fd, inputs, wrt=None, world_size: int | None = None, keep_g
                 value = metas[i]
                 saved.append(value)
                 if isinstance(value, torch.Tensor):
-                    input_bytes += _nbytes(value.shape, value.dtype)
+                    input_bytes += ir.nbytes(value)
             else:
                 tv = d.forward.outputs[i]
                 t = torch.empty(held[i], dtype=tv.dtype, device="meta")
                 saved.append(t)
-                saved_bytes += _nbytes(t.shape, t.dtype)
+                saved_bytes += ir.nbytes(t)
                 listed.append((f"T{tv.name}", list(t.shape), str(tv.dtype).removeprefix("torch.")))
         per_rank_inputs[rep.rank] = cotangents + saved
         ranks.append(TrainingRankReport(rep.rank, rep.peak_bytes, 0, saved_bytes, input_bytes, listed))

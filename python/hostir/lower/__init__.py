@@ -4,7 +4,12 @@
 `PIPELINE`, in order, takes the container and returns the next one. The
 result is the same on every rank; its dump's hash (`digest`) is what ranks
 compare to agree on the program. Then, for a multi-device program lowered
-for one rank, the passes of `RANK_PIPELINE` keep what that rank runs. After
+for one rank, the passes of `RANK_PIPELINE` keep what that rank runs.
+`lower(fusion, options)` does it all and returns a `LoweredProgram`: the
+program, which holds ops and values only, beside what running it needs
+(digest, teams, the axes cut into chunks, the rank it was pruned for) and
+the `LoweringOptions` it was lowered with. The passes take their options
+as arguments (`pass_options`). After
 every pass the program is verified and, with `HOSTIR_DUMP=host_ir_lowering`,
 printed under the pass's name; with `HOSTIR_CHECK=races` it is checked for
 stream races (`hostir.races`), and a race fails the lowering. An error
@@ -14,18 +19,17 @@ names the pass that raised it.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 
 from hostir import ir, printer
 from hostir.analysis.races import check_races
 from hostir.container import HostIrContainer
-from hostir.errors import HostIrError
 
 from hostir.lower.build_host_program import build_host_program
 from hostir.lower.decompose_device_axis import decompose_device_axis
 from hostir.lower.insert_deallocations import insert_deallocations
-from hostir.lower.insert_reshardings import MODES as RESHARDING_MODES
 from hostir.lower.insert_reshardings import insert_reshardings
 from hostir.lower.hoist_transfers import Hoisting, hoist_transfers
 from hostir.lower.lower_communications import lower_communications
@@ -34,7 +38,22 @@ from hostir.lower.parallelize_streams import parallelize_streams
 from hostir.lower.propagate_shardings import propagate_shardings
 from hostir.lower.propagate_stream_axes import propagate_stream_axes
 from hostir.lower.prune_for_rank import prune_for_rank
+from hostir.lower.record import ChunkedAxis, LoweredProgram, LoweringError, LoweringOptions
 from hostir.options import Dumper, check_options
+
+__all__ = [
+    "PIPELINE",
+    "RANK_PIPELINE",
+    "ChunkedAxis",
+    "LoweredProgram",
+    "LoweringError",
+    "LoweringOptions",
+    "check_communication_dtypes",
+    "lower",
+    "pass_names",
+    "pass_options",
+    "run_passes",
+]
 
 PIPELINE = [
     propagate_stream_axes,
@@ -52,10 +71,6 @@ RANK_PIPELINE = [
 ]
 
 
-class LoweringError(HostIrError, ValueError):
-    """A fusion that cannot be lowered; the message names the pass."""
-
-
 def run_passes(
     container: HostIrContainer, passes=None, dumper: Dumper | None = None, options: dict | None = None
 ) -> HostIrContainer:
@@ -68,60 +83,60 @@ def run_passes(
 
 def lower(
     fusion: ir.Fusion,
+    options: LoweringOptions | None = None,
     dumper: Dumper | None = None,
-    rank: int | None = None,
-    backend: str = "NCCL",
-    resharding: str = "auto",
-    schedule=None,
     until: str | None = None,
-    stream_form: str | None = None,
-    host_inputs: frozenset = frozenset(),
-    hoisting: Hoisting | None = None,
-) -> HostIrContainer:
-    """The host program of `fusion`; with `rank`, the part that rank runs.
-    With `until` (a name of `pass_names()`), the program right after that
-    pass (a rank pass is skipped, as in a full lowering, where there is no
-    rank or no mesh). `stream_form` is `parallelize_streams`' form of a
-    stream loop (by default chosen by whether the program has meshes).
-    `backend` is the communication backend the dump names; `resharding` is
-    `insert_reshardings`' mode ("auto", "before", "after", or "strict",
-    which refuses an op that computes and reshards); `schedule` (a
-    `hostir.lower.schedule.Schedule`) how a device axis walked as a stream axis
-    is decomposed (by default a ring, one chunk per peer). `host_inputs`
-    are positions of inputs passed in host memory to stream (as if defined
-    with `memory="host"`); `hoisting` (a `Hoisting`) how far
-    `hoist_transfers` moves communications and transfers (by default
-    `Hoisting()`: as early as operands and the default budget allow). The
-    returned program's `digest` hashes the program before pruning for a
-    rank."""
-    if resharding not in RESHARDING_MODES:
-        raise LoweringError(f"resharding must be one of {list(RESHARDING_MODES)}, got {resharding!r}")
+    **fields: Any,
+) -> LoweredProgram:
+    """The lowered program of `fusion`: a `LoweredProgram`, whose `program`
+    is the host program and whose other fields say what running it needs
+    (`digest`, `teams`, `chunking`, `rank`) and what it was lowered with
+    (`options`).
+
+    `options` is a `LoweringOptions`; its fields may be given as keywords
+    instead (`lower(fusion, rank=0, backend="gloo")` is
+    `lower(fusion, LoweringOptions(rank=0, backend="gloo"))`), not both.
+    With `options.rank`, a multi-device program is pruned to the part that
+    rank runs. With `until` (a name of `pass_names()`), the program is the
+    one right after that pass (a rank pass is skipped, as in a full
+    lowering, where there is no rank or no mesh); `digest` and `teams` are
+    empty unless `until` comes after `PIPELINE`. `dumper` prints the
+    program after each pass (`HOSTIR_DUMP=host_ir_lowering`)."""
+    if options is None:
+        options = LoweringOptions(**fields)
+    elif fields:
+        raise LoweringError(f"pass LoweringOptions or its fields as keywords, not both (got {', '.join(fields)})")
     if until is not None and until not in pass_names():
         raise LoweringError(f"unknown pass {until!r}; passes in order: {', '.join(pass_names())}")
-    container = _run_one(build_host_program, fusion, dumper, {"host_inputs": frozenset(host_inputs)})
-    # What the program was lowered with, for what runs it (the dry run of a
-    # new shape lowers the other ranks' programs the same way).
-    container.backend = backend = ir.backend_name(backend)
-    container.schedule = schedule
+    container = _run_one(build_host_program, fusion, dumper, {"host_inputs": options.host_inputs})
     if until == build_host_program.__name__:
-        return container
-    options = pass_options(rank, backend, resharding, schedule, stream_form, hoisting)
+        return LoweredProgram(container, options)
+    # `decompose_device_axis` adds the axes it cuts into chunks.
+    chunking: list[ChunkedAxis] = []
+    by_pass = pass_options(
+        options.rank,
+        options.backend,
+        options.resharding,
+        options.schedule,
+        options.stream_form,
+        options.hoisting,
+        chunking,
+    )
     for p in PIPELINE:
-        container = _run_one(p, container, dumper, options.get(p))
+        container = _run_one(p, container, dumper, by_pass.get(p))
         if p.__name__ == until:
-            return container
+            return LoweredProgram(container, options, chunking=tuple(chunking))
     check_communication_dtypes(container)
     digest = hashlib.sha256(str(container).encode()).hexdigest()
-    teams = container.teams()
-    if rank is not None and container.meshes():
-        container.rank = rank
+    teams = tuple(container.teams())
+    rank = None
+    if options.rank is not None and container.meshes():
+        rank = options.rank
         for p in RANK_PIPELINE:
-            container = _run_one(p, container, dumper, options.get(p))
+            container = _run_one(p, container, dumper, by_pass.get(p), rank)
             if p.__name__ == until:
                 break
-    container.digest = digest
-    container.all_teams = teams
-    return container
+    return LoweredProgram(container, options, digest, teams, tuple(chunking), rank)
 
 
 # The dtypes each backend's collectives cannot move (gloo's and NCCL's own
@@ -161,12 +176,15 @@ def pass_options(
     schedule=None,
     stream_form=None,
     hoisting: Hoisting | None = None,
+    chunking: list | None = None,
 ) -> dict:
-    """The arguments each pass takes beyond the program, by pass."""
+    """The arguments each pass takes beyond the program, by pass
+    (`chunking`: a list `decompose_device_axis` adds the axes it cuts into
+    chunks to)."""
     return {
         insert_reshardings: {"mode": resharding},
         parallelize_streams: {"form": stream_form},
-        decompose_device_axis: {"schedule": schedule, "backend": backend},
+        decompose_device_axis: {"schedule": schedule, "backend": backend, "chunking": chunking},
         lower_communications: {"backend": backend},
         lower_transfers: {"chunks": hoisting.chunks if hoisting is not None else 1},
         hoist_transfers: {"hoisting": hoisting},
@@ -180,20 +198,22 @@ def pass_names() -> list[str]:
     return [p.__name__ for p in [build_host_program, *PIPELINE, *RANK_PIPELINE]]
 
 
-def _run_one(p, program, dumper: Dumper | None, options: dict | None = None):
+def _run_one(p, program, dumper: Dumper | None, options: dict | None = None, rank: int | None = None):
+    """Run pass `p` with `options`, then verify its result, dump it and
+    check it for races; `rank`: the rank the result is pruned for, if it is."""
     name = p.__name__
     try:
         result = p(program, **(options or {}))
     except (ValueError, TypeError, IndexError) as e:
         raise LoweringError(f"lowering pass {name}: {e}") from e
     try:
-        result.verify()
+        result.verify(rank)
     except ValueError as e:
         raise LoweringError(f"the host program is invalid after pass {name}: {e}") from e
     if dumper is not None:
         dumper.emit("host_ir_lowering", f"Host program after pass {name}:", str(result))
     if "races" in check_options():
-        races = check_races(result)
+        races = check_races(result, rank)
         if races:
             found = "\n".join(str(r) for r in races)
             raise LoweringError(f"pass {name} left {len(races)} stream race(s) in the host program:\n{found}")

@@ -44,10 +44,11 @@ transport (and why the transport was not `cuda`, if it was asked for).
 
 from __future__ import annotations
 
-from hostir import ir, layout, printer
+from hostir import axis_graph, ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.lower.propagate_shardings import is_resharding
+from hostir.lower.record import ChunkedAxis
 from hostir.lower.schedule import Schedule
 from hostir.runtime import transports
 
@@ -56,12 +57,16 @@ class DecompositionError(HostIrError, ValueError):
     """A device axis this pass cannot decompose (mesh, chunks, reduction)."""
 
 
-def decompose_device_axis(container: HostIrContainer, schedule: Schedule | None = None, backend: str = "NCCL") -> HostIrContainer:
+def decompose_device_axis(
+    container: HostIrContainer, schedule: Schedule | None = None, backend: str = "NCCL", chunking: list | None = None
+) -> HostIrContainer:
     """`schedule`: how to decompose (by default a ring, one chunk per peer);
     `backend`: the program's transport, which the ring uses unless the
-    schedule names another."""
+    schedule names another; `chunking`: a list this pass adds
+    `(extent, parts, where)` to for each axis of symbolic extent it cuts
+    into chunks, whose sizes the runtime checks divide."""
     schedule = schedule or Schedule()
-    graph = ir.IdGraph(container.exprs, broadcast=True)
+    graph = axis_graph.IdGraph(container.exprs, broadcast=True)
     result = container.derive()
     exprs = list(container.exprs)
     i = 0
@@ -70,12 +75,12 @@ def decompose_device_axis(container: HostIrContainer, schedule: Schedule | None 
         gather = _gather_axis(e, graph)
         if gather is not None:
             group, i = _run_of(exprs, i + 1, gather[1], graph)
-            _Builder(result, graph, schedule, backend).gather(e, gather, group)
+            _Builder(result, graph, schedule, backend, chunking).gather(e, gather, group)
             continue
         reduce = _reduce_run(exprs, i, graph)
         if reduce is not None:
             group, red, i = reduce
-            _Builder(result, graph, schedule, backend).reduce(group, red)
+            _Builder(result, graph, schedule, backend, chunking).reduce(group, red)
             continue
         result.push_back(e)
         i += 1
@@ -88,7 +93,7 @@ def decompose_device_axis(container: HostIrContainer, schedule: Schedule | None 
 def walks_device_axis(exprs) -> bool:
     """Whether `exprs` (a fusion's, before sharding propagation) hold a
     pattern this pass decomposes, so that a schedule matters."""
-    graph = ir.IdGraph(exprs, broadcast=True)
+    graph = axis_graph.IdGraph(exprs, broadcast=True)
     for e in exprs:
         if _gather_axis(e, graph) is not None:
             return True
@@ -172,11 +177,14 @@ def _outermost(tv: ir.TensorView, axis: ir.IterDomain) -> bool:
 
 
 class _Builder:
-    def __init__(self, result: HostIrContainer, graph: ir.IdGraph, schedule: Schedule, backend: str):
+    def __init__(
+        self, result: HostIrContainer, graph: axis_graph.IdGraph, schedule: Schedule, backend: str, chunking: list | None
+    ):
         self.c = result
         self.graph = graph
         self.schedule = schedule
         self.backend = backend
+        self.chunking = chunking if chunking is not None else []
         # The program's axis each cloned axis stands for (clones are not in the graph).
         self._origin: dict[ir.IterDomain, ir.IterDomain] = {}
 
@@ -269,8 +277,8 @@ class _Builder:
             domain[at].extent = ir.ScalarExpr("/", rows, ir.Scalar.constant(parts))
             origin = self._origin.get(axis, axis)
             where = f"axis {printer.format_id(origin)} (the rows a decomposition cuts into chunks)"
-            if not any(x is rows and p == parts for x, p, _ in self.c.chunked):
-                self.c.chunked.append((rows, parts, where))
+            if not any(x is rows and p == parts for x, p, _ in self.chunking):
+                self.chunking.append(ChunkedAxis(rows, parts, where))
         piece = self._like(tv, made, resized=axis)
         body.append(ir.HirAliasChunk(piece, tv, axis, index, parts))
         return piece

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from hostir import ir
+from hostir import ir, layout
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 
@@ -233,23 +233,13 @@ def _conflicts(e: ir.Expr, touched: set, resolve) -> bool:
     return any(isinstance(v, ir.TensorView) and resolve(v) in touched for v in vals)
 
 
-def constant_bytes(tv: ir.TensorView) -> int | None:
-    """The bytes of `tv`'s buffer when every extent is a constant."""
-    n = tv.dtype.itemsize
-    for d in tv.loop_axes():
-        if not d.extent.is_constant:
-            return None
-        n *= 1 if d.is_device_parallel else d.extent.value
-    return n
-
-
 def _live_after(exprs: list, resolve) -> list[int]:
     """The bytes of constant-size device buffers (`Allocate`d) live after
     each op, in top-level program order."""
     live, sizes, found = 0, {}, []
     for e in exprs:
         if isinstance(e, ir.Allocate) and e.memory_type is not ir.MemoryType.host:
-            n = constant_bytes(e.buffer)
+            n = layout.constant_bytes(e.buffer)
             if n is not None and resolve(e.buffer) not in sizes:
                 sizes[resolve(e.buffer)] = n
                 live += n

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hostir import ir, printer
+from hostir import axis_graph, ir, printer
 from hostir.kinds import BinaryKind, ReductionKind
 from hostir.container import HostIrContainer
 from hostir.lower.propagate_shardings import (
@@ -68,12 +68,12 @@ def insert_reshardings(container: HostIrContainer, mode: str = "auto") -> HostIr
         raise ShardingError(f"resharding mode must be one of {list(MODES)}, got {mode!r}")
     if not any(tv.mesh is not None for tv in all_tvs(container)):
         return container
-    classes = ir.ExtentClasses(container.exprs)
+    classes = axis_graph.ExtentClasses(container.exprs)
     result = container.derive()
     for e in container.exprs:
         for new in _decompose(result, e, mode, classes):
             result.push_back(new)
-    classes = ir.ExtentClasses(result.exprs)
+    classes = axis_graph.ExtentClasses(result.exprs)
     for e in result.exprs:
         check_op(e, classes)
     return result
@@ -343,7 +343,7 @@ def check_op(e: ir.Expr, classes) -> None:
 
 def _split_alike(o: ir.IterDomain, i: ir.IterDomain, classes) -> bool:
     lo, li = o.loop_leaves(), i.loop_leaves()
-    return ir.split_alike(o, i, classes.equal) and all(
+    return axis_graph.split_alike(o, i, classes.equal) and all(
         x.is_device_parallel == y.is_device_parallel for x, y in zip(lo, li)
     )
 

@@ -111,7 +111,7 @@ def _communications(container: HostIrContainer, e: ir.Expr, backend: str) -> lis
     in_sharded = _sharded_on(src, pt)
     out_sharded = _sharded_on(dst, pt)
 
-    local_reduce = _local_reduce_dims(e, pt) if isinstance(e, ir.ReductionOp) else ()
+    local_reduce = layout.local_reduce_dims(e, pt) if isinstance(e, ir.ReductionOp) else ()
 
     def make(type_, team, root=None, red_op=None):
         return ir.Communication(
@@ -186,20 +186,6 @@ def _communications(container: HostIrContainer, e: ir.Expr, backend: str) -> lis
     _require_1d(e, sender, receiver, "Broadcast")
     root = sender.devices[0]
     return [make(Type.Broadcast, with_root(receiver, root), root=root)]
-
-
-def _local_reduce_dims(e: ir.ReductionOp, pt: ir.ParallelType) -> tuple[int, ...]:
-    """Runtime dims of the input that are pieces of a reduced axis but not
-    its sharded piece: each rank sums its rows of them before the collective
-    sums across ranks."""
-    dims = []
-    for o, i in e.id_pairs():
-        if not o.is_reduction:
-            continue
-        for leaf in i.loop_leaves():
-            if leaf.parallel_type is not pt and leaf in e.input.domain and not leaf.is_reduction:
-                dims.append(layout.position(e.input, leaf))
-    return tuple(sorted(dims))
 
 
 def _require_1d(e, sender: ir.DeviceMesh, receiver: ir.DeviceMesh, what: str) -> None:

@@ -28,7 +28,7 @@ per-iteration form.
 
 from __future__ import annotations
 
-from hostir import ir, layout, printer
+from hostir import axis_graph, ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 
@@ -49,7 +49,7 @@ def parallelize_streams(container: HostIrContainer, form: str | None = None) -> 
     overlaps, and the per-iteration form otherwise."""
     if form is not None and form not in STREAM_FORMS:
         raise StreamParallelError(f"unknown stream form {form!r}; expected one of {list(STREAM_FORMS)}")
-    graph = ir.IdGraph(container.exprs, broadcast=True)
+    graph = axis_graph.IdGraph(container.exprs, broadcast=True)
 
     grouped: list = []
     loops: set[int] = set()
@@ -134,7 +134,7 @@ def _stream_axis(e: ir.Expr) -> ir.IterDomain | None:
 class _Slicer:
     """Replaces operands by slices; one slice per (tensor, axis, index)."""
 
-    def __init__(self, container: HostIrContainer, graph: ir.IdGraph):
+    def __init__(self, container: HostIrContainer, graph: axis_graph.IdGraph):
         self._container = container
         self._graph = graph
         self._cache: dict[tuple, ir.TensorView] = {}

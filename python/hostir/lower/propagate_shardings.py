@@ -23,6 +23,7 @@ from __future__ import annotations
 from hostir import ir, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
+from hostir.layout import device_types
 
 
 class ShardingError(HostIrError, ValueError):
@@ -81,11 +82,6 @@ def _references(e: ir.Expr, placed: list[ir.TensorView]) -> list[ir.TensorView]:
     first = [getattr(e, weight)] if weight is not None else []
     rest = sorted((v for v in placed if all(v is not f for f in first)), key=lambda v: -len(v.device_axes()))
     return [v for v in first if v in placed] + rest
-
-
-def device_types(d: ir.IterDomain) -> frozenset:
-    """The mesh dimensions a logical axis is sharded on (through its pieces)."""
-    return frozenset(x.parallel_type for x in d.loop_leaves() if x.is_device_parallel)
 
 
 def _used_types(tv: ir.TensorView) -> set:

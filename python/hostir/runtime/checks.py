@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from hostir import ir, layout, mesh_extents
+from hostir import axis_graph, ir, layout, mesh_extents
 from hostir.errors import HostIrError, ScheduleError
 from hostir.kinds import ReductionKind
-from hostir.container import HostIrContainer
 
 __all__ = [
     "ExecuteArgumentError",
@@ -178,7 +177,7 @@ def equal_input_axes(fusion: ir.Fusion) -> list[list[tuple[int, int]]]:
     """Groups of (input index, axis) whose whole sizes the program makes
     equal: axes its ops iterate together, through any chain of ops (the
     extents' classes), whether the axes are split or sharded or not."""
-    classes = ir.ExtentClasses(fusion.exprs)
+    classes = axis_graph.ExtentClasses(fusion.exprs)
     by_class: dict = {}
     for i, tv in enumerate(fusion.inputs):
         if not isinstance(tv, ir.TensorView):
@@ -237,9 +236,10 @@ def check_reductions(fusion: ir.Fusion, sizes: dict) -> None:
                 )
 
 
-def check_chunks(container: HostIrContainer, sizes: dict) -> None:
-    """Raise unless every axis a decomposition splits into chunks divides."""
-    for extent, parts, where in container.chunked:
+def check_chunks(chunking, sizes: dict) -> None:
+    """Raise unless every axis a decomposition splits into chunks divides
+    (`chunking`: `LoweredProgram.chunking`, (extent, parts, where) each)."""
+    for extent, parts, where in chunking:
         size = sizes.get(extent)
         if size is not None and size % parts:
             raise ScheduleError(

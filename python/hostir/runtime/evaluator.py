@@ -78,15 +78,20 @@ class HostIrEvaluator:
     evaluator holds only what it precomputes from the program; the values of
     a run live in that run's `Frame`. `observers` (none by default) wrap
     every op of every run: see `OpObserver`. The profiler's observer joins
-    them for a run made while profiling or tracing is on.
+    them for a run made while profiling or tracing is on. `rank` is the rank
+    the program was pruned for (`LoweredProgram.rank`; None: the program
+    holds every rank's part): an output on a mesh without it is None.
     """
 
-    def __init__(self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None):
+    def __init__(
+        self, container: HostIrContainer, streams=None, device="cpu", communicator=None, dumper=None, rank=None
+    ):
         container.check_inputs_unaliased()
         missing = {type(e).__name__ for e in container.walk() if type(e) not in _HANDLERS}
         if missing:
             raise MissingHandlerError(f"the evaluator has no handler for {', '.join(sorted(missing))}")
         self.container = container
+        self.rank = rank
         self.streams = streams if streams is not None else NullStreams()
         self.device = torch.device(device)
         self.communicator = communicator
@@ -305,7 +310,7 @@ class Frame:
         return printer.format_expr_head(e) + loops
 
     def output(self, tv: ir.TensorView):
-        if not self.evaluator.container.holds(tv):
+        if not tv.held_by(self.evaluator.rank):
             return None
         value = self.get(tv, None)
         if value is None:
@@ -519,7 +524,7 @@ def _local_slices(e: ir.Expr, source: dict) -> dict[int, list]:
     for o, i in whole.id_pairs():
         if o.is_reduction and partial is None:
             continue
-        missing = _types(o) - _types(i)
+        missing = layout.device_types(o) - layout.device_types(i)
         if not missing or i.is_broadcast:
             # A broadcast operand axis is the same size-1 dim on every rank.
             continue
@@ -527,10 +532,6 @@ def _local_slices(e: ir.Expr, source: dict) -> dict[int, list]:
             if isinstance(v, ir.TensorView) and i in v.logical:
                 found.setdefault(id(back[id(v)]), []).append((v.logical_runtime().index(i), o, i))
     return found
-
-
-def _types(d: ir.IterDomain) -> set:
-    return {x.parallel_type for x in d.loop_leaves() if x.is_device_parallel}
 
 
 def _operand(frame: Frame, e, tv, full_rank: bool = False):
@@ -552,7 +553,7 @@ def _operand(frame: Frame, e, tv, full_rank: bool = False):
         t = layout.to_logical(tv, t)
     for pos, o, i in cuts:
         mesh = e.out.mesh
-        missing = _types(o) - _types(i)
+        missing = layout.device_types(o) - layout.device_types(i)
         sizes = layout.leaf_sizes(o.loop_leaves(), t.shape[pos], mesh, missing)
         pieces = t.reshape(list(t.shape[:pos]) + sizes + list(t.shape[pos + 1 :]))
         for j, x in enumerate(o.loop_leaves()):
@@ -736,10 +737,7 @@ def _check_kept_sizes(e: ir.BroadcastInDimOp, src: torch.Tensor) -> None:
         o = out[j]
         if d.is_broadcast or o.is_broadcast or not o.extent.is_constant or src.shape[i] == 0:
             continue
-        whole = src.shape[i]
-        for leaf in d.loop_leaves():
-            if leaf.is_device_parallel and e.input.mesh is not None:
-                whole *= e.input.mesh.size_along(leaf.parallel_type)
+        whole = src.shape[i] * layout.shard_count(e.input.mesh, d)
         if whole != o.extent.value:
             raise ShapeError(
                 f"broadcast_in_dim: axis {i} of T{e.input.name} has size {whole}, but output axis {j} "
@@ -811,18 +809,9 @@ def _insert(frame: Frame, e: ir.InsertOp) -> None:
 @impl(ir.ReshapeOp)
 def _reshape(frame: Frame, e: ir.ReshapeOp) -> None:
     src = frame.get(e.input)
-    if src.numel() != _numel_of(e.shape, src.numel()):
+    if src.numel() != layout.reshape_numel(e.shape, src.numel()):
         raise ShapeError(f"cannot reshape T{e.input.name} of shape {list(src.shape)} to {list(e.shape)}")
     _view_out(frame, e, src.reshape(e.shape))
-
-
-def _numel_of(shape, numel: int) -> int:
-    known = 1
-    for size in shape:
-        known *= size if size != -1 else 1
-    if -1 in shape and known and numel % known == 0:
-        return numel
-    return known
 
 
 @impl(ir.SliceOp)

@@ -93,9 +93,11 @@ class FlatProgram:
 
 
 class _Compiler:
-    def __init__(self, container: HostIrContainer, communicator):
+    def __init__(self, container: HostIrContainer, communicator, rank: int | None = None):
         self.container = container
         self.comm = communicator
+        # The rank the program was pruned for (None: it holds every rank's part).
+        self.rank = rank
         self.alias = container.aliases.resolved()
         self.tensors: dict[ir.TensorView, int] = {}
         self.tensor_names: list[str] = []
@@ -180,14 +182,14 @@ class _Compiler:
             )
         # A scalar input is an integer slot, listed as -2 - slot.
         inputs = [self.tensor(v) if isinstance(v, ir.TensorView) else -2 - self.int_slot(v) for v in c.inputs]
-        outputs = [self.tensor(tv) if c.holds(tv) else -1 for tv in c.outputs]
+        outputs = [self.tensor(tv) if tv.held_by(self.rank) else -1 for tv in c.outputs]
         named = c.named_scalars()
         nos = named.get("numberOfStreams")
         number_of_streams = self.int_slot(nos) if nos is not None else -1
         self.body_locals = self._find_body_locals()
         self.scope(c.exprs)
         rules = {}
-        for tv in [t for t in c.inputs if isinstance(t, ir.TensorView)] + [t for t in c.outputs if c.holds(t)]:
+        for tv in [t for t in c.inputs if isinstance(t, ir.TensorView)] + [t for t in c.outputs if t.held_by(self.rank)]:
             rules[self.tensor(tv)] = self.extent_rules(tv)
         world = -1
         if self.comm is not None and any(isinstance(e, ir.P2PCommunication) for e in c.walk()):
@@ -325,9 +327,8 @@ def _select(cc, e) -> None:
 
 
 def _local_shape(cc: _Compiler, tv: ir.TensorView) -> list[int]:
-    """Scalar nodes of `tv`'s local loop shape (a constant 1 on mesh_x)."""
-    one = ir.Scalar.constant(1)
-    return [cc.scalar(one if d.is_device_parallel else d.extent) for d in tv.loop_axes()]
+    """Scalar nodes of `tv`'s local loop shape (`layout.local_loop_extents`)."""
+    return [cc.scalar(extent) for extent in layout.local_loop_extents(tv)]
 
 
 @_compiles(ir.Allocate)
@@ -421,7 +422,7 @@ def _mesh_axis(tv: ir.TensorView) -> int:
 
 @_compiles(ir.Communication)
 def _communication(cc: _Compiler, e: ir.Communication) -> None:
-    rank = cc.container.rank if cc.container.rank is not None else cc.comm.rank
+    rank = cc.rank if cc.rank is not None else cc.comm.rank
     if rank not in e.team:
         return
     order = tuple(cc.comm.group_order(e.team))
@@ -505,7 +506,7 @@ def _end(cc, e) -> None:
 @_compiles(ir.Wait)
 def _wait(cc, e) -> None:
     target = e.communication
-    rank = cc.container.rank if cc.container.rank is not None else cc.comm.rank
+    rank = cc.rank if cc.rank is not None else cc.comm.rank
     if isinstance(target, ir.Communication) and rank not in target.team:
         return
     # The posting instruction of the target: the last one emitted for it
@@ -550,7 +551,7 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
             )
             break
     for e in container.walk():
-        split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and layout.is_split(v)), None)
+        split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and layout.is_chunked(v)), None)
         if split is not None:
             note("split", f"it has a split axis (ceilDiv extents, merged runtime dims): {printer.format_tv(split)}")
         if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk":
@@ -598,10 +599,11 @@ def _sharded(v) -> bool:
     return any(d.parallel_type.name.startswith("mesh") for d in v.domain)
 
 
-def compile_program(container: HostIrContainer, communicator=None) -> FlatProgram:
+def compile_program(container: HostIrContainer, communicator=None, rank: int | None = None) -> FlatProgram:
     """The flat program of `container` (for a multi-device program, of the
-    communicator's rank, with its process groups, which must exist)."""
-    return _Compiler(container, communicator).compile()
+    communicator's rank, with its process groups, which must exist);
+    `rank`: the rank the program was pruned for, if it was."""
+    return _Compiler(container, communicator, rank).compile()
 
 
 # ---------------------------------------------------------------- dump

@@ -262,10 +262,9 @@ def test_send_recv_between_single_rank_meshes_whatever_the_team_order(world, dev
         c.add_output(y)
         inputs.append(x)
         outputs.append((s, r, y))
-    c.rank = world.rank
     comm = hostir.communicator.get()
     comm.ensure_groups(c.teams())
-    evaluator = HostIrEvaluator(c, streams=streams_for(device), device=device, communicator=comm)
+    evaluator = HostIrEvaluator(c, streams=streams_for(device), device=device, communicator=comm, rank=world.rank)
     full = rand_int([world.size, 4], torch.float32, device)
     bindings = {x: full[s].clone() for x, (s, _, _) in zip(inputs, outputs) if s == world.rank}
     results = evaluator.run(bindings)

@@ -33,6 +33,7 @@ import weakref
 
 import torch
 
+from hostir import ir, layout
 from hostir.runtime.transports import torch_dist
 from hostir.runtime.transports.base import (
     Capabilities,
@@ -266,7 +267,7 @@ class IpcWindow(Window):
 
     def view(self, rank: int, shape, dtype: torch.dtype, byte_off: int) -> torch.Tensor:
         size = torch.empty((), dtype=dtype).element_size()
-        n = _numel(shape) * size
+        n = layout.numel(shape) * size
         start = self.FLAG_BYTES + byte_off
         return self.peers[rank][start : start + n].view(dtype).view(tuple(shape))
 
@@ -336,7 +337,7 @@ class CudaTransport(Transport):
         window = self._windows.get(key)
         if window is None:
             size = torch.empty((), dtype=tv.dtype).element_size()
-            nbytes = max(size, size * _numel(shape))
+            nbytes = max(size, size * layout.numel(shape))
             if self.kind == "ipc":
                 window = IpcWindow(nbytes, self.device, self.comm)
             else:
@@ -357,7 +358,7 @@ class CudaTransport(Transport):
 
     @staticmethod
     def _channel(t: torch.Tensor, offset: int) -> int:
-        piece = t.numel() * t.element_size()
+        piece = ir.nbytes(t)
         if piece == 0 or offset % piece:
             raise TransportUsageError(f"a piece of {piece} bytes at offset {offset} is not aligned to its size")
         return offset // piece
@@ -404,10 +405,3 @@ class CudaTransport(Transport):
 
     def end_coalescing(self, frame, ops: list) -> Posted:
         return Posted(list(ops) or [NoWork()])
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n

@@ -368,17 +368,13 @@ def backend_scratch_bytes(backend: str, call: str, rank: int, *args, **kwargs) -
     if backend != "gloo":
         return 0
     if call == "all_gather":
-        return _nbytes(args[0])
+        return ir.nbytes(args[0])
     if call == "reduce_scatter":
-        return _nbytes(args[1])
+        return ir.nbytes(args[1])
     if call == "scatter":
         pieces = args[1] if len(args) > 1 else kwargs.get("scatter_list")
-        return sum(_nbytes(p) for p in pieces or ())
+        return sum(ir.nbytes(p) for p in pieces or ())
     return 0
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 # Collectives whose result on a team of one rank is its input.
