@@ -39,7 +39,7 @@ def _lowered(fusion, schedule: str):
     return lower(fusion, rank=0, backend="NCCL", schedule=parse(schedule))
 
 
-@pytest.mark.parametrize("schedule", ["ring", "ring:chunks=2"])
+@pytest.mark.parametrize("schedule", ["ring", "ring:chunks=2", "ring:transport=cuda"])
 def test_golden_forward_of_a_sequence_parallel_colwise_linear(schedule):
     """Slots with the walked axis first receive each peer's rows (a slice
     of [b, s, h] along s is not contiguous); each shard is copied into the
@@ -50,7 +50,7 @@ def test_golden_forward_of_a_sequence_parallel_colwise_linear(schedule):
     text = str(program.program)
     ring = text.split("(ring,")[1]
     assert "P2PCommunication" in ring and "linear(" in ring and "Set(" in ring
-    name = "sp_colwise_forward" + ("_chunks2" if "chunks" in schedule else "")
+    name = "sp_colwise_forward" + ("_chunks2" if "chunks" in schedule else "") + ("_cuda" if "cuda" in schedule else "")
     check_golden(name, program)
 
 
