@@ -32,6 +32,12 @@ its ops. Decompositions (`Schedule.decomposition`):
   sequential  one all-gather then the ops, or the ops then one
               reduce-scatter (no overlap; for shapes too small to pay).
 
+The walked axis need not be outermost (a sequence-sharded [b, s/D, h]):
+a slice along it is then strided, so the ring and the collective receive
+into slots with that axis first and copy each shard into its place in the
+gathered tensor, where the ops read it. The pieces an op reads keep the
+tensor's other splits (a weight sharded on N beside the walked sequence).
+
 With `chunks` c > 1 each shard or partial moves in c row pieces, each
 consumed as soon as it lands. With the `cuda` transport, buffers that peers
 write are allocated `symmetric` and each send names where it lands
