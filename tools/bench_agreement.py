@@ -8,9 +8,11 @@ Run on every rank (CPU, gloo):
 It times, in one process group, (1) the agreement step alone, as the
 executor runs it (the pickled `all_gather_object` of older versions, the
 fixed-size int64 record of `hostir.runtime.agreement` now), and (2) a whole execute
-of a small Allgather fusion with `check_ranks="always"` and with "first"
-(which skips the agreement): their difference is what the agreement costs a
-call. Medians over --iters calls after --warmup, max over ranks. Rank 0
+of a small Allgather fusion with `check_ranks="every"` (the full record and
+the full path on every call), "always" (since prepared multi-device calls:
+a repeated call sends a six-word step; before them, the full record every
+call) and "first" (which skips the agreement): their differences are what
+the agreement costs a call. Medians over --iters calls after --warmup, max over ranks. Rank 0
 appends a row to benchmarks/results/agreement_cpu.json and rewrites the
 markdown table next to it.
 """
@@ -91,6 +93,9 @@ def main() -> None:
     timings = {
         "agreement alone": median_us(step, args.iters, args.warmup),
         "execute, check_ranks=always": median_us(lambda: fd.execute(inputs), args.iters, args.warmup),
+        "execute, check_ranks=every": median_us(
+            lambda: fd.execute(inputs, check_ranks="every"), args.iters, args.warmup
+        ),
         "execute, check_ranks=first": median_us(
             lambda: fd.execute(inputs, check_ranks="first"), args.iters, args.warmup
         ),
@@ -133,16 +138,18 @@ def write(row: dict) -> None:
         "",
         "`tools/bench_agreement.py` under `mpirun --oversubscribe` on a shared 2-core machine; median µs per",
         "call over the iterations, max over ranks. 'agreement alone' is the step the executor runs before",
-        "a program; the two execute rows differ by whether it runs (`check_ranks`).",
+        "a program; the execute rows differ by how much of it runs (`check_ranks`: 'every' is the full",
+        "record on every call; 'always' was the same before prepared multi-device calls, a six-word step",
+        "on a repeated call since; 'first' skips it).",
         "",
-        "| label | layout | ranks | agreement alone µs | execute (always) µs | execute (first) µs | torch | date |",
-        "|---|---|---:|---:|---:|---:|---|---|",
+        "| label | layout | ranks | agreement alone µs | execute (every) µs | execute (always) µs | execute (first) µs | torch | date |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         us = r["us"]
         lines.append(
             f"| {r['label']} | {r['layout']} | {r['ranks']} | {us['agreement alone']} | "
-            f"{us['execute, check_ranks=always']} | {us['execute, check_ranks=first']} | {r['torch']} | {r['date']} |"
+            f"{us.get('execute, check_ranks=every', '–')} | {us['execute, check_ranks=always']} | {us['execute, check_ranks=first']} | {r['torch']} | {r['date']} |"
         )
     (RESULTS / "agreement_cpu.md").write_text("\n".join(lines) + "\n")
 

@@ -2,11 +2,12 @@
 
 Launch with mpirun (or torchrun) on the CPU (gloo) or GPUs (NCCL). Each rank
 runs a small sequence-parallel program (an Allgather of its [1, rows, 64]
-piece then a matmul) with `check_ranks="always"` (the ranks agree on the
-call, the program and the inputs before every run) and `"first"` (they agree
-only when a program is lowered), on each evaluator, and rank 0 prints the
-median host time of one `execute` per variant: the difference is what the
-agreement costs per call.
+piece then a matmul) with `check_ranks="every"` (the ranks agree on the
+call, the program and the inputs with the full record before every run),
+`"always"` (the full record once per signature, then a six-word step per
+call) and `"first"` (they agree only when a program is lowered), on each
+evaluator, and rank 0 prints the median host time of one `execute` per
+variant: the differences are what the agreement costs per call.
 
     mpirun -np 2 --oversubscribe python3 tools/bench_agreement_cpp.py
 """
@@ -47,7 +48,7 @@ def main(iters: int = 200) -> int:
     rows = []
     evaluators = ["python"] + (["cpp"] if hostir.cpp.available() else [])
     for evaluator in evaluators:
-        for check in ("always", "first"):
+        for check in ("every", "always", "first"):
             fd, x = build(world)
             piece = shard_tensor(full, x).to(device)
             ww = w.to(device)

@@ -46,7 +46,29 @@ Run from the repository root:
 
 It prints a markdown table and writes
 ``benchmarks/results/host_overhead_<device-type>.md`` and ``.json``
-(``--out-dir`` to write elsewhere).
+(``--out-dir`` to write elsewhere; ``$OUT`` when set).
+
+``--multidevice`` (under a launcher, two or more ranks) times the host µs of
+one steady-state multi-device execute of the AG+matmul layer
+(`hostir.overlap.allgather_matmul`, tiny shapes) with each ``check_ranks``:
+``every`` (the full agreement record and the full path on every call: the
+cost before prepared multi-device calls), ``always`` (the default: the
+signature agreed once, then a prepared call that checks a six-word step)
+and ``first`` (prepared, unchecked), next to a single-device prepared call
+of the same program (the same fusion without a mesh, on the whole input)
+and the same work written in eager torch. Then it shows that the
+protections still fire from prepared calls: rank 1 skips a call, and rank 1
+passes shapes the ranks agreed on for another call; every rank's error is
+printed and recorded. CPU on gloo:
+
+    mpirun -np 2 --oversubscribe python3 tools/bench_host_overhead.py --multidevice --device cpu
+
+One GPU, two ranks sharing it on the `cuda` copy-engine transport (gloo
+process group), with ``$OUT`` set to where the results go:
+
+    torchrun --standalone --nproc-per-node 2 tools/bench_host_overhead.py --multidevice --device cuda
+
+It writes ``host_overhead_multidevice_<device-type>_np<N>.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -470,6 +492,196 @@ def write_results(results: list[Result], env: dict, out_dir: str) -> tuple[str, 
     return stem + ".md", stem + ".json"
 
 
+# ---------------------------------------------------------------- multi-device
+
+MULTI_ITERS = 300
+
+
+def single_device_twin(D: int) -> FusionDefinition:
+    """`overlap.allgather_matmul(D)` without a mesh: the same ops and the
+    same stream loop over axis 0, on the whole input, on one device."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[D, -1, -1], dtype=torch.float32)
+        w = fd.define_tensor(shape=[-1, -1], dtype=torch.float32)
+        xg = fd.ops.set(x)
+        y = fd.ops.matmul(xg, w)
+        fd.add_output(y)
+    xg.axis(0).parallelize(ParallelType.stream)
+    y.axis(0).parallelize(ParallelType.stream)
+    return fd
+
+
+def _shown(fn) -> str:
+    """The first line of the error `fn()` raises (every rank must raise)."""
+    try:
+        fn()
+    except hostir.HostIrError as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    return "NO ERROR RAISED"
+
+
+def protections(comm, rank: int, layer, other, kwargs: dict, make) -> dict[str, list[str]]:
+    """From prepared calls (both signatures agreed before), rank 1 skips a
+    call, then passes shapes agreed for another call: every rank's error."""
+    small, large = make(3), make(6)
+    for inputs in (small, large):
+        for fd in (layer, other):
+            for _ in range(2):
+                fd.execute(inputs[0], **kwargs)
+    found = {}
+    odd = rank == 1
+    # Rank 1 skips its call of `layer` and goes on to `other`; then the
+    # others call `other` while rank 1 makes the call it skipped: the
+    # counts are even again.
+    found["rank 1 skips a call"] = _shown(lambda: (other if odd else layer).execute(small[0], **kwargs))
+    _shown(lambda: (layer if odd else other).execute(small[0], **kwargs))
+    found["rank 1 passes other (agreed) shapes"] = _shown(lambda: layer.execute((large if odd else small)[0], **kwargs))
+    (y,) = layer.execute(small[0], **kwargs)
+    torch.testing.assert_close(y, small[1])
+    return {
+        case: [m.decode(errors="replace") for m in comm.all_gather_bytes(text.encode()[:400], 400)]
+        for case, text in found.items()
+    }
+
+
+def run_multidevice(args) -> int:
+    from hostir import communicator, overlap
+
+    device = torch.device(args.device)
+    comm = communicator.get(backend="gloo")
+    rank, world = comm.rank, comm.world_size
+    if world < 2:
+        raise SystemExit("--multidevice needs two or more ranks: run it under mpirun or torchrun")
+    if device.type == "cuda":
+        # Two ranks may share one GPU: the cuda transport moves the data.
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    schedule = args.schedule or ("ring:transport=cuda" if device.type == "cuda" else None)
+    kwargs = {"backend": "gloo", "device": device}
+    if schedule:
+        kwargs["schedule"] = schedule
+    m, K, N = args.m, args.k, args.n
+    torch.manual_seed(0)
+
+    def make(rows):
+        X = torch.randn(world, rows, K, device=device)
+        W = torch.randn(K, N, device=device)
+        return overlap.allgather_matmul_inputs(X, W, rank)
+
+    X, W = torch.randn(world, m, K, device=device), torch.randn(K, N, device=device)
+    (x, w), expected = overlap.allgather_matmul_inputs(X, W, rank)
+    layers = {mode: overlap.allgather_matmul(world) for mode in ("every", "always", "first")}
+    twin = single_device_twin(world)
+    gathered = torch.empty(world * m * K, device=device)
+    all_gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+
+    def eager_layer():
+        # The same work by hand: gather the pieces, one matmul per block.
+        all_gather(gathered, x.reshape(-1))
+        return gathered.view(world, m, K) @ W
+
+    rows = {
+        "single-device prepared call (the same program, no mesh)": lambda: twin.execute([X, W], device=device),
+        **{
+            f"multi-device, check_ranks={mode}": (lambda fd=fd, mode=mode: fd.execute([x, w], check_ranks=mode, **kwargs))
+            for mode, fd in layers.items()
+        },
+        "eager torch matmul (single device)": lambda: X @ W,
+    }
+    if device.type == "cpu":
+        rows["eager all_gather + matmul (gloo, by hand)"] = eager_layer
+    for name, fn in rows.items():
+        (out,) = [fn()] if name.startswith("eager") else fn()
+        torch.testing.assert_close(out, expected if name.startswith("multi") else X @ W)
+    for mode, fd in layers.items():
+        if mode != "every" and len(fd.executor._prepared) != 1:
+            raise RuntimeError(f"check_ranks={mode}: the steady-state calls are not prepared")
+    samples = time_interleaved(list(rows.values()), device, args.iters, args.warmup)
+    medians = [statistics.median(s) * 1e6 for s in samples]
+    # Every rank's medians: the slowest rank is what a step waits for.
+    everyone = comm.all_gather_words(torch.tensor([round(v * 1000) for v in medians])).tolist()
+    shown = protections(comm, rank, overlap.allgather_matmul(world), overlap.allgather_matmul(world), kwargs, make)
+    if rank != 0:
+        return 0
+    results = [
+        {"variant": name, "median_us": medians[i], "median_us_per_rank": [r[i] / 1000 for r in everyone]}
+        for i, name in enumerate(rows)
+    ]
+    env = {
+        "device": device_name(device),
+        "device_type": device.type,
+        "ranks": world,
+        "transport": "cuda (copy engine)" if "transport=cuda" in (schedule or "") else "gloo",
+        "schedule": schedule or "the machine model's choice",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpp_executor": hostir.cpp.available(),
+        "python": platform.python_version(),
+        "hostir": hostir.__version__,
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "params": {"m": m, "k": K, "n": N, "iters": args.iters, "warmup": args.warmup},
+    }
+    by = {r["variant"]: r["median_us"] for r in results}
+    single = by["single-device prepared call (the same program, no mesh)"]
+    lines = [
+        f"# Host µs per steady-state multi-device execute ({device.type}, {world} ranks, {env['transport']})",
+        "",
+        "| variant | median µs/call (rank 0) | per rank |",
+        "|---|---:|---|",
+        *(
+            f"| {r['variant']} | {r['median_us']:.1f} | {', '.join(f'{v:.1f}' for v in r['median_us_per_rank'])} |"
+            for r in results
+        ),
+        "",
+    ]
+    for mode in ("every", "always", "first"):
+        ratio = by[f"multi-device, check_ranks={mode}"] / single
+        target = f" (target ≤ 2x with the protections on: {_met(ratio <= 2.0)})" if mode == "always" else ""
+        lines.append(f"- check_ranks={mode}: {ratio:.2f}x the single-device prepared call{target}")
+    before, after = by["multi-device, check_ranks=every"], by["multi-device, check_ranks=always"]
+    lines.append(f"- always vs every (after vs before): {after:.1f} vs {before:.1f} µs, {before / after:.2f}x faster")
+    hand = by.get("eager all_gather + matmul (gloo, by hand)")
+    if hand is not None:
+        lines.append(
+            f"- above the same work by hand ({hand:.1f} µs): always +{after - hand:.1f} µs, "
+            f"first +{by['multi-device, check_ranks=first'] - hand:.1f} µs; the single-device prepared call is "
+            f"+{single - by['eager torch matmul (single device)']:.1f} µs above its eager matmul"
+        )
+    lines += ["", "## The protections, from prepared calls (every rank's error)", ""]
+    for case, messages in shown.items():
+        lines.append(f"- {case}:")
+        lines += [f"  - rank {r}: `{text}`" for r, text in enumerate(messages)]
+    lines += [
+        "",
+        "Each row: the median host time of one call over the timed calls, the rows taken in turns "
+        "(every rank makes the same calls in the same order); on CUDA the device is synchronized "
+        "before each timed call, not inside it. check_ranks=every is the path before prepared "
+        "multi-device calls (the full record and the full path on every call).",
+        "",
+        f"- device: {env['device']} ({env['cpus']} CPUs, load average {', '.join(f'{v:.1f}' for v in env['load_average'])})",
+        f"- torch: {env['torch']} (CUDA {env['cuda']}), python {env['python']}, hostir {env['hostir']}, "
+        f"C++ executor {'built' if env['cpp_executor'] else 'not built'}",
+        f"- schedule: {env['schedule']}; x piece [1, {m}, {K}], w [{K}, {N}] float32; "
+        f"iters={args.iters}, warmup={args.warmup}",
+        f"- date (UTC): {env['date']}",
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"host_overhead_multidevice_{device.type}_np{world}")
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    with open(stem + ".json", "w") as f:
+        json.dump({**env, "results": results, "protections": shown}, f, indent=2)
+        f.write("\n")
+    print(f"wrote {stem}.md and {stem}.json")
+    failed = [case for case, messages in shown.items() if any("NO ERROR" in m for m in messages)]
+    return 1 if failed else 0
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -483,8 +695,20 @@ def parse_args(argv=None) -> tuple[Params, str]:
     ap.add_argument("--streams", type=int, default=4, help="number_of_streams of the stream loop (default: 4)")
     ap.add_argument("--iters", type=int, default=200, help="timed runs per variant (default: 200)")
     ap.add_argument("--warmup", type=int, default=20, help="untimed runs before timing (default: 20)")
-    ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where to write the .md and .json (default: benchmarks/results)")
+    ap.add_argument(
+        "--out-dir",
+        default=os.environ.get("OUT") or DEFAULT_OUT_DIR,
+        help="where to write the .md and .json (default: $OUT, else benchmarks/results)",
+    )
+    ap.add_argument("--multidevice", action="store_true", help="time steady-state multi-device executes (under a launcher)")
+    ap.add_argument("--schedule", default=None, help="--multidevice: the layer's schedule (default: ring:transport=cuda on CUDA)")
+    ap.add_argument("--m", type=int, default=4, help="--multidevice: rows of a rank's piece (default: 4)")
+    ap.add_argument("--k", type=int, default=8, help="--multidevice: K (default: 8)")
+    ap.add_argument("--n", type=int, default=8, help="--multidevice: N (default: 8)")
     args = ap.parse_args(argv)
+    if args.multidevice:
+        args.out_dir = os.path.normpath(args.out_dir)
+        return args, None
     for name in ("chunks", "width", "length", "streams", "iters"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
@@ -507,6 +731,8 @@ def parse_args(argv=None) -> tuple[Params, str]:
 
 def main(argv=None) -> int:
     params, out_dir = parse_args(argv)
+    if out_dir is None:
+        return run_multidevice(params)
     results = run_benchmark(params)
     env = environment(params)
     print(f"device: {env['device']}  torch {env['torch']}  python {env['python']}  hostir {env['hostir']}")

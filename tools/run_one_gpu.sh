@@ -7,7 +7,9 @@
 #   3. the training checks: one rank on CUDA, and two ranks sharing the GPU
 #      on the `cuda` copy-engine transport (tools/check_training_gpu.py),
 #   4. tools/bench_training.py at world size 1,
-#   5. tools/bench_host_overhead.py.
+#   5. tools/bench_host_overhead.py, and its --multidevice mode with two
+#      ranks sharing the GPU on the `cuda` transport (host µs per
+#      steady-state multi-device execute, the protections shown firing).
 # Each step's log and results go under $OUT/<step>/ (default
 # /tmp/hostir-one-gpu); the exit status is 1 when any step failed.
 #
@@ -45,4 +47,5 @@ step training_one_rank 200 sh -c 'python3 tools/check_training_gpu.py --out "$OU
 step training_two_ranks 200 sh -c 'torchrun --standalone --nproc-per-node 2 tools/check_training_gpu.py --out "$OUT"'
 step bench_training 300 sh -c 'python3 tools/bench_training.py --out-dir "$OUT"'
 step host_overhead 200 sh -c 'python3 tools/bench_host_overhead.py --out-dir "$OUT"'
+step host_overhead_multidevice 300 sh -c 'torchrun --standalone --nproc-per-node 2 tools/bench_host_overhead.py --multidevice --device cuda --out-dir "$OUT"'
 exit $status

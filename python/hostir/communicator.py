@@ -717,6 +717,7 @@ class Communicator:
         self._created: list[dist.ProcessGroup] = []
         self._closed = False
         self._fusion_numbers = itertools.count()
+        self._call_numbers = itertools.count()
         # Held by the thread running a multi-device execute: collectives of
         # two calls on the same groups would pair with the wrong peers' calls.
         self.busy = threading.Lock()
@@ -916,6 +917,12 @@ class Communicator:
         time: fusions are numbered in the order they first run, the same
         on every rank that runs them in the same order."""
         return next(self._fusion_numbers)
+
+    def next_call_number(self) -> int:
+        """The number of a multi-device execute on this communicator (0,
+        1, ...): ranks that make the same executes in the same order number
+        them alike."""
+        return next(self._call_numbers)
 
     def barrier(self) -> None:
         """Block the host until every rank reaches the barrier (control group)."""

@@ -17,8 +17,9 @@
 4. agree and make groups: for a multi-device fusion, the ranks exchange a
    fixed-size record (`agreement.py`) — the call, the program, the inputs'
    shapes and any local error — and every rank raises together if they
-   differ; then they create the process groups the program needs. Nothing
-   to do for one rank;
+   differ; then they create the process groups the program needs (with
+   check_ranks="always" a step of the full path comes first: it pairs with
+   the steps of ranks whose call is prepared). Nothing to do for one rank;
 5. bind the inputs and outputs (a rank's pieces viewed with loop axes);
 6. run with the evaluator, in a frame of its own, without autograd: the
    Python reference (`HostIrEvaluator`) or the C++ executor (`hostir.cpp`),
@@ -27,12 +28,18 @@
    (`hostir.runtime.graphs`);
 7. convert the results back to the fusion's logical axes.
 
-A single-device call whose exact signature (every tensor's type, shape,
-strides, dtype, device and requires_grad; the parameters; the variables
-that pick the evaluator and the dry run) already ran enters at step 5 with
-its record (`hostir.runtime.prepared`), a memo of steps 1-4: they decided
-nothing else for it but whether a preallocated output shares memory with an
-input, which is checked again on every call.
+A call whose exact signature (every tensor's type, shape, strides, dtype,
+device and requires_grad; the parameters; the variables that pick the
+evaluator and the dry run) already ran enters at step 5 with its record
+(`hostir.runtime.prepared`), a memo of steps 1-4: they decided nothing else
+for it but whether a preallocated output shares memory with an input, which
+is checked again on every call. For a multi-device fusion the record is per
+communicator; on many ranks it is kept once the ranks agreed on the
+signature (step 4's full record), and with check_ranks="always" a prepared
+call first checks a six-word step with the other ranks (`_steady`): the
+same call of the same fusion, the same agreed signature. A step that
+differs on any rank sends every rank to the full record, which raises on
+all of them what differs.
 
 A failure in steps 1-3 on one rank of a multi-device fusion is carried by
 step 4 to every rank, so all raise the same error instead of one raising and
@@ -66,7 +73,17 @@ from hostir.lower.insert_reshardings import MODES as RESHARDING_MODES
 from hostir.lower.hoist_transfers import forced as forced_hoisting
 from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
 from hostir.runtime import flat, prepared, profiling
-from hostir.runtime.agreement import Offer, RankMismatchError, check, exchange, input_signature
+from hostir.runtime.agreement import (
+    Offer,
+    RankMismatchError,
+    check,
+    check_steps,
+    exchange,
+    exchange_steps,
+    in_step,
+    input_signature,
+    token,
+)
 from hostir.runtime.bind import Binding
 from hostir.runtime.checks import (
     ExecuteArgumentError,
@@ -92,7 +109,7 @@ from hostir.runtime.graphs import CudaGraphs
 from hostir.runtime.streams import streams_for
 from hostir.runtime.transports import torch_dist
 
-CHECK_RANKS = ("always", "first")
+CHECK_RANKS = ("always", "first", "every")
 HOST_INPUTS = ("copy", "stream")
 
 __all__ = [
@@ -130,12 +147,20 @@ class ExecutorParams:
         where CUDA is available. Used when the communicator is created.
     timeout: seconds any collective may wait for a peer (default
         HOSTIR_TIMEOUT, else 300). Used when the communicator is created.
-    check_ranks: "always" (default) makes the ranks agree before every run
-        of a multi-device program, in one small collective on a control
-        group: on the call (a rank that skipped or repeated an execute of a
-        fusion makes every rank raise), the program, their inputs' shapes
-        and dtypes, and any local error. "first" agrees only when a rank
-        lowers a program; it saves that collective but turns these
+    check_ranks: how the ranks of a multi-device program agree before it
+        runs (every rank must pass the same value). "always" (default): the
+        first call of each exact signature exchanges the full record on a
+        control group (`runtime/agreement.py`): the call (a rank that
+        skipped or repeated an execute makes every rank raise), the
+        program, the inputs' shapes and dtypes, and any local error; later
+        calls of that signature are prepared (they enter at bind) and send
+        only a step of 6 words (the call numbers and the agreed signature's
+        token), and any difference in it sends every rank to the full
+        record, whose error names what differs: the same protections, one
+        small all-gather per call. "every": the full record and the full
+        path on every call (no prepared multi-device call), the cost the
+        step saves. "first": agreement only when a rank lowers a program,
+        and prepared calls send nothing; it saves the step but turns these
         protections off: a rank that alone fails its checks, skips a call or
         changes its input shapes then meets the others' collectives out of
         step, and the job ends in a timeout or returns wrong data.
@@ -364,13 +389,16 @@ class FusionExecutor:
         if not self._multi_device():
             key = prepared.signature(inputs, outputs, params, kwargs)
         else:
-            key = self._one_rank_signature(inputs, outputs, params, kwargs)
+            key = self._multi_device_signature(inputs, outputs, params, kwargs)
         if key is not None:
             ready = self._prepared.get(key, self.fusion.version)
             if ready is not None:
+                if ready.comm is not None:
+                    return self._steady(ready, inputs, outputs)
                 results = self._finish(self._recall(ready, inputs, outputs))
                 if results is not None:
                     return results
+        checking = _check_mode(params, kwargs)
         mode = fake_mode()
         comm, error = (None, None)
         if mode != "1" and self._multi_device():
@@ -378,6 +406,9 @@ class FusionExecutor:
                 # The dry run comes after the rendezvous: load its imports meanwhile.
                 dry_run.warm_up()
             comm, error = self._communicator(params, kwargs)
+            if key is None and error is None:
+                # The first call of the process made the communicator.
+                key = self._multi_device_signature(inputs, outputs, params, kwargs)
         with _exclusive(comm):
             sequence = self._next_call(comm) if comm is not None else None
             call = None
@@ -389,25 +420,51 @@ class FusionExecutor:
                 device = self._check(inputs, device, comm, mode, host_positions(self.fusion, inputs, params.host_inputs))
                 call = self._program(inputs, outputs, device, params, comm, mode)
             except Exception as err:
-                if comm is None or _agrees_first_only(params):
+                if comm is None or checking == "first":
                     raise
                 error = err
-            self._agree(comm, sequence, call, inputs, error, _agrees_first_only(params))
+            self._agree(comm, sequence, call, inputs, error, checking)
             results = self._finish(call)
         if key is not None:
-            self._keep(key, call, params, inputs)
+            self._keep(key, call, params, inputs, comm)
         return results
 
-    def _one_rank_signature(self, inputs, outputs, params, kwargs) -> tuple | None:
-        """The prepared-call signature of a multi-device fusion's call on a
-        live one-rank communicator, or None. One rank has no peer to agree
-        with, so such calls are prepared like a single device's, per
-        communicator (a new communicator lowers and checks again)."""
+    def _multi_device_signature(self, inputs, outputs, params, kwargs) -> tuple | None:
+        """The prepared-call signature of a multi-device fusion's call on the
+        live communicator, or None (no communicator yet, or
+        check_ranks="every"). Records are kept per communicator: a new one
+        lowers, checks and agrees again. One rank has no peer to agree
+        with; many ranks agree on a signature's first call and check a
+        step on every later one (`_steady`)."""
         comm = communicator.live()
-        if comm is None or comm.world_size != 1:
+        if comm is None or (comm.world_size > 1 and _check_mode(params, kwargs) == "every"):
             return None
         found = prepared.signature(inputs, outputs, params, kwargs)
         return None if found is None else (comm, found)
+
+    def _steady(self, ready: prepared.Prepared, inputs, outputs) -> list[torch.Tensor | None]:
+        """A prepared call of many ranks: with check_ranks="always" the
+        ranks check their step (call numbers and the agreed signature's
+        token: one all-gather of a few words) and fall back to the full
+        record together where anything differs; then bind, run and convert
+        back, as every route does."""
+        comm = ready.comm
+        with _exclusive(comm):
+            _refuse_after_failure(comm)
+            sequence = self._next_call(comm)
+            call = error = None
+            try:
+                call = self._recall(ready, inputs, outputs)
+            except Exception as err:
+                if not ready.token:
+                    raise
+                error = err
+            if ready.token:
+                with _control(comm):
+                    steps = exchange_steps(comm, comm.rank, *sequence, 0 if error is not None else ready.token)
+                if not in_step(steps):
+                    self._agree_fully(comm, sequence, call, inputs, error, steps)
+            return self._finish(call)
 
     def graph_inputs(
         self,
@@ -453,18 +510,31 @@ class FusionExecutor:
         program = ready.program
         if outputs is not None:
             check_no_overlap(self.fusion, outputs, inputs, program.binding.output_tvs)
+        if ready.comm is not None:
+            # Many ranks: a CUDA graph is looked up per call (its key holds
+            # the outputs), never skipped to, so that bind always binds.
+            return _Call(
+                program, inputs, outputs, False, ready.number_of_streams, ready.comm, None, ready.grad, False,
+                ready.capture,
+            )  # fmt: skip
         return _Call(program, inputs, outputs, False, ready.number_of_streams, None, ready.graph, ready.grad, True)
 
-    def _keep(self, key: tuple, call: _Call, params: ExecutorParams, inputs) -> None:
-        """Keep the record of a single-device call that took the full path
-        and ran, under its signature `key`. (Not a call whose CPU inputs
-        were copied to the GPU: the full path warns and copies.)"""
+    def _keep(self, key: tuple, call: _Call, params: ExecutorParams, inputs, comm=None) -> None:
+        """Keep the record of a call that took the full path and ran, under
+        its signature `key`. (Not a call whose CPU inputs were copied to
+        the GPU: the full path warns and copies.) The record of a call of
+        many ranks holds the communicator and, with check_ranks="always",
+        the token of the signature the ranks just agreed on."""
         if not all(a is b for a, b in zip(call.inputs, inputs)):
             return
         program = call.program
         grad = any(t.requires_grad for t in call.inputs)
         ready = prepared.Prepared(self.fusion.version, program, params.number_of_streams, grad)
-        if call.graph is not None:
+        if comm is not None and comm.world_size > 1:
+            ready.comm, ready.capture = comm, call.capture
+            if params.check_ranks == "always":
+                ready.token = token(program.lowered.digest, input_signature(call.inputs))
+        elif call.graph is not None:
             # The graph the full path just captured or replayed for this call.
             ready.graph = call.graph
             ready.graph_inputs = program.binding.logical_inputs(ready.graph.inputs)
@@ -782,26 +852,26 @@ class FusionExecutor:
             if comm is None:
                 raise
             error = err
-        if comm.failure is not None:
-            raise communicator.CommunicatorError(
-                f"an earlier collective failed on this rank, so the ranks' collectives are out of step: "
-                f"{comm.failure.splitlines()[0]}\nend the job (or call hostir.communicator.shutdown() on "
-                f"every rank and start again)"
-            )
+        _refuse_after_failure(comm)
         return comm, error
 
-    def _next_call(self, comm) -> tuple[int, int]:
-        """This fusion's number on `comm` and the number of this call."""
+    def _next_call(self, comm) -> tuple[int, int, int]:
+        """This fusion's number on `comm`, the number of this call of it,
+        and the number of this call among all multi-device executes on
+        `comm`."""
         if self._sequence is None or self._sequence[0] is not comm:
             self._sequence = (comm, comm.next_fusion_number(), 0)
         _, fusion, calls = self._sequence
         self._sequence = (comm, fusion, calls + 1)
-        return fusion, calls
+        return fusion, calls, comm.next_call_number()
 
-    def _agree(self, comm, sequence, call: _Call | None, inputs, error, first_only: bool) -> None:
+    def _agree(self, comm, sequence, call: _Call | None, inputs, error, checking: str = "always") -> None:
         """The ranks agree on the call, its program and inputs, and any local
         error, and make the process groups the program needs; nothing to do
-        for one rank (or the fake runner, which makes no group)."""
+        for one rank (or the fake runner, which makes no group). With
+        check_ranks="always" the full record comes after a step of the full
+        path (token 0), which pairs with the steps of ranks whose call is
+        prepared and sends them on to the full record too."""
         if comm is None:
             return
         if comm.world_size == 1:
@@ -811,12 +881,22 @@ class FusionExecutor:
             if comm.missing_teams(call.program.lowered.teams):
                 comm.ensure_groups(call.program.lowered.teams)
             return
-        if first_only and not call.lowered:
+        if checking == "first" and not call.lowered:
             # No agreement: each rank makes the groups it lacks (a
             # collective of its own, which checks the teams).
             if comm.missing_teams(call.program.lowered.teams):
                 comm.ensure_groups(call.program.lowered.teams)
             return
+        steps = None
+        if checking not in ("first", "every"):
+            with _control(comm):
+                steps = exchange_steps(comm, comm.rank, *sequence, 0)
+        self._agree_fully(comm, sequence, call, inputs, error, steps)
+
+    def _agree_fully(self, comm, sequence, call: _Call | None, inputs, error, steps=None) -> None:
+        """The full record: every rank's, checked; then the steps (if the
+        call sent one) for what the record does not carry; then the
+        process groups any rank lacks."""
         teams = call.program.lowered.teams if call is not None else ()
         offer = Offer(
             fusion=sequence[0],
@@ -827,14 +907,12 @@ class FusionExecutor:
             needs_groups=bool(comm.missing_teams(teams)),
             rank=comm.rank,
         )
-        try:
+        with _control(comm):
             records = exchange(comm, offer)
-        except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
-            comm.failure = f"{type(err).__name__}: {err}"
-            raise type(err)(
-                f"the ranks' check of the program and its inputs, before running it, failed: {err}"
-            ) from err
-        if check(records, cause=error):
+        needs_groups = check(records, cause=error)
+        if steps is not None:
+            check_steps(steps)
+        if needs_groups:
             comm.ensure_groups(teams)
 
     # -- 5-7: bind, run, convert back
@@ -917,8 +995,33 @@ def _device_of(inputs: list) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def _agrees_first_only(params) -> bool:
-    return isinstance(params, ExecutorParams) and params.check_ranks == "first"
+def _check_mode(params, kwargs: dict) -> str:
+    """The call's check_ranks where it is a valid one, else "always" (the
+    full path then raises the parameter's error on every rank)."""
+    mode = params.check_ranks if isinstance(params, ExecutorParams) else kwargs.get("check_ranks", "always")
+    return mode if type(mode) is str and mode in CHECK_RANKS else "always"
+
+
+def _refuse_after_failure(comm) -> None:
+    """An earlier collective of this rank timed out or lost a peer: refuse
+    to post more (the ranks' collectives are out of step)."""
+    if comm.failure is not None:
+        raise communicator.CommunicatorError(
+            f"an earlier collective failed on this rank, so the ranks' collectives are out of step: "
+            f"{comm.failure.splitlines()[0]}\nend the job (or call hostir.communicator.shutdown() on "
+            f"every rank and start again)"
+        )
+
+
+@contextlib.contextmanager
+def _control(comm):
+    """An exchange on the control group: a timeout or a lost peer marks the
+    communicator failed and names the check."""
+    try:
+        yield
+    except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
+        comm.failure = f"{type(err).__name__}: {err}"
+        raise type(err)(f"the ranks' check of the program and its inputs, before running it, failed: {err}") from err
 
 
 @contextlib.contextmanager

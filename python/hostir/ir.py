@@ -1050,7 +1050,13 @@ class ForLoop(Expr):
     Values first defined in the body are unbound at each iteration, so each
     iteration writes fresh buffers or the slices its selects bind.
     `iter_domain` names the axis a stream loop walks (for the dump);
-    `schedule` names the decomposition a loop over a device axis follows."""
+    `schedule` names the decomposition a loop over a device axis follows.
+    `stream_parallel` marks a stream loop whose worker streams are not yet
+    written: the loop-building passes set it, `assign_streams` writes the
+    caller/worker pattern and clears it (it changes nothing at run time).
+    `caller_ops`: how many ops right before such a loop compute the rank's
+    own chunk on the caller's stream while the workers run the iterations
+    (a ring's local shard), so the workers need not wait for them."""
 
     index: Scalar
     start: Scalar
@@ -1058,6 +1064,8 @@ class ForLoop(Expr):
     body: list
     iter_domain: IterDomain | None = None
     schedule: str | None = None
+    stream_parallel: bool = False
+    caller_ops: int = 0
     INPUTS = ("start", "stop")
 
 

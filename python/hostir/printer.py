@@ -150,8 +150,12 @@ def _for(e: ir.ForLoop, pad):
         head = f"{pad}FOR {index} in {format_id(e.iter_domain)}:"
     else:
         head = f"{pad}FOR {index} from {format_scalar(e.start)} to {format_scalar(e.stop)}:"
-    if e.schedule is not None:
-        head = f"{head[:-1]} ({e.schedule}):"
+    notes = [] if e.schedule is None else [e.schedule]
+    if e.stream_parallel:
+        caller = f" while the caller runs the {e.caller_ops} ops before it" if e.caller_ops else ""
+        notes.append(f"on worker streams{caller}")
+    if notes:
+        head = f"{head[:-1]} ({'; '.join(notes)}):"
     lines = [head]
     for inner in e.body:
         lines += _lines(inner, pad + INDENT)

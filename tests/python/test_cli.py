@@ -59,7 +59,15 @@ def test_dump_after_a_pass(capsys):
     assert cli.main(["dump", EXAMPLE, "--world-size", "2", "--pass", "parallelize_streams"]) == 0
     out = capsys.readouterr().out
     assert "after pass parallelize_streams" in out
-    assert "FOR StreamIdx" in out and "Communication" not in out  # communications come one pass later
+    assert "FOR StreamIdx" in out and "Communication" not in out  # communications come later
+    assert "(on worker streams" in out and "SetCurrentStream" not in out  # streams come one pass later
+
+
+def test_dump_after_assign_streams(capsys):
+    assert cli.main(["dump", EXAMPLE, "--world-size", "2", "--pass", "assign_streams"]) == 0
+    out = capsys.readouterr().out
+    assert "after pass assign_streams" in out
+    assert "SetCurrentStream" in out and "on worker streams" not in out and "Communication" not in out
 
 
 def test_dump_rejects_unknown_pass_and_bad_rank():

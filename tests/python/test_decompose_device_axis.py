@@ -51,6 +51,53 @@ def test_matmul_reduce_scatter_decomposition(name):
     check_golden(f"decompose_{name}", _program(overlap.matmul_reduce_scatter(2), RS_CASES[name]))
 
 
+# One pass at a time: right after `decompose_device_axis` the loop of steps
+# is marked to run on worker streams (a ring's own chunk before it counted
+# as the caller's); right after `assign_streams` the caller/worker pattern
+# is written, in the form asked for.
+PASS_CASES = {
+    "ag_ring": (overlap.allgather_matmul, Schedule()),
+    "ag_collective": (overlap.allgather_matmul, Schedule("collective")),
+    "rs_ring": (overlap.matmul_reduce_scatter, Schedule()),
+    "rs_collective": (overlap.matmul_reduce_scatter, Schedule("collective")),
+}
+
+
+@pytest.mark.parametrize("name", list(PASS_CASES))
+def test_decomposition_builds_only_loops(name):
+    make, sched = PASS_CASES[name]
+    lowered = lower(make(2).fusion, rank=0, backend="gloo", schedule=sched, until="decompose_device_axis")
+    check_golden(f"decompose_loops_{name}", lowered)
+    text = str(lowered.program)
+    assert "CurrentStream" not in text and "Synchronize" not in text, text
+    assert text.count("on worker streams") == 1, text
+
+
+@pytest.mark.parametrize("form", ["pipelined", "per_iteration"])
+# Not rs_collective: before the program is pruned for a rank, the race
+# checker cannot tell which iteration's Reduce lands on this rank.
+@pytest.mark.parametrize("name", ["ag_ring", "ag_collective", "rs_ring"])
+def test_assigned_streams_of_a_decomposition(name, form):
+    make, sched = PASS_CASES[name]
+    lowered = lower(make(2).fusion, rank=0, backend="gloo", schedule=sched, until="assign_streams", stream_form=form)
+    check_golden(f"assign_{name}" if form == "pipelined" else f"assign_{name}_{form}", lowered)
+    assert "on worker streams" not in str(lowered.program)
+
+
+def test_ring_own_chunk_runs_on_the_caller_between_the_two_loops():
+    """The workers wait for the caller before the rank's own shard is
+    computed, so the shard's matmul overlaps the ring's steps."""
+    program = lower(
+        overlap.allgather_matmul(2).fusion, rank=0, backend="gloo", schedule=Schedule(), until="assign_streams"
+    ).program
+    kinds = [type(e).__name__ for e in program.exprs]
+    assert kinds == [
+        "Allocate", "Allocate", "GetCurrentStream", "ForLoop",
+        "HirAliasSelect", "HirAliasSelect", "Set", "HirAliasSelect", "MatmulOp", "ForLoop",
+    ], kinds
+    assert [type(e).__name__ for e in program.exprs[3].body] == ["SetCurrentStream", "Synchronize"]
+
+
 def test_ring_on_four_ranks_of_an_offset_mesh_names_positions():
     program = _program(overlap.allgather_matmul(4, first=2), Schedule(), rank=3)
     check_golden("decompose_ag_ring_mesh_2_to_5", program)

@@ -15,6 +15,7 @@ from conftest import check_golden
 from hostir import DeviceMesh, FusionDefinition, ParallelType, ir
 from hostir.runtime import evaluator
 from hostir.lower import lower, run_passes
+from hostir.lower.assign_streams import assign_streams
 from hostir.lower.build_host_program import build_host_program
 from hostir.lower.insert_deallocations import insert_deallocations
 from hostir.lower.parallelize_streams import parallelize_streams
@@ -44,7 +45,7 @@ def stream_loop_then_serial():
 
 
 def _pass_dump(fd) -> str:
-    return str(run_passes(build_host_program(fd.fusion), [parallelize_streams, insert_deallocations]))
+    return str(run_passes(build_host_program(fd.fusion), [parallelize_streams, assign_streams, insert_deallocations]))
 
 
 @pytest.mark.parametrize("case", [chain, stream_loop_then_serial])

@@ -7,6 +7,8 @@ import pytest
 
 from hostir import overlap
 from hostir.lower import PIPELINE, LoweringError, _run_one, lower, pass_names, pass_options
+from hostir.ir import ForLoop
+from hostir.lower.assign_streams import StreamAssignmentError, assign_streams, default_form
 from hostir.lower.build_host_program import build_host_program
 
 
@@ -52,3 +54,43 @@ def test_the_stream_form_is_an_option():
     torch.testing.assert_close(out, t + t)
     with pytest.raises(LoweringError, match="unknown stream form 'eager'"):
         lower(fd.fusion, stream_form="eager")
+
+
+def test_assign_streams_follows_the_loop_building_passes():
+    names = pass_names()
+    assert names.index("assign_streams") == names.index("parallelize_streams") + 1
+    assert names.index("decompose_device_axis") < names.index("parallelize_streams")
+
+
+def _marked_program(caller_ops: int):
+    """A program after `parallelize_streams`: one loop marked stream-parallel."""
+    from hostir import FusionDefinition, ParallelType
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        fd.add_output(fd.ops.mul(x, 2.0))
+    fd.fusion.outputs[0].axis(0).parallelize(ParallelType.stream)
+    program = lower(fd.fusion, until="parallelize_streams").program
+    program.exprs = [e.replace(caller_ops=caller_ops) if isinstance(e, ForLoop) else e for e in program.exprs]
+    return program
+
+
+def test_assign_streams_writes_each_loop_once():
+    """The pass clears the marks it acts on: a second run changes nothing."""
+    once = assign_streams(_marked_program(0), form="pipelined")
+    assert str(assign_streams(once, form="pipelined")) == str(once)
+    assert str(assign_streams(once, form="per_iteration")) == str(once)
+
+
+def test_the_default_stream_form_follows_the_program():
+    """One place chooses the form when none is asked for: pipelined for a
+    multi-device program, per iteration otherwise."""
+    assert default_form(_marked_program(0)) == "per_iteration"
+    assert default_form(lower(overlap.allgather_matmul(2).fusion, until="parallelize_streams").program) == "pipelined"
+
+
+def test_a_loop_counting_missing_caller_ops_is_refused():
+    """A loop whose own-chunk ops are not there (only an Allocate is
+    before it) is an error that names the loop, not a misplaced wait."""
+    with pytest.raises(StreamAssignmentError, match=r"counts 2 ops of the caller before it, but its scope has 1"):
+        assign_streams(_marked_program(2), form="pipelined")

@@ -4,7 +4,10 @@ never left out silently: every reason it is not used is listed."""
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+import sys
 
 import pytest
 import torch
@@ -161,8 +164,9 @@ def test_every_route_goes_through_the_same_stages(monkeypatch):
 
 def test_a_multi_device_call_goes_through_the_same_stages(monkeypatch):
     """A multi-device fusion (here one rank of a one-device mesh, gloo)
-    takes the same stages: its agreement is the fourth, and it is never
-    prepared."""
+    takes the same stages: its agreement is the fourth; the first call
+    makes the communicator and keeps the record its second call enters
+    bind with (one rank has no peer to agree with)."""
     from hostir import DeviceMesh, ParallelType, communicator
 
     for name in communicator.LAUNCHER_VARIABLES:
@@ -183,5 +187,33 @@ def test_a_multi_device_call_goes_through_the_same_stages(monkeypatch):
             torch.testing.assert_close(out, a + a)
     finally:
         communicator.shutdown()
-    assert called == ALL_STAGES * 2
-    # A one-rank communicator may keep a record for later calls; every call still runs all stages.
+    assert called == ALL_STAGES + ALL_STAGES[4:]
+    assert len(fd.executor._prepared) == 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun is not on PATH (pip install -e '.[test]')")
+def test_steady_multi_device_calls_enter_at_bind():
+    """Two ranks (mpirun, gloo): the first call of each exact signature runs
+    every stage (the ranks agree on the full record), later calls of it are
+    prepared and enter at bind; every result matches eager torch.
+    (tests/python/multidevice/test_prepared_agreement.py checks, under
+    mpirun, that the protections still fire from such calls.)"""
+    from launchers import open_mpi_command, run_job
+    from spawn import free_port
+
+    exports = {"HOSTIR_TIMEOUT": "60", "HOSTIR_MASTER_PORT": str(free_port())}
+    command = open_mpi_command(2, [sys.executable, "tests/python/scripts/stages_multidevice.py"], exports)
+    returncode, output, _ = run_job(command, 240)
+    assert returncode == 0, output[-4000:]
+    found = {}
+    for line in output.splitlines():
+        if line.startswith("STAGES "):
+            _, rank, text = line.split(" ", 2)
+            found[int(rank)] = json.loads(text)
+    assert sorted(found) == [0, 1], output[-4000:]
+    for rank, report in found.items():
+        stages = [call["stages"] for call in report["calls"]]
+        assert stages == [ALL_STAGES, ALL_STAGES[4:], ALL_STAGES[4:], ALL_STAGES, ALL_STAGES[4:]], (rank, stages)
+        assert all(call["matches"] for call in report["calls"]), (rank, report)
+        assert report["prepared"] == 2, (rank, report)

@@ -1,11 +1,13 @@
-"""The stream-parallelization pass: golden dumps paired with numeric checks.
+"""The stream-parallelization passes: golden dumps paired with numeric checks.
 
 Each case builds a program with the public API, runs `parallelize_streams`
-alone on it (as nvFuser's pass tests do on a hand-built container), compares
-the dump with tests/python/golden/<case>.hir, and runs the whole pipeline on
-random inputs against eager torch for several numbers of streams. The
-reference pull request's three programs must also print its dumps up to
-value numbering.
+alone on it (as nvFuser's pass tests do on a hand-built container) and
+compares the dump (loops marked to run on worker streams) with
+tests/python/golden/<case>.hir; then `assign_streams` after it, whose dump
+(the caller/worker pattern) is tests/python/golden/assign_<case>.hir; and
+runs the whole pipeline on random inputs against eager torch for several
+numbers of streams. The reference pull request's three programs, after
+both passes, must print its dumps up to value numbering.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from conftest import GOLDEN, check_golden, renumber
 from hostir import FusionDefinition, LoweringError, ParallelType
 from hostir.lower import run_passes
+from hostir.lower.assign_streams import assign_streams
 from hostir.lower.build_host_program import build_host_program
 from hostir.lower.parallelize_streams import parallelize_streams
 
@@ -36,6 +39,11 @@ def _define(build):
 def stream_pass_program(fd):
     """The program after `parallelize_streams` alone."""
     return run_passes(build_host_program(fd.fusion), [parallelize_streams])
+
+
+def assigned_program(fd):
+    """The program after `parallelize_streams` and `assign_streams`."""
+    return run_passes(build_host_program(fd.fusion), [parallelize_streams, assign_streams])
 
 
 def stream_pass_dump(fd) -> str:
@@ -182,6 +190,12 @@ def test_golden_dump(case):
     check_golden(case, stream_pass_program(_define(build)))
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_assigned_golden_dump(case):
+    build, _, _ = CASES[case]
+    check_golden(f"assign_{case}", assigned_program(_define(build)))
+
+
 @pytest.mark.parametrize(
     "case", ["single_set", "two_sets_merged", "three_sets_split"]
 )
@@ -189,7 +203,7 @@ def test_reference_pr_dump(case):
     """The reference pull request's dumps, up to the numbering of values."""
     build, _, _ = CASES[case]
     expected = (GOLDEN / f"reference_{case}.hir").read_text()
-    assert renumber(stream_pass_dump(_define(build))) == renumber(expected)
+    assert renumber(str(assigned_program(_define(build)))) == renumber(expected)
 
 
 @pytest.mark.parametrize("number_of_streams", [1, 2, 4])

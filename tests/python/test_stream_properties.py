@@ -1,6 +1,7 @@
-"""Properties of the stream pass on random programs: every lowered program
+"""Properties of the stream passes on random programs: every lowered program
 verifies, has the loop structure the rules promise, and computes what eager
-torch computes."""
+torch computes; `assign_streams` adds stream ops and moves nothing else,
+in either form."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hostir import FusionDefinition, ParallelType, ir
+from hostir.analysis.races import check_races
 from hostir.lower import lower
+from hostir.runtime.evaluator import HostIrEvaluator
 
 # Elementwise steps on a [rows, cols] tensor: (name, hostir op, torch op).
 STEPS = {
@@ -165,5 +168,61 @@ def test_random_programs_lower_and_match_eager(program):
         t = STEPS[name][1](t, w)
     expected = [t] if reduce is None else [t, t.sum(reduce)]
     outputs = fd.execute([x, w], number_of_streams=streams)
+    for got, want in zip(outputs, expected):
+        torch.testing.assert_close(got, want)
+
+
+def _without_stream_ops(exprs) -> list:
+    """`exprs` without stream switches and waits, and without the loops
+    left empty by that (the pipelined form's loop of waits)."""
+    kept = []
+    for e in exprs:
+        if isinstance(e, (ir.GetCurrentStream, ir.SetCurrentStream, ir.Synchronize)):
+            continue
+        if isinstance(e, ir.ForLoop):
+            body = _without_stream_ops(e.body)
+            if not body:
+                continue
+            e = e.replace(body=body)
+        kept.append(e)
+    return kept
+
+
+def _unmarked(exprs) -> list:
+    return [
+        e.replace(body=_unmarked(e.body), stream_parallel=False, caller_ops=0) if isinstance(e, ir.ForLoop) else e
+        for e in exprs
+    ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(programs(), st.sampled_from(["pipelined", "per_iteration"]))
+def test_assign_streams_adds_only_stream_ops(program, form):
+    """Whatever the form, `assign_streams` moves no op of the loops the pass
+    before it built: without its stream ops the program is the loop-only
+    one; every loop it assigns is race-free; and the program computes what
+    eager torch computes."""
+    steps, axes, reduce, reduce_stream, shape, streams = program
+    fd = _build(steps, axes, reduce, reduce_stream)
+    loops_only = lower(fd.fusion, until="parallelize_streams").program
+    assigned = lower(fd.fusion, until="assign_streams", stream_form=form).program
+    marked = [e for e in loops_only.exprs if isinstance(e, ir.ForLoop)]
+    assert all(e.stream_parallel for e in marked)
+    assert not any(isinstance(e, ir.ForLoop) and e.stream_parallel for e in assigned.walk())
+    stripped, plain = assigned.derive(), loops_only.derive()
+    stripped.exprs, plain.exprs = _without_stream_ops(assigned.exprs), _unmarked(loops_only.exprs)
+    assert str(stripped) == str(plain)
+    per_loop = 2 if form == "pipelined" else 1
+    assert sum(isinstance(e, ir.ForLoop) for e in assigned.exprs) == per_loop * len(marked)
+    assert not check_races(assigned)
+
+    program = lower(fd.fusion, stream_form=form).program
+    x = torch.randn(shape)
+    w = torch.rand(shape) + 0.5
+    t = x
+    for name in steps:
+        t = STEPS[name][1](t, w)
+    expected = [t] if reduce is None else [t, t.sum(reduce)]
+    outputs = HostIrEvaluator(program).run(dict(zip(program.inputs, [x, w])), number_of_streams=streams)
     for got, want in zip(outputs, expected):
         torch.testing.assert_close(got, want)

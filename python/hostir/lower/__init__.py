@@ -27,6 +27,7 @@ from hostir import ir, printer
 from hostir.analysis.races import check_races
 from hostir.container import HostIrContainer
 
+from hostir.lower.assign_streams import assign_streams
 from hostir.lower.build_host_program import build_host_program
 from hostir.lower.decompose_device_axis import decompose_device_axis
 from hostir.lower.insert_deallocations import insert_deallocations
@@ -61,6 +62,7 @@ PIPELINE = [
     insert_reshardings,
     decompose_device_axis,
     parallelize_streams,
+    assign_streams,
     lower_communications,
     lower_transfers,
     insert_deallocations,
@@ -183,7 +185,7 @@ def pass_options(
     chunks to)."""
     return {
         insert_reshardings: {"mode": resharding},
-        parallelize_streams: {"form": stream_form},
+        assign_streams: {"form": stream_form},
         decompose_device_axis: {"schedule": schedule, "backend": backend, "chunking": chunking},
         lower_communications: {"backend": backend},
         lower_transfers: {"chunks": hoisting.chunks if hoisting is not None else 1},

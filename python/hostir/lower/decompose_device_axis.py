@@ -13,7 +13,10 @@ Two patterns are rewritten, each on a 1-D mesh of consecutive ranks:
     reduce-scatter.
 
 Postcondition: each pattern is a host program with no stream axis left in
-its ops. Decompositions (`Schedule.decomposition`):
+its ops; the loop of steps is marked `stream_parallel`, and the ops right
+before it that compute the rank's own chunk are its `caller_ops` (the
+streams are written by `assign_streams`). Decompositions
+(`Schedule.decomposition`):
 
   ring        gather: the local shard is copied into its slot and its ops
               run first on the caller's stream; then step i = 1 .. D-1
@@ -44,7 +47,7 @@ write are allocated `symmetric` and each send names where it lands
 (`into`). The loop's head names the decomposition, chunks, direction and
 transport (and why the transport was not `cuda`, if it was asked for).
 
-    T2 = Set( T0 )   (T0 sharded, T2 stream)     FOR StreamIdx from 1 to 2 (ring, ...):
+    T2 = Set( T0 )   (T0 sharded, T2 stream)     FOR StreamIdx from 1 to 2 (ring, ...; on worker streams ...):
     T3 = matmul( T2, T1 )  (T3 stream)      ->     StartCoalescing ... P2PCommunication ...
 """
 
@@ -316,34 +319,22 @@ class _Builder:
         return ", ".join(parts)
 
     def _pipeline(self, start: int, stop: int, make_body, head: str, local_first=None, local_last=None):
-        """GetCurrentStream; a loop making every worker wait for the caller;
-        `local_first` on the caller; the work loop on the workers; then
-        `local_last` on the caller."""
-        caller = ir.Stream(self.c)
-        n = self.c.named_scalar("numberOfStreams")
-        self.c.push_back(ir.GetCurrentStream(caller))
-        sync_index = ir.Scalar(label="StreamIdx")
-        worker = ir.Stream(self.c, index=sync_index % n)
+        """The loop of the steps, marked stream-parallel (`assign_streams`
+        runs them on worker streams); `local_first`, the rank's own chunk,
+        right before it, counted as the ops the caller runs while the
+        workers run the steps; `local_last` after it."""
+        own = list(local_first or [])
+        for e in own:
+            self.c.push_back(e)
+        index = ir.Scalar(label="StreamIdx")
         self.c.push_back(
             ir.ForLoop(
-                sync_index,
-                ir.Scalar.constant(start),
-                ir.Scalar.constant(stop),
-                [ir.SetCurrentStream(worker), ir.Synchronize(caller)],
+                index, ir.Scalar.constant(start), ir.Scalar.constant(stop), make_body(index), schedule=head,
+                stream_parallel=True, caller_ops=len(own),
             )
         )
-        if local_first is not None:
-            for e in local_first:
-                self.c.push_back(e)
-        index = ir.Scalar(label="StreamIdx")
-        worker = ir.Stream(self.c, index=index % n)
-        body = [ir.SetCurrentStream(worker), *make_body(index), ir.SetCurrentStream(caller), ir.Synchronize(worker)]
-        self.c.push_back(
-            ir.ForLoop(index, ir.Scalar.constant(start), ir.Scalar.constant(stop), body, schedule=head)
-        )
-        if local_last is not None:
-            for e in local_last:
-                self.c.push_back(e)
+        for e in local_last or []:
+            self.c.push_back(e)
 
     def _step_and_chunk(self, index: ir.Scalar) -> tuple[ir.Scalar, ir.Scalar]:
         c = self.schedule.chunks

@@ -9,21 +9,16 @@ a loop cut it.
 
 Postcondition: each run of consecutive stream-parallel ops whose stream axes
 map (through the ops' operands, broadcasts included) is one `ForLoop`
-walking the stream axis with index `StreamIdx`. Before the loop, each body
-output is allocated at full size; in the body, each operand and output with
-an axis mapped to the loop's is replaced by a `HirAliasSelect` slice (one
-slice per (tensor, axis, index) for the whole pass), and the body runs on
-`Stream(StreamIdx % numberOfStreams)` after waiting for the caller's stream,
-which waits for it in turn at the end of each iteration. Any op in between
-ends the loop. In a multi-device program (where communications make
-overlap worth having) the wait for the caller's stream moves to a loop of
-its own before the work loop, as in nvFuser after #4402, so iterations on
-different streams overlap; single-device programs keep the reference PR's
-per-iteration form.
+walking the stream axis with index `StreamIdx`, marked `stream_parallel`
+(`assign_streams` runs its iterations on worker streams). Before the loop,
+each body output is allocated at full size; in the body, each operand and
+output with an axis mapped to the loop's is replaced by a `HirAliasSelect`
+slice (one slice per (tensor, axis, index) for the whole pass). Any op in
+between ends the loop.
 
     T1 = Set(T0)                 T1 = ALLOCATE(...)
-    (T1 axis 0 is stream)   →    FOR StreamIdx in iStreamIdx2{i0}:
-                                   ...; T3 = HirAliasSelect(T1, ...); T3 = Set(T2); ...
+    (T1 axis 0 is stream)   →    FOR StreamIdx in iStreamIdx2{i0} (on worker streams):
+                                   T3 = HirAliasSelect(T0, ...); T4 = HirAliasSelect(T1, ...); T4 = Set(T3)
 """
 
 from __future__ import annotations
@@ -37,18 +32,7 @@ class StreamParallelError(HostIrError, ValueError):
     pass
 
 
-STREAM_FORMS = ("pipelined", "per_iteration")
-
-
-def parallelize_streams(container: HostIrContainer, form: str | None = None) -> HostIrContainer:
-    """`form`: how a stream loop's iterations wait for the caller's stream:
-    "pipelined" (a first loop makes every worker wait for the caller, then
-    the work loop; iteration i+1 need not wait for iteration i) or
-    "per_iteration" (each iteration waits for the caller). By default the
-    pipelined form for a multi-device program, whose communications it
-    overlaps, and the per-iteration form otherwise."""
-    if form is not None and form not in STREAM_FORMS:
-        raise StreamParallelError(f"unknown stream form {form!r}; expected one of {list(STREAM_FORMS)}")
+def parallelize_streams(container: HostIrContainer) -> HostIrContainer:
     graph = axis_graph.IdGraph(container.exprs, broadcast=True)
 
     grouped: list = []
@@ -68,13 +52,13 @@ def parallelize_streams(container: HostIrContainer, form: str | None = None) -> 
             stop=axis.extent,
             body=[e],
             iter_domain=axis,
+            stream_parallel=True,
         )
         loops.add(id(loop))
         grouped.append(loop)
 
     result = container.derive()
     slicer = _Slicer(result, graph)
-    pipelined = bool(container.meshes()) if form is None else form == "pipelined"
     for item in grouped:
         if id(item) not in loops:
             result.push_back(item)
@@ -83,12 +67,7 @@ def parallelize_streams(container: HostIrContainer, form: str | None = None) -> 
             (out,) = e.outputs()
             if slicer.mapped_axis(out, item) is not None:
                 result.push_back(ir.Allocate(out, ir.MemoryType.global_))
-        body = slicer.slice_body(item)
-        if pipelined:
-            for e in _pipelined(result, item, body):
-                result.push_back(e)
-        else:
-            result.push_back(_with_streams(result, item, body))
+        result.push_back(item.replace(body=slicer.slice_body(item)))
     return result
 
 
@@ -203,30 +182,3 @@ class _Slicer:
             body.append(e.replace(**changes))
         return body
 
-
-def _pipelined(container: HostIrContainer, loop: ir.ForLoop, body: list[ir.Expr]) -> list[ir.Expr]:
-    """The overlapping form (nvFuser #4402): the caller's stream is captured
-    once, a first loop makes each worker wait for it, and the second loop
-    runs the iterations with only the caller waiting for each worker, so
-    iteration i+1 need not wait for iteration i's communication."""
-    caller = ir.Stream(container)
-    worker = ir.Stream(container, index=loop.index % container.named_scalar("numberOfStreams"))
-    sync = loop.replace(body=[ir.SetCurrentStream(worker), ir.Synchronize(caller)])
-    work = loop.replace(
-        body=[ir.SetCurrentStream(worker), *body, ir.SetCurrentStream(caller), ir.Synchronize(worker)]
-    )
-    return [ir.GetCurrentStream(caller), sync, work]
-
-
-def _with_streams(container: HostIrContainer, loop: ir.ForLoop, body: list[ir.Expr]) -> ir.ForLoop:
-    caller = ir.Stream(container)
-    worker = ir.Stream(container, index=loop.index % container.named_scalar("numberOfStreams"))
-    wrapped = [
-        ir.GetCurrentStream(caller),
-        ir.SetCurrentStream(worker),
-        ir.Synchronize(caller),
-        *body,
-        ir.SetCurrentStream(caller),
-        ir.Synchronize(worker),
-    ]
-    return loop.replace(body=wrapped)

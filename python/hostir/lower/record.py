@@ -39,8 +39,9 @@ class LoweringOptions:
         "strict", which refuses an op that computes and reshards.
     schedule: how `decompose_device_axis` decomposes a device axis walked
         as a stream axis (None: a ring, one chunk per peer).
-    stream_form: `parallelize_streams`' form of a stream loop ("pipelined"
-        or "per_iteration"; None: chosen by whether the program has meshes).
+    stream_form: `assign_streams`' form of every stream loop ("pipelined"
+        or "per_iteration"; None: the form `assign_streams` chooses for the
+        program, pipelined for a multi-device one).
     host_inputs: positions of inputs passed in host memory to stream (as if
         defined with `memory="host"`).
     hoisting: how far `hoist_transfers` moves communications and transfers

@@ -25,6 +25,30 @@ Layout (version 1; every field an int64 word):
             MAX_DIMS sizes (-1 past ndim; ndim -1 for a value that is not
             a tensor)
     then    message length in bytes, then MESSAGE_BYTES of UTF-8 text
+
+A call whose exact signature the ranks already agreed on (a prepared call,
+`runtime/prepared.py`) sends the full record no more. With
+`check_ranks="always"` every call of a multi-device program first sends a
+*step*: STEP_WORDS int64 words, one all-gather on the same control group —
+
+    0       magic and layout version (`STEP_MAGIC`)
+    1       sender's rank
+    2       fusion number
+    3       call number of that fusion on this rank
+    4       call number on the communicator (every multi-device execute)
+    5       the agreed signature's token (`token`): a hash of the program's
+            digest and the inputs' dtypes and shapes; 0 for a call that
+            takes the full path (a new signature, or a local error)
+
+If every rank sends the same words 2-5 and no token is 0 (`in_step`), the
+ranks are at the same call of the same fusion, with the program and input
+shapes they agreed on when that signature first ran: the call runs. Any
+difference sends every rank on to the full record (all of them decide it
+from the same gathered words), whose `check` names what differs; a
+difference the full record cannot see (the communicator's call numbers)
+is named by `check_steps`. So a steady-state call costs one all-gather of
+STEP_WORDS words instead of the full record, its encoding and its decoding,
+and the protections are the full record's.
 """
 
 from __future__ import annotations
@@ -253,3 +277,69 @@ def check(records: list[Record], cause: BaseException | None = None) -> bool:
 
 def _short(digest: bytes | None) -> str:
     return "(none: it failed to lower)" if digest is None else digest.hex()[:12]
+
+
+# -- the step of a call whose signature the ranks agreed on
+
+STEP_MAGIC = 0x4849_5243_0000_0000 | VERSION  # "HIRC" and the layout version
+STEP_WORDS = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One rank's step, decoded."""
+
+    rank: int
+    fusion: int
+    call: int
+    comm_call: int
+    token: int
+    valid: bool = True
+
+
+def token(digest: str | None, inputs) -> int:
+    """The token of an agreed signature: a nonzero 63-bit hash of the
+    program's digest and the inputs' dtypes and shapes (the same on every
+    rank that agreed on them; never Python's salted `hash`)."""
+    text = f"{digest};" + ";".join("-" if dtype is None else f"{dtype}{shape}" for dtype, shape in inputs)
+    value = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+    return value or 1
+
+
+def exchange_steps(comm, rank: int, fusion: int, call: int, comm_call: int, agreed: int) -> list[Step]:
+    """Every rank's step, in rank order: one all-gather of STEP_WORDS words
+    on the control group. `agreed` is the call's token, 0 on the full path."""
+    words = torch.tensor([STEP_MAGIC, rank, fusion, call, comm_call, agreed], dtype=torch.int64)
+    return [
+        Step(row[1], row[2], row[3], row[4], row[5], row[0] == STEP_MAGIC)
+        for row in comm.all_gather_words(words).tolist()
+    ]
+
+
+def in_step(steps: list[Step]) -> bool:
+    """Whether every rank is at the same call, with the same nonzero token."""
+    first = steps[0]
+    if not first.valid or first.token == 0:
+        return False
+    where = (first.fusion, first.call, first.comm_call, first.token)
+    return all(s.valid and (s.fusion, s.call, s.comm_call, s.token) == where for s in steps[1:])
+
+
+def check_steps(steps: list[Step]) -> None:
+    """After the full record agreed: raise `RankMismatchError` if the steps
+    still differ in what the full record does not carry (the layout, the
+    communicator's call numbers)."""
+    for r, step in enumerate(steps):
+        if not step.valid:
+            raise RankMismatchError(
+                f"rank {r} sent a call step of another layout: every rank must run the same hostir "
+                f"version and pass the same check_ranks"
+            )
+    numbers = [s.comm_call for s in steps]
+    if any(n != numbers[0] for n in numbers):
+        where = ", ".join(f"rank {r} at its multi-device execute {n}" for r, n in enumerate(numbers))
+        raise RankMismatchError(
+            f"the ranks are out of step: {where} (counted from 0 on this communicator). A rank skipped or "
+            f"repeated an execute of another fusion: every rank must call execute on the same fusions in "
+            f"the same order"
+        )

@@ -19,10 +19,18 @@ One check depends on more than the signature: that no preallocated output
 shares memory with an input or another output (the addresses). A prepared
 call makes it on every call, with the full path's message.
 
-Only single-device calls are prepared: a multi-device call agrees with the
-other ranks on every run (`runtime/agreement.py`), which no local record can skip.
-With `cuda_graph=True` a prepared call holds the captured graph and goes
-straight to its replay.
+A multi-device call is prepared too, per communicator (a record holds
+it): one rank has no peer to agree with; many ranks agree on the full
+record (`runtime/agreement.py`) when a signature first runs, and the
+record keeps the token of what they agreed on. With
+`check_ranks="always"` a prepared call of many ranks still checks, before it
+binds, that every rank is at the same call with the same token (a step of
+a few words, one all-gather), so a rank that skipped or repeated a call, or
+holds other shapes, dtypes or another program, fails on every rank as on
+the full path; with "first" it checks nothing.
+With `cuda_graph=True` a prepared single-device call holds the captured
+graph and goes straight to its replay; one of many ranks looks its graph up
+on each call.
 
 A record holds no runner of its own: the executor runs a prepared call
 through the same stages as the full path (bind, run, convert back).
@@ -131,6 +139,12 @@ class Prepared:
     # as the caller passes inputs (a call that passes them copies nothing).
     graph: Any = None
     graph_inputs: list | None = None
+    # A call of many ranks: the communicator, the token of the signature
+    # they agreed on (0: check_ranks="first", no step is checked) and the
+    # device a CUDA graph is captured on (None without cuda_graph).
+    comm: Any = None
+    token: int = 0
+    capture: Any = None
 
     @property
     def runner(self):

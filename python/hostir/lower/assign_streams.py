@@ -1,0 +1,130 @@
+"""Run the iterations of every stream loop on worker streams.
+
+Precondition: the loop-building passes (`decompose_device_axis`,
+`parallelize_streams`) have marked each loop whose iterations may run at
+once (`ForLoop.stream_parallel`); a ring's loop counts the ops right before
+it that compute the rank's own chunk (`ForLoop.caller_ops`).
+
+Postcondition: no loop is marked. Iteration i of each marked loop runs on
+the worker stream `Stream(i % numberOfStreams)` after the worker waits for
+the caller's stream, and the caller's stream waits for every worker at the
+end of its iteration, in one of two forms (`form`):
+
+  pipelined      the caller's stream is captured once before the loop; a
+                 first loop makes every worker wait for it; the rank's own
+                 chunk then runs on the caller while the second loop runs
+                 the iterations, so iteration i+1 need not wait for
+                 iteration i's communication (nvFuser after #4402).
+  per_iteration  each iteration captures the caller's stream and its worker
+                 waits for it (the reference PR's form); the rank's own
+                 chunk runs before the loop.
+
+The default form is chosen here and nowhere else: pipelined for a
+multi-device program, whose communications it overlaps, per iteration
+otherwise (`default_form`).
+
+    FOR StreamIdx in iS2{i0} (on worker streams):    FOR StreamIdx in iS2{i0}:
+      T3 = HirAliasSelect(...); T3 = Set(T2)    ->     GetCurrentStream into Stream 0; SetCurrentStream to ...
+                                                       Synchronize Stream 0; ...; SetCurrentStream to Stream 0; ...
+"""
+
+from __future__ import annotations
+
+from hostir import ir, printer
+from hostir.container import HostIrContainer
+from hostir.errors import HostIrError
+
+STREAM_FORMS = ("pipelined", "per_iteration")
+
+
+class StreamAssignmentError(HostIrError, ValueError):
+    """An unknown form, or a ring loop without its own chunk's ops."""
+
+
+def default_form(container: HostIrContainer) -> str:
+    """The form of a program's stream loops when none is asked for."""
+    return "pipelined" if container.meshes() else "per_iteration"
+
+
+def assign_streams(container: HostIrContainer, form: str | None = None) -> HostIrContainer:
+    """`form`: "pipelined" or "per_iteration" (see the module's docstring);
+    by default `default_form(container)`."""
+    if form is not None and form not in STREAM_FORMS:
+        raise StreamAssignmentError(f"unknown stream form {form!r}; expected one of {list(STREAM_FORMS)}")
+    result = container.derive()
+    for e in _assign(result, container.exprs, form or default_form(container)):
+        result.push_back(e)
+    return result
+
+
+def _assign(container: HostIrContainer, exprs: list, form: str) -> list[ir.Expr]:
+    new: list[ir.Expr] = []
+    for e in exprs:
+        if isinstance(e, ir.ForLoop) and e.stream_parallel:
+            loop = e.replace(body=_assign(container, e.body, form), stream_parallel=False, caller_ops=0)
+            if form == "per_iteration":
+                new.append(_per_iteration(container, loop))
+                continue
+            if e.caller_ops > len(new):
+                raise StreamAssignmentError(
+                    f"the stream loop `{printer.format_expr_head(e)}` counts {e.caller_ops} ops of the "
+                    f"caller before it, but its scope has {len(new)}"
+                )
+            own = new[len(new) - e.caller_ops :]
+            del new[len(new) - e.caller_ops :]
+            new += _pipelined(container, loop, own)
+        elif any(_marked(body) for body in ir.bodies(e)):
+            if isinstance(e, ir.ForLoop):
+                new.append(e.replace(body=_assign(container, e.body, form)))
+            else:
+                assert isinstance(e, ir.IfThenElse)
+                new.append(
+                    e.replace(
+                        then_body=_assign(container, e.then_body, form),
+                        else_body=_assign(container, e.else_body, form),
+                    )
+                )
+        else:
+            new.append(e)
+    return new
+
+
+def _marked(exprs: list) -> bool:
+    return any(isinstance(e, ir.ForLoop) and e.stream_parallel for e in ir.walk(exprs))
+
+
+def _worker(container: HostIrContainer, index: ir.Scalar) -> ir.Stream:
+    return ir.Stream(container, index=index % container.named_scalar("numberOfStreams"))
+
+
+def _pipelined(container: HostIrContainer, loop: ir.ForLoop, own: list[ir.Expr]) -> list[ir.Expr]:
+    """GetCurrentStream; a loop making every worker wait for the caller;
+    the rank's own chunk `own` on the caller; the work loop on the workers,
+    with the caller waiting for each."""
+    caller = ir.Stream(container)
+    sync_index = ir.Scalar(label="StreamIdx")
+    sync = loop.replace(
+        index=sync_index,
+        body=[ir.SetCurrentStream(_worker(container, sync_index)), ir.Synchronize(caller)],
+        schedule=None,
+    )
+    worker = _worker(container, loop.index)
+    work = loop.replace(
+        body=[ir.SetCurrentStream(worker), *loop.body, ir.SetCurrentStream(caller), ir.Synchronize(worker)]
+    )
+    return [ir.GetCurrentStream(caller), sync, *own, work]
+
+
+def _per_iteration(container: HostIrContainer, loop: ir.ForLoop) -> ir.ForLoop:
+    caller = ir.Stream(container)
+    worker = _worker(container, loop.index)
+    return loop.replace(
+        body=[
+            ir.GetCurrentStream(caller),
+            ir.SetCurrentStream(worker),
+            ir.Synchronize(caller),
+            *loop.body,
+            ir.SetCurrentStream(caller),
+            ir.Synchronize(worker),
+        ]
+    )
