@@ -28,7 +28,9 @@ the fusion row stay single-GPU references on each rank).
     PYTHONPATH=python python3 tools/bench_training.py --device cpu --hidden 256 --intermediate 512 --tokens 64 --dtype float32
 
 Each timing is the median over ``--iters`` steps after ``--warmup`` (CUDA
-events on a GPU, wall clock on the CPU). Rank 0 prints a Markdown table and
+events on a GPU, wall clock on the CPU); ``host ms`` is the median time the
+host takes to issue a step's work (a step whose host ms reaches its fwd+bwd
+ms is host-bound). Rank 0 prints a Markdown table and
 writes ``bench_training_<tag>.md`` and ``.json`` under ``$OUT`` if set, else
 ``benchmarks/results`` (``--out-dir`` overrides both).
 """
@@ -93,19 +95,26 @@ def fusion_of(kind, dtype):
 
 
 class Timer:
+    """The median ms of a step; `host_ms` keeps the median host time of the
+    last timing's steps (the Python that issues the step's work: where it
+    exceeds the device time, the step is host-bound)."""
+
     def __init__(self, device):
         self.cuda = device.type == "cuda"
+        self.host_ms = None
 
     def __call__(self, step, warmup, iters):
         for _ in range(warmup):
             step()
-        times = []
+        times, host = [], []
         for _ in range(iters):
             if self.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize()
                 start.record()
+                t0 = time.perf_counter()
                 step()
+                host.append((time.perf_counter() - t0) * 1e3)
                 end.record()
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end))
@@ -113,6 +122,8 @@ class Timer:
                 t0 = time.perf_counter()
                 step()
                 times.append((time.perf_counter() - t0) * 1e3)
+                host.append(times[-1])
+        self.host_ms = statistics.median(host)
         return statistics.median(times)
 
 
@@ -145,7 +156,7 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
 
     def run(name, fn):
         try:
-            rows[name] = {"ms": fn()}
+            rows[name] = {"ms": fn(), "host_ms": timer.host_ms}
             if args.profile and name in steps:
                 rows[name]["profile"] = profile(steps[name], device)
         except Exception as err:  # a row that cannot run says why
@@ -274,14 +285,15 @@ def main() -> None:
         f"# bench_training: {results['device']}, world size {world}, {args.dtype}, tokens {args.tokens}, "
         f"hidden {args.hidden}, intermediate {args.intermediate}",
         "",
-        "| layer | variant | fwd+bwd ms | × eager | note |",
-        "|---|---|---:|---:|---|",
+        "| layer | variant | fwd+bwd ms | × eager | host ms | note |",
+        "|---|---|---:|---:|---:|---|",
     ]
     for kind, rows in results["kinds"].items():
         for name, r in rows.items():
             ms = "—" if r["ms"] is None else f"{r['ms']:.3f}"
             ratio = f"{r['x_eager']:.3f}" if "x_eager" in r else "—"
-            lines.append(f"| {kind} | {name} | {ms} | {ratio} | {r.get('error', '')} |")
+            host = "—" if r.get("host_ms") is None else f"{r['host_ms']:.3f}"
+            lines.append(f"| {kind} | {name} | {ms} | {ratio} | {host} | {r.get('error', '')} |")
     lines.append("")
     for kind, rows in results["kinds"].items():
         for name in ("hostir fusion", "hostir.parallel"):

@@ -139,6 +139,73 @@ def to_logical(tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
     return t.reshape(shape)
 
 
+class Conversions:
+    """`dims`, `to_runtime` and `to_logical` for the tensors of one lowered
+    program, each tensor's plan worked out on first use and kept: a lowered
+    program's tensors do not change (a fusion changed since is lowered
+    again), and a call converts the same tensors every time."""
+
+    __slots__ = ("_dims", "_runtime", "_logical")
+
+    def __init__(self) -> None:
+        self._dims: dict = {}
+        self._runtime: dict = {}
+        self._logical: dict = {}
+
+    def dims(self, tv: ir.TensorView) -> list[list[ir.IterDomain]]:
+        found = self._dims.get(tv)
+        if found is None:
+            found = self._dims[tv] = dims(tv)
+        return found
+
+    def to_runtime(self, tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
+        """`to_runtime(tv, t)`."""
+        plan = self._runtime.get(tv, _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = self._runtime[tv] = _runtime_plan(tv, self.dims(tv))
+        if plan is None:
+            return t
+        shape: list[int] = []
+        for pieces, size in zip(plan, t.shape):
+            shape += [1 if device else size for device in pieces]
+        return t.reshape(shape)
+
+    def to_logical(self, tv: ir.TensorView, t: torch.Tensor) -> torch.Tensor:
+        """`to_logical(tv, t)`."""
+        plan = self._logical.get(tv, _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = self._logical[tv] = _logical_plan(tv, self.dims(tv))
+        if plan is None:
+            return t
+        shape = []
+        for held in plan:
+            size = 1
+            for i in held:
+                size *= t.shape[i]
+            shape.append(size)
+        return t.reshape(shape)
+
+
+_UNPLANNED = object()
+
+
+def _runtime_plan(tv: ir.TensorView, runtime: list) -> list | None:
+    """Per logical axis, whether each of its runtime dims is a device
+    piece; None where the runtime dims are the logical axes."""
+    logical = tv.logical_runtime()
+    if len(runtime) == len(logical):
+        return None
+    return [[dim[0].is_device_parallel for dim in runtime if logical_axis(dim[0]) is axis] for axis in logical]
+
+
+def _logical_plan(tv: ir.TensorView, runtime: list) -> list | None:
+    """Per logical axis, the runtime dims it is made of; None where the
+    runtime dims are the logical axes."""
+    if len(runtime) == tv.logical_ndim:
+        return None
+    return [[i for i, dim in enumerate(runtime) if logical_axis(dim[0]) is axis] for axis in tv.logical_runtime()]
+
+
 def local_extent(d: ir.IterDomain) -> int | None:
     """This rank's size of logical axis `d` if it is fixed, else None: 1 on
     a mesh_x axis, extent / mesh size on an axis split with a mesh_x piece."""

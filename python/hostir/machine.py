@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import weakref
 
 import torch
 
@@ -388,24 +389,48 @@ def _posts_and_computes(fusion, inputs, host: frozenset, model: MachineModel, co
     return transfers, computes
 
 
+# The machine model's hoisting choices per fusion, by input signature: a
+# call that repeats a signature gets the choice made for its first call
+# (the free device memory read then included) without asking the model,
+# or the device, again.
+_HOISTINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MAX_HOISTINGS = 64
+
+
 def hoisting_for_inputs(fusion, inputs, device, comm, host: frozenset, option="auto") -> Hoisting | None:
     """How `hoist_transfers` moves this fusion's posts for these inputs: the
     forced choice (`option`, else `HOSTIR_HOIST`), or the machine model's
-    (`choose_hoisting`); None where the fusion moves nothing
-    between memories or ranks. Every rank gets the same answer for the same
-    input shapes."""
+    (`choose_hoisting`, made once per input signature and kept); None where
+    the fusion moves nothing between memories or ranks. Every rank gets the
+    same answer for the same input shapes."""
     chosen = forced(option)
     if chosen is not None:
         return chosen
     has_host = bool(host) or any(ir.in_host_memory(tv) for tv in fusion.inputs)
     if not has_host and comm is None:
         return None
+    key = (
+        fusion.version,
+        tuple((t.shape, t.dtype) if isinstance(t, torch.Tensor) else None for t in inputs),
+        str(device),
+        None if comm is None else (comm.world_size, comm.backend, str(comm.device)),
+        host,
+    )
+    kept = _HOISTINGS.get(fusion)
+    if kept is None:
+        kept = _HOISTINGS[fusion] = {}
+    if key not in kept:
+        if len(kept) >= _MAX_HOISTINGS:
+            kept.pop(next(iter(kept)))
+        kept[key] = _choose_hoisting_for(fusion, inputs, device, comm, host, has_host)
+    return kept[key]
+
+
+def _choose_hoisting_for(fusion, inputs, device, comm, host: frozenset, has_host: bool) -> Hoisting | None:
     model = model_for(comm) if comm is not None else machine_model(device)
     found = _posts_and_computes(fusion, inputs, host, model, comm)
     if found is None:
         return Hoisting(note="no transfer to time") if has_host else None
-    import torch
-
     on_gpu = getattr(device, "type", "cpu") == "cuda"
     # Only a linear's weight in host memory moves in pieces.
     mode, chunks, note = choose_hoisting(model, *found, pieces=on_gpu and has_host)

@@ -195,20 +195,22 @@ class _Linear:
     def __call__(self, module: nn.Linear, x):
         from torch.distributed.tensor import DTensor
 
-        # A plain tensor is this rank's piece in `input_layout`: the fusion's
-        # input is placed so (no DTensor made for it), and a local output is
-        # returned as the program makes it (no DTensor made and unwrapped).
-        (placement,) = x.placements if isinstance(x, DTensor) else (self.input_layout,)
+        # A plain input is the local piece `input_layout` places (as torch's
+        # `DTensor.from_local` takes it): the fusion's input is placed so
+        # when defined, and the tensor goes in as it is; a local output
+        # comes out as it is. No DTensor is made only to be taken apart.
+        local = not isinstance(x, DTensor)
+        placement = self.input_layout if local else x.placements[0]
         bias = module.bias
-        key = (_placement_key(placement, x.dim()), x.dim(), x.dtype, bias is not None)
+        key = (_placement_key(placement, x.dim()), x.dim(), x.dtype, bias is not None, local)
         fd = self.fusions.get(key)
         if fd is None:
-            fd = self.fusions[key] = self._define(x.dim(), x.dtype, bias is not None, key[0])
+            fd = self.fusions[key] = self._define(x.dim(), x.dtype, bias is not None, key[0], placement if local else None)
         inputs = [x, module.weight] + ([bias] if bias is not None else [])
         (y,) = fd.execute(inputs, return_dtensors=not self.use_local_output)
         return y
 
-    def _define(self, ndim: int, dtype: torch.dtype, bias: bool, placement: tuple = ("replicate",)):
+    def _define(self, ndim: int, dtype: torch.dtype, bias: bool, placement: tuple = ("replicate",), input_placement=None):
         from hostir.frontend import FusionDefinition
         from hostir.ir import DeviceMesh, ParallelType
 
@@ -229,12 +231,16 @@ class _Linear:
             y = fd.ops.linear(xg, w, b)
             fd.add_output(y)
         mesh = DeviceMesh(self.mesh)
-        x.set_device_mesh(mesh)
-        if placement[0] == "shard":
-            x.outer_split(placement[1], D)
-            x.axis(placement[1]).parallelize(ParallelType.mesh_x)
-        elif placement[0] != "replicate":
-            raise ParallelizeError(f"input placement {placement!r} of a {self.kind} linear: hostir takes Shard(d) or Replicate()")
+        if input_placement is not None:
+            x.set_device_mesh(mesh)
+            if input_placement.is_shard():
+                d = input_placement.dim % ndim
+                x.outer_split(d, D)
+                x.axis(d).parallelize(ParallelType.mesh_x)
+            elif not input_placement.is_replicate():
+                raise ParallelizeError(
+                    f"input layout {input_placement!r} of a {self.kind} linear: hostir takes Shard(d) or Replicate()"
+                )
         y.set_device_mesh(mesh)
         if layout.is_shard():
             y.outer_split(out_dim, D)

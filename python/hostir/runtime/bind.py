@@ -24,7 +24,7 @@ class Binding:
     """The conversions between a program's inputs and outputs and a call's
     tensors."""
 
-    __slots__ = ("input_tvs", "output_tvs", "_inputs_viewed", "_outputs_viewed", "_results_viewed")
+    __slots__ = ("input_tvs", "output_tvs", "_inputs_viewed", "_outputs_viewed", "_results_viewed", "_layouts")
 
     def __init__(self, inputs, outputs):
         self.input_tvs = list(inputs)
@@ -35,6 +35,7 @@ class Binding:
         self._inputs_viewed = any(len(layout.dims(tv)) != len(tv.logical_runtime()) for tv in tensors)
         self._outputs_viewed = any(len(layout.dims(tv)) != len(tv.logical_runtime()) for tv in self.output_tvs)
         self._results_viewed = any(len(layout.dims(tv)) != tv.logical_ndim for tv in self.output_tvs)
+        self._layouts = layout.Conversions()
 
     @classmethod
     def of(cls, container) -> Binding:
@@ -46,14 +47,15 @@ class Binding:
         if not self._inputs_viewed:
             return list(inputs)
         return [
-            layout.to_runtime(tv, t) if isinstance(tv, ir.TensorView) else t for tv, t in zip(self.input_tvs, inputs)
+            self._layouts.to_runtime(tv, t) if isinstance(tv, ir.TensorView) else t
+            for tv, t in zip(self.input_tvs, inputs)
         ]
 
     def outputs(self, outputs) -> list:
         """Preallocated outputs with the program's runtime axes."""
         if not self._outputs_viewed:
             return list(outputs)
-        return [layout.to_runtime(tv, t) for tv, t in zip(self.output_tvs, outputs)]
+        return [self._layouts.to_runtime(tv, t) for tv, t in zip(self.output_tvs, outputs)]
 
     def bind(self, inputs, outputs=None) -> dict:
         """The evaluator's bindings of a call: each program input and, where
@@ -68,12 +70,12 @@ class Binding:
         an output this rank does not hold)."""
         if not self._results_viewed:
             return results
-        return [None if r is None else layout.to_logical(tv, r) for tv, r in zip(self.output_tvs, results)]
+        return [None if r is None else self._layouts.to_logical(tv, r) for tv, r in zip(self.output_tvs, results)]
 
     def logical_inputs(self, buffers) -> list:
         """Runtime-axes input buffers (a captured graph's) with the
         fusion's logical axes."""
         if not self._inputs_viewed:
             return list(buffers)
-        return [layout.to_logical(tv, t) for tv, t in zip(self.input_tvs, buffers)]
+        return [self._layouts.to_logical(tv, t) for tv, t in zip(self.input_tvs, buffers)]
 

@@ -102,6 +102,11 @@ class HostIrEvaluator:
                 f"A communicator must be provided: the program has communications, such as\n"
                 f"{printer.format_expr_head(needs[0])}"
             )
+        # The layout conversions of the program's tensors, planned once each.
+        self.layouts = layout.Conversions()
+        # How each bound tensor's sizes bind its extents, planned once each
+        # (`Frame.bind_extents`).
+        self.extent_plans: dict = {}
         self.rank_scalar = container.named_scalars().get("rank")
         self.alias = container.aliases.resolved()
         self.number_of_streams = container.named_scalars().get("numberOfStreams")
@@ -141,6 +146,10 @@ class HostIrEvaluator:
         # Pinned host copies of the program's host tensors, made once (a
         # tensor moved in pieces is staged whole).
         self.staging = transports.HostStaging(source)
+        # Outputs of communications over a team of one rank that are bound
+        # to a view of their input instead of a buffer of their own (their
+        # Allocate binds nothing; see `_keep_local`).
+        self.local_views = _local_views(container, source, self.alias)
 
     # -- the one entry point
     def run(self, bindings: Mapping[Any, Any], number_of_streams: int = 4) -> list:
@@ -350,24 +359,25 @@ class Frame:
         tensor, or check them against those already bound."""
         if not isinstance(value, torch.Tensor):
             raise BindingError(f"{printer.format_tv(tv)} must be bound to a torch.Tensor, got {type(value).__name__}")
-        runtime = layout.dims(tv)
-        if value.dim() != len(runtime):
+        plans = self.evaluator.extent_plans
+        plan = plans.get(tv)
+        if plan is None:
+            plan = plans[tv] = _extent_plan(tv)
+        if value.dim() != len(plan):
             raise BindingError(
-                f"{printer.format_tv(tv)} has {len(runtime)} dims but its tensor has shape {list(value.shape)}"
+                f"{printer.format_tv(tv)} has {len(plan)} dims but its tensor has shape {list(value.shape)}"
             )
-        for i, (dim, size) in enumerate(zip(runtime, value.shape)):
-            first = dim[0]
-            if first.is_device_parallel:
+        for i, ((first, extent, whole), size) in enumerate(zip(plan, value.shape)):
+            if first is not None:
                 if size != 1:
                     raise BindingError(
                         f"axis {i} of {printer.format_tv(tv)} is sharded ({printer.format_id(first)}): "
                         f"each rank holds size 1 of it, got {size}"
                     )
-                if first.parent is None:
-                    self._bind_size(tv, i, first.extent, tv.mesh.size_along(first.parallel_type))
+                if extent is not None:
+                    self._bind_size(tv, i, extent, whole)
                 continue
-            axis = layout.logical_axis(first)
-            self._bind_size(tv, i, axis.extent, layout.global_extent(axis, size))
+            self._bind_size(tv, i, extent, whole(size))
 
     def _bind_size(self, tv: ir.TensorView, i: int, extent: ir.Scalar, size: int) -> None:
         known = self.get(extent, None)
@@ -380,6 +390,23 @@ class Frame:
                 f"axis {i} of {printer.format_tv(tv)} is {size} but its extent "
                 f"{printer.format_scalar(extent)} is {known}"
             )
+
+
+def _extent_plan(tv: ir.TensorView) -> list[tuple]:
+    """Per runtime dim of `tv`, how its size binds an extent: (the sharded
+    piece, the extent it binds or None, the mesh's size along it) for a
+    dim that holds a sharded piece; else (None, the logical axis's extent,
+    the whole size as a function of the dim's)."""
+    plan = []
+    for dim in layout.dims(tv):
+        first = dim[0]
+        if first.is_device_parallel:
+            extent = first.extent if first.parent is None else None
+            plan.append((first, extent, tv.mesh.size_along(first.parallel_type) if extent is not None else None))
+            continue
+        axis = layout.logical_axis(first)
+        plan.append((None, axis.extent, lambda size, axis=axis: layout.global_extent(axis, size)))
+    return plan
 
 
 def _note(err: BaseException, text: str) -> None:
@@ -467,7 +494,7 @@ def _chunk(frame: Frame, e: ir.HirAliasChunk) -> None:
 
 @impl(ir.Allocate)
 def _allocate(frame: Frame, e: ir.Allocate) -> None:
-    if frame.get(e.buffer, None) is not None:
+    if frame.get(e.buffer, None) is not None or e.buffer in frame.evaluator.local_views:
         return
     shape = frame.local_sizes(e.buffer)
     if e.memory_type is ir.MemoryType.symmetric:
@@ -550,7 +577,7 @@ def _operand(frame: Frame, e, tv, full_rank: bool = False):
         else:
             cuts = [(pos - (pos > removed), o, i) for pos, o, i in cuts if pos != removed]
     else:
-        t = layout.to_logical(tv, t)
+        t = frame.evaluator.layouts.to_logical(tv, t)
     for pos, o, i in cuts:
         mesh = e.out.mesh
         missing = layout.device_types(o) - layout.device_types(i)
@@ -586,9 +613,9 @@ def _store(
         result = fresh()
         if partial is not None:
             result = result.unsqueeze(0)
-        frame.bind(tv, layout.to_runtime(tv, result))
+        frame.bind(tv, frame.evaluator.layouts.to_runtime(tv, result))
         return
-    view = layout.to_logical(tv, out)
+    view = frame.evaluator.layouts.to_logical(tv, out)
     into(view.squeeze(0) if partial is not None else view)
 
 
@@ -759,10 +786,18 @@ def _view_out(frame: Frame, e, result: torch.Tensor) -> None:
 @impl(ir.PermuteOp)
 def _permute(frame: Frame, e: ir.PermuteOp) -> None:
     if e.input.device_axes() or e.out.device_axes():
-        # This rank's piece, permuted: its sharded axes move with it.
-        # A view, as torch's permute: a send of it copies it then (`_p2p`).
-        src = layout.to_logical(e.input, frame.get(e.input))
-        frame.bind(e.out, layout.to_runtime(e.out, src.permute(e.dims)))
+        # This rank's piece, permuted: its sharded axes move with it. A
+        # view, as without device axes: its runtime dims only add size-1
+        # dims (the rank's index of a sharded axis) and split a dim, which
+        # any strides allow.
+        layouts = frame.evaluator.layouts
+        src = layouts.to_logical(e.input, frame.get(e.input))
+        result = layouts.to_runtime(e.out, src.permute(e.dims))
+        out = frame.get(e.out, None)
+        if out is None:
+            frame.bind(e.out, result)
+        else:
+            out.copy_(result)
         return
     src = frame.full_rank(e.input, frame.get(e.input))
     _view_out(frame, e, src.permute(e.dims))
@@ -851,6 +886,9 @@ def _communication(frame: Frame, e: ir.Communication) -> None:
     comm = frame.communicator
     if comm.rank not in e.team:
         return
+    if len(e.team) == 1:
+        _keep_local(frame, e)
+        return
     group = comm.group(e.team)
     _log_posting(frame, e)
     try:
@@ -860,6 +898,88 @@ def _communication(frame: Frame, e: ir.Communication) -> None:
         if classified is err:
             raise
         raise classified from err
+
+
+def _keep_local(frame: Frame, e: ir.Communication) -> None:
+    """A communication over a team of one rank moves nothing: its output is
+    its input (with the rows this rank holds of a reduced axis reduced, in
+    the output's dtype), bound as a view of it where the program allocates
+    the output for this communication alone (`_local_views`), else copied
+    into the output's buffer (a caller's preallocated output, a slice).
+    Its `Wait` makes the stream current then wait for the one current now,
+    as a collective's would."""
+    src = frame.get(e.input)
+    if e.local_reduce:
+        src = e.red_op.torch_fn(src, list(e.local_reduce), keepdim=True)
+    if src.dtype != e.out.dtype:
+        src = src.to(e.out.dtype)
+    out = frame.get(e.out, None)
+    if out is None:
+        frame.bind(e.out, src.reshape(frame.local_sizes(e.out)))
+    else:
+        out.copy_(src.reshape(out.shape))
+    frame.works[e] = transports.Posted([_PostedOn(frame.streams, frame.streams.current())])
+
+
+class _PostedOn:
+    """The work of a communication that ran in place on `stream`: waiting
+    for it makes the current stream wait for that one (nothing on the CPU,
+    or when they are the same stream)."""
+
+    __slots__ = ("streams", "stream")
+
+    def __init__(self, streams, stream):
+        self.streams, self.stream = streams, stream
+
+    def wait(self) -> None:
+        self.streams.wait(self.streams.current(), self.stream)
+
+
+class _Holding:
+    """A completed work that holds a tensor alive until its Wait."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def wait(self) -> None:
+        pass
+
+
+def _local_views(container: HostIrContainer, source: dict, alias: dict) -> frozenset:
+    """The outputs of communications over a team of one that may be bound
+    to a view of their input: each is allocated for that communication
+    alone (one global `Allocate`, no other writer, no slice or alias of
+    it, no P2P buffer), and its input is written by its own op alone (no
+    slice, alias or P2P buffer), so the two never differ; and a program
+    output never views a program input (as a `set` would not)."""
+    writers: dict = {}
+    for e in container.walk():
+        for tv in e.outputs():
+            writers[tv] = writers.get(tv, 0) + 1
+    allocations: dict = {}
+    for e in container.walk():
+        if isinstance(e, ir.Allocate):
+            allocations.setdefault(e.buffer, []).append(e)
+    shared = set(source) | set(source.values()) | set(alias) | set(alias.values())
+    # A P2P buffer is written by a receive (or read by a peer's push).
+    shared |= {v for e in container.walk() if isinstance(e, ir.P2PCommunication) for v in (e.buffer, e.into) if v}
+    inputs, outputs = set(container.inputs), set(container.outputs)
+    found = set()
+    for e in container.walk():
+        if not isinstance(e, ir.Communication) or len(e.team) != 1:
+            continue
+        out, src = e.out, e.input
+        made = allocations.get(out, [])
+        if len(made) != 1 or made[0].memory_type is not ir.MemoryType.global_:
+            continue
+        if writers.get(out, 0) != 1 or writers.get(src, 0) > 1 or out in shared or src in shared:
+            continue
+        if src in inputs and out in outputs:
+            continue
+        found.add(out)
+    return frozenset(found)
 
 
 @impl(ir.Transfer)
@@ -874,12 +994,13 @@ def _p2p(frame: Frame, e: ir.P2PCommunication) -> None:
     if not 0 <= peer < comm.world_size:
         raise BindingError(f"invalid peer {peer}: the world has {comm.world_size} ranks")
     buf = frame.get(e.buffer)
+    compact = None
     if not buf.is_contiguous():
-        if e.type != "send":
-            raise BindingError(f"the buffer a P2P receive writes must be contiguous (strides {list(buf.stride())})")
-        # A strided view (a transposed shard) is sent from a contiguous copy,
-        # which the posted work keeps alive until it completes.
-        buf = buf.contiguous()
+        if e.type == "recv":
+            raise BindingError(f"the buffer of a P2P receive must be contiguous (strides {list(buf.stride())})")
+        # A send of a view (a permute's): the transports move contiguous
+        # memory, so the send goes from a compact copy, kept until its Wait.
+        buf = compact = buf.contiguous()
     ops = None
     if frame.coalescing is not None:
         backend, ops = frame.coalescing
@@ -888,7 +1009,10 @@ def _p2p(frame: Frame, e: ir.P2PCommunication) -> None:
         elif backend != e.backend:
             raise ProgramError(f"one coalescing group mixes backends {backend} and {e.backend}")
     try:
-        frame.works[e] = transports.post_p2p(frame, e, buf, peer, ops)
+        posted = transports.post_p2p(frame, e, buf, peer, ops)
+        if compact is not None:
+            posted = transports.Posted([*posted.works, _Holding(compact)], posted.after)
+        frame.works[e] = posted
     except Exception as err:
         classified = _classify(err, e, frame)
         if classified is err:

@@ -377,16 +377,6 @@ def backend_scratch_bytes(backend: str, call: str, rank: int, *args, **kwargs) -
     return 0
 
 
-# Collectives whose result on a team of one rank is its input.
-_ALONE = {
-    ir.CommunicationType.Allreduce,
-    ir.CommunicationType.Allgather,
-    ir.CommunicationType.ReduceScatter,
-    ir.CommunicationType.Broadcast,
-    ir.CommunicationType.Reduce,
-}
-
-
 class TorchDistTransport(Transport):
     """NCCL or gloo through `torch.distributed` process groups. P2P
     communications use global ranks on the default group; inside a
@@ -397,13 +387,6 @@ class TorchDistTransport(Transport):
         self.calls = calls
 
     def post(self, frame, e, group, root: int | None) -> Posted:
-        if len(e.team) == 1 and e.type in _ALONE:
-            # A team of one rank moves nothing: its result is its own input
-            # (reduced over the rows it holds), with no trip through the backend.
-            src = _reduced_input(frame, e) if e.red_op is not None else frame.get(e.input)
-            out = frame.get(e.out)
-            out.copy_(src.reshape(out.shape))
-            return Posted([])
         return POST[e.type](self.calls, frame, e, group, root)
 
     def post_p2p(self, frame, e, buf, peer: int, ops: list | None) -> Posted:
