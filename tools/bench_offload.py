@@ -21,7 +21,9 @@ whose weights live in host memory. For each M (rows of the input) it times:
   weight copied on the compute stream, then its layer), to set beside the
   hand-written sequential one (no target: hostir's choice is what counts).
 
-Each time is the median of --iters runs after --warmup, host clock around
+Each time is the median of --iters rounds after --warmup; a round runs
+every variant once, in turn (accelerate's in rounds of its own), so that the
+copy engine's drift over the run hits every variant alike. Host clock around
 one call and a device synchronize. Peak GPU memory is
 `torch.cuda.max_memory_allocated()` during a variant's runs, less what was
 allocated before the variant set itself up (the input included), so the
@@ -52,6 +54,7 @@ import json
 import os
 import pathlib
 import platform
+import statistics
 import sys
 import time
 from typing import Callable
@@ -88,18 +91,23 @@ def build_stack(layers: int, hidden: int) -> nn.Sequential:
     return nn.Sequential(*mods).to(DTYPE)
 
 
-def timed(fn: Callable[[], object], iters: int, warmup: int) -> float:
+def timed_in_rounds(calls: list[tuple[str, Callable[[], object]]], iters: int, warmup: int) -> dict[str, float]:
+    """The median ms of each call over `iters` rounds after `warmup`; a
+    round runs every call once, in turn, starting one further along each
+    round. Host clock around one call and a device synchronize."""
     for _ in range(warmup):
-        fn()
+        for _, fn in calls:
+            fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2] * 1e3
+    times: dict[str, list[float]] = {name: [] for name, _ in calls}
+    for r in range(iters):
+        for i in range(len(calls)):
+            name, fn = calls[(r + i) % len(calls)]
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items() if ts}
 
 
 @contextlib.contextmanager
@@ -224,19 +232,31 @@ def run(args) -> tuple[list[Row], dict]:
             ]
             if acc_stack is not None:
                 variants.insert(3, ("accelerate", lambda: acc_stack(x), 0))
+            # Each variant's first call (a CUDA graph's capture included) and
+            # one more run inside its own peak-memory window, checked against
+            # the resident result; then every variant that ran is timed in
+            # rounds, one run of each per round in turn, so that a drift of
+            # the copy engine's or the host's speed hits all of them alike.
+            ready: list[tuple[str, Callable[[], torch.Tensor]]] = []
+            found: dict[str, tuple[float | None, int | None, str]] = {}
             for name, fn, held in variants:
-                note = ""
                 try:
                     memory: dict = {}
-                    # The first call inside: a CUDA graph's pool is made by its capture.
                     with peak_memory(memory):
                         got = fn()
                         torch.testing.assert_close(got.float(), expected.float(), rtol=5e-2, atol=5e-2)
                         del got
-                        ms = timed(fn, args.iters if name != "accelerate" else max(2, args.iters // 2), args.warmup)
-                    peak = memory["bytes"] + held
+                        fn()
+                    found[name] = (None, memory["bytes"] + held, "")
+                    ready.append((name, fn))
                 except Exception as err:  # noqa: BLE001 - one variant's failure is reported, the rest run
-                    ms, peak, note = None, None, f"failed: {type(err).__name__}: {str(err).splitlines()[0]}"
+                    found[name] = (None, None, f"failed: {type(err).__name__}: {str(err).splitlines()[0]}")
+            # accelerate's calls take ~10x the others': timed apart, fewer runs.
+            times = timed_in_rounds([(n, f) for n, f in ready if n != "accelerate"], args.iters, args.warmup)
+            times.update(timed_in_rounds([(n, f) for n, f in ready if n == "accelerate"], max(2, args.iters // 2), 1))
+            for name, _, _ in variants:
+                _, peak, note = found[name]
+                ms = times.get(name)
                 if name == "hostir" and note == "":
                     note = hostir_choice(offloaded, x)
                 rows.append(Row(m, name, ms, peak, note))
@@ -355,7 +375,7 @@ def markdown(rows: list[Row], env: dict) -> str:
         "",
         f"{env['device']}, torch {env['torch']} (CUDA {env['cuda']}), accelerate {env['accelerate']}, "
         f"hostir {env['hostir']} (C++ executor {'built' if env['cpp_executor'] else 'not built'}); "
-        f"median of {env['iters']} runs after {env['warmup']} warm-up.",
+        f"median of {env['iters']} rounds after {env['warmup']} warm-up, every variant once a round in turn.",
         "",
         "Copy alone: the H2D copies of all weights, layer by layer, from pinned memory into device buffers "
         "made beforehand (device time); "

@@ -226,13 +226,25 @@ def _shape_hint(fusion, inputs, D: int) -> tuple[int, int, int, int]:
     """(rows, k, n, itemsize) of one shard's GEMM, from the sharded input
     with the most elements (rows x k per peer) and the other inputs'
     last axis (n)."""
+    from hostir import ir
+
+    # The input a `set` gathers walking a stream axis, where the fusion
+    # writes one (a sequence-parallel activation, smaller than the weight).
+    walked = {e.input for e in fusion.exprs if isinstance(e, ir.Set) and e.out.stream_axes()}
     sharded = [(t, tv) for tv, t in zip(fusion.inputs, inputs) if tv.device_axes()]
+    sharded = [p for p in sharded if p[1] in walked] or sharded
     t, tv = max(sharded, key=lambda p: p[0].numel())
     k = t.shape[-1] if t.dim() else 1
     rows = max(1, t.numel() // max(k, 1))
-    if t.dim() > 2 and t.shape[0] == D and not tv.axis(0).is_device_parallel:
+    if tv not in walked and t.dim() > 2 and t.shape[0] == D and not tv.axis(0).is_device_parallel:
         rows //= D
-    others = [x.shape[-1] for x, v in zip(inputs, fusion.inputs) if v is not tv and x.dim() >= 2]
+    # A linear's weight is [N, K]: its N is the product's columns.
+    weights = {e.weight for e in fusion.exprs if isinstance(e, ir.LinearOp)}
+    others = [
+        x.shape[-2] if v in weights else x.shape[-1]
+        for x, v in zip(inputs, fusion.inputs)
+        if v is not tv and x.dim() >= 2
+    ]
     n = max(others) if others else k
     return rows, k, n, t.element_size()
 
