@@ -180,6 +180,8 @@ Instr instr(int opcode, const py::dict& f) {
     i.identity = f["identity"].cast<double>();
     i.peer = f["peer"].cast<int64_t>();
     i.self_copy = f["self_copy"].cast<bool>();
+    i.view_out = field<bool>(f, "view_out", false);
+    i.out_may_be_given = field<bool>(f, "out_may_be_given", false);
   }
   if (i.op == Opcode::kP2P) {
     i.send = f["send"].cast<bool>();

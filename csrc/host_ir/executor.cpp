@@ -1063,7 +1063,32 @@ class Run {
                                : at::amin(src, ins.local_reduce, true);
   }
 
+  // A communication over a team of one rank moves nothing: its output is its
+  // input (the rows this rank holds of a reduced axis reduced, in the
+  // output's dtype), bound as a view of it where the program allocates the
+  // output for this communication alone (`view_out`), else copied into the
+  // output's buffer on the current stream; its Wait makes the waiting stream
+  // wait for this one, as a collective's would.
+  Posted keepLocal(const Instr& ins) {
+    at::Tensor src = reducedInput(ins);
+    if (ins.view_out && !(ins.out_may_be_given && maybeTensor(ins.out))) {
+      bind(ins.out, src.to(ins.dtype_out).reshape(sizes(ins.out_shape)));
+    } else {
+      at::Tensor out = tensor(ins.out);
+      out.copy_(src.reshape(out.sizes()));
+    }
+    Posted posted;
+    if (uses_streams_) {
+      c10::Stream posting = guard().getStream(p_.device);
+      posted.after = [this, posting]() { wait(guard().getStream(p_.device), posting); };
+    }
+    return posted;
+  }
+
   Posted communication(const Instr& ins) {
+    if (ins.team_size == 1) {
+      return keepLocal(ins);
+    }
     auto& group = p_.groups[ins.group];
     Posted posted;
     switch (ins.comm_type) {

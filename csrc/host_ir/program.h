@@ -284,6 +284,10 @@ struct Instr {
   double identity = 0.0;
   int64_t peer = -1;  // group rank (SendRecv), else a scalar node (P2P)
   bool self_copy = false;
+  // A communication over a team of one whose output is bound to a view of
+  // its input (the program allocates it for this communication alone).
+  bool view_out = false;
+  bool out_may_be_given = false;  // ... unless it is a program output the caller gave
   bool send = false;
   int64_t world_size = 0;
   int posted = -1;  // Wait: the posting instruction

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hostir import ir, layout, printer, unannotated
 from hostir.container import HostIrContainer
-from hostir.runtime.evaluator import BindingError, MissingHandlerError, ProgramError, _local_slices
+from hostir.runtime.evaluator import BindingError, MissingHandlerError, ProgramError, _local_slices, local_views
 
 # Opcodes shared with csrc/host_ir/program.h (enum class Opcode).
 OPCODES = (
@@ -126,6 +126,10 @@ class _Compiler:
         self.local_slices = {
             id(e): _local_slices(e, source) for e in container.walk() if multi_device and isinstance(e, ir.COMPUTE_OPS)
         }
+        # Outputs of communications over a team of one bound to a view of
+        # their input (their Allocate makes nothing), as the evaluator does;
+        # a program output the caller gave a buffer for is copied into it.
+        self.local_views = local_views(container, source, self.alias)
         self.instrs: list[Instr] = []
 
     # -- slots
@@ -463,6 +467,8 @@ def _dim_size(dim: list, local: bool) -> ir.Scalar:
 
 @_compiles(ir.Allocate)
 def _allocate(cc, e) -> None:
+    if e.buffer in cc.local_views:
+        return
     cc.emit(
         "allocate",
         e,
@@ -626,6 +632,8 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         "identity": float(e.red_op.identity(e.out.dtype)) if e.red_op else 0.0,
         "peer": -1,
         "self_copy": False,
+        "view_out": e.out in cc.local_views,
+        "out_may_be_given": e.out in cc.container.outputs,
     }
     if t is ir.CommunicationType.Allgather:
         f["perm"] = [order.index(r) for r in e.team]
