@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import NamedTuple
 
 import torch
 
@@ -287,9 +288,8 @@ STEP_MAGIC = 0x4849_5243_0000_0000 | VERSION  # "HIRC" and the layout version
 STEP_WORDS = 6
 
 
-@dataclasses.dataclass(frozen=True)
-class Step:
-    """One rank's step, decoded."""
+class Step(NamedTuple):
+    """One rank's step, decoded (a tuple: built on every steady call)."""
 
     rank: int
     fusion: int
