@@ -913,7 +913,12 @@ class Communicator:
         every rank; a rank that does not arrive within the timeout gives
         CommunicatorTimeout (or PeerLostError) naming it."""
         if self.mailbox is not None and not self._closed:
-            return self.mailbox.exchange(words)
+            try:
+                return self.mailbox.exchange(words)
+            except mailbox.MailboxPeerLost as exc:
+                raise PeerLostError(str(exc)) from exc
+            except mailbox.MailboxTimeout as exc:
+                raise CommunicatorTimeout(str(exc)) from exc
         return self.all_gather_words(torch.tensor(words, dtype=torch.int64)).tolist()
 
     def all_gather_bytes(self, data: bytes, capacity: int) -> list[bytes]:

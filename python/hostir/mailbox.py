@@ -30,9 +30,10 @@ mailbox is used only there; elsewhere the exchange stays on gloo.
 A rank waits by spinning for `SPIN_SECONDS`, then yielding the CPU
 (`time.sleep(0)`), then sleeping in growing steps up to `MAX_NAP_SECONDS`,
 so that a rank far ahead of the others does not hold a core. It gives up
-after the communicator's timeout with `CommunicatorTimeout` naming the
-ranks that did not arrive, or earlier with `PeerLostError` once such a
-rank's process has exited. Never a hang.
+after the communicator's timeout with `MailboxTimeout` naming the ranks
+that did not arrive, or earlier with `MailboxPeerLost` once such a rank's
+process has exited (the communicator raises them as its
+`CommunicatorTimeout` and `PeerLostError`). Never a hang.
 
 Set-up (`Mailbox.open`, collective on the control group, once per
 communicator): the ranks gather their host's identity (host name, boot id,
@@ -62,6 +63,8 @@ import time
 
 import torch
 
+from hostir.errors import HostIrError
+
 MAGIC = 0x4849_524D_0000_0001  # "HIRM", layout 1
 LINE_WORDS = 8  # 64 bytes: one cache line
 SLOT_WORDS = LINE_WORDS - 1
@@ -73,6 +76,27 @@ MAX_NAP_SECONDS = 1e-3
 LIVENESS_SECONDS = 0.5
 _IDENTITY_BYTES = 256
 _NAME_BYTES = 200
+
+class MailboxError(HostIrError, RuntimeError):
+    """An exchange through the mailbox failed (the communicator raises it
+    as its own CommunicatorError, CommunicatorTimeout or PeerLostError)."""
+
+
+class MailboxTimeout(MailboxError):
+    """Ranks did not arrive at an exchange within the timeout (`missing`)."""
+
+    def __init__(self, message: str, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing
+
+
+class MailboxPeerLost(MailboxTimeout):
+    """Ranks that did not arrive have exited (`lost`)."""
+
+    def __init__(self, message: str, missing: list[int], lost: list[int]):
+        super().__init__(message, missing)
+        self.lost = lost
+
 
 # Names this process created and has not removed yet.
 _created: set[str] = set()
@@ -191,13 +215,11 @@ class Mailbox:
 
     def exchange(self, words) -> list[list[int]]:
         """Every rank's `words` (at most SLOT_WORDS int64 values, the same
-        number on every rank), in rank order. Raises CommunicatorTimeout or
-        PeerLostError (naming the ranks that did not arrive) instead of
+        number on every rank), in rank order. Raises MailboxTimeout (or
+        MailboxPeerLost), naming the ranks that did not arrive, instead of
         waiting past the timeout."""
         if self._closed:
-            from hostir.communicator import CommunicatorError
-
-            raise CommunicatorError("the communicator's mailbox is closed")
+            raise MailboxError("the mailbox is closed")
         cells = self._words
         self._count += 1
         k = self._count
@@ -258,24 +280,25 @@ class Mailbox:
     def _missing(self, starts: list[int], k: int) -> list[int]:
         return [r for r, s in enumerate(starts) if self._words[s] != k]
 
-    def _error(self, starts: list[int], k: int, gone) -> Exception:
-        from hostir.communicator import CommunicatorTimeout, PeerLostError
-
+    def _error(self, starts: list[int], k: int, gone) -> MailboxTimeout:
         missing = self._missing(starts, k)
         names = ", ".join(map(str, missing))
         what = f"the ranks' step exchange {k} (shared memory) on rank {self.rank}"
         if isinstance(gone, str):
-            return CommunicatorTimeout(
-                f"{what}: rank(s) {names} {gone}: they exchange out of lockstep with this rank"
+            return MailboxTimeout(
+                f"{what}: rank(s) {names} {gone}: they exchange out of lockstep with this rank", missing
             )
         if gone:
-            return PeerLostError(
+            return MailboxPeerLost(
                 f"{what}: the process of rank(s) {', '.join(map(str, gone))} exited before it arrived; "
-                f"check the other ranks' output (ranks not arrived: {names})"
+                f"check the other ranks' output (ranks not arrived: {names})",
+                missing,
+                gone,
             )
-        return CommunicatorTimeout(
+        return MailboxTimeout(
             f"{what} timed out after {self.timeout:g} s: rank(s) {names} did not arrive "
-            f"(skipped the call, are stuck, or issue collectives in another order)"
+            f"(skipped the call, are stuck, or issue collectives in another order)",
+            missing,
         )
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """The shared-memory mailbox of one host's ranks (`hostir/mailbox.py`),
-within one test process: a forked peer maps the same memory as rank 1.
+within one test process: a forked peer maps the same memory as rank 1. (The communicator raises
+the mailbox's timeouts as its CommunicatorTimeout and PeerLostError.)
 
 The multi-process side (set-up through a communicator, ranks of an mpirun
 job, cleanup of /dev/shm) is tests/python/multidevice/test_mailbox.py."""
@@ -17,7 +18,7 @@ import time
 import pytest
 
 from hostir import mailbox
-from hostir.communicator import CommunicatorTimeout, PeerLostError
+from hostir.mailbox import MailboxPeerLost, MailboxTimeout
 
 pytestmark = pytest.mark.skipif(
     not mailbox._identity() or sys.platform != "linux", reason="the mailbox needs x86-64 Linux with /dev/shm"
@@ -68,8 +69,9 @@ def test_exchanges_pair_in_lockstep_over_many_exchanges():
 def test_a_rank_that_never_arrives_times_out_naming_it():
     box = mailbox.Mailbox(_memory(3), 0, 3, [os.getpid()] * 3, timeout=0.3)
     start = time.monotonic()
-    with pytest.raises(CommunicatorTimeout, match=r"timed out after 0.3 s: rank\(s\) 1, 2 did not arrive"):
+    with pytest.raises(MailboxTimeout, match=r"timed out after 0.3 s: rank\(s\) 1, 2 did not arrive") as info:
         box.exchange([1, 2, 3])
+    assert info.value.missing == [1, 2]
     assert time.monotonic() - start < 5
 
 
@@ -78,8 +80,9 @@ def test_a_rank_whose_process_exited_is_a_lost_peer():
     gone.wait()
     box = mailbox.Mailbox(_memory(2), 0, 2, [os.getpid(), gone.pid], timeout=30)
     start = time.monotonic()
-    with pytest.raises(PeerLostError, match=r"the process of rank\(s\) 1 exited before it arrived"):
+    with pytest.raises(MailboxPeerLost, match=r"the process of rank\(s\) 1 exited before it arrived") as info:
         box.exchange([5])
+    assert info.value.lost == [1]
     assert time.monotonic() - start < 5
 
 
@@ -104,5 +107,5 @@ def test_a_slot_rewritten_while_read_is_refused_not_returned_torn():
             cells[index] = value
 
     box._words = Rewriting()
-    with pytest.raises(CommunicatorTimeout, match=r"rank\(s\) 1 changed its slot while it was read"):
+    with pytest.raises(MailboxTimeout, match=r"rank\(s\) 1 changed its slot while it was read"):
         box.exchange([1])
