@@ -22,6 +22,7 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, remember fa
     [ $rc -eq 0 ] || { echo "   exit $rc" | tee -a "$OUT/offload_summary.txt"; status=1; }
 }
 step offload_gpu_tests 300 python3 -m pytest -q -p no:cacheprovider --color=no -m cuda \
-    tests/python/test_transfers.py tests/python/test_offload.py tests/python/test_hoist_transfers.py --timeout=240
+    tests/python/test_transfers.py tests/python/test_offload.py tests/python/test_hoist_transfers.py \
+    tests/python/test_insert_deallocations.py --timeout=240
 step bench_offload 600 python3 tools/bench_offload.py --out-dir "$OUT" "$@"
 exit $status

@@ -548,6 +548,11 @@ class Run {
       scope(body, ins.end);
     }
     loops_.pop_back();
+    // The last iteration's slices and buffers would otherwise keep their
+    // sources alive past a Deallocate after the loop, to the run's end.
+    for (int slot : ins.locals) {
+      tensors_[slot] = at::Tensor();
+    }
   }
 
   at::Tensor fullRank(const at::Tensor& t, int dim) {

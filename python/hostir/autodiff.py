@@ -86,8 +86,20 @@ class Layout:
     def device_types(self, axis: int) -> set:
         return {pt for _, pt in self.axes[axis] if pt.is_device}
 
-    def without_streams(self) -> Layout:
-        return Layout(self.mesh, tuple(tuple((f, _no_stream(pt)) for f, pt in a) for a in self.axes))
+    def without_streams(self, axes=None) -> Layout:
+        """The same with no stream piece (on logical axes `axes`, or on
+        every axis); an axis left split into serial pieces only is whole."""
+        new = []
+        for i, a in enumerate(self.axes):
+            if axes is None or i in axes:
+                a = tuple((f, _no_stream(pt)) for f, pt in a)
+                if len(a) > 1 and all(pt is ir.ParallelType.serial for _, pt in a):
+                    a = ((None, ir.ParallelType.serial),)
+            new.append(a)
+        return Layout(self.mesh, tuple(new))
+
+    def streamed(self, axes) -> bool:
+        return any(pt is ir.ParallelType.stream for i in axes for _, pt in self.axes[i])
 
     def unsharded(self, axes) -> Layout:
         """The same, with logical axes `axes` whole on every rank (unsplit)."""
@@ -271,10 +283,23 @@ class _Deriver:
         return tv
 
     # -- values the backward reads
-    def save(self, tv) -> ir.TensorView | ir.Scalar | float:
-        """The forward value `tv` in the backward."""
+    def save(self, tv, contracted=()) -> ir.TensorView | ir.Scalar | float:
+        """The forward value `tv` in the backward. `contracted`: logical
+        axes a product sums over; a stream piece on one of them is dropped
+        from a tensor gathered again (a ring cannot walk a summed axis: each
+        step's product would be a partial of the whole)."""
         if not isinstance(tv, ir.TensorView):
             return self.scalar(tv)
+        if contracted and self.regathered(tv) and self.layout(tv).streamed(contracted):
+            layout = self.layout(tv).without_streams(contracted)
+            key = ("unstreamed", tv)
+            found = self.gathered.get(key)
+            if found is None:
+                found = builders.set_(self.save(self.producer[tv].input))
+                layout.apply(found)
+                self.known[found] = layout
+                self.gathered[key] = found
+            return found
         found = self.saved.get(tv)
         if found is not None:
             return found
@@ -670,7 +695,7 @@ def _linear_rule(d: _Deriver, e: ir.LinearOp, needs) -> None:
         gg, ws = d.contraction_ready(g, [n - 1], ws, [0])
         d.contribute(x, d.made(builders.matmul(gg, ws)))
     if _wants(d, w, needs):
-        xs = d.save(x)
+        xs = d.save(x, contracted=[n - 2])
         gt = d.permute(g, list(range(1, n)) + [0]) if n == 2 else d.permute(g, _swap_last(n))
         if n == 2:
             gt, xs = d.contraction_ready(gt, [1], xs, [0])

@@ -357,22 +357,53 @@ class FusionExecutor:
         """Programs cached for the fusion as it is now."""
         return len(self._programs) if self._version == self.fusion.version else 0
 
-    def lowered_program(self, resharding: str = "auto") -> LoweredProgram:
-        """What the fusion lowers to now (for a multi-device fusion, this
-        rank's program), with `resharding` as ExecutorParams takes it."""
+    def lowered_program(self, resharding: str = "auto", inputs: Sequence | None = None, **kwargs) -> LoweredProgram:
+        """What the fusion lowers to (for a multi-device fusion, this rank's
+        program), with `resharding` as ExecutorParams takes it.
+
+        Without `inputs`: the program of no particular input signature,
+        lowered with the default hoisting (every post as early as operands
+        and the default budget allow), whatever the machine model would
+        choose for a call. With `inputs` (and `execute`'s keyword
+        arguments, say `hoist=` or `host_inputs=`): the very program a call
+        with those inputs runs, with the machine model's per-signature
+        choice (sequential, hoisted or in chunks) — the one `execute` then
+        reuses. A multi-device fusion needs a live communicator for that
+        (after a call, or under a launcher once one is made)."""
+        if inputs is not None:
+            lowered = self._program_for(inputs, resharding, kwargs).lowered
+            assert lowered is not None
+            return lowered
         if is_multi_device(self.fusion):
             rank = communicator.rank()
             backend = _BACKEND_NAMES["nccl" if torch.cuda.is_available() else "gloo"]
             return lower(self.fusion, rank=rank, backend=backend, resharding=resharding)
         return lower(self.fusion, resharding=resharding)
 
-    def host_program(self, resharding: str = "auto") -> HostIrContainer:
-        """The host program of `lowered_program(resharding)`."""
-        return self.lowered_program(resharding).program
+    def host_program(self, resharding: str = "auto", inputs: Sequence | None = None, **kwargs) -> HostIrContainer:
+        """The host program of `lowered_program(resharding, inputs, **kwargs)`."""
+        return self.lowered_program(resharding, inputs, **kwargs).program
 
-    def host_ir(self, resharding: str = "auto") -> str:
-        """The dump of `host_program(resharding)`."""
-        return str(self.host_program(resharding))
+    def host_ir(self, resharding: str = "auto", inputs: Sequence | None = None, **kwargs) -> str:
+        """The dump of `host_program(resharding, inputs, **kwargs)`."""
+        return str(self.host_program(resharding, inputs, **kwargs))
+
+    def _program_for(self, inputs: Sequence, resharding: str, kwargs: dict) -> _Program:
+        """The program `execute(inputs, resharding=resharding, **kwargs)`
+        runs: lowered now for its signature (and kept), or the one kept."""
+        comm = None
+        if self._multi_device():
+            comm = communicator.live()
+            if comm is None:
+                raise UsageError(
+                    "the program of a multi-device fusion for given inputs needs a live communicator: "
+                    "call execute first, or leave inputs out for the default program"
+                )
+        params = ExecutorParams.from_arguments(None, dict(kwargs, resharding=resharding))
+        inputs, _, device = self._normalize(inputs, None, params, comm, "0")
+        device = self._check(inputs, device, comm, "0", host_positions(self.fusion, inputs, params.host_inputs))
+        program, _ = self._lookup(inputs, device, params, comm)
+        return program
 
     def execute(
         self,

@@ -270,17 +270,25 @@ class FusionDefinition:
             self._adapter = Adapter(self.fusion)
         return self._adapter
 
-    def host_ir(self, resharding: str = "auto") -> str:
+    def host_ir(self, resharding: str = "auto", inputs=None, **kwargs) -> str:
         """The lowered host program, in the dump format; `resharding` as
-        `execute` takes it ("auto", "before", "after", "strict")."""
-        return self.executor.host_ir(resharding)
+        `execute` takes it ("auto", "before", "after", "strict").
 
-    def host_program(self, resharding: str = "auto"):
+        Without `inputs` it is the program of no particular input
+        signature, lowered with the default hoisting (each communication
+        and transfer posted as early as operands and the default budget
+        allow), not the machine model's per-signature choice. With `inputs`
+        (and `execute`'s keyword arguments, such as `hoist=`), it is the
+        program a call with those inputs runs: sequential, hoisted or in
+        chunks, as the machine model chose for their shapes."""
+        return self.executor.host_ir(resharding, inputs, **kwargs)
+
+    def host_program(self, resharding: str = "auto", inputs=None, **kwargs):
         """This rank's lowered `HostIrContainer` (for `hostir.check_races`);
-        `resharding` as `host_ir` takes it. What it was lowered with (the
-        rank it was pruned for, its digest and teams) is
-        `executor.lowered_program()`."""
-        return self.executor.host_program(resharding)
+        `resharding`, `inputs` and keyword arguments as `host_ir` takes
+        them. What it was lowered with (the rank it was pruned for, its
+        digest and teams) is `executor.lowered_program(...)`."""
+        return self.executor.host_program(resharding, inputs, **kwargs)
 
     def graph_inputs(self, inputs, outputs=None, params=None, **kwargs) -> list[torch.Tensor]:
         """The input buffers of the CUDA graph that

@@ -1386,7 +1386,13 @@ class Transfer(Expr):
     on the current stream, runs on a copy stream of its direction (the copy
     engine; on the CPU it is a plain copy), and its `Wait` completes it. The
     host does not block at the post. `out` must be bound (an `Allocate`).
-    `schedule` says where the hoisting pass put it (dump only)."""
+    `schedule` says where the hoisting pass put it (dump only).
+
+    With `stream="current"` it is no post: the copy runs on the current
+    stream, in order with the ops around it, and has no `Wait` (a D2H one
+    blocks the host until the bytes are there). `hoist_transfers` makes a
+    transfer so where nothing would run between it and its `Wait`: a copy
+    stream would then only add a cross-stream wait."""
 
     EFFECT = "copy"
 
@@ -1395,13 +1401,22 @@ class Transfer(Expr):
     out: TensorView
     input: TensorView
     schedule: str | None = None
+    stream: str = "copy"  # "copy" (posted, completed by a Wait) or "current"
     INPUTS = ("input",)
     OUTPUTS = ("out",)
     DIRECTIONS = ("H2D", "D2H")
+    STREAMS = ("copy", "current")
 
     def __post_init__(self):
         if self.direction not in self.DIRECTIONS:
             raise DefinitionError(f"a Transfer goes H2D or D2H, got {self.direction!r}")
+        if self.stream not in self.STREAMS:
+            raise DefinitionError(f"a Transfer runs on the 'copy' or the 'current' stream, got {self.stream!r}")
+
+    @property
+    def posted(self) -> bool:
+        """Whether it runs on a copy stream and a `Wait` completes it."""
+        return self.stream == "copy"
 
     def id_pairs(self):
         return zip(self.out.loop_axes(), self.input.loop_axes())
@@ -1424,6 +1439,10 @@ class Wait(Expr):
             raise DefinitionTypeError(
                 f"Wait takes a Communication, a P2PCommunication, an EndCoalescing or a Transfer, "
                 f"got {type(self.communication).__name__}"
+            )
+        if isinstance(self.communication, Transfer) and not self.communication.posted:
+            raise DefinitionError(
+                f"Transfer {self.communication.name} runs on the current stream: it has no Wait"
             )
 
 

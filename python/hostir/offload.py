@@ -30,6 +30,7 @@ copies" are copies on the CPU, so the whole path runs without a GPU.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -38,9 +39,12 @@ from torch import nn
 from hostir import machine
 from hostir.errors import UsageError
 from hostir.frontend import FusionDefinition
+from hostir.lower.hoist_transfers import ENV
 from hostir.runtime.checks import host_positions
 
 __all__ = ["OffloadedStack", "offload"]
+
+_MAX_SIGNATURES = 64
 
 _ACTIVATIONS = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid"}
 
@@ -122,6 +126,9 @@ class OffloadedStack(nn.Module):
             for p in m.parameters(recurse=False):
                 p.data = _pin(p.data, device)
         self._fusions: dict[int, FusionDefinition] = {}
+        # The hoisting per input signature (shape, dtype, device, option):
+        # chosen once, not on every call.
+        self._hoistings: dict[tuple, Any] = {}
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The weights and biases in host memory, in the program's order."""
@@ -170,6 +177,15 @@ class OffloadedStack(nn.Module):
         model's choice for its shape): sequential, hoisted, or in chunks,
         within two layers' weights (`two_layers_bytes`) unless the hoisting
         names a budget of its own."""
+        key = (tuple(x.shape), x.dtype, x.device, self.hoist, os.environ.get(ENV))
+        chosen = self._hoistings.get(key)
+        if chosen is None:
+            if len(self._hoistings) >= _MAX_SIGNATURES:
+                self._hoistings.pop(next(iter(self._hoistings)))
+            chosen = self._hoistings[key] = self._choose_hoisting(x)
+        return chosen
+
+    def _choose_hoisting(self, x: torch.Tensor) -> Any:
         fd = self.fusion(x.dim())
         inputs = [x.to(self.dtype), *self.host_tensors()]
         host = host_positions(fd.fusion, inputs)

@@ -205,39 +205,55 @@ class _Linear:
         key = (_placement_key(placement, x.dim()), x.dim(), x.dtype, bias is not None, local)
         fd = self.fusions.get(key)
         if fd is None:
-            fd = self.fusions[key] = self._define(x.dim(), x.dtype, bias is not None, placement if local else None)
+            fd = self.fusions[key] = self._define(x.dim(), x.dtype, bias is not None, key[0], placement if local else None)
         inputs = [x, module.weight] + ([bias] if bias is not None else [])
         (y,) = fd.execute(inputs, return_dtensors=not self.use_local_output)
         return y
 
-    def _define(self, ndim: int, dtype: torch.dtype, bias: bool, input_placement=None):
+    def _define(self, ndim: int, dtype: torch.dtype, bias: bool, placement: tuple = ("replicate",), input_placement=None):
         from hostir.frontend import FusionDefinition
         from hostir.ir import DeviceMesh, ParallelType
 
+        D = self.mesh.size()
+        layout = self.output_layout
+        out_dim = layout.dim % ndim if layout.is_shard() else None
+        # A colwise linear on an activation sharded on a row axis (sequence
+        # parallelism) gathers it walking that axis: the AG+GEMM, with the
+        # schedule the machine model (or a forced one) picks.
+        walked = placement[1] if placement[0] == "shard" and placement[1] < ndim - 1 else None
+        if walked is not None and (D < 2 or self.kind != "colwise" or walked == out_dim):
+            walked = None
         with FusionDefinition() as fd:
             x = fd.define_tensor([-1] * ndim, dtype)
             w = fd.define_tensor([-1, -1], dtype)
             b = fd.define_tensor([-1], dtype) if bias else None
-            y = fd.ops.linear(x, w, b)
+            xg = fd.ops.set(x) if walked is not None else x
+            y = fd.ops.linear(xg, w, b)
             fd.add_output(y)
+        mesh = DeviceMesh(self.mesh)
         if input_placement is not None:
-            x.set_device_mesh(DeviceMesh(self.mesh))
+            x.set_device_mesh(mesh)
             if input_placement.is_shard():
                 d = input_placement.dim % ndim
-                x.outer_split(d, self.mesh.size())
+                x.outer_split(d, D)
                 x.axis(d).parallelize(ParallelType.mesh_x)
             elif not input_placement.is_replicate():
                 raise ParallelizeError(
                     f"input layout {input_placement!r} of a {self.kind} linear: hostir takes Shard(d) or Replicate()"
                 )
-        y.set_device_mesh(DeviceMesh(self.mesh))
-        layout = self.output_layout
+        y.set_device_mesh(mesh)
         if layout.is_shard():
-            d = layout.dim % ndim
-            y.outer_split(d, self.mesh.size())
-            y.axis(d).parallelize(ParallelType.mesh_x)
+            y.outer_split(out_dim, D)
+            y.axis(out_dim).parallelize(ParallelType.mesh_x)
         elif not layout.is_replicate():
             raise ParallelizeError(f"output layout {layout!r} of a {self.kind} linear: hostir makes Shard(d) or Replicate()")
+        if walked is not None:
+            xg.set_device_mesh(mesh)
+            for tv in (xg, y):
+                # Loop index of the walked axis: one more behind a split output axis.
+                at = walked + (tv is y and out_dim is not None and out_dim < walked)
+                tv.outer_split(at, D)
+                tv.axis(at).parallelize(ParallelType.stream)
         return fd
 
 

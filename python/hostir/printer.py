@@ -218,6 +218,8 @@ def _p2p(e: ir.P2PCommunication, pad):
 
 def _transfer(e: ir.Transfer, pad):
     fields = [f"type={e.direction}", f"input={format_tv(e.input)}", f"output={format_tv(e.out)}"]
+    if not e.posted:
+        fields.append(f"stream={e.stream}")
     if e.schedule is not None:
         fields.append(f"schedule=({e.schedule})")
     return [f"{pad}Transfer {e.name} ({', '.join(fields)})"]

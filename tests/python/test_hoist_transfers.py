@@ -56,10 +56,13 @@ def live_weights(program) -> int:
 
 
 def posts_ahead(program) -> list[int]:
-    """For each transfer, how many compute ops lie between it and its Wait."""
+    """For each transfer, how many compute ops lie between it and its Wait
+    (0 for one on the current stream: it has none)."""
     found = []
     for i, e in enumerate(program.exprs):
-        if isinstance(e, ir.Transfer):
+        if isinstance(e, ir.Transfer) and not e.posted:
+            found.append(0)
+        elif isinstance(e, ir.Transfer):
             j = next(k for k, w in enumerate(program.exprs) if isinstance(w, ir.Wait) and w.communication is e)
             found.append(sum(isinstance(x, ir.FUSION_OPS) for x in program.exprs[i:j]))
     return found
@@ -98,9 +101,29 @@ def test_any_budget_keeps_its_bound_and_no_races(layers, budget, lookahead):
     if lookahead is not None:
         assert all(n <= lookahead + 1 for n in posts_ahead(program))  # + the op that waits
     assert hostir.check_races(program) == []
-    # The same ops run, in an order the dependences allow.
-    kinds = sorted(type(e).__name__ for e in program.exprs)
-    assert kinds == sorted(type(e).__name__ for e in sequential.exprs)
+    # The same ops run, in an order the dependences allow; a transfer that
+    # overlaps nothing runs on the current stream, with no Wait.
+    assert kinds(program) == kinds(sequential)
+    for p in (program, sequential):
+        waited = {id(e.communication) for e in p.exprs if isinstance(e, ir.Wait)}
+        for i, e in enumerate(p.exprs):
+            if isinstance(e, ir.Transfer):
+                assert e.posted == (id(e) in waited)
+                assert e.posted == (posts_ahead_of(p, i) > 0)
+
+
+def kinds(program) -> list[str]:
+    return sorted(type(e).__name__ for e in program.exprs if not isinstance(e, ir.Wait))
+
+
+def posts_ahead_of(program, i: int) -> int:
+    """The compute ops and posts between the transfer at `i` and its Wait
+    (0 for one on the current stream)."""
+    t = program.exprs[i]
+    if not t.posted:
+        return 0
+    j = next(k for k, w in enumerate(program.exprs) if isinstance(w, ir.Wait) and w.communication is t)
+    return sum(isinstance(x, ir.FUSION_OPS + ir.POSTED_OPS) for x in program.exprs[i + 1 : j])
 
 
 @pytest.mark.parametrize("option", ["hoist", "sequential", "hoist:lookahead=1", "hoist:budget=1KiB", "auto"])
@@ -184,9 +207,29 @@ def test_the_model_never_picks_a_schedule_it_thinks_slower(m, expected):
     assert (mode, chunks) == expected, note
 
 
+@pytest.mark.parametrize("m", [1, 512, 1024, 2048, 4096, 8192, 16384, 65536])
+def test_the_model_hoists_only_for_a_gain_beyond_its_noise(m):
+    transfers, computes = _stack_times(H100, m)
+    mode, chunks, note = machine.choose_hoisting(H100, transfers, computes)
+    sequential = machine.pipeline_ms(transfers, computes, depth=1)
+    handoff = machine.HANDOFF_US * 1e-3
+    hoisted = min(
+        machine.pipeline_ms(transfers, computes, handoff_ms=handoff),
+        machine.pipeline_ms(transfers, computes, 4, step_ms=machine.PIECE_US * 1e-3, handoff_ms=handoff),
+    )
+    gains = hoisted < sequential * (1 - machine.NOISE)
+    assert mode == ("hoist" if gains else "sequential"), note
+    if not gains and hoisted < sequential:
+        assert f"hoisting gains less than {machine.NOISE:.0%}" in note
+
+
 def test_on_the_cpu_hoisting_pays_no_hand_off():
-    transfers, computes = _stack_times(H100, 1)
+    # Compute as long as the copies: hoisting hides most of them, whole.
+    transfers, computes = [2.0] * 6, [2.0] * 6
     assert machine.choose_hoisting(H100, transfers, computes, pieces=False)[:2] == ("hoist", 1)
+    # A few rows hide nothing worth the bet: sequential.
+    transfers, computes = _stack_times(H100, 1)
+    assert machine.choose_hoisting(H100, transfers, computes, pieces=False)[:2] == ("sequential", 1)
 
 
 def test_pipeline_estimates_bound_the_copy_and_the_compute():
@@ -211,9 +254,12 @@ def test_the_model_chooses_per_input_signature(monkeypatch, capsys):
         torch.testing.assert_close(out, reference(x, ws))
         dump = capsys.readouterr().out
         assert "HirAliasChunk" not in dump  # on the CPU, never in pieces
-        notes.append(re.search(r"schedule=\(hoisted above \d+ compute ops; (model \(cpu\): [^)]*)\)", dump).group(1))
-    # Each signature's program says the model's estimates for its shapes.
-    assert notes[0] != notes[1] and all("sequential" in n for n in notes)
+        found = re.search(r"schedule=\((sequential: |hoisted above \d+ compute ops; )(model \(cpu\): [^)]*)\)", dump)
+        notes.append((found.group(1), found.group(2)))
+    # Each signature's program says the model's estimates for its shapes:
+    # one row hides nothing under its compute, 65536 rows hide the copies.
+    assert notes[0][0] == "sequential: " and notes[1][0].startswith("hoisted above")
+    assert notes[0][1] != notes[1][1] and all("sequential" in n for _, n in notes)
     assert fd.num_programs == 2
 
 
@@ -235,3 +281,25 @@ def test_weights_in_pieces_are_freed_like_whole_ones(layers, chunks):
     assert len(views) == (2 * layers * chunks if chunks > 1 else 0)
     assert all(v in freed for v in views if v not in program.outputs)
     assert hostir.check_races(program) == []
+
+
+def test_host_ir_with_inputs_shows_the_choice_for_their_signature(monkeypatch):
+    # A machine whose copies take as long as 65536 rows compute.
+    slow_copies = machine.MachineModel("cpu", 0.05, 0.0, 2.0, 1.0, h2d_gbps=0.0015, d2h_gbps=0.0015)
+    monkeypatch.setattr(machine, "CPU_MODEL", slow_copies)
+    fd = mlp(3)
+    ws = [torch.randn(H, H) for _ in range(3)]
+    few, many = torch.randn(1, H), torch.randn(65536, H)
+    assert "sequential: model (cpu)" in fd.host_ir(inputs=[few, *ws])
+    assert re.search(r"hoisted above \d+ compute ops; model \(cpu\)", fd.host_ir(inputs=[many, *ws]))
+    assert "schedule=(sequential: forced)" in fd.host_ir(inputs=[many, *ws], hoist="sequential")
+    # Without inputs: the default hoisting, no model's note.
+    default = fd.host_ir()
+    assert "hoisted above" in default and "model (" not in default
+    # The programs shown are the ones the calls then run.
+    shown = fd.num_programs
+    (out,) = fd.execute([few, *ws])
+    torch.testing.assert_close(out, reference(few, ws))
+    assert fd.num_programs == shown
+    assert hostir.check_races(fd.host_program(inputs=[few, *ws])) == []
+    assert fd.executor.lowered_program(inputs=[few, *ws]).program is fd.host_program(inputs=[few, *ws])

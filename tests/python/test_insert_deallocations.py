@@ -188,3 +188,38 @@ def test_buffer_used_on_workers_is_freed_after_a_separate_join_loop():
     assert names == [
         "GetCurrentStream", "Allocate", "ForLoop", "SetCurrentStream", "ForLoop", "Deallocate", "Set"
     ], names
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("evaluator", ["python", "cpp"])
+def test_a_stream_loops_slices_do_not_hold_its_buffer_past_its_deallocate(cuda_device, evaluator):
+    # T1 (y) is written through per-iteration slices and freed after the
+    # loop; the last iteration's slice must not keep its memory until the
+    # run's end, under the big product made after the loop.
+    from hostir import cpp
+
+    if evaluator == "cpp" and not cpp.available():
+        pytest.skip("the C++ executor is not built")
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        big = fd.define_tensor([-1, -1])
+        y = fd.ops.set(x)
+        z = fd.ops.mul(y, 3.0)
+        fd.add_output(fd.ops.sum(z, [0]))
+        fd.add_output(fd.ops.mul(big, 2.0))
+    y.axis(0).parallelize(STREAM)
+    z.axis(0).parallelize(STREAM)
+    x = torch.randn(64, 1024, device=cuda_device)
+    big = torch.randn(1024, 1024, device=cuda_device)
+    fd.execute([x, big], evaluator=evaluator)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    s, doubled = fd.execute([x, big], evaluator=evaluator)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    torch.testing.assert_close(s, (x * 3.0).sum(0))
+    torch.testing.assert_close(doubled, big * 2.0)
+    slab, product = x.numel() * 4, big.numel() * 4
+    # The loop's two slabs, or the product and the sum: never a slab beside the product.
+    assert peak < product + slab, (peak, product, slab)

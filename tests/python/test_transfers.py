@@ -131,12 +131,49 @@ def test_lowered_programs_have_no_races():
 
 
 def test_removing_a_transfers_wait_races():
-    program = lower(mlp(1).fusion).program
+    # Hoisted: layer 1's transfer runs on a copy stream under layer 0.
+    program = lower(mlp(2).fusion).program
     at = next(i for i, e in enumerate(program.exprs) if isinstance(e, ir.Wait))
     mutant = program.derive()
     mutant.exprs = program.exprs[:at] + program.exprs[at + 1 :]
     races = hostir.check_races(mutant)
     assert races and "Transfer" in str(races[0])
+
+
+def test_the_sequential_program_copies_on_the_current_stream(monkeypatch):
+    """Sequentially nothing overlaps a transfer: each runs on the current
+    stream, in order with its linear, with no copy stream and no Wait; the
+    evaluator never posts one, and the race checker accepts the program."""
+    from hostir.lower.hoist_transfers import Hoisting
+    from hostir.runtime import transports
+
+    program = lower(mlp(3).fusion, hoisting=Hoisting("sequential")).program
+    moves = [e for e in program.exprs if isinstance(e, ir.Transfer)]
+    assert len(moves) == 3 and all(e.stream == "current" for e in moves)
+    assert not any(isinstance(e, ir.Wait) for e in program.exprs)
+    assert "stream=current" in str(program)
+    assert hostir.check_races(program) == []
+
+    def no_post(frame, e):
+        raise AssertionError(f"Transfer {e.name} was posted on a copy stream")
+
+    monkeypatch.setattr(transports, "post_transfer", no_post)
+    torch.manual_seed(0)
+    x, ws = torch.randn(5, H), [torch.randn(H, H) for _ in range(3)]
+    fd = mlp(3)
+    (out,) = fd.execute([x, *ws], hoist="sequential")
+    torch.testing.assert_close(out, mlp_reference(x, ws))
+    with pytest.raises(AssertionError, match="posted on a copy stream"):
+        fd.execute([x, *ws], hoist="hoist")
+
+
+def test_a_transfer_on_the_current_stream_has_no_wait():
+    program = lower(mlp(1).fusion, hoisting=None).program
+    (t,) = [e for e in program.exprs if isinstance(e, ir.Transfer)]
+    with pytest.raises(hostir.HostIrError, match="runs on the current stream: it has no Wait"):
+        ir.Wait(t)
+    with pytest.raises(hostir.HostIrError, match="'copy' or the 'current' stream"):
+        t.replace(stream="side")
 
 
 def test_dry_run_reports_host_and_device_peaks_apart():
@@ -253,6 +290,26 @@ def test_pinned_staging_is_made_once_per_program(cuda_device, monkeypatch, hoist
 
 
 @pytest.mark.cuda
+def test_the_sequential_program_uses_no_copy_stream_on_cuda(cuda_device, monkeypatch):
+    from hostir.runtime import transports
+
+    def no_post(frame, e):
+        raise AssertionError(f"Transfer {e.name} was posted on a copy stream")
+
+    monkeypatch.setattr(transports, "post_transfer", no_post)
+    torch.manual_seed(0)
+    fd = mlp(3)
+    x = torch.randn(7, H, device=cuda_device)
+    for ws in ([torch.randn(H, H) for _ in range(3)], [torch.randn(H, H).pin_memory() for _ in range(3)]):
+        for _ in range(2):
+            (out,) = fd.execute([x, *ws], hoist="sequential")
+            torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in ws]))
+        ws[1].mul_(3.0)  # a refreshed staging (pageable) or read in place (pinned), on the stream's order
+        (out,) = fd.execute([x, *ws], hoist="sequential")
+        torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in ws]))
+
+
+@pytest.mark.cuda
 def test_output_in_host_memory_on_cuda(cuda_device):
     fd = offload_output()
     x, w = torch.randn(4, H, device=cuda_device), torch.randn(H, H, device=cuda_device)
@@ -312,11 +369,15 @@ def test_a_rank_outside_a_host_tensors_mesh_drops_its_transfer_and_wait():
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, H])
         w = fd.define_tensor([H, H], memory="host")
+        v = fd.define_tensor([H, H], memory="host")
         y = fd.ops.linear(x, w)
-        fd.add_output(y)
-    for tv in (x, w, y):
+        z = fd.ops.linear(y, v)
+        fd.add_output(z)
+    for tv in (x, w, v, y, z):
         tv.set_device_mesh(DeviceMesh([0]))
     on_mesh = lower(fd.fusion, rank=0, backend="gloo").program
-    assert [type(e).__name__ for e in on_mesh.exprs if isinstance(e, (ir.Transfer, ir.Wait))] == ["Transfer", "Wait"]
+    # v's transfer is hoisted above the first linear, so both are posted.
+    moves = [type(e).__name__ for e in on_mesh.exprs if isinstance(e, (ir.Transfer, ir.Wait))]
+    assert moves == ["Transfer", "Transfer", "Wait", "Wait"]
     elsewhere = lower(fd.fusion, rank=1, backend="gloo").program
     assert not any(isinstance(e, (ir.Transfer, ir.Wait)) for e in elsewhere.exprs)

@@ -18,7 +18,8 @@ one per posted communication: program order on a stream; `Synchronize s`
 orders everything enqueued on `s` so far before what follows on the current
 stream; a communication or a transfer starts after the work already on the
 current stream, and its `Wait` (or its coalescing group's) orders it before what follows on
-the current stream. The caller's stream writes the inputs before the program
+the current stream (a transfer on the current stream, `stream=current`, is an
+access of that stream like a compute op's, with no `Wait`). The caller's stream writes the inputs before the program
 and, after the program joins every stream it used (as the evaluator does),
 reads the outputs and may overwrite the inputs; a communication never waited
 for is not joined. Loops are unrolled for three iterations (fewer if the
@@ -361,6 +362,13 @@ def _communication(ck: _Checker, e: ir.Communication) -> None:
 
 @_rule(ir.Transfer)
 def _transfer(ck: _Checker, e: ir.Transfer) -> None:
+    if not e.posted:
+        # On the current stream, in order with the ops around it.
+        line = _line(e)
+        ck.access("read", ck.region(e.input), ck.current, line)
+        r = ck.region(e.out)
+        ck.access("write", r if r is not None else ck.fresh(e.out), ck.current, line)
+        return
     # A copy stream of its own: it starts after the work on the current
     # stream and its Wait orders it before what follows.
     tl = _post(ck, e, [e.input], [e.out])

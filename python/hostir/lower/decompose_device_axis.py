@@ -35,6 +35,12 @@ streams are written by `assign_streams`). Decompositions
   sequential  one all-gather then the ops, or the ops then one
               reduce-scatter (no overlap; for shapes too small to pay).
 
+The walked axis need not be outermost (a sequence-sharded [b, s/D, h]):
+a slice along it is then strided, so the ring and the collective receive
+into slots with that axis first and copy each shard into its place in the
+gathered tensor, where the ops read it. The pieces an op reads keep the
+tensor's other splits (a weight sharded on N beside the walked sequence).
+
 With `chunks` c > 1 each shard or partial moves in c row pieces, each
 consumed as soon as it lands. With the `cuda` transport, buffers that peers
 write are allocated `symmetric` and each send names where it lands
@@ -163,6 +169,19 @@ def _reduce_run(exprs, start, graph):
     return group, red, i + 1
 
 
+def _outermost(tv: ir.TensorView, axis: ir.IterDomain) -> bool:
+    """Whether a slice of `tv` along `axis` is contiguous: every loop axis
+    before it has one element per rank (broadcast, a mesh piece, extent 1)."""
+    for d in tv.domain:
+        if d is axis:
+            return True
+        if d.is_reduction or d.is_broadcast or d.is_device_parallel:
+            continue
+        if not (d.extent.is_constant and d.extent.value == 1):
+            return False
+    return True
+
+
 # ---------------------------------------------------------------- building
 
 
@@ -214,9 +233,38 @@ class _Builder:
                 return d
         return None
 
+    def _like(self, tv: ir.TensorView, made: dict, resized=None, memory=ir.MemoryType.local) -> ir.TensorView:
+        """A local TensorView of `made`'s clones of `tv`'s loop axes (an
+        axis absent from `made` is dropped; `resized`: one whose extent the
+        clone changes), each logical axis split as in `tv`: a sharded axis
+        stays one logical axis of its pieces, so ops see on a piece the
+        logical shape they see on `tv`."""
+        domain = [made[d] for d in tv.domain if d in made]
+        logical = []
+        for axis in tv.logical:
+            leaves = axis.loop_leaves()
+            kept = [made[leaf] for leaf in leaves if leaf in made]
+            if not kept:
+                continue
+            if len(kept) == 1:
+                # An unsplit axis, or what a select leaves of a split one.
+                logical.append(kept[0])
+                continue
+            extent = axis.extent
+            if len(kept) != len(leaves) or resized in leaves:
+                extent = kept[0].extent
+                for k in kept[1:]:
+                    extent = extent * k.extent
+            root = ir.IterDomain(self.c, extent, axis.iter_type)
+            root.leaves = kept
+            for k in kept:
+                k.parent = root
+            self._origin[root] = self._origin.get(axis, axis)
+            logical.append(root)
+        return ir.TensorView(self.c, domain, tv.dtype, memory, mesh=tv.mesh, logical=logical)
+
     def _select(self, body: list, tv: ir.TensorView, axis: ir.IterDomain, index: ir.Scalar) -> ir.TensorView:
-        domain = [self._serial(d) for d in tv.domain if d is not axis]
-        piece = ir.TensorView(self.c, domain, tv.dtype, ir.MemoryType.local, mesh=tv.mesh)
+        piece = self._like(tv, {d: self._serial(d) for d in tv.domain if d is not axis})
         body.append(ir.HirAliasSelect(piece, tv, axis, index))
         return piece
 
@@ -224,7 +272,8 @@ class _Builder:
         if parts == 1:
             return tv
         at = tv.domain.index(axis)
-        domain = [self._clone(d) for d in tv.domain]
+        made = {d: self._clone(d) for d in tv.domain}
+        domain = [made[d] for d in tv.domain]
         rows = axis.extent
         if rows.is_constant:
             if rows.value % parts:
@@ -239,7 +288,7 @@ class _Builder:
             where = f"axis {printer.format_id(origin)} (the rows a decomposition cuts into chunks)"
             if not any(x is rows and p == parts for x, p, _ in self.chunking):
                 self.chunking.append(ChunkedAxis(rows, parts, where))
-        piece = ir.TensorView(self.c, domain, tv.dtype, ir.MemoryType.local, mesh=tv.mesh)
+        piece = self._like(tv, made, resized=axis)
         body.append(ir.HirAliasChunk(piece, tv, axis, index, parts))
         return piece
 
@@ -326,8 +375,7 @@ class _Builder:
         return self._clone(d)
 
     def _serial_alias(self, tv: ir.TensorView) -> ir.TensorView:
-        domain = [self._serial(d) for d in tv.domain]
-        alias = ir.TensorView(self.c, domain, tv.dtype, ir.MemoryType.global_, mesh=tv.mesh)
+        alias = self._like(tv, {d: self._serial(d) for d in tv.domain}, memory=ir.MemoryType.global_)
         self.c.mark_alias(tv, alias)
         return alias
 
@@ -348,6 +396,14 @@ class _Builder:
         body += [ir.StartCoalescing(), *posts, end, ir.Wait(end)]
 
     # -- the gather side
+    def _slots(self, tv: ir.TensorView, axis: ir.IterDomain) -> tuple[ir.TensorView, ir.IterDomain]:
+        """A buffer of `tv`'s loop axes with `axis` moved first (serial),
+        and that axis: its slices along it are contiguous."""
+        domain = [self._serial(d) for d in tv.domain if not d.is_reduction]
+        at = [d for d in tv.domain if not d.is_reduction].index(axis)
+        domain.insert(0, domain.pop(at))
+        return ir.TensorView(self.c, domain, tv.dtype, ir.MemoryType.global_, mesh=tv.mesh), domain[0]
+
     def gather(self, set_op: ir.Set, axes, group: list) -> None:
         dx, s = axes
         x, xg = set_op.input, set_op.out
@@ -367,7 +423,18 @@ class _Builder:
                 self.c.push_back(e.replace(**changes))
             return
         symmetric = kind == "ring" and transports.capabilities(self._transport()).needs_symmetric_buffers
-        self.c.push_back(ir.Allocate(xg, ir.MemoryType.symmetric if symmetric else ir.MemoryType.global_))
+        memory = ir.MemoryType.symmetric if symmetric else ir.MemoryType.global_
+        # The buffer shards land in, and its walked axis. A shard of xg is
+        # contiguous only where xg's walked axis is outermost; otherwise
+        # (a sequence-sharded [b, s/D, h]) the ring receives into slots with
+        # that axis first and copies each shard into its place in xg, where
+        # the ops read it.
+        buf, bs = xg, s
+        if kind != "sequential" and not _outermost(xg, s):
+            buf, bs = self._slots(xg, s)
+            self.c.push_back(ir.Allocate(buf, memory))
+            memory = ir.MemoryType.global_
+        self.c.push_back(ir.Allocate(xg, memory))
         for tv in outs[1:]:
             self.c.push_back(ir.Allocate(tv, ir.MemoryType.global_))
         parts = self.schedule.chunks
@@ -386,7 +453,7 @@ class _Builder:
             def body_of(index):
                 body: list = []
                 step, chunk = self._step_and_chunk(index)
-                slot = self._select(body, xg, s, step)
+                slot = self._select(body, buf, bs, step)
                 if parts > 1:
                     slot = self._chunk(body, slot, self._axis_of(slot, row_ref), chunk, parts)
                 mine = self._chunk(body, xl, xl_row, chunk, parts) if parts > 1 else xl
@@ -394,15 +461,24 @@ class _Builder:
                     ir.CommunicationType.Broadcast, slot, mine, mesh.devices, root=self._rank_at(step, first)
                 )
                 body += [comm, ir.Wait(comm)]
+                if buf is not xg:
+                    landed = slot
+                    slot = self._select(body, xg, s, step)
+                    if parts > 1:
+                        slot = self._chunk(body, slot, self._axis_of(slot, row_ref), chunk, parts)
+                    body.append(ir.Set(slot, landed))
                 return self._ops_on(body, group, s, step, chunk, row_ref, {xg: slot})
 
             self._pipeline(0, D * parts, body_of, self._head("collective"))
             return
         # ring: the local shard is copied into its slot and computed first.
-        mine_slot = self._select(local, xg, s, pos)
-        local.append(ir.Set(mine_slot, xl))
+        # (Where the ring receives into slots, this rank's slot there only
+        # names where its shard lands on the peers.)
+        mine_slot = self._select(local, buf, bs, pos)
+        mine = mine_slot if buf is xg else self._select(local, xg, s, pos)
+        local.append(ir.Set(mine, xl))
         saved, self.schedule = self.schedule, self.schedule.with_chunks(1)
-        self._ops_on(local, group, s, pos, ir.Scalar.constant(0), row_ref, {xg: mine_slot})
+        self._ops_on(local, group, s, pos, ir.Scalar.constant(0), row_ref, {xg: mine})
         self.schedule = saved
         d = self.schedule.direction
 
@@ -411,13 +487,19 @@ class _Builder:
             step, chunk = self._step_and_chunk(index)
             frm = self._wrap(pos + step if d > 0 else pos - step, D)
             to = self._wrap(pos - step if d > 0 else pos + step, D)
-            slot = self._select(body, xg, s, frm)
+            slot = self._select(body, buf, bs, frm)
             send, into = xl, mine_slot
             if parts > 1:
                 slot = self._chunk(body, slot, self._axis_of(slot, row_ref), chunk, parts)
                 send = self._chunk(body, xl, xl_row, chunk, parts)
                 into = self._chunk(body, mine_slot, self._axis_of(mine_slot, row_ref), chunk, parts)
             self._exchange(body, send, self._rank_at(to, first), slot, self._rank_at(frm, first), into)
+            if buf is not xg:
+                landed = slot
+                slot = self._select(body, xg, s, frm)
+                if parts > 1:
+                    slot = self._chunk(body, slot, self._axis_of(slot, row_ref), chunk, parts)
+                body.append(ir.Set(slot, landed))
             return self._ops_on(body, group, s, frm, chunk, row_ref, {xg: slot})
 
         self._pipeline(parts, D * parts, body_of, self._head("ring"), local_first=local)

@@ -5,10 +5,20 @@ Precondition: communications and transfers are lowered (each top-level
 `Communication` or `Transfer` follows the `Allocate` of its output, if any,
 and the views of a chunk it moves, and its `Wait` stays before the first
 use of its output) and deallocations are inserted.
-Postcondition: with `Hoisting.mode` "hoist", each top-level post, with the
+Postcondition: with `Hoisting.mode` "hoist", first each top-level `Wait`
+of a communication (with the Deallocates of its buffers that follow it)
+sits as late as it can: below the compute that neither reads nor writes
+what the communication touches, and below posts of other communication
+types, but not below the next post of its own type, a barrier, or the
+budget — so a weight gradient's ReduceScatter, posted as soon as the
+gradient is computed, runs under the next layer's backward ("waited for N
+compute ops later" in its dump line). Then each top-level post, with the
 `Allocate` of its output, sits as early as it can: not above an op that
-binds, writes or reads what it reads or writes, another post (the ranks'
-collectives keep their order), a stream switch or a loop; not above more
+binds, writes or reads what it reads or writes, another post whose Wait
+comes before its own (posts needed in order keep it; every rank moves
+them alike, so the ranks' collectives still pair up), a stream switch or
+a loop — so the re-gather of a weight the backward needs next is posted
+above the ReduceScatter of the gradient before it; not above more
 compute ops than `lookahead`; and not so far that the bytes of the program's
 constant-size buffers live at once exceed the budget (by default twice the
 sequential program's peak of them, double buffering, capped by the device
@@ -19,7 +29,12 @@ so the post runs on its own stream (a collective's, or the transfer's copy
 stream) under the compute in between. The hoisted post's dump line says how
 far it moved and why; with mode "sequential" nothing moves and each post
 says why. Deallocations stay right: a buffer is still freed after its last
-use, which a `Wait` counts as.
+use, which a `Wait` counts as. Last, an H2D transfer with nothing but
+allocations, deallocations and views between it and its `Wait` (each one
+of the sequential program, and one the budget or an operand held in
+place) runs on the current stream (`stream=current` in the dump) and
+loses its `Wait`: nothing would overlap it, and a copy stream would only
+add a cross-stream wait.
 
     T3 = ALLOCATE(W1 copy)                 T3 = ALLOCATE(W1 copy)
     Transfer 1 (W1 -> T3)                  Transfer 1 (W1 -> T3, hoisted above 2 compute ops)
@@ -58,7 +73,9 @@ class Hoisting:
     mode: str = "hoist"
     budget_bytes: int | None = None
     lookahead: int | None = None
-    free_bytes: int | None = None
+    # Not compared: free memory moves from call to call, and calls that
+    # differ in it alone run one program (and one prepared record).
+    free_bytes: int | None = dataclasses.field(default=None, compare=False)
     note: str = ""
     chunks: int = 1
 
@@ -149,12 +166,100 @@ def hoist_transfers(container: HostIrContainer, hoisting: Hoisting | None = None
         budget = hoisting.budget_bytes if hoisting.budget_bytes is not None else 2 * sequential_peak
         if hoisting.free_bytes is not None:
             budget = min(budget, sequential_peak + hoisting.free_bytes)
+        exprs, sunk = _sink_waits(exprs, budget, resolve)
         for post in [e for e in exprs if isinstance(e, _POSTS)]:
             exprs = _hoist(exprs, post, budget, hoisting, resolve)
+        exprs = _note_sunk(exprs, sunk)
     result = container.derive()
-    for e in _rewait(exprs, container.exprs):
+    for e in _in_order(_rewait(exprs, container.exprs)):
         result.push_back(e)
     return result
+
+
+# What may lie between a transfer and its Wait for it to run on the current
+# stream: nothing that computes, waits or posts.
+_QUIET = (ir.Allocate, ir.Deallocate, ir.HirAliasChunk, ir.HirAliasSelect)
+
+
+def _in_order(exprs: list) -> list:
+    """`exprs` with each H2D transfer that nothing would overlap — only
+    allocations, deallocations and views lie between it and its Wait — on
+    the current stream, its Wait dropped: a copy stream would only add a
+    cross-stream wait (two events and a stream switch per transfer, on the
+    host and on the GPU). So the sequential program is the hand-written
+    one: copy, then the op, in order on one stream."""
+    waits = {id(e.communication): i for i, e in enumerate(exprs) if isinstance(e, ir.Wait)}
+    inline: dict[int, ir.Transfer] = {}
+    for i, e in enumerate(exprs):
+        if not isinstance(e, ir.Transfer) or not e.posted or e.direction != "H2D" or id(e) not in waits:
+            continue
+        if all(isinstance(between, _QUIET) for between in exprs[i + 1 : waits[id(e)]]):
+            inline[id(e)] = e.replace(stream="current")
+    if not inline:
+        return exprs
+    return [
+        inline.get(id(e), e) for e in exprs
+        if not (isinstance(e, ir.Wait) and id(e.communication) in inline)
+    ]
+
+
+# What a Wait may sink past: compute, allocations, deallocations and other
+# Waits (and posts of other kinds of communication, `_sink_waits`).
+_SINKS_PAST = ir.FUSION_OPS + (ir.Allocate, ir.Deallocate, ir.Wait)
+
+
+def _sink_waits(exprs: list, budget: int, resolve) -> tuple[list, dict]:
+    """Each top-level Wait of a communication, with the Deallocates of its
+    buffers right after it, moved down past the compute that neither reads
+    nor writes what the communication touches (and past posts of other
+    communication types), up to the next post of its type, a barrier, or
+    the budget (the buffers it holds stay live longer): a weight
+    gradient's ReduceScatter, posted as soon as the gradient is computed,
+    then runs under the next layer's backward. Returns the program and, per
+    communication (by name), the compute ops its Wait now follows."""
+    sunk: dict = {}
+    for wait in [e for e in exprs if isinstance(e, ir.Wait) and isinstance(e.communication, ir.Communication)]:
+        comm = wait.communication
+        at = exprs.index(wait)
+        touched = {resolve(comm.input), resolve(comm.out)}
+        end = at + 1
+        while end < len(exprs) and isinstance(exprs[end], ir.Deallocate) and resolve(exprs[end].buffer) in touched:
+            end += 1
+        group = exprs[at:end]
+        rest = exprs[:at] + exprs[end:]
+        to, passed, candidates = at, 0, []
+        while to < len(rest):
+            nxt = rest[to]
+            # Past other communications' posts, but not the next of its kind:
+            # one of each kind in flight.
+            other_post = isinstance(nxt, ir.Communication) and nxt.type is not comm.type
+            if not (isinstance(nxt, _SINKS_PAST) or other_post) or _conflicts(nxt, touched, resolve):
+                break
+            to += 1
+            if isinstance(nxt, ir.FUSION_OPS):
+                passed += 1
+                candidates.append((to, passed))
+        for to, passed in reversed(candidates):
+            moved = rest[:to] + group + rest[to:]
+            if _peak(moved, resolve) <= budget:
+                exprs = moved
+                sunk[(type(comm), comm.name)] = passed
+                break
+    return exprs, sunk
+
+
+def _note_sunk(exprs: list, sunk: dict) -> list:
+    """Each communication whose Wait sank, with how far in its dump line."""
+    if not sunk:
+        return exprs
+    found = []
+    for e in exprs:
+        n = sunk.get((type(e), getattr(e, "name", None))) if isinstance(e, ir.Communication) else None
+        if n is not None:
+            note = f"waited for {n} compute op{'s' if n != 1 else ''} later"
+            e = e.replace(schedule=f"{e.schedule}; {note}" if e.schedule else note)
+        found.append(e)
+    return found
 
 
 def _noted(e: ir.Expr, note: str) -> ir.Expr:
@@ -194,13 +299,15 @@ def _hoist(exprs: list, post: ir.Expr, budget: int, hoisting: Hoisting, resolve)
     group = exprs[start : at + 1]
     touched = {resolve(v) for e in group for v in e.inputs() + e.outputs() + ir.defined_tvs(e) if isinstance(v, ir.TensorView)}
     rest = exprs[:start] + exprs[at + 1 :]
+    waits = _wait_positions(rest)
+    mine = waits.get((type(post), post.name), len(rest))
     peak_if_at = _peaks(rest, group, start, resolve)
     # Moving above ops that neither compute nor wait (a Deallocate) gains
     # nothing: the post lands just above the last such op it passes.
     to, passed, best = start, 0, start
     while to > 0:
         prev = rest[to - 1]
-        if isinstance(prev, _BARRIERS) or _conflicts(prev, touched, resolve):
+        if (isinstance(prev, _BARRIERS) and not _passes_post(prev, waits, mine)) or _conflicts(prev, touched, resolve):
             break
         compute = isinstance(prev, ir.FUSION_OPS)
         if compute and hoisting.lookahead is not None and passed + 1 > hoisting.lookahead:
@@ -221,6 +328,26 @@ def _hoist(exprs: list, post: ir.Expr, budget: int, hoisting: Hoisting, resolve)
         note += f"; {hoisting.note}"
     moved = [_noted(e, note) for e in group]
     return rest[:to] + moved + rest[to:]
+
+
+def _wait_positions(exprs: list) -> dict:
+    """Where each post's Wait is, by the post's (type, name)."""
+    return {
+        (type(e.communication), e.communication.name): i
+        for i, e in enumerate(exprs)
+        if isinstance(e, ir.Wait) and isinstance(e.communication, _POSTS)
+    }
+
+
+def _passes_post(prev: ir.Expr, waits: dict, mine: int) -> bool:
+    """Whether a post may move above the post `prev`: only one whose Wait
+    comes after its own (needed later: a weight gradient's ReduceScatter,
+    waited for at the end, under the next weight's re-gather). Posts
+    needed in order keep their order, and every rank reorders alike."""
+    if not isinstance(prev, _POSTS):
+        return False
+    theirs = waits.get((type(prev), prev.name))
+    return theirs is not None and theirs > mine
 
 
 def _conflicts(e: ir.Expr, touched: set, resolve) -> bool:

@@ -984,7 +984,10 @@ def _local_views(container: HostIrContainer, source: dict, alias: dict) -> froze
 
 @impl(ir.Transfer)
 def _transfer(frame: Frame, e: ir.Transfer) -> None:
-    frame.works[e] = transports.post_transfer(frame, e)
+    if e.posted:
+        frame.works[e] = transports.post_transfer(frame, e)
+    else:
+        transports.copy_in_order(frame, e)
 
 
 @impl(ir.P2PCommunication)

@@ -21,7 +21,7 @@ from hostir.runtime.transports.base import (
     TransportUsageError,
 )
 from hostir.runtime.transports import cuda
-from hostir.runtime.transports.host import HostStaging, allocate_host, post_transfer
+from hostir.runtime.transports.host import HostStaging, allocate_host, copy_in_order, post_transfer
 from hostir.runtime.transports.torch_dist import TorchDistTransport
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "end_coalescing",
     "post",
     "post_p2p",
+    "copy_in_order",
     "post_transfer",
     "transport_for",
 ]

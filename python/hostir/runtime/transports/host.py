@@ -1,7 +1,8 @@
 """Transfers between host and device memory, posted like communications.
 
 `post_transfer(frame, e)` starts an `ir.Transfer` and returns a `Posted`
-whose work its `Wait` waits for. On a GPU, the copy runs on a copy stream
+whose work its `Wait` waits for; `copy_in_order(frame, e)` runs one whose
+stream is the current one (no copy stream, no `Wait`). On a GPU, the copy runs on a copy stream
 of its direction (one for H2D, one for D2H, so both copy engines work),
 after the work already enqueued on the current stream; the `Wait` of an H2D
 transfer makes the current stream wait for it (the host does not block),
@@ -136,6 +137,29 @@ def allocate_host(frame, make, shape, dtype) -> torch.Tensor:
     if frame.device.type == "meta":
         return make(shape, dtype=dtype, device="meta")
     return make(shape, dtype=dtype, device="cpu", pin_memory=frame.device.type == "cuda")
+
+
+def copy_in_order(frame, e) -> None:
+    """Run a transfer on the current stream (`ir.Transfer.stream ==
+    "current"`): no copy stream, no event, no cross-stream wait. An H2D
+    copy is enqueued (the ops after it on the stream read it in order); a
+    D2H one blocks the host until the bytes are in host memory."""
+    src = frame.get(e.input)
+    out = frame.get(e.out)
+    if not getattr(frame.streams, "is_cuda", False) or frame.device.type != "cuda":
+        out.copy_(src)
+        return
+    if e.direction != "H2D":
+        out.copy_(src)
+        return
+    staging = frame.evaluator.staging
+    pinned = staging.pinned(e.input, src, frame.get)
+    out.copy_(pinned, non_blocking=True)
+    if pinned is not src:
+        # Read from a staging buffer: its next refresh waits for this copy.
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(frame.device))
+        staging.read_by(e.input, event)
 
 
 def post_transfer(frame, e) -> Posted:

@@ -1,0 +1,91 @@
+"""Golden dumps of a sequence-parallel colwise Linear, as hostir.parallel
+defines it for `ColwiseParallel(input_layouts=Shard(1))`: the activation
+[b, s, h] sharded on the sequence (not its outermost axis), the weight on
+N. The forward is the ring AG+GEMM walking the sequence; the backward
+gathers the saved shard again for the weight gradient. Each dump is
+race-checked, and so is each of its mutants missing a Synchronize or Wait."""
+
+from __future__ import annotations
+
+import pytest
+
+from hostir import DeviceMesh, FusionDefinition, ParallelType
+
+
+def colwise_sp(D: int) -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        w = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1])
+        xg = fd.ops.set(x)
+        y = fd.ops.linear(xg, w, b)
+        fd.add_output(y)
+    mesh = DeviceMesh(range(D))
+    for tv in (x, w, b, xg, y):
+        tv.set_device_mesh(mesh)
+    for tv, axis in ((x, 1), (w, 0), (b, 0), (y, 2)):
+        tv.outer_split(axis, D)
+        tv.axis(axis).parallelize(ParallelType.mesh_x)
+    for tv in (xg, y):
+        tv.outer_split(1, D)
+        tv.axis(1).parallelize(ParallelType.stream)
+    return fd
+
+
+def _lowered(fusion, schedule: str):
+    from hostir.lower import lower
+    from hostir.lower.schedule import parse
+
+    return lower(fusion, rank=0, backend="NCCL", schedule=parse(schedule))
+
+
+@pytest.mark.parametrize("schedule", ["ring", "ring:chunks=2", "ring:transport=cuda"])
+def test_golden_forward_of_a_sequence_parallel_colwise_linear(schedule):
+    """Slots with the walked axis first receive each peer's rows (a slice
+    of [b, s, h] along s is not contiguous); each shard is copied into the
+    gathered tensor and multiplied while the next one moves."""
+    from conftest import check_golden
+
+    program = _lowered(colwise_sp(2).fusion, schedule)
+    text = str(program.program)
+    ring = text.split("(ring,")[1]
+    assert "P2PCommunication" in ring and "linear(" in ring and "Set(" in ring
+    name = "sp_colwise_forward" + ("_chunks2" if "chunks" in schedule else "") + ("_cuda" if "cuda" in schedule else "")
+    check_golden(name, program)
+
+
+def test_golden_backward_of_a_sequence_parallel_colwise_linear():
+    """The input gradient is dy @ w summed over the ranks' N and scattered
+    on the sequence; the weight gradient gathers the saved shard again
+    (whole: its product sums over the sequence)."""
+    from conftest import check_golden
+    from hostir import autodiff
+
+    fd = colwise_sp(2)
+    d = autodiff.derive(fd.fusion, [0, 1, 2])
+    program = _lowered(d.backward, "ring")
+    text = str(program.program)
+    assert "type=ReduceScatter" in text and "type=Allgather" in text
+    check_golden("sp_colwise_backward", program)
+
+
+def test_the_forward_saves_the_shard_not_the_gathered_activation():
+    from hostir import autodiff
+
+    d = autodiff.derive(colwise_sp(2).fusion, [0, 1, 2])
+    assert ("input", 0) in d.saved
+    assert all(kind == "input" for kind, _ in d.saved), d.saved
+
+
+def test_the_machine_model_sizes_the_gemm_of_the_walked_activation():
+    """The model's GEMM per step is the activation's rows times the
+    weight's N, even where the weight has more elements than the
+    activation (a Llama MLP's up projection)."""
+    import torch
+
+    from hostir import machine
+
+    B, s, H, n = 2, 8, 16, 64  # per rank: x [B, s, H], w [n, H], bias [n]
+    fd = colwise_sp(2)
+    inputs = [torch.empty(B, s, H), torch.empty(n, H), torch.empty(n)]
+    assert machine._shape_hint(fd.fusion, inputs, 2) == (B * s, H, n, 4)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One run of tools/bench_offload.py on one GPU, every variant (resident, copy
+# alone, sequential, prefetch, accelerate's cpu_offload, hostir eager, from a
+# CUDA graph, and hostir's sequential program forced) over the M sweep
+# 1, 512, 1024, 2048, 4096, 8192, 16384, 11 timed runs each: offload_<device>.md,
+# .json and .png under $OUT (default benchmarks/results), the log beside them.
+# About 7 minutes on an H100. Extra arguments go to the bench.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+export OUT PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+timeout 580 python3 tools/bench_offload.py --iters 11 --out-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench_offload.log"
