@@ -109,3 +109,38 @@ def test_a_slot_rewritten_while_read_is_refused_not_returned_torn():
     box._words = Rewriting()
     with pytest.raises(MailboxTimeout, match=r"rank\(s\) 1 changed its slot while it was read"):
         box.exchange([1])
+
+
+class _OneRank:
+    """The control group of a job of one rank, for `Mailbox.open`."""
+
+    rank, world_size, timeout = 0, 1, 5.0
+
+    def all_gather_bytes(self, data: bytes, capacity: int) -> list[bytes]:
+        assert len(data) <= capacity
+        return [data]
+
+    def all_gather_words(self, words):
+        return words.reshape(1, -1)
+
+
+def test_two_jobs_of_one_namespace_get_segments_of_their_own_and_leave_none():
+    before = set(os.listdir(mailbox.DIRECTORY))
+    first = mailbox.Mailbox.open(_OneRank(), "hostir/prterun-host-1234@1")
+    second = mailbox.Mailbox.open(_OneRank(), "hostir/prterun-host-1234@1")
+    assert first is not None and second is not None
+    assert first.path != second.path
+    for box in (first, second):
+        name = os.path.basename(box.path)
+        assert name.startswith("hostir_prterun-host-1234_1.") and name.endswith(".mailbox"), name
+        assert not os.path.exists(box.path)  # removed once every rank mapped it
+    assert first.exchange([1, 2]) == [[1, 2]] and second.exchange([3]) == [[3]]
+    first.close()
+    second.close()
+    assert not mailbox._created
+    assert set(os.listdir(mailbox.DIRECTORY)) <= before
+
+
+def test_a_rank_turned_off_gets_no_mailbox(monkeypatch):
+    monkeypatch.setenv("HOSTIR_MAILBOX", "0")
+    assert mailbox.Mailbox.open(_OneRank(), "hostir/job") is None
