@@ -207,7 +207,11 @@ class _Linear:
         if fd is None:
             fd = self.fusions[key] = self._define(x.dim(), x.dtype, bias is not None, key[0], placement if local else None)
         inputs = [x, module.weight] + ([bias] if bias is not None else [])
-        (y,) = fd.execute(inputs, return_dtensors=not self.use_local_output)
+        # The mesh's device type says where the layer runs: a CPU mesh runs
+        # on gloo, on a machine with GPUs too (the default backend there
+        # would be NCCL, on the GPU).
+        backend = {"backend": "gloo"} if self.mesh.device_type == "cpu" else {}
+        (y,) = fd.execute(inputs, return_dtensors=not self.use_local_output, **backend)
         return y
 
     def _define(self, ndim: int, dtype: torch.dtype, bias: bool, placement: tuple = ("replicate",), input_placement=None):
