@@ -69,6 +69,10 @@ process group), with ``$OUT`` set to where the results go:
     torchrun --standalone --nproc-per-node 2 tools/bench_host_overhead.py --multidevice --device cuda
 
 It writes ``host_overhead_multidevice_<device-type>_np<N>.md`` and ``.json``.
+On one host the steps of ``always`` go through the communicator's
+shared-memory mailbox; ``HOSTIR_MAILBOX=0`` keeps them on the gloo control
+group, for comparison (``tools/run_bench_step_mailbox.sh`` runs both on one
+GPU).
 """
 
 from __future__ import annotations
@@ -612,6 +616,7 @@ def run_multidevice(args) -> int:
         "device_type": device.type,
         "ranks": world,
         "transport": "cuda (copy engine)" if "transport=cuda" in (schedule or "") else "gloo",
+        "steps": "shared-memory mailbox" if comm.mailbox is not None else "gloo all-gather (control group)",
         "schedule": schedule or "the machine model's choice",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -663,6 +668,7 @@ def run_multidevice(args) -> int:
         f"- device: {env['device']} ({env['cpus']} CPUs, load average {', '.join(f'{v:.1f}' for v in env['load_average'])})",
         f"- torch: {env['torch']} (CUDA {env['cuda']}), python {env['python']}, hostir {env['hostir']}, "
         f"C++ executor {'built' if env['cpp_executor'] else 'not built'}",
+        f"- steps of check_ranks=always exchanged through: {env['steps']} (HOSTIR_MAILBOX=0 keeps them on gloo)",
         f"- schedule: {env['schedule']}; x piece [1, {m}, {K}], w [{K}, {N}] float32; "
         f"iters={args.iters}, warmup={args.warmup}",
         f"- date (UTC): {env['date']}",

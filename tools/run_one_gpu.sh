@@ -42,7 +42,7 @@ MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace >"$OUT/build.log" 
 echo "build: exit $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
 
 step parity 200 bash tools/run_parity_gpu.sh
-step offload 400 bash tools/run_offload_gpu.sh
+step offload 400 bash tools/run_offload_gpu.sh --iters 11
 step training_one_rank 200 sh -c 'python3 tools/check_training_gpu.py --out "$OUT"'
 step training_two_ranks 200 sh -c 'torchrun --standalone --nproc-per-node 2 tools/check_training_gpu.py --out "$OUT"'
 step bench_training 300 sh -c 'python3 tools/bench_training.py --out-dir "$OUT"'

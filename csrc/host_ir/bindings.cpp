@@ -60,7 +60,9 @@ ScalarNode scalarNode(const py::tuple& t) {
       : kind == ">="   ? ScalarNode::kGe
       : kind == "&&"   ? ScalarNode::kAnd
       : kind == "||"   ? ScalarNode::kOr
-                       : ScalarNode::kMod;
+      : kind == "ceilDiv" ? ScalarNode::kCeilDiv
+      : kind == "%"    ? ScalarNode::kMod
+                       : throw Error("unknown scalar operation '" + kind + "'", "ProgramError");
   return n;
 }
 
@@ -79,6 +81,31 @@ Operand operand(const py::dict& d) {
                               : at::Scalar(v);
   }
   return o;
+}
+
+View view(const py::dict& d) {
+  View v;
+  v.logical = field(d, "logical", std::vector<std::vector<int64_t>>{});
+  if (d.contains("cuts")) {
+    for (auto c : d["cuts"].cast<py::list>()) {
+      auto cd = c.cast<py::dict>();
+      Cut cut;
+      cut.pos = cd["pos"].cast<int64_t>();
+      cut.sizes = cd["sizes"].cast<std::vector<int64_t>>();
+      cut.narrows = cd["narrows"].cast<std::vector<int64_t>>();
+      v.cuts.push_back(std::move(cut));
+    }
+  }
+  return v;
+}
+
+Store store(const py::dict& d) {
+  Store s;
+  s.partial = d["partial"].cast<bool>();
+  s.slice = d["slice"].cast<bool>();
+  s.runtime = d["runtime"].cast<std::vector<int64_t>>();
+  s.logical = d["logical"].cast<std::vector<std::vector<int64_t>>>();
+  return s;
 }
 
 Instr instr(int opcode, const py::dict& f) {
@@ -114,6 +141,14 @@ Instr instr(int opcode, const py::dict& f) {
     i.lhs = operand(f["lhs"].cast<py::dict>());
     i.rhs = operand(f["rhs"].cast<py::dict>());
   }
+  if (f.contains("views")) {
+    for (auto v : f["views"].cast<py::list>()) {
+      i.views.push_back(view(v.cast<py::dict>()));
+    }
+  }
+  if (f.contains("store")) {
+    i.store = store(f["store"].cast<py::dict>());
+  }
   // A loop's index and a select's index are both "index": a loop's is an
   // int slot, a select's a scalar node.
   i.index = field(f, "index", -1);
@@ -137,10 +172,16 @@ Instr instr(int opcode, const py::dict& f) {
     i.out_axis = f["out_axis"].cast<int64_t>();
     i.in_order = f["in_order"].cast<bool>();
     i.perm = f["perm"].cast<std::vector<int64_t>>();
+    i.recv_perm = field(f, "recv_perm", std::vector<int64_t>{});
+    if (f.contains("in_view")) {
+      i.in_view = view(f["in_view"].cast<py::dict>());
+    }
     i.chunks = field<int64_t>(f, "chunks", 0);
     i.identity = f["identity"].cast<double>();
     i.peer = f["peer"].cast<int64_t>();
     i.self_copy = f["self_copy"].cast<bool>();
+    i.view_out = field<bool>(f, "view_out", false);
+    i.out_may_be_given = field<bool>(f, "out_may_be_given", false);
   }
   if (i.op == Opcode::kP2P) {
     i.send = f["send"].cast<bool>();
@@ -179,6 +220,7 @@ Program program(const py::object& flat, const std::string& device, const std::ve
       rule.axis_text = d["axis_text"].cast<std::string>();
       rule.bind_slot = d["bind_slot"].cast<int>();
       rule.factor = d["factor"].cast<int64_t>();
+      rule.scale = d.contains("scale") ? d["scale"].cast<int64_t>() : 1;
       rule.error = d["error"].cast<std::string>();
       rules.push_back(std::move(rule));
     }
@@ -245,7 +287,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("opcodes"))
       .def("run", &hostir::runExecutor, py::arg("inputs"), py::arg("outputs"), py::arg("number_of_streams"))
       .def_property_readonly("ops_executed", &hostir::Executor::opsExecuted);
-  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kIf) + 1;
+  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kPermute) + 1;
+  m.attr("UNARY_KINDS") = py::tuple(py::cast(hostir::unaryKindNames()));
+  m.attr("BINARY_KINDS") = py::tuple(py::cast(hostir::binaryKindNames()));
   m.def(
       "stream_pool_size",
       []() { return hostir::streamPool().size(); },

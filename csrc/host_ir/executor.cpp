@@ -326,6 +326,8 @@ class Run {
         return *lhs != 0 && *rhs != 0;
       case ScalarNode::kOr:
         return *lhs != 0 || *rhs != 0;
+      case ScalarNode::kCeilDiv:
+        return -floorDiv(-*lhs, *rhs);
       default:
         return floorMod(*lhs, *rhs);
     }
@@ -348,6 +350,9 @@ class Run {
       return p_.int_names[n.value];
     }
     static const char* ops[] = {"", "", "+", "-", "*", "/", "%", "==", "!=", "<", "<=", ">", ">=", "&&", "||"};
+    if (n.kind == ScalarNode::kCeilDiv) {
+      return text("ceilDiv(", scalarText(n.lhs), ", ", scalarText(n.rhs), ")");
+    }
     return text("( ", scalarText(n.lhs), " ", ops[n.kind], " ", scalarText(n.rhs), " )");
   }
 
@@ -404,6 +409,10 @@ class Run {
         }
         size = r.mesh_size;
       }
+      if (r.extent < 0) {
+        continue;
+      }
+      size *= r.scale;
       auto known = eval(r.extent);
       if (!known) {
         if (!r.error.empty()) {
@@ -660,6 +669,12 @@ class Run {
       case Opcode::kBinary:
         binary(ins);
         break;
+      case Opcode::kUnary:
+        unary(ins);
+        break;
+      case Opcode::kPermute:
+        permute(ins);
+        break;
       case Opcode::kReduction:
         reduction(ins);
         break;
@@ -715,102 +730,310 @@ class Run {
     }
   }
 
-  void binary(const Instr& ins) {
-    at::Tensor lhs = operandTensor(ins.lhs);
-    at::Tensor rhs = operandOther(ins.rhs);
-    const at::Tensor* out = maybeTensor(ins.out);
-    if (out == nullptr) {
-      at::Tensor r;
-      switch (ins.op_kind) {
-        case OpKind::kAdd:
-          r = at::add(lhs, rhs);
-          break;
-        case OpKind::kSub:
-          r = at::sub(lhs, rhs);
-          break;
-        case OpKind::kMul:
-          r = at::mul(lhs, rhs);
-          break;
-        default:
-          r = at::div(lhs, rhs);
-          break;
+  // -- layouts (the evaluator's `_operand` and `_store`)
+  // Operand `k` of `ins` as the op reads it: with its logical axes, cut to
+  // this rank's slice where the output is sharded and it is not.
+  at::Tensor viewed(const Instr& ins, size_t k, at::Tensor t) {
+    if (k >= ins.views.size()) {
+      return t;
+    }
+    return applyView(ins.views[k], std::move(t));
+  }
+
+  static std::vector<int64_t> groupShape(const at::Tensor& t, const std::vector<std::vector<int64_t>>& groups) {
+    std::vector<int64_t> shape;
+    shape.reserve(groups.size());
+    for (const auto& group : groups) {
+      int64_t size = 1;
+      for (int64_t d : group) {
+        size *= t.size(d);
       }
-      bind(ins.out, std::move(r));
+      shape.push_back(size);
+    }
+    return shape;
+  }
+
+  at::Tensor applyView(const View& v, at::Tensor t) {
+    if (!v.logical.empty()) {
+      t = t.reshape(groupShape(t, v.logical));
+    }
+    for (const Cut& c : v.cuts) {
+      int64_t size = t.size(c.pos);
+      int64_t known = 1;
+      for (int64_t s : c.sizes) {
+        known *= s < 0 ? 1 : s;
+      }
+      std::vector<int64_t> shape(t.sizes().begin(), t.sizes().begin() + c.pos);
+      std::vector<int64_t> back = shape;
+      for (int64_t s : c.sizes) {
+        shape.push_back(s < 0 ? floorDiv(size, known) : s);
+      }
+      back.push_back(-1);
+      for (int64_t d = c.pos + 1; d < t.dim(); ++d) {
+        shape.push_back(t.size(d));
+        back.push_back(t.size(d));
+      }
+      at::Tensor pieces = t.reshape(shape);
+      for (size_t j = 0; j + 1 < c.narrows.size(); j += 2) {
+        pieces = pieces.narrow(c.pos + c.narrows[j], c.narrows[j + 1], 1);
+      }
+      t = pieces.reshape(back);
+    }
+    return t;
+  }
+
+  // A result with the output's logical axes, in its runtime dims.
+  static at::Tensor toRuntime(const at::Tensor& r, const Store& s) {
+    if (s.runtime.empty()) {
+      return r;
+    }
+    std::vector<int64_t> shape;
+    shape.reserve(s.runtime.size());
+    for (int64_t axis : s.runtime) {
+      shape.push_back(axis < 0 ? 1 : r.size(axis));
+    }
+    return r.reshape(shape);
+  }
+
+  // Puts a result into `ins.out` as the evaluator's `_store` does: binds
+  // `fresh()` (in the output's runtime layout) if the output is not bound,
+  // else runs `into(view)` on the bound output's logical view. `full_rank`:
+  // the op computes at full rank, a selected slice's dim put back as 1.
+  template <typename Fresh, typename Into>
+  void store(const Instr& ins, bool full_rank, Fresh fresh, Into into) {
+    const Store& s = ins.store;
+    const at::Tensor* bound = maybeTensor(ins.out);
+    int dim = full_rank ? ins.out_dim : -1;
+    if (s.slice || (s.runtime.empty() && s.logical.empty() && !s.partial)) {
+      if (bound == nullptr) {
+        at::Tensor r = fresh();
+        bind(ins.out, dim < 0 ? r : r.squeeze(dim));
+        return;
+      }
+      at::Tensor o = fullRank(*bound, dim);
+      if (!s.partial) {
+        into(o);
+      } else {
+        copySameSizes(o, fresh());
+      }
       return;
     }
-    at::Tensor& o = const_cast<at::Tensor&>(*out);
-    switch (ins.op_kind) {
-      case OpKind::kAdd:
-        at::add_out(o, lhs, rhs);
-        break;
-      case OpKind::kSub:
-        at::sub_out(o, lhs, rhs);
-        break;
-      case OpKind::kMul:
-        at::mul_out(o, lhs, rhs);
-        break;
-      default:
-        at::div_out(o, lhs, rhs);
-        break;
+    if (bound == nullptr) {
+      at::Tensor r = fresh();
+      if (s.partial) {
+        r = r.unsqueeze(0);
+      }
+      bind(ins.out, toRuntime(r, s));
+      return;
     }
+    at::Tensor o = s.logical.empty() ? *bound : bound->reshape(groupShape(*bound, s.logical));
+    if (s.partial) {
+      o = o.squeeze(0);
+    }
+    into(o);
+  }
+
+  static void copySameSizes(at::Tensor& out, const at::Tensor& result) {
+    std::vector<int64_t> a, b;
+    for (int64_t v : out.sizes()) {
+      if (v != 1) {
+        a.push_back(v);
+      }
+    }
+    for (int64_t v : result.sizes()) {
+      if (v != 1) {
+        b.push_back(v);
+      }
+    }
+    if (a != b) {
+      throw Error(
+          text("a result of shape ", result.sizes(), " does not fit its buffer of shape ", out.sizes()),
+          "BindingError");
+    }
+    out.copy_(result.reshape(out.sizes()));
+  }
+
+  void binary(const Instr& ins) {
+    at::Tensor lhs = ins.lhs.tensor >= 0 ? viewed(ins, 0, operandTensor(ins.lhs)) : operandTensor(ins.lhs);
+    at::Tensor rhs = ins.rhs.tensor >= 0 ? viewed(ins, 1, operandOther(ins.rhs)) : operandOther(ins.rhs);
+    OpKind kind = ins.op_kind;
+    auto fresh = [&]() {
+      switch (kind) {
+        case OpKind::kAdd:
+          return at::add(lhs, rhs);
+        case OpKind::kSub:
+          return at::sub(lhs, rhs);
+        case OpKind::kMul:
+          return at::mul(lhs, rhs);
+        case OpKind::kDiv:
+          return at::div(lhs, rhs);
+        case OpKind::kReluGrad:
+          return at::threshold_backward(lhs, rhs, 0);
+        case OpKind::kGeluGrad:
+          return at::gelu_backward(lhs, rhs);
+        case OpKind::kGeluTanhGrad:
+          return at::gelu_backward(lhs, rhs, "tanh");
+        case OpKind::kSiluGrad:
+          return at::silu_backward(lhs, rhs);
+        case OpKind::kTanhGrad:
+          return at::tanh_backward(lhs, rhs);
+        case OpKind::kSigmoidGrad:
+          return at::sigmoid_backward(lhs, rhs);
+        case OpKind::kAbsGrad:
+          return at::mul(lhs, at::sgn(rhs));
+        default:
+          return at::eq(lhs, rhs).to(lhs.scalar_type());
+      }
+    };
+    bool copies = kind != OpKind::kAdd && kind != OpKind::kSub && kind != OpKind::kMul && kind != OpKind::kDiv;
+    store(
+        ins,
+        false,
+        fresh,
+        [&](at::Tensor& o) {
+          if (copies) {
+            // The derivative kinds have no out= form: computed, then copied.
+            o.copy_(fresh());
+            return;
+          }
+          switch (kind) {
+            case OpKind::kAdd:
+              at::add_out(o, lhs, rhs);
+              break;
+            case OpKind::kSub:
+              at::sub_out(o, lhs, rhs);
+              break;
+            case OpKind::kMul:
+              at::mul_out(o, lhs, rhs);
+              break;
+            default:
+              at::div_out(o, lhs, rhs);
+              break;
+          }
+        });
+  }
+
+  // The torch function of a unary kind (python/hostir/kinds.py), on `x`.
+  static at::Tensor unaryOf(OpKind kind, const at::Tensor& x, at::ScalarType dtype) {
+    switch (kind) {
+      case OpKind::kRelu:
+        return at::relu(x);
+      case OpKind::kNeg:
+        return at::neg(x);
+      case OpKind::kAbs:
+        return at::abs(x);
+      case OpKind::kCast:
+        return x.to(dtype);
+      case OpKind::kGelu:
+        return at::gelu(x);
+      case OpKind::kGeluTanh:
+        return at::gelu(x, "tanh");
+      case OpKind::kSilu:
+        return at::silu(x);
+      case OpKind::kExp:
+        return at::exp(x);
+      case OpKind::kTanh:
+        return at::tanh(x);
+      default:
+        return at::sigmoid(x);
+    }
+  }
+
+  void unary(const Instr& ins) {
+    at::Tensor x = viewed(ins, 0, tensor(ins.input));
+    OpKind kind = ins.op_kind;
+    at::ScalarType dtype = ins.dtype;
+    store(
+        ins,
+        false,
+        [&]() { return unaryOf(kind, x, dtype); },
+        [&](at::Tensor& o) {
+          // A cast copies, converting to the output's dtype.
+          o.copy_(kind == OpKind::kCast ? x : unaryOf(kind, x, dtype));
+        });
+  }
+
+  void permute(const Instr& ins) {
+    at::Tensor src = tensor(ins.input);
+    if (!ins.views.empty()) {
+      // On sharded tensors: this rank's piece, permuted, its sharded axes
+      // moving with it (a view: the runtime dims only add size-1 dims and
+      // split a dim), written into the output if it is bound.
+      at::Tensor r = toRuntime(viewed(ins, 0, src).permute(ins.dims), ins.store);
+      const at::Tensor* bound = maybeTensor(ins.out);
+      if (bound != nullptr) {
+        at::Tensor(*bound).copy_(r);
+      } else {
+        bind(ins.out, r);
+      }
+      return;
+    }
+    at::Tensor r = fullRank(src, ins.a_dim).permute(ins.dims);
+    const at::Tensor* out = maybeTensor(ins.out);
+    if (out != nullptr) {
+      fullRank(*out, ins.out_dim).copy_(r);
+      return;
+    }
+    bind(ins.out, ins.out_dim < 0 ? r : r.squeeze(ins.out_dim));
   }
 
   void reduction(const Instr& ins) {
-    const at::Tensor& src = tensor(ins.input);
-    const at::Tensor* out = maybeTensor(ins.out);
-    if (out == nullptr) {
-      at::Tensor r = ins.op_kind == OpKind::kSum ? at::sum(src, ins.dims, false, ins.dtype)
-          : ins.op_kind == OpKind::kMax          ? at::amax(src, ins.dims)
-                                                 : at::amin(src, ins.dims);
-      bind(ins.out, std::move(r));
-      return;
-    }
-    at::Tensor o = *out;
-    if (ins.op_kind == OpKind::kSum) {
-      at::sum_out(o, src, ins.dims, false, ins.dtype);
-    } else if (ins.op_kind == OpKind::kMax) {
-      at::amax_out(o, src, ins.dims);
-    } else {
-      at::amin_out(o, src, ins.dims);
-    }
+    at::Tensor src = viewed(ins, 0, tensor(ins.input));
+    OpKind kind = ins.op_kind;
+    store(
+        ins,
+        false,
+        [&]() {
+          return kind == OpKind::kSum ? at::sum(src, ins.dims, false, ins.dtype)
+              : kind == OpKind::kMax  ? at::amax(src, ins.dims)
+                                      : at::amin(src, ins.dims);
+        },
+        [&](at::Tensor& o) {
+          if (kind == OpKind::kSum) {
+            at::sum_out(o, src, ins.dims, false, ins.dtype);
+          } else if (kind == OpKind::kMax) {
+            at::amax_out(o, src, ins.dims);
+          } else {
+            at::amin_out(o, src, ins.dims);
+          }
+        });
   }
 
   void matmulOrLinear(const Instr& ins) {
-    at::Tensor a = fullRank(tensor(ins.a), ins.a_dim);
-    at::Tensor b = fullRank(tensor(ins.b), ins.b_dim);
+    at::Tensor a = viewed(ins, 0, fullRank(tensor(ins.a), ins.a_dim));
+    at::Tensor b = viewed(ins, 1, fullRank(tensor(ins.b), ins.b_dim));
     std::optional<at::Tensor> bias;
     if (ins.bias >= 0) {
-      bias = fullRank(tensor(ins.bias), ins.bias_dim);
+      bias = viewed(ins, 2, fullRank(tensor(ins.bias), ins.bias_dim));
     }
-    const at::Tensor* out = maybeTensor(ins.out);
     bool linear = ins.op == Opcode::kLinear;
     if (linear && b.dim() > 2) {
       // A weight [*W, N, K]: linear on [W*N, K], the result unflattened
       // to [..., *W, N]; the bias is [*W, N] or a trailing part of it.
-      std::vector<int64_t> lead(b.sizes().begin(), b.sizes().end() - 1);
-      std::optional<at::Tensor> flat_bias;
-      if (bias.has_value()) {
-        flat_bias = bias->expand(lead).reshape({-1});
-      }
-      at::Tensor r = at::linear(a, b.reshape({-1, b.size(-1)}), flat_bias).unflatten(-1, lead);
-      if (out == nullptr) {
-        bind(ins.out, ins.out_dim < 0 ? r : r.squeeze(ins.out_dim));
-      } else {
-        fullRank(*out, ins.out_dim).copy_(r);
-      }
+      auto fresh = [&]() {
+        std::vector<int64_t> lead(b.sizes().begin(), b.sizes().end() - 1);
+        std::optional<at::Tensor> flat_bias;
+        if (bias.has_value()) {
+          flat_bias = bias->expand(lead).reshape({-1});
+        }
+        return at::linear(a, b.reshape({-1, b.size(-1)}), flat_bias).unflatten(-1, lead);
+      };
+      store(ins, true, fresh, [&](at::Tensor& o) { o.copy_(fresh()); });
       return;
     }
-    if (out == nullptr) {
-      at::Tensor r = linear ? at::linear(a, b, bias) : at::matmul(a, b);
-      bind(ins.out, ins.out_dim < 0 ? r : r.squeeze(ins.out_dim));
-      return;
-    }
-    at::Tensor o = fullRank(*out, ins.out_dim);
     if (linear) {
-      at::linear_out(o, a, b, bias);
-    } else {
-      at::matmul_out(o, a, b);
+      store(
+          ins,
+          true,
+          [&]() { return at::linear(a, b, bias); },
+          [&](at::Tensor& o) { at::linear_out(o, a, b, bias); });
+      return;
     }
+    store(
+        ins,
+        true,
+        [&]() { return at::matmul(a, b); },
+        [&](at::Tensor& o) { at::matmul_out(o, a, b); });
   }
 
   // -- communications
@@ -840,7 +1063,32 @@ class Run {
                                : at::amin(src, ins.local_reduce, true);
   }
 
+  // A communication over a team of one rank moves nothing: its output is its
+  // input (the rows this rank holds of a reduced axis reduced, in the
+  // output's dtype), bound as a view of it where the program allocates the
+  // output for this communication alone (`view_out`), else copied into the
+  // output's buffer on the current stream; its Wait makes the waiting stream
+  // wait for this one, as a collective's would.
+  Posted keepLocal(const Instr& ins) {
+    at::Tensor src = reducedInput(ins);
+    if (ins.view_out && !(ins.out_may_be_given && maybeTensor(ins.out))) {
+      bind(ins.out, src.to(ins.dtype_out).reshape(sizes(ins.out_shape)));
+    } else {
+      at::Tensor out = tensor(ins.out);
+      out.copy_(src.reshape(out.sizes()));
+    }
+    Posted posted;
+    if (uses_streams_) {
+      c10::Stream posting = guard().getStream(p_.device);
+      posted.after = [this, posting]() { wait(guard().getStream(p_.device), posting); };
+    }
+    return posted;
+  }
+
   Posted communication(const Instr& ins) {
+    if (ins.team_size == 1) {
+      return keepLocal(ins);
+    }
     auto& group = p_.groups[ins.group];
     Posted posted;
     switch (ins.comm_type) {
@@ -892,8 +1140,10 @@ class Run {
       case CommType::kReduceScatter: {
         at::Tensor src = reducedInput(ins);
         at::Tensor out = tensor(ins.out);
-        auto full = sizes(ins.out_full);
+        // The output's local sizes with the team's pieces of its sharded dim.
         int64_t b = ins.out_axis;
+        std::vector<int64_t> full(out.sizes().begin(), out.sizes().end());
+        full[b] *= ins.team_size;
         at::Tensor whole = src.reshape(full);
         if (!outermost(full, b)) {
           whole = whole.movedim(b, 0);
@@ -1035,6 +1285,36 @@ class Run {
         }
         break;
       }
+      case CommType::kAllToAll: {
+        // Team position j gets the j-th piece of the output's sharded
+        // (logical) axis `out_axis` of this rank's input; the piece from
+        // position j goes to the j-th place of the input's sharded axis
+        // `in_axis`. The buffers are in the group's order.
+        at::Tensor src = applyView(ins.in_view, tensor(ins.input));
+        at::Tensor out = tensor(ins.out);
+        auto chunks = src.chunk(ins.team_size, ins.out_axis);
+        std::vector<at::Tensor> ordered;
+        ordered.reserve(ins.perm.size());
+        for (int64_t j : ins.perm) {
+          ordered.push_back(chunks.at(j));
+        }
+        at::Tensor send = at::stack(ordered).contiguous();
+        at::Tensor recv = at::empty_like(send);
+        std::vector<int64_t> no_splits;
+        c10d::AllToAllOptions opts;
+        posted.works.push_back(group->alltoall_base(recv, send, no_splits, no_splits, opts));
+        auto order = ins.recv_perm;
+        int64_t a = ins.in_axis;
+        posted.after = [recv, order, a, out]() mutable {
+          std::vector<at::Tensor> pieces;
+          pieces.reserve(order.size());
+          for (int64_t j : order) {
+            pieces.push_back(recv[j]);
+          }
+          out.copy_(at::cat(pieces, a).reshape(out.sizes()));
+        };
+        break;
+      }
       case CommType::kSendRecv: {
         if (ins.self_copy) {
           at::Tensor out = tensor(ins.out);
@@ -1063,11 +1343,17 @@ class Run {
       throw Error(
           text("invalid peer ", peer, ": the world has ", ins.world_size, " ranks"), "BindingError");
     }
-    const at::Tensor& buf = tensor(ins.buffer);
+    at::Tensor buf = tensor(ins.buffer);
     if (!buf.is_contiguous()) {
-      throw Error(
-          text("the buffer of a P2P communication must be contiguous (strides ", buf.strides(), ")"),
-          "BindingError");
+      if (!ins.send) {
+        throw Error(
+            text("the buffer of a P2P receive must be contiguous (strides ", buf.strides(), ")"),
+            "BindingError");
+      }
+      // A send of a view (a permute's): the backends move contiguous
+      // memory, so the send goes from a compact copy, kept to the run's end.
+      buf = buf.contiguous();
+      kept_.push_back(buf);
     }
     std::vector<at::Tensor> bufs{buf};
     auto& group = worldGroup();
@@ -1120,36 +1406,84 @@ class Run {
   std::optional<c10::Stream> caller_;
   std::map<int64_t, Posted> posted_;
   bool coalescing_ = false;
+  std::vector<at::Tensor> kept_;  // compact copies of views being sent
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };
 
+// The binary kinds the core runs (python/hostir/kinds.py's BinaryKind
+// names); the flat compiler reads them through `binaryKindNames`.
+const std::pair<const char*, OpKind> kBinary[] = {
+    {"add", OpKind::kAdd},
+    {"sub", OpKind::kSub},
+    {"mul", OpKind::kMul},
+    {"div", OpKind::kDiv},
+    {"relu_grad", OpKind::kReluGrad},
+    {"gelu_grad", OpKind::kGeluGrad},
+    {"gelu_tanh_grad", OpKind::kGeluTanhGrad},
+    {"silu_grad", OpKind::kSiluGrad},
+    {"tanh_grad", OpKind::kTanhGrad},
+    {"sigmoid_grad", OpKind::kSigmoidGrad},
+    {"abs_grad", OpKind::kAbsGrad},
+    {"eq", OpKind::kEq}};
+
+// The unary kinds the core runs (python/hostir/kinds.py's UnaryKind names);
+// the flat compiler reads them through `unaryKindNames`.
+const std::pair<const char*, OpKind> kUnary[] = {
+    {"relu", OpKind::kRelu},
+    {"neg", OpKind::kNeg},
+    {"abs", OpKind::kAbs},
+    {"cast", OpKind::kCast},
+    {"gelu", OpKind::kGelu},
+    {"gelu_tanh", OpKind::kGeluTanh},
+    {"silu", OpKind::kSilu},
+    {"exp", OpKind::kExp},
+    {"tanh", OpKind::kTanh},
+    {"sigmoid", OpKind::kSigmoid}};
+
 OpKind opKind(const std::string& kind, Opcode op) {
-  static const std::pair<const char*, OpKind> kBinary[] = {
-      {"add", OpKind::kAdd}, {"sub", OpKind::kSub}, {"mul", OpKind::kMul}, {"div", OpKind::kDiv}};
+  // The kinds of python/hostir/kinds.py the C++ core runs, by their names.
   static const std::pair<const char*, OpKind> kReduction[] = {
       {"sum", OpKind::kSum}, {"max", OpKind::kMax}, {"min", OpKind::kMin}};
-  if (op == Opcode::kBinary) {
-    for (const auto& [name, k] : kBinary) {
+  auto find = [&](const auto& table) -> std::optional<OpKind> {
+    for (const auto& [name, k] : table) {
       if (kind == name) {
         return k;
       }
     }
-  } else {
-    for (const auto& [name, k] : kReduction) {
-      if (kind == name) {
-        return k;
-      }
-    }
+    return std::nullopt;
+  };
+  std::optional<OpKind> found = op == Opcode::kBinary ? find(kBinary)
+      : op == Opcode::kUnary                          ? find(kUnary)
+                                                      : find(kReduction);
+  if (found) {
+    return *found;
   }
-  throw Error(text("unknown ", op == Opcode::kBinary ? "binary op" : "reduction", " '", kind, "'"), "ProgramError");
+  const char* what = op == Opcode::kBinary ? "binary op" : op == Opcode::kUnary ? "unary op" : "reduction";
+  throw Error(text("unknown ", what, " '", kind, "'"), "ProgramError");
 }
 
 } // namespace
 
+std::vector<std::string> binaryKindNames() {
+  std::vector<std::string> names;
+  for (const auto& [name, kind] : kBinary) {
+    names.emplace_back(name);
+  }
+  return names;
+}
+
+std::vector<std::string> unaryKindNames() {
+  std::vector<std::string> names;
+  for (const auto& [name, kind] : kUnary) {
+    names.emplace_back(name);
+  }
+  return names;
+}
+
 Executor::Executor(Program program)
     : program_(std::move(program)), uses_streams_(program_.device.type() != c10::kCPU) {
   for (Instr& ins : program_.instrs) {
-    if (ins.op == Opcode::kBinary || ins.op == Opcode::kReduction) {
+    if (ins.op == Opcode::kBinary || ins.op == Opcode::kReduction || ins.op == Opcode::kUnary) {
       ins.op_kind = opKind(ins.kind, ins.op);
     }
     if (ins.op == Opcode::kBinary && ins.rhs.is_number) {

@@ -107,6 +107,8 @@ enum class Opcode : int {
   kEndCoalescing,
   kWait,
   kIf,
+  kUnary,
+  kPermute,
 };
 
 // Shared with ir.CommunicationType (in declaration order).
@@ -119,12 +121,13 @@ enum class CommType : int {
   kScatter,
   kReduce,
   kSendRecv,
+  kAllToAll,
 };
 
 // A node of a scalar expression: a constant, an integer slot, or an
 // operation on two other nodes.
 struct ScalarNode {
-  enum Kind { kConst, kSlot, kAdd, kSub, kMul, kDiv, kMod, kEq, kNe, kLt, kLe, kGt, kGe, kAnd, kOr } kind = kConst;
+  enum Kind { kConst, kSlot, kAdd, kSub, kMul, kDiv, kMod, kEq, kNe, kLt, kLe, kGt, kGe, kAnd, kOr, kCeilDiv } kind = kConst;
   int64_t value = 0;  // kConst: the value; kSlot: the slot
   int lhs = -1;
   int rhs = -1;
@@ -141,18 +144,77 @@ struct Operand {
   at::Tensor wrapped;
 };
 
-// What a binary op or a reduction computes; the Executor reads `kind`'s
-// text once and runs on this.
-enum class OpKind : int { kAdd, kSub, kMul, kDiv, kSum, kMax, kMin };
+// What a binary, unary or reduction op computes; the Executor reads
+// `kind`'s text once and runs on this.
+enum class OpKind : int {
+  kAdd,
+  kSub,
+  kMul,
+  kDiv,
+  kSum,
+  kMax,
+  kMin,
+  kRelu,
+  kNeg,
+  kAbs,
+  kCast,
+  kGelu,
+  kGeluTanh,
+  kSilu,
+  kExp,
+  kTanh,
+  kSigmoid,
+  // The derivative kinds of BinaryKind: torch's backward kernels,
+  // kind(grad, saved), and eq's 0/1 mask.
+  kReluGrad,
+  kGeluGrad,
+  kGeluTanhGrad,
+  kSiluGrad,
+  kTanhGrad,
+  kSigmoidGrad,
+  kAbsGrad,
+  kEq,
+};
+
+// This rank's slice of a replicated operand axis where the op's output is
+// sharded: dim `pos` viewed as `sizes` (-1: the rest of the dim), each
+// (dim, index) pair of `narrows` cut to one index, then merged back.
+struct Cut {
+  int64_t pos = 0;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> narrows;  // dim offset from pos, index, ...
+};
+
+// How an op reads a tensor operand (python/hostir/runtime/evaluator.py's
+// `_operand`): the runtime dims each logical axis merges (empty: the
+// runtime shape is the logical one), then the cuts.
+struct View {
+  std::vector<std::vector<int64_t>> logical;
+  std::vector<Cut> cuts;
+};
+
+// How an op puts its result into its output (the evaluator's `_store`):
+// `runtime` gives each runtime dim of a fresh result as a logical axis
+// (-1: a mesh_x piece of size 1; empty: the logical shape is the runtime
+// one), `logical` views a bound output with its logical axes; `partial`
+// adds (or drops) the leading axis of partial sums; `slice` says the
+// output is a slice a stream loop selected.
+struct Store {
+  bool partial = false;
+  bool slice = false;
+  std::vector<int64_t> runtime;
+  std::vector<std::vector<int64_t>> logical;
+};
 
 // How one axis of a bound tensor binds or checks its extent.
 struct ExtentRule {
-  int extent = -1;  // scalar node
+  int extent = -1;  // scalar node; -1: nothing to bind or check
   std::string text;  // the extent as the dump prints it
   int64_t mesh_size = 0;  // > 0: a mesh_x axis (size 1 here, extent mesh_size)
   std::string axis_text;
   int bind_slot = -1;
   int64_t factor = 1;
+  int64_t scale = 1;  // the dim's size times this is its logical axis's extent
   std::string error;  // non-empty: the extent cannot be inferred from a size
 };
 
@@ -195,6 +257,10 @@ struct Instr {
   OpKind op_kind = OpKind::kAdd;
   Operand lhs, rhs;
   std::vector<int64_t> dims;
+  // Layouts: one view per tensor operand in the op's operand order (none:
+  // every operand is read as it is bound), and the output's store.
+  std::vector<View> views;
+  Store store;
   // Communications.
   CommType comm_type = CommType::kAllgather;
   int group = -1;
@@ -210,10 +276,18 @@ struct Instr {
   int64_t out_axis = -1;
   bool in_order = true;
   std::vector<int64_t> perm;
+  // AllToAll: the group rank each team position's piece comes from, and
+  // the input's logical view.
+  std::vector<int64_t> recv_perm;
+  View in_view;
   int64_t chunks = 0;
   double identity = 0.0;
   int64_t peer = -1;  // group rank (SendRecv), else a scalar node (P2P)
   bool self_copy = false;
+  // A communication over a team of one whose output is bound to a view of
+  // its input (the program allocates it for this communication alone).
+  bool view_out = false;
+  bool out_may_be_given = false;  // ... unless it is a program output the caller gave
   bool send = false;
   int64_t world_size = 0;
   int posted = -1;  // Wait: the posting instruction
@@ -312,5 +386,9 @@ class Executor {
 
 // The process-wide pool of worker streams.
 StreamPool& streamPool();
+
+// The names of the unary and binary kinds the executor runs.
+std::vector<std::string> unaryKindNames();
+std::vector<std::string> binaryKindNames();
 
 } // namespace hostir

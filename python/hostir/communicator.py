@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hostir import rendezvous
+from hostir import mailbox, rendezvous
 from hostir.errors import HostIrError
 from hostir.network import GLOO_IFNAME, GlooInterface, InterfaceError, choose_gloo_interface
 from hostir import log
@@ -725,6 +725,9 @@ class Communicator:
         # the ranks' collectives are out of step and the executor refuses
         # to post more.
         self.failure: str | None = None
+        # Where every rank shares this host: the shared-memory mailbox of the
+        # calls' steps (`exchange_step`); else None, and steps go over gloo.
+        self.mailbox: mailbox.Mailbox | None = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._owns_default = not dist.is_initialized()
@@ -746,13 +749,16 @@ class Communicator:
             self._control = self._new_group(None, backend="gloo")
             if self.device.type == "cuda" and self.world_size > 1:
                 self._check_gpus_distinct()
+            if self.world_size > 1:
+                self.mailbox = mailbox.Mailbox.open(self, rendezvous.namespace(rendezvous.job_id()))
         except BaseException:
             self.shutdown()
             raise
         logger.info(
-            "communicator: rank %d of %d (%s), transport %s on %s, timeout %g s, %s",
+            "communicator: rank %d of %d (%s), transport %s on %s, timeout %g s, %s, steps over %s",
             self.rank, self.world_size, self.launch.source, self.backend, self.device, self.timeout,
             "default group created" if self._owns_default else "reusing the program's default group",
+            "shared memory" if self.mailbox is not None else "the control group",
         )
 
     def _check_gpus_distinct(self) -> None:
@@ -899,6 +905,22 @@ class Communicator:
             raise classify_error(exc, "the ranks' agreement (all-gather)", rank=self.rank, timeout=self.timeout)
         return gathered
 
+    def exchange_step(self, words: list[int]) -> list[list[int]]:
+        """Every rank's `words` (a few ints, at most `mailbox.SLOT_WORDS`,
+        the same number on every rank), in rank order: through the
+        shared-memory mailbox where every rank shares this host, else one
+        all-gather on the control group. Collective, in the same order on
+        every rank; a rank that does not arrive within the timeout gives
+        CommunicatorTimeout (or PeerLostError) naming it."""
+        if self.mailbox is not None and not self._closed:
+            try:
+                return self.mailbox.exchange(words)
+            except mailbox.MailboxPeerLost as exc:
+                raise PeerLostError(str(exc)) from exc
+            except mailbox.MailboxTimeout as exc:
+                raise CommunicatorTimeout(str(exc)) from exc
+        return self.all_gather_words(torch.tensor(words, dtype=torch.int64)).tolist()
+
     def all_gather_bytes(self, data: bytes, capacity: int) -> list[bytes]:
         """Every rank's `data` (at most `capacity` bytes), in rank order: a
         length word and the bytes padded to `capacity`, gathered as int64
@@ -939,6 +961,8 @@ class Communicator:
             return
         self._closed = True
         _live.discard(self)
+        if self.mailbox is not None:
+            self.mailbox.close()
         # Drop every reference to the groups, so that destroying them frees
         # them now: freeing a gloo group joins its worker threads, and one
         # still releasing a finished collective's tensors while the

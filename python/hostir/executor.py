@@ -36,8 +36,10 @@ for it but whether a preallocated output shares memory with an input, which
 is checked again on every call. For a multi-device fusion the record is per
 communicator; on many ranks it is kept once the ranks agreed on the
 signature (step 4's full record), and with check_ranks="always" a prepared
-call first checks a six-word step with the other ranks (`_steady`): the
-same call of the same fusion, the same agreed signature. A step that
+call first checks a six-word step with the other ranks (`_steady`; through
+the communicator's shared-memory mailbox where every rank shares one host,
+`hostir.mailbox`): the same call of the same fusion, the same agreed
+signature. A step that
 differs on any rank sends every rank to the full record, which raises on
 all of them what differs.
 
@@ -476,12 +478,17 @@ class FusionExecutor:
     def _steady(self, ready: prepared.Prepared, inputs, outputs) -> list[torch.Tensor | None]:
         """A prepared call of many ranks: with check_ranks="always" the
         ranks check their step (call numbers and the agreed signature's
-        token: one all-gather of a few words) and fall back to the full
+        token: a few words, through the communicator's shared-memory
+        mailbox on one host, else one all-gather) and fall back to the full
         record together where anything differs; then bind, run and convert
         back, as every route does."""
         comm = ready.comm
-        with _exclusive(comm):
-            _refuse_after_failure(comm)
+        # _exclusive and _control, written out: this is every steady call's path.
+        if not comm.busy.acquire(blocking=False):
+            raise _refused(comm)
+        try:
+            if comm.failure is not None:
+                _refuse_after_failure(comm)
             sequence = self._next_call(comm)
             call = error = None
             try:
@@ -491,11 +498,15 @@ class FusionExecutor:
                     raise
                 error = err
             if ready.token:
-                with _control(comm):
+                try:
                     steps = exchange_steps(comm, comm.rank, *sequence, 0 if error is not None else ready.token)
+                except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
+                    raise _control_failed(comm, err) from err
                 if not in_step(steps):
                     self._agree_fully(comm, sequence, call, inputs, error, steps)
             return self._finish(call)
+        finally:
+            comm.busy.release()
 
     def graph_inputs(
         self,
@@ -1051,8 +1062,14 @@ def _control(comm):
     try:
         yield
     except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
-        comm.failure = f"{type(err).__name__}: {err}"
-        raise type(err)(f"the ranks' check of the program and its inputs, before running it, failed: {err}") from err
+        raise _control_failed(comm, err) from err
+
+
+def _control_failed(comm, err: BaseException) -> BaseException:
+    """Mark `comm` failed by the timeout or lost peer `err` of an exchange
+    on the control group, and return the error that names the check."""
+    comm.failure = f"{type(err).__name__}: {err}"
+    return type(err)(f"the ranks' check of the program and its inputs, before running it, failed: {err}")
 
 
 @contextlib.contextmanager
@@ -1062,16 +1079,21 @@ def _exclusive(comm):
         yield
         return
     if not comm.busy.acquire(blocking=False):
-        raise communicator.CommunicatorError(
-            f"another thread is running a multi-device execute on this process's communicator "
-            f"(thread {threading.current_thread().name} was refused): two calls' collectives on the same "
-            f"process groups would pair with the wrong calls of the other ranks; run multi-device "
-            f"executes from one thread at a time"
-        )
+        raise _refused(comm)
     try:
         yield
     finally:
         comm.busy.release()
+
+
+def _refused(comm) -> Exception:
+    """The error of a second thread's multi-device execute on `comm`."""
+    return communicator.CommunicatorError(
+        f"another thread is running a multi-device execute on this process's communicator "
+        f"(thread {threading.current_thread().name} was refused): two calls' collectives on the same "
+        f"process groups would pair with the wrong calls of the other ranks; run multi-device "
+        f"executes from one thread at a time"
+    )
 
 
 def _key_text(key: tuple) -> str:

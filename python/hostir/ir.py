@@ -1268,7 +1268,7 @@ class CommunicationType(enum.Enum):
     Scatter = "Scatter", True, False, "root", "all", True, _scatter_traffic
     Reduce = "Reduce", True, True, "all", "root", True, _reduce_traffic
     SendRecv = "SendRecv", True, False, "root", "others", True, _send_recv_traffic
-    AllToAll = "AllToAll", False, False, "all", "all", False, _all_to_all_traffic
+    AllToAll = "AllToAll", False, False, "all", "all", True, _all_to_all_traffic
 
 
 BACKENDS = ("NCCL", "gloo", "cuda")

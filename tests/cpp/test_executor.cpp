@@ -1,7 +1,8 @@
 // GoogleTest tests of the C++ executor on programs built by hand, without
 // Python: loops, conditionals and scalar expressions (scalar inputs among
 // them), selects into preallocated buffers,
-// the out= variants, extent binding, failures with loop indices, and two
+// the out= variants, every unary kind, operand views and partial sums,
+// extent binding, failures with loop indices, and two
 // threads running one Executor at once.
 #include "../../csrc/host_ir/program.h"
 
@@ -254,6 +255,104 @@ TEST(Executor, EveryKindOfBinaryOpByNumber) {
       EXPECT_TRUE(at::allclose(r.outputs[0], at::full({2, 3}, expected_for_four))) << kind;
     }
   }
+}
+
+// %t1 = <kind>(%t0), both [rows, cols] bound by the caller.
+Program unaryProgram(const char* kind) {
+  Program p;
+  p.num_tensors = 2;
+  p.num_ints = 2;
+  p.inputs = {0};
+  p.outputs = {1};
+  p.tensor_names = {"T0", "T1"};
+  p.int_names = {"i0", "i1"};
+  std::vector<ExtentRule> rules(2);
+  for (int d = 0; d < 2; ++d) {
+    rules[d].extent = slotNode(p, d);
+    rules[d].bind_slot = d;
+  }
+  p.extent_rules.emplace_back(0, rules);
+  Instr op;
+  op.op = Opcode::kUnary;
+  op.kind = kind;
+  op.out = 1;
+  op.input = 0;
+  op.dtype = at::kDouble;  // what a cast converts to
+  p.instrs.push_back(op);
+  return p;
+}
+
+TEST(Executor, EveryUnaryKindCallsItsAtenFunction) {
+  at::Tensor x = at::randn({4, 5}) * 3;
+  const std::pair<const char*, at::Tensor> cases[] = {
+      {"relu", at::relu(x)},
+      {"neg", at::neg(x)},
+      {"abs", at::abs(x)},
+      {"cast", x.to(at::kDouble)},
+      {"gelu", at::gelu(x)},
+      {"gelu_tanh", at::gelu(x, "tanh")},
+      {"silu", at::silu(x)},
+      {"exp", at::exp(x)},
+      {"tanh", at::tanh(x)},
+      {"sigmoid", at::sigmoid(x)}};
+  ASSERT_EQ(unaryKindNames().size(), std::size(cases));
+  for (const auto& [kind, expected] : cases) {
+    Executor executor(unaryProgram(kind));
+    RunResult r = executor.run({x}, {}, 1);
+    ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+    EXPECT_TRUE(at::equal(r.outputs[0], expected)) << kind;
+    // Into a bound output: the result converted to its dtype.
+    at::Tensor out = at::full({4, 5}, 7.0, expected.options());
+    r = executor.run({x}, {out}, 1);
+    ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+    EXPECT_TRUE(at::equal(out, expected)) << kind;
+  }
+}
+
+TEST(Executor, UnknownUnaryKindIsRejectedWhenMade) {
+  try {
+    Executor executor(unaryProgram("sqrt"));
+    FAIL() << "an unknown unary op was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), "ProgramError");
+    EXPECT_STREQ(e.what(), "unknown unary op 'sqrt'");
+  }
+}
+
+// A matmul whose operands are read through views and whose result keeps a
+// leading axis of partial sums: %t0 [M, 1, K] (its K split off a mesh
+// piece, the two dims one logical axis [M, K]) times %t1 [K, N] cut to the
+// rows of this rank's piece (index 1 of 2 along K), into %t2 [1, M, N].
+TEST(Executor, ViewsCutOperandsAndPartialSumsKeepTheirAxis) {
+  Program p;
+  p.num_tensors = 3;
+  p.inputs = {0, 1};
+  p.outputs = {2};
+  p.tensor_names = {"T0", "T1", "T2"};
+  Instr mm;
+  mm.op = Opcode::kMatmul;
+  mm.a = 0;
+  mm.b = 1;
+  mm.out = 2;
+  View a;
+  a.logical = {{0}, {1, 2}};
+  View b;
+  b.cuts.push_back(Cut{0, {2, -1}, {0, 1}});
+  mm.views = {a, b};
+  mm.store.partial = true;
+  p.instrs.push_back(mm);
+  Executor executor(std::move(p));
+  at::Tensor x = at::randn({3, 1, 4});
+  at::Tensor w = at::randn({8, 5});
+  RunResult r = executor.run({x, w}, {}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  at::Tensor expected = at::matmul(x.reshape({3, 4}), w.narrow(0, 4, 4)).unsqueeze(0);
+  EXPECT_TRUE(at::equal(r.outputs[0], expected));
+  // Into a bound output: the partial axis dropped from its view.
+  at::Tensor out = at::zeros({1, 3, 5});
+  r = executor.run({x, w}, {out}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_TRUE(at::allclose(out, expected));
 }
 
 // rowLoop with its two compute instructions under IF ( i < limit ), limit

@@ -29,7 +29,9 @@ Layout (version 1; every field an int64 word):
 A call whose exact signature the ranks already agreed on (a prepared call,
 `runtime/prepared.py`) sends the full record no more. With
 `check_ranks="always"` every call of a multi-device program first sends a
-*step*: STEP_WORDS int64 words, one all-gather on the same control group —
+*step*: STEP_WORDS int64 words, exchanged through the communicator's
+shared-memory mailbox where every rank shares one host (`hostir/mailbox.py`:
+a few microseconds), else one all-gather on the same control group —
 
     0       magic and layout version (`STEP_MAGIC`)
     1       sender's rank
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import NamedTuple
 
 import torch
 
@@ -285,9 +288,8 @@ STEP_MAGIC = 0x4849_5243_0000_0000 | VERSION  # "HIRC" and the layout version
 STEP_WORDS = 6
 
 
-@dataclasses.dataclass(frozen=True)
-class Step:
-    """One rank's step, decoded."""
+class Step(NamedTuple):
+    """One rank's step, decoded (a tuple: built on every steady call)."""
 
     rank: int
     fusion: int
@@ -307,13 +309,12 @@ def token(digest: str | None, inputs) -> int:
 
 
 def exchange_steps(comm, rank: int, fusion: int, call: int, comm_call: int, agreed: int) -> list[Step]:
-    """Every rank's step, in rank order: one all-gather of STEP_WORDS words
-    on the control group. `agreed` is the call's token, 0 on the full path."""
-    words = torch.tensor([STEP_MAGIC, rank, fusion, call, comm_call, agreed], dtype=torch.int64)
-    return [
-        Step(row[1], row[2], row[3], row[4], row[5], row[0] == STEP_MAGIC)
-        for row in comm.all_gather_words(words).tolist()
-    ]
+    """Every rank's step, in rank order: STEP_WORDS words through the
+    communicator's `exchange_step` (the shared-memory mailbox of ranks on
+    one host, else one all-gather on the control group). `agreed` is the
+    call's token, 0 on the full path."""
+    rows = comm.exchange_step([STEP_MAGIC, rank, fusion, call, comm_call, agreed])
+    return [Step(row[1], row[2], row[3], row[4], row[5], row[0] == STEP_MAGIC) for row in rows]
 
 
 def in_step(steps: list[Step]) -> bool:

@@ -155,7 +155,7 @@ class HostIrEvaluator:
         # Outputs of communications over a team of one rank that are bound
         # to a view of their input instead of a buffer of their own (their
         # Allocate binds nothing; see `_keep_local`).
-        self.local_views = _local_views(container, source, self.alias)
+        self.local_views = local_views(container, source, self.alias)
 
     # -- the one entry point
     def run(self, bindings: Mapping[Any, Any], number_of_streams: int = 4) -> list:
@@ -935,7 +935,7 @@ def _keep_local(frame: Frame, e: ir.Communication) -> None:
     """A communication over a team of one rank moves nothing: its output is
     its input (with the rows this rank holds of a reduced axis reduced, in
     the output's dtype), bound as a view of it where the program allocates
-    the output for this communication alone (`_local_views`), else copied
+    the output for this communication alone (`local_views`), else copied
     into the output's buffer (a caller's preallocated output, a slice).
     Its `Wait` makes the stream current then wait for the one current now,
     as a collective's would."""
@@ -978,7 +978,7 @@ class _Holding:
         pass
 
 
-def _local_views(container: HostIrContainer, source: dict, alias: dict) -> frozenset:
+def local_views(container: HostIrContainer, source: dict, alias: dict) -> frozenset:
     """The outputs of communications over a team of one that may be bound
     to a view of their input: each is allocated for that communication
     alone (one global `Allocate`, no other writer, no slice or alias of

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hostir import ir, layout, printer, unannotated
 from hostir.container import HostIrContainer
-from hostir.runtime.evaluator import BindingError, MissingHandlerError, ProgramError
+from hostir.runtime.evaluator import BindingError, MissingHandlerError, ProgramError, _local_slices, local_views
 
 # Opcodes shared with csrc/host_ir/program.h (enum class Opcode).
 OPCODES = (
@@ -48,6 +48,8 @@ OPCODES = (
     "end_coalescing",
     "wait",
     "if",
+    "unary",
+    "permute",
 )
 _CODE = {name: i for i, name in enumerate(OPCODES)}
 # Shared with csrc/host_ir/program.h (enum class CommType), in this order.
@@ -55,6 +57,14 @@ _CODE = {name: i for i, name in enumerate(OPCODES)}
 COMMUNICATION_TYPES = tuple(t.value for t in ir.CommunicationType if t.in_cpp)
 
 _DTYPES = {dtype: i for i, dtype in enumerate(ir.SUPPORTED_DTYPES)}
+
+# The unary and binary kinds the C++ core has an ATen call for (a kind declared in
+# hostir.kinds without one runs on the Python evaluator, and the runner says
+# so); none without the extension, which then runs nothing.
+try:
+    from hostir._C import BINARY_KINDS as CPP_BINARY_KINDS, UNARY_KINDS as CPP_UNARY_KINDS
+except Exception:  # noqa: BLE001 - any failure to load means "not built"
+    CPP_UNARY_KINDS = CPP_BINARY_KINDS = ()
 
 
 @dataclasses.dataclass
@@ -109,6 +119,17 @@ class _Compiler:
         self.groups: list = []
         self.group_index: dict[tuple, int] = {}
         self.slice_dim = {e.out: layout.position(e.input, e.axis) for e in container.walk() if isinstance(e, ir.HirAliasSelect)}
+        # For each compute op of a multi-device program, the operand axes it
+        # reads this rank's slice of (as the evaluator finds them).
+        source = {e.out: e.input for e in container.walk() if isinstance(e, (ir.HirAliasSelect, ir.HirAliasChunk))}
+        multi_device = bool(container.meshes())
+        self.local_slices = {
+            id(e): _local_slices(e, source) for e in container.walk() if multi_device and isinstance(e, ir.COMPUTE_OPS)
+        }
+        # Outputs of communications over a team of one bound to a view of
+        # their input (their Allocate makes nothing), as the evaluator does;
+        # a program output the caller gave a buffer for is copied into it.
+        self.local_views = local_views(container, source, self.alias)
         self.instrs: list[Instr] = []
 
     # -- slots
@@ -234,20 +255,36 @@ class _Compiler:
         return found
 
     def extent_rules(self, tv: ir.TensorView) -> list[dict]:
-        """How each runtime axis of a bound tensor binds or checks its extent
-        (the C++ twin of `HostIrEvaluator._bind_extents`)."""
+        """How each runtime dim of a bound tensor binds or checks its extent
+        (the C++ twin of `Frame.bind_extents`): a mesh_x dim holds size 1
+        (an unsplit one binds its extent to the mesh's size), any other dim
+        binds or checks the extent of its logical axis, scaled by the mesh
+        pieces split off it."""
         rules = []
-        for i, d in enumerate(tv.loop_axes()):
+        for dim in layout.dims(tv):
+            first = dim[0]
             rule = {
-                "extent": self.scalar(d.extent),
-                "text": printer.format_scalar(d.extent),
-                "mesh_size": tv.mesh.x_size if d.is_device_parallel else 0,
-                "axis_text": printer.format_id(d),
+                "extent": -1,
+                "text": "",
+                "mesh_size": 0,
+                "axis_text": printer.format_id(first),
                 "bind_slot": -1,
                 "factor": 1,
+                "scale": 1,
                 "error": "",
             }
-            target = d.extent
+            rules.append(rule)
+            if first.is_device_parallel:
+                rule["mesh_size"] = tv.mesh.size_along(first.parallel_type)
+                if first.parent is not None:
+                    continue
+                target = first.extent
+            else:
+                axis = layout.logical_axis(first)
+                target = axis.extent
+                rule["scale"] = layout.global_extent(axis, 1)
+            rule["extent"] = self.scalar(target)
+            rule["text"] = printer.format_scalar(target)
             if isinstance(target, ir.ScalarExpr):
                 if target.op == "/" and target.rhs.is_constant and not isinstance(target.lhs, ir.ScalarExpr):
                     rule["factor"] = int(target.rhs.value)
@@ -257,8 +294,81 @@ class _Compiler:
                     target = None
             if target is not None and not target.is_constant:
                 rule["bind_slot"] = self.int_slot(target)
-            rules.append(rule)
         return rules
+
+    # -- layouts (the evaluator's `_operand` and `_store`)
+    def view(self, e: ir.Expr, tv, full_rank: bool = False) -> dict:
+        """How `e` reads operand `tv`: the runtime dims each logical axis
+        merges, and the cuts to this rank's slice of a replicated axis
+        where `e`'s output is sharded."""
+        if not isinstance(tv, ir.TensorView):
+            return {"logical": [], "cuts": []}
+        cuts = self.local_slices.get(id(e), {}).get(id(tv), ())
+        removed = self.slice_dim.get(tv)
+        logical = []
+        if removed is not None:
+            if not full_rank:
+                cuts = [(pos - (pos > removed), o, i) for pos, o, i in cuts if pos != removed]
+        else:
+            logical = _logical_groups(tv)
+        compiled = []
+        for pos, o, i in cuts:
+            mesh = e.out.mesh
+            missing = layout.device_types(o) - layout.device_types(i)
+            sizes, narrows = [], []
+            for j, x in enumerate(o.loop_leaves()):
+                if x.is_device_parallel:
+                    sizes.append(mesh.size_along(x.parallel_type) if x.parallel_type in missing else 1)
+                elif x.extent.is_constant:
+                    sizes.append(int(x.extent.value))
+                else:
+                    sizes.append(-1)
+                if x.parallel_type in missing:
+                    narrows += [j, mesh.index_along(self.comm.rank, x.parallel_type)]
+            compiled.append({"pos": pos, "sizes": sizes, "narrows": narrows})
+        return {"logical": logical, "cuts": compiled}
+
+    def layouts(self, e: ir.Expr, operands, full_rank: bool = False) -> dict:
+        """The `views` and `store` fields of compute op `e` (none where every
+        operand and the output are read and written as they are bound)."""
+        fields = {}
+        views = [self.view(e, v, full_rank) for v in operands]
+        if any(v["logical"] or v["cuts"] for v in views):
+            fields["views"] = views
+        partial = getattr(e, "partial", None) is not None
+        runtime, logical = _runtime_order(e.out), _logical_groups(e.out)
+        if partial or runtime or logical:
+            fields["store"] = {
+                "partial": partial,
+                "slice": e.out in self.slice_dim,
+                "runtime": runtime,
+                "logical": logical,
+            }
+        return fields
+
+
+def _logical_groups(tv: ir.TensorView) -> list[list[int]]:
+    """For each logical axis of `tv`, the runtime dims it merges (empty:
+    the runtime shape is the logical one), as `layout.to_logical`."""
+    runtime = layout.dims(tv)
+    if len(runtime) == tv.logical_ndim:
+        return []
+    return [[i for i, dim in enumerate(runtime) if layout.logical_axis(dim[0]) is axis] for axis in tv.logical_runtime()]
+
+
+def _runtime_order(tv: ir.TensorView) -> list[int]:
+    """Each runtime dim of `tv` as the logical axis whose size it takes, -1
+    for a mesh_x piece of size 1 (empty: the logical shape is the runtime
+    one), as `layout.to_runtime`."""
+    runtime = layout.dims(tv)
+    logical = tv.logical_runtime()
+    if len(runtime) == len(logical):
+        return []
+    order = []
+    for k, axis in enumerate(logical):
+        pieces = [dim for dim in runtime if layout.logical_axis(dim[0]) is axis]
+        order += [-1 if dim[0].is_device_parallel else k for dim in pieces]
+    return order
 
 
 # ---------------------------------------------------------------- per op
@@ -327,12 +437,38 @@ def _select(cc, e) -> None:
 
 
 def _local_shape(cc: _Compiler, tv: ir.TensorView) -> list[int]:
-    """Scalar nodes of `tv`'s local loop shape (`layout.local_loop_extents`)."""
-    return [cc.scalar(extent) for extent in layout.local_loop_extents(tv)]
+    """Scalar nodes of `tv`'s local runtime shape (a constant 1 on mesh_x),
+    as `layout.local_shape`."""
+    return [cc.scalar(_dim_size(dim, local=True)) for dim in layout.dims(tv)]
+
+
+def _full_shape(cc: _Compiler, tv: ir.TensorView) -> list[int]:
+    """Scalar nodes of `tv`'s runtime shape across all ranks, as
+    `layout.full_shape`."""
+    return [cc.scalar(_dim_size(dim, local=False)) for dim in layout.dims(tv)]
+
+
+def _dim_size(dim: list, local: bool) -> ir.Scalar:
+    """The size of one runtime dim as a scalar (`layout._dim_size`): a
+    mesh_x piece 1 (or its extent across ranks), an unsplit axis its
+    extent, the other pieces of a split axis the rows a rank holds."""
+    first = dim[0]
+    if first.is_device_parallel:
+        return ir.Scalar.constant(1) if local else first.extent
+    if first.parent is None:
+        return first.extent
+    parent = first.parent
+    factor = None
+    for leaf in parent.loop_leaves():
+        if leaf.is_device_parallel and leaf is not parent:
+            factor = leaf.extent if factor is None else ir.ScalarExpr("*", factor, leaf.extent)
+    return parent.extent if factor is None else ir.ScalarExpr("/", parent.extent, factor)
 
 
 @_compiles(ir.Allocate)
 def _allocate(cc, e) -> None:
+    if e.buffer in cc.local_views:
+        return
     cc.emit(
         "allocate",
         e,
@@ -364,9 +500,30 @@ def _operand(cc: _Compiler, v) -> dict:
     return {"scalar": cc.scalar(v)}
 
 
+@_compiles(ir.UnaryOp)
+def _unary(cc, e) -> None:
+    cc.emit(
+        "unary",
+        e,
+        out=cc.tensor(e.out),
+        input=cc.tensor(e.input),
+        kind=e.kind,
+        dtype=_DTYPES[e.out.dtype],
+        **cc.layouts(e, [e.input]),
+    )
+
+
 @_compiles(ir.BinaryOp)
 def _binary(cc, e) -> None:
-    cc.emit("binary", e, out=cc.tensor(e.out), kind=e.kind, lhs=_operand(cc, e.lhs), rhs=_operand(cc, e.rhs))
+    cc.emit(
+        "binary",
+        e,
+        out=cc.tensor(e.out),
+        kind=e.kind,
+        lhs=_operand(cc, e.lhs),
+        rhs=_operand(cc, e.rhs),
+        **cc.layouts(e, [e.lhs, e.rhs]),
+    )
 
 
 @_compiles(ir.ReductionOp)
@@ -377,8 +534,29 @@ def _reduction(cc, e) -> None:
         out=cc.tensor(e.out),
         input=cc.tensor(e.input),
         kind=e.kind,
-        dims=layout.reduced_dims(e.out),
+        # Over the logical axes, as the evaluator reduces.
+        dims=[i for i, d in enumerate(e.out.logical) if d.is_reduction],
         dtype=_DTYPES[e.out.dtype],
+        **cc.layouts(e, [e.input]),
+    )
+
+
+@_compiles(ir.PermuteOp)
+def _permute(cc, e) -> None:
+    fields = {}
+    if e.input.device_axes() or e.out.device_axes():
+        # This rank's piece, permuted with its logical axes, bound fresh.
+        fields["views"] = [{"logical": _logical_groups(e.input), "cuts": []}]
+        fields["store"] = {"partial": False, "slice": False, "runtime": _runtime_order(e.out), "logical": []}
+    cc.emit(
+        "permute",
+        e,
+        out=cc.tensor(e.out),
+        out_dim=cc.unsqueeze_dim(e.out),
+        input=cc.tensor(e.input),
+        a_dim=cc.unsqueeze_dim(e.input),
+        dims=list(e.dims),
+        **fields,
     )
 
 
@@ -393,6 +571,7 @@ def _matmul(cc, e) -> None:
         a_dim=cc.unsqueeze_dim(e.a),
         b=cc.tensor(e.b),
         b_dim=cc.unsqueeze_dim(e.b),
+        **cc.layouts(e, [e.a, e.b], full_rank=True),
     )
 
 
@@ -409,6 +588,7 @@ def _linear(cc, e) -> None:
         b_dim=cc.unsqueeze_dim(e.weight),
         bias=-1 if e.bias is None else cc.tensor(e.bias),
         bias_dim=-1 if e.bias is None else cc.unsqueeze_dim(e.bias),
+        **cc.layouts(e, [e.input, e.weight] + ([] if e.bias is None else [e.bias]), full_rank=True),
     )
 
 
@@ -441,7 +621,7 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         "out": cc.tensor(e.out) if holds_out else -1,
         "in_shape": _local_shape(cc, e.input),
         "out_shape": _local_shape(cc, e.out),
-        "in_full": [cc.scalar(d.extent) for d in e.input.loop_axes()],
+        "in_full": _full_shape(cc, e.input),
         "out_full": _out_full(cc, e),
         "dtype_in": _DTYPES[e.input.dtype],
         "dtype_out": _DTYPES[e.out.dtype],
@@ -452,6 +632,8 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         "identity": float(e.red_op.identity(e.out.dtype)) if e.red_op else 0.0,
         "peer": -1,
         "self_copy": False,
+        "view_out": e.out in cc.local_views,
+        "out_may_be_given": e.out in cc.container.outputs,
     }
     if t is ir.CommunicationType.Allgather:
         f["perm"] = [order.index(r) for r in e.team]
@@ -463,6 +645,15 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         devices = list(e.out.mesh.devices)
         f["perm"] = [devices.index(r) if r in devices else 0 for r in order]
         f["chunks"] = len(devices)
+    elif t is ir.CommunicationType.AllToAll:
+        # Group rank j is sent the piece of team position perm[j]; the piece
+        # for team position k comes from group rank recv_perm[k]. The axes
+        # are the logical ones the transport chunks and concatenates.
+        f["perm"] = [e.team.index(r) for r in order]
+        f["recv_perm"] = [order.index(r) for r in e.team]
+        f["in_view"] = {"logical": _logical_groups(e.input), "cuts": []}
+        f["in_axis"] = _logical_mesh_axis(e.input, e.parallel_type)
+        f["out_axis"] = _logical_mesh_axis(e.out, e.parallel_type)
     elif t is ir.CommunicationType.SendRecv:
         # The receiver is the team's other rank, whichever order the team lists.
         others = [r for r in e.team if r != e.root]
@@ -472,10 +663,17 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
     cc.emit("communication", e, **f)
 
 
+def _logical_mesh_axis(tv: ir.TensorView, parallel_type) -> int:
+    found = layout.sharded_axis(tv, parallel_type)
+    if found is None:
+        raise MissingHandlerError(f"{printer.format_tv(tv)} has no {parallel_type.name} axis")
+    return found[0]
+
+
 def _out_full(cc: _Compiler, e: ir.Communication) -> list[int]:
-    """The whole output's extents; for a ReduceScatter without annotations,
-    the team's pieces along its outermost axis."""
-    extents = [d.extent for d in e.out.loop_axes()]
+    """The whole output's runtime sizes; for a ReduceScatter without
+    annotations, the team's pieces along its outermost axis."""
+    extents = [_dim_size(dim, local=False) for dim in layout.dims(e.out)]
     if e.type is ir.CommunicationType.ReduceScatter and unannotated.inferred(e):
         extents[0] = ir.ScalarExpr("*", extents[0], ir.Scalar.constant(len(e.team)))
     return [cc.scalar(x) for x in extents]
@@ -529,7 +727,9 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
     (with its first op): an op it has no instruction for, a communication
     only Python posts (the copy-engine transport, a root chosen at run time,
     symmetric memory), a float scalar input (or a bool one an op computes with), or a loop
-    that walks chunks of a split axis."""
+    that walks chunks of a split axis. Split axes, sharded operands and
+    partial sums run in C++ with the evaluator's layouts (`_Compiler.view`
+    and `layouts`)."""
     found: dict[str, str] = {}
 
     def note(kind: str, text: str) -> None:
@@ -551,9 +751,6 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
             )
             break
     for e in container.walk():
-        split = next((v for v in e.inputs() + e.outputs() if isinstance(v, ir.TensorView) and layout.is_chunked(v)), None)
-        if split is not None:
-            note("split", f"it has a split axis (ceilDiv extents, merged runtime dims): {printer.format_tv(split)}")
         if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk":
             note("chunk", f"it walks chunks of a split axis: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Transfer):
@@ -566,20 +763,18 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
         if type(e) not in _COMPILERS:
             note(f"op {type(e).__name__}", f"it has no instruction for {type(e).__name__}")
             continue
-        if isinstance(e, ir.BinaryOp) and e.kind.symbol is None:
+        if isinstance(e, ir.UnaryOp) and e.kind.value not in CPP_UNARY_KINDS:
+            note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
+        if isinstance(e, ir.BinaryOp) and e.kind.value not in CPP_BINARY_KINDS:
             note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
         if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):
             note(f"transport {e.backend}", f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and e.type.value not in COMMUNICATION_TYPES:
             note(f"type {e.type.value}", f"it has no {e.type.value}: {printer.format_expr_head(e)}")
-        if isinstance(e, ir.FUSION_OPS) and any(_sharded(v) for v in e.inputs() + e.outputs()):
-            note("sharded", f"it computes on sharded axes: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and any(
             (v.mesh is not None and v.mesh.ndim > 1) or len(v.device_axes()) > 1 for v in (e.input, e.out)
         ):
             note("2-D", f"it communicates over a 2-D mesh: {printer.format_expr_head(e)}")
-        if getattr(e, "partial", None) is not None:
-            note("partial", f"it keeps partial sums: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and not (e.root is None or isinstance(e.root, int)):
             note("root", f"its root is chosen at run time: {printer.format_expr_head(e)}")
         if isinstance(e, ir.P2PCommunication) and getattr(e, "into", None) is not None:
@@ -589,14 +784,6 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
         if isinstance(e, ir.Allocate) and e.memory_type is ir.MemoryType.host:
             note("host", f"it allocates host memory: {printer.format_expr_head(e)}")
     return list(found.values())
-
-
-def _sharded(v) -> bool:
-    """A tensor with a device-parallel axis (the Python evaluator's ops lay
-    those out per rank; the C++ executor's do not yet)."""
-    if not isinstance(v, ir.TensorView):
-        return False
-    return any(d.parallel_type.name.startswith("mesh") for d in v.domain)
 
 
 def compile_program(container: HostIrContainer, communicator=None, rank: int | None = None) -> FlatProgram:
@@ -635,6 +822,15 @@ def _field_text(p: FlatProgram, name: str, value) -> str:
         return ir.dtype_name(ir.SUPPORTED_DTYPES[value])
     if name == "type":
         return COMMUNICATION_TYPES[value]
+    if name == "views":
+        return "(" + " ".join(_view_text(v) for v in value) + ")"
+    if name == "in_view":
+        return _view_text(value)
+    if name == "store":
+        flags = [f for f in ("partial", "slice") if value[f]]
+        runtime = "[" + " ".join("1" if k < 0 else f"a{k}" for k in value["runtime"]) + "]" if value["runtime"] else ""
+        logical = _groups_text(value["logical"])
+        return "{" + " ".join(flags + [x for x in (runtime and f"runtime={runtime}", logical and f"logical={logical}") if x]) + "}"
     if isinstance(value, dict):
         if "tensor" in value:
             return f"%t{value['tensor']}"
@@ -646,6 +842,21 @@ def _field_text(p: FlatProgram, name: str, value) -> str:
     if isinstance(value, list):
         return "(" + " ".join(map(str, value)) + ")"
     return str(value)
+
+
+def _groups_text(groups: list) -> str:
+    return "".join("[" + " ".join(map(str, g)) + "]" for g in groups)
+
+
+def _view_text(v: dict) -> str:
+    """An operand's view: its logical axes as groups of runtime dims, then
+    each cut as pos:sizes@(dim index ...)."""
+    parts = [_groups_text(v["logical"]) or "="]
+    for c in v["cuts"]:
+        sizes = ",".join("?" if x < 0 else str(x) for x in c["sizes"])
+        narrows = ",".join(f"{c['narrows'][k]}={c['narrows'][k + 1]}" for k in range(0, len(c["narrows"]), 2))
+        parts.append(f"cut{c['pos']}:{sizes}@{narrows}")
+    return "{" + " ".join(parts) + "}"
 
 
 _HIDDEN = {"stream_index", "stream_slot", "stream_key", "text"}
@@ -673,8 +884,12 @@ def _dump(p: FlatProgram) -> str:
                 parts.append(f"1 (mesh {r['mesh_size']})")
             elif r["bind_slot"] >= 0:
                 parts.append(f"${r['bind_slot']}" + (f" * {r['factor']}" if r["factor"] != 1 else ""))
+            elif r["extent"] < 0:
+                parts.append("1")
             else:
                 parts.append(f"= {_scalar_text(p, r['extent'])}")
+            if r["scale"] != 1:
+                parts[-1] += f" (size * {r['scale']})"
         lines.append(f"  bind %t{slot}: [{', '.join(parts)}]")
     depth_end: list[int] = []
     for i, instr in enumerate(p.instrs):

@@ -1,0 +1,238 @@
+"""The C++ executor against the Python evaluator on the ops it gained:
+every unary kind, and the layouts of sharded, split and partial-sum
+programs (one rank of a mesh here; tests/python/multidevice/
+test_cpp_parity.py runs them on 2 and more ranks). Each program runs on
+both evaluators on the same random data, and the runner says the C++
+executor ran it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hostir import FusionDefinition, ParallelType, cpp
+from hostir.kinds import UnaryKind
+from hostir.runtime import flat
+
+needs_cpp = pytest.mark.skipif(not cpp.available(), reason=f"the C++ executor is not built: {cpp.reason()}")
+pytestmark = needs_cpp
+
+
+def _build(kind: str, fd, x):
+    if kind == "gelu_tanh":
+        return fd.ops.gelu(x, approximate="tanh")
+    if kind == "cast":
+        return fd.ops.cast(x, torch.float64)
+    return getattr(fd.ops, kind)(x)
+
+
+def _both(fd, inputs, **kwargs):
+    """The results of `fd` on the Python evaluator, then on the C++ one
+    (which must run it)."""
+    python = fd.execute(inputs, evaluator="python", **kwargs)
+    assert fd.last_runner.name == "python"
+    compiled = fd.execute(inputs, evaluator="cpp", **kwargs)
+    assert fd.last_runner.name == "cpp" and fd.last_runner.reasons == (), fd.last_runner
+    return python, compiled
+
+
+def _same(python, compiled):
+    assert len(python) == len(compiled)
+    for p, c in zip(python, compiled):
+        assert p.dtype == c.dtype and p.shape == c.shape
+        # The same ATen kernels on the same data: bit for bit.
+        torch.testing.assert_close(c, p, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", [k.value for k in UnaryKind])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_every_unary_kind_runs_in_cpp_as_in_python(kind, dtype, device):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1], dtype=dtype)
+        fd.add_output(_build(kind, fd, x))
+    x_in = (torch.randn(5, 7, device=device) * 3).to(dtype)
+    python, compiled = _both(fd, [x_in])
+    _same(python, compiled)
+    fn = UnaryKind(kind).torch_fn
+    expected = x_in.double() if fn is None else fn(x_in)
+    torch.testing.assert_close(compiled[0], expected)
+
+
+@pytest.mark.parametrize("kind", [k.value for k in UnaryKind])
+def test_unary_into_a_preallocated_output(kind, device):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        fd.add_output(_build(kind, fd, x))
+    x_in = torch.randn(4, 6, device=device)
+    dtype = torch.float64 if kind == "cast" else torch.float32
+    bufs = [torch.full((4, 6), 7.0, dtype=dtype, device=device) for _ in range(2)]
+    python = fd.execute([x_in], outputs=[bufs[0]], evaluator="python")
+    compiled = fd.execute([x_in], outputs=[bufs[1]], evaluator="cpp")
+    assert fd.last_runner.name == "cpp"
+    assert compiled[0].data_ptr() == bufs[1].data_ptr()
+    _same(python, compiled)
+
+
+@pytest.mark.parametrize("kind", ["relu", "neg", "abs"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_integer_unary_kinds(kind, dtype, device):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1], dtype=dtype)
+        fd.add_output(_build(kind, fd, x))
+    x_in = torch.randint(-50, 50, (11,), device=device).to(dtype)
+    python, compiled = _both(fd, [x_in])
+    _same(python, compiled)
+    torch.testing.assert_close(compiled[0], UnaryKind(kind).torch_fn(x_in))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bfloat16, torch.float16, torch.bool])
+def test_cast_to_each_dtype(dtype, device):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        fd.add_output(fd.ops.cast(x, dtype))
+    x_in = torch.randn(3, 8, device=device) * 10
+    python, compiled = _both(fd, [x_in])
+    _same(python, compiled)
+    assert compiled[0].dtype == dtype
+
+
+@pytest.mark.parametrize("number_of_streams", [1, 3])
+def test_unary_chain_stream_parallel(number_of_streams, device):
+    """Unary ops inside a stream loop write into the selected rows of
+    their outputs."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        y = fd.ops.gelu(fd.ops.silu(x), approximate="tanh")
+        z = fd.ops.cast(fd.ops.sigmoid(y), torch.float64)
+        fd.add_output(z)
+    for tv in (y, z):
+        tv.axis(0).parallelize(ParallelType.stream)
+    x_in = torch.randn(6, 5, device=device)
+    python, compiled = _both(fd, [x_in], number_of_streams=number_of_streams)
+    _same(python, compiled)
+    expected = torch.sigmoid(torch.nn.functional.gelu(torch.nn.functional.silu(x_in), approximate="tanh")).double()
+    torch.testing.assert_close(compiled[0], expected)
+
+
+def test_the_core_knows_every_unary_kind():
+    """A kind declared in hostir.kinds without its ATen call in the C++ core
+    would run on the Python evaluator: today every kind has one."""
+    assert sorted(flat.CPP_UNARY_KINDS) == sorted(k.value for k in UnaryKind)
+
+
+def test_a_unary_kind_the_core_lacks_says_so(monkeypatch):
+    monkeypatch.delenv("HOSTIR_EVALUATOR", raising=False)
+    monkeypatch.setattr(flat, "CPP_UNARY_KINDS", tuple(k for k in flat.CPP_UNARY_KINDS if k != "silu"))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        fd.add_output(fd.ops.relu(fd.ops.silu(x)))
+    x_in = torch.randn(3, 4)
+    (out,) = fd.execute([x_in])
+    torch.testing.assert_close(out, torch.relu(torch.nn.functional.silu(x_in)))
+    assert fd.last_runner.name == "python"
+    assert [r.split(":")[0] for r in fd.last_runner.reasons] == ["it has no instruction for silu"]
+
+
+def test_parallel_linears_on_one_rank_run_in_cpp(monkeypatch):
+    """`hostir.parallel`'s colwise and rowwise Linears on a one-rank mesh:
+    their forward and backward programs (sharded operands, split axes, a
+    partial sum completed by an Allreduce, a permute) run on the C++
+    executor, strictly, with the Python evaluator's results and torch's."""
+    import copy
+
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from hostir import DeviceMesh, communicator
+    from hostir.parallel import parallelize_module
+
+    for name in communicator.LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 6))
+    model = copy.deepcopy(ref)
+    try:
+        parallelize_module(model, DeviceMesh([0]).to_torch("cpu"), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        x = torch.randn(5, 8)
+        weights = torch.randn(5, 6)
+        results = {}
+        for evaluator in ("python", "cpp"):
+            monkeypatch.setenv("HOSTIR_EVALUATOR", evaluator)
+            inp = x.clone().requires_grad_(True)
+            y = model(inp)
+            y = y.full_tensor() if isinstance(y, DTensor) else y
+            (y * weights).sum().backward()
+            grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+            runners = []
+            for name in ("0", "2"):
+                for fd in model.get_submodule(name)._hostir_linear.fusions.values():
+                    for training in fd.__dict__["_trainings"].values():
+                        runners += [training.forward.last_runner, training.backward.last_runner]
+            assert len(runners) == 4 and all(r.name == evaluator for r in runners), runners
+            results[evaluator] = (y.detach(), inp.grad, grads)
+            model.zero_grad()
+    finally:
+        communicator.shutdown()
+    (y_py, dx_py, g_py), (y_cpp, dx_cpp, g_cpp) = results["python"], results["cpp"]
+    torch.testing.assert_close(y_cpp, y_py, rtol=0, atol=0)
+    torch.testing.assert_close(dx_cpp, dx_py, rtol=0, atol=0)
+    for name in g_py:
+        torch.testing.assert_close(g_cpp[name], g_py[name], rtol=0, atol=0)
+    inp = x.clone().requires_grad_(True)
+    expected = ref(inp)
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(y_cpp, expected.detach())
+    torch.testing.assert_close(dx_cpp, inp.grad)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(g_cpp[name], p.grad)
+
+
+def test_the_core_knows_every_binary_kind():
+    """The derivative kinds backward programs use included."""
+    from hostir.kinds import BinaryKind
+
+    assert sorted(flat.CPP_BINARY_KINDS) == sorted(k.value for k in BinaryKind)
+
+
+@pytest.mark.parametrize("kind", ["relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "abs"])
+def test_backward_programs_run_in_cpp_as_in_python(kind, monkeypatch):
+    """A backward program's derivative kinds (torch's backward kernels) run
+    in C++ with the Python evaluator's results and torch's gradients."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        fd.add_output(_build(kind, fd, x))
+    x_in = torch.randn(4, 6, dtype=torch.float32)
+    x_in[0, :2] = 0.0  # relu's and abs's kink
+    grads = {}
+    for evaluator in ("python", "cpp"):
+        monkeypatch.setenv("HOSTIR_EVALUATOR", evaluator)
+        leaf = x_in.clone().requires_grad_(True)
+        (out,) = fd.execute([leaf])
+        cotangent = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+        out.backward(cotangent)
+        (training,) = fd.__dict__["_trainings"].values()
+        assert training.backward.last_runner.name == evaluator, training.backward.last_runner
+        grads[evaluator] = leaf.grad
+    torch.testing.assert_close(grads["cpp"], grads["python"], rtol=0, atol=0)
+    leaf = x_in.clone().requires_grad_(True)
+    expected = UnaryKind(kind).torch_fn(leaf)
+    expected.backward(torch.linspace(-1, 1, expected.numel()).reshape(expected.shape))
+    torch.testing.assert_close(grads["cpp"], leaf.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_the_tie_mask_runs_in_cpp(dtype, device):
+    """`eq`, the 0/1 mask of lhs == rhs in lhs's dtype (a max's or min's
+    backward), on data with ties."""
+    from hostir import builders
+
+    with FusionDefinition() as fd:
+        a = fd.define_tensor(shape=[-1, -1], dtype=dtype)
+        b = fd.define_tensor(shape=[-1, -1], dtype=dtype)
+        fd.add_output(builders.binary("eq", a, b))
+    a_in = torch.randint(0, 3, (5, 4), device=device).to(dtype)
+    b_in = torch.randint(0, 3, (5, 4), device=device).to(dtype)
+    python, compiled = _both(fd, [a_in, b_in])
+    _same(python, compiled)
+    torch.testing.assert_close(compiled[0], (a_in == b_in).to(dtype))
