@@ -30,7 +30,6 @@ copies" are copies on the CPU, so the whole path runs without a GPU.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from hostir import machine
 from hostir.errors import UsageError
 from hostir.frontend import FusionDefinition
 from hostir.lower.hoist_transfers import ENV
+from hostir.runtime import prepared
 from hostir.runtime.checks import host_positions
 
 __all__ = ["OffloadedStack", "offload"]
@@ -129,16 +129,38 @@ class OffloadedStack(nn.Module):
         # The hoisting per input signature (shape, dtype, device, option):
         # chosen once, not on every call.
         self._hoistings: dict[tuple, Any] = {}
+        # The detached weights and biases, and what they were detached from
+        # (`host_tensors`).
+        self._host_kept: tuple[list, list] | None = None
 
     def host_tensors(self) -> list[torch.Tensor]:
-        """The weights and biases in host memory, in the program's order."""
-        found = []
+        """The weights and biases in host memory, in the program's order.
+
+        Detached once and kept while they still are the parameters' data:
+        each call checks that every Linear still holds the same parameter
+        objects (and no bias appeared or went) and that each parameter still
+        has the memory, sizes and strides of its detached tensor
+        (`Tensor.is_set_to`). An update in place is seen through the shared
+        memory; `p.data = ...` or a new parameter makes the list anew."""
+        kept = self._host_kept
+        if kept is not None:
+            tensors, held = kept
+            for owned, name, p, detached in held:
+                if owned.get(name) is not p or (p is not None and not p.is_set_to(detached)):
+                    break
+            else:
+                return list(tensors)
+        tensors, held = [], []
         for m in self.layers:
             if isinstance(m, nn.Linear):
-                found.append(m.weight.detach())
-                if m.bias is not None:
-                    found.append(m.bias.detach())
-        return found
+                for name in ("weight", "bias"):
+                    p = getattr(m, name)
+                    detached = None if p is None else p.detach()
+                    held.append((m._parameters, name, p, detached))
+                    if detached is not None:
+                        tensors.append(detached)
+        self._host_kept = (tensors, held)
+        return list(tensors)
 
     def fusion(self, ndim: int = 2) -> FusionDefinition:
         """The program for inputs of `ndim` dims (built on first use)."""
@@ -177,7 +199,7 @@ class OffloadedStack(nn.Module):
         model's choice for its shape): sequential, hoisted, or in chunks,
         within two layers' weights (`two_layers_bytes`) unless the hoisting
         names a budget of its own."""
-        key = (tuple(x.shape), x.dtype, x.device, self.hoist, os.environ.get(ENV))
+        key = (x.shape, x.dtype, x.device, self.hoist, prepared.environ(ENV))
         chosen = self._hoistings.get(key)
         if chosen is None:
             if len(self._hoistings) >= _MAX_SIGNATURES:
@@ -203,7 +225,9 @@ class OffloadedStack(nn.Module):
         params: dict[str, Any] = {"hoist": self.hoisting(x)}
         if self.cuda_graph:
             params["cuda_graph"] = True
-        (out,) = self.fusion(x.dim()).execute([x.to(self.dtype), *self.host_tensors()], **params)
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        (out,) = self.fusion(x.dim()).execute([x, *self.host_tensors()], **params)
         return out
 
 

@@ -33,6 +33,9 @@ from hostir.runtime.streams import NullStreams
 
 _HANDLERS: dict[type, Callable[[Frame, Any], None]] = {}
 
+# The most shapes of bound tensors whose extents an evaluator keeps.
+_MAX_BOUND_EXTENTS = 64
+
 
 def impl(op_class: type):
     """Register the evaluator's handler of `op_class`."""
@@ -107,6 +110,9 @@ class HostIrEvaluator:
         # How each bound tensor's sizes bind its extents, planned once each
         # (`Frame.bind_extents`).
         self.extent_plans: dict = {}
+        # What the extents came to, per tuple of bound tensors and shapes
+        # whose sizes passed their checks (`_bind_inputs`).
+        self.bound_extents: dict[tuple, dict] = {}
         self.rank_scalar = container.named_scalars().get("rank")
         self.alias = container.aliases.resolved()
         self.number_of_streams = container.named_scalars().get("numberOfStreams")
@@ -164,10 +170,7 @@ class HostIrEvaluator:
             frame.bind(self.number_of_streams, number_of_streams)
         if self.rank_scalar is not None:
             frame.bind(self.rank_scalar, self.communicator.rank)
-        for val, value in bindings.items():
-            if isinstance(val, ir.TensorView):
-                frame.bind_extents(val, value)
-            frame.bind(val, value)
+        self._bind_inputs(frame, bindings, number_of_streams)
         caller = self.streams.current()
         rank = self.communicator.rank if self.communicator is not None else 0
         profiler = profiling.observer_for(self.container, self.streams, rank) if self.profiled else None
@@ -182,6 +185,34 @@ class HostIrEvaluator:
             self.streams.set_current(caller)
             if profiler is not None:
                 profiler.finish()
+
+    def _bind_inputs(self, frame: Frame, bindings: Mapping[Any, Any], number_of_streams: int) -> None:
+        """Bind `bindings` and the extents their sizes give, checking each
+        size against the extents already bound (`Frame.bind_extents`).
+        Where every binding is a tensor, what the extents came to depends
+        only on the bound tensors and their shapes (and the number of
+        streams, which an extent may be computed from): bindings whose
+        shapes passed the checks once bind the same extents again at once.
+        Shapes that failed were never kept, so they are checked, and
+        fail, on every run."""
+        if not all(type(val) is ir.TensorView and isinstance(value, torch.Tensor) for val, value in bindings.items()):
+            for val, value in bindings.items():
+                if isinstance(val, ir.TensorView):
+                    frame.bind_extents(val, value)
+                frame.bind(val, value)
+            return
+        key = (tuple(bindings), tuple([value.shape for value in bindings.values()]), number_of_streams)
+        known = self.bound_extents.get(key)
+        if known is not None:
+            frame.values.update(known)
+        else:
+            for val, value in bindings.items():
+                frame.bind_extents(val, value)
+            if len(self.bound_extents) >= _MAX_BOUND_EXTENTS:
+                self.bound_extents.clear()
+            self.bound_extents[key] = dict(frame.values)
+        for val, value in bindings.items():
+            frame.bind(val, value)
 
     def _find_body_locals(self, container: HostIrContainer) -> dict[int, list]:
         return body_locals(container)

@@ -55,7 +55,7 @@ _MAX_PREPARED = 64
 _RUNNING_FAKE_MODES = (None, b"auto", b"0")
 
 
-def _environ(name: str) -> bytes | None:
+def environ(name: str) -> bytes | None:
     """The raw value of environment variable `name`: `os.environ.get`
     costs a microsecond for a variable that is not set (it raises and
     catches KeyError), this a few dozen nanoseconds."""
@@ -72,10 +72,10 @@ def signature(inputs, outputs, params, kwargs: dict) -> tuple | None:
     other than running, a watching profiler or trace, a debug log that
     reports every cache lookup, an unhashable parameter, a CUDA device named
     without an index)."""
-    fake = _environ("HOSTIR_FAKE")
+    fake = environ("HOSTIR_FAKE")
     if fake not in _RUNNING_FAKE_MODES or logger.isEnabledFor(logging.DEBUG):
         return None
-    if torch.autograd._profiler_enabled() or profiling.tracing_active() or _environ("HOSTIR_TRACE"):
+    if torch.autograd._profiler_enabled() or profiling.tracing_active() or environ("HOSTIR_TRACE"):
         return None
     if type(inputs) not in (list, tuple) or (outputs is not None and type(outputs) not in (list, tuple)):
         return None
@@ -101,7 +101,7 @@ def signature(inputs, outputs, params, kwargs: dict) -> tuple | None:
         return None
     # Hashed once, by the lookup: an unhashable parameter makes the lookup
     # find nothing and the store keep nothing.
-    return (arguments, given, settings, fake, _environ("HOSTIR_EVALUATOR"), _environ("HOSTIR_HOIST"))
+    return (arguments, given, settings, fake, environ("HOSTIR_EVALUATOR"), environ("HOSTIR_HOIST"))
 
 
 def _tensor_signatures(values) -> tuple | None:
