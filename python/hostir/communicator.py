@@ -919,6 +919,8 @@ class Communicator:
                 raise PeerLostError(str(exc)) from exc
             except mailbox.MailboxTimeout as exc:
                 raise CommunicatorTimeout(str(exc)) from exc
+            except mailbox.MailboxError as exc:
+                raise CommunicatorError(str(exc)) from exc
         return self.all_gather_words(torch.tensor(words, dtype=torch.int64)).tolist()
 
     def all_gather_bytes(self, data: bytes, capacity: int) -> list[bytes]:
