@@ -63,7 +63,10 @@ def _empty_pinned(shape, dtype) -> torch.Tensor:
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    # is_initialized, not is_available: the latter asks NVML through the
+    # environment on every call (tens of µs before each transfer), and no
+    # stream can be capturing before CUDA is initialized.
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class HostStaging:
