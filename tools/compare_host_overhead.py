@@ -105,7 +105,7 @@ def main() -> None:
         "",
         f"torch {meta.get('torch')}, CUDA {meta.get('cuda')}, NCCL {meta.get('nccl')}, Python {meta.get('python')}; "
         f"`tools/bench_host_overhead.py` {meta.get('params')}; {args.rounds} rounds, the trees alternating.",
-        f"before: `{trees['before']}`; after: `{trees['after']}`.",
+        f"before: `{args.before}`; after: `{args.after}` (as given on the command line).",
         "",
         "| variant | before µs/host op | after µs/host op | after ÷ before | before ÷ eager | after ÷ eager | within 10% |",
         "|---|---:|---:|---:|---:|---:|---|",
