@@ -183,6 +183,9 @@ Instr instr(int opcode, const py::dict& f) {
     i.view_out = field<bool>(f, "view_out", false);
     i.out_may_be_given = field<bool>(f, "out_may_be_given", false);
   }
+  if (i.op == Opcode::kTransfer) {
+    i.h2d = f["h2d"].cast<bool>();
+  }
   if (i.op == Opcode::kP2P) {
     i.send = f["send"].cast<bool>();
     i.peer = f["peer"].cast<int64_t>();
@@ -287,7 +290,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("opcodes"))
       .def("run", &hostir::runExecutor, py::arg("inputs"), py::arg("outputs"), py::arg("number_of_streams"))
       .def_property_readonly("ops_executed", &hostir::Executor::opsExecuted);
-  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kPermute) + 1;
+  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kTransfer) + 1;
   m.attr("UNARY_KINDS") = py::tuple(py::cast(hostir::unaryKindNames()));
   m.attr("BINARY_KINDS") = py::tuple(py::cast(hostir::binaryKindNames()));
   m.def(

@@ -675,6 +675,9 @@ class Run {
       case Opcode::kPermute:
         permute(ins);
         break;
+      case Opcode::kTransfer:
+        transfer(ins);
+        break;
       case Opcode::kReduction:
         reduction(ins);
         break;
@@ -951,6 +954,17 @@ class Run {
           // A cast copies, converting to the output's dtype.
           o.copy_(kind == OpKind::kCast ? x : unaryOf(kind, x, dtype));
         });
+  }
+
+  // A transfer on the current stream (`ir.Transfer` with stream="current"):
+  // a host-to-device copy is enqueued in order with the ops around it (from
+  // pinned memory it does not block the host; from pageable memory torch
+  // stages it), a device-to-host one blocks until the bytes are in host
+  // memory. Posted transfers, on copy streams, run on the Python evaluator.
+  void transfer(const Instr& ins) {
+    const at::Tensor& src = tensor(ins.input);
+    at::Tensor out = tensor(ins.out);
+    out.copy_(src.reshape(out.sizes()), /*non_blocking=*/ins.h2d && src.is_pinned());
   }
 
   void permute(const Instr& ins) {

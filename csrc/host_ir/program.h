@@ -109,6 +109,7 @@ enum class Opcode : int {
   kIf,
   kUnary,
   kPermute,
+  kTransfer,
 };
 
 // Shared with ir.CommunicationType (in declaration order).
@@ -289,6 +290,7 @@ struct Instr {
   bool view_out = false;
   bool out_may_be_given = false;  // ... unless it is a program output the caller gave
   bool send = false;
+  bool h2d = false;  // Transfer: host to device (else device to host)
   int64_t world_size = 0;
   int posted = -1;  // Wait: the posting instruction
   std::string text;  // Wait: the dump line of what it waits for

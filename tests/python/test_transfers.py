@@ -74,30 +74,57 @@ def test_a_host_tensor_read_twice_is_moved_once():
     torch.testing.assert_close(out, (x @ w.T) @ w.T)
 
 
+@pytest.mark.parametrize("hoist", ["sequential", "hoist"])
 @pytest.mark.parametrize("choice", ["python", "auto"])
-def test_host_weights_match_eager_torch(choice, caplog):
+def test_host_weights_match_eager_torch(choice, hoist, caplog):
     from hostir import cpp
 
     torch.manual_seed(0)
     fd = mlp(3)
     x, ws = torch.randn(5, H), [torch.randn(H, H) for _ in range(3)]
     with caplog.at_level(logging.INFO, logger="hostir"):
-        (out,) = fd.execute([x, *ws], evaluator=choice)
+        (out,) = fd.execute([x, *ws], evaluator=choice, hoist=hoist)
     torch.testing.assert_close(out, mlp_reference(x, ws))
     if choice == "auto" and cpp.available():
-        # The C++ executor cannot run a transfer: "auto" runs the program on
-        # the Python evaluator, and says why.
-        assert any("host and device memory" in r.getMessage() for r in caplog.records), caplog.text
+        if hoist == "sequential":
+            # Every transfer runs on the current stream: the C++ executor
+            # runs the whole program.
+            assert fd.last_runner.name == "cpp", fd.last_runner
+        else:
+            # A posted transfer needs the Python evaluator's copy streams:
+            # "auto" runs the program there, and says why.
+            assert fd.last_runner.name == "python"
+            assert any("copy stream" in r.getMessage() for r in caplog.records), caplog.text
 
 
-def test_cpp_evaluator_asked_for_says_why_it_cannot_run_a_transfer():
+def test_cpp_evaluator_asked_for_says_why_it_cannot_post_a_transfer():
     from hostir import cpp
 
     if not cpp.available():
         pytest.skip(f"hostir._C is not built: {cpp.reason()}")
-    fd = mlp(1)
-    with pytest.raises(hostir.HostIrError, match="host and device memory"):
-        fd.execute([torch.randn(2, H), torch.randn(H, H)], evaluator="cpp")
+    # Three layers: the later weights' transfers are posted early, on a copy
+    # stream (a lone transfer with nothing to overlap runs on the current one).
+    fd = mlp(3)
+    with pytest.raises(hostir.HostIrError, match="transfer between host and device memory on a copy stream"):
+        fd.execute([torch.randn(2, H)] + [torch.randn(H, H) for _ in range(3)], evaluator="cpp", hoist="hoist")
+
+
+def test_cpp_evaluator_runs_transfers_on_the_current_stream():
+    from hostir import cpp
+
+    if not cpp.available():
+        pytest.skip(f"hostir._C is not built: {cpp.reason()}")
+    torch.manual_seed(0)
+    fd = mlp(2)
+    x, ws = torch.randn(3, H), [torch.randn(H, H) for _ in range(2)]
+    for _ in range(2):  # the prepared call too
+        (out,) = fd.execute([x, *ws], evaluator="cpp", hoist="sequential")
+        torch.testing.assert_close(out, mlp_reference(x, ws))
+    assert fd.last_runner.name == "cpp"
+    # A weight changed in place between calls is read again.
+    ws[0].mul_(-2.0)
+    (out,) = fd.execute([x, *ws], evaluator="cpp", hoist="sequential")
+    torch.testing.assert_close(out, mlp_reference(x, ws))
 
 
 def test_output_in_host_memory_matches_eager_torch():

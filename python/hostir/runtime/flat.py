@@ -50,6 +50,7 @@ OPCODES = (
     "if",
     "unary",
     "permute",
+    "transfer",
 )
 _CODE = {name: i for i, name in enumerate(OPCODES)}
 # Shared with csrc/host_ir/program.h (enum class CommType), in this order.
@@ -541,6 +542,12 @@ def _reduction(cc, e) -> None:
     )
 
 
+@_compiles(ir.Transfer)
+def _transfer(cc, e) -> None:
+    # Only a transfer on the current stream gets here (`unsupported`).
+    cc.emit("transfer", e, out=cc.tensor(e.out), input=cc.tensor(e.input), h2d=e.direction == "H2D")
+
+
 @_compiles(ir.PermuteOp)
 def _permute(cc, e) -> None:
     fields = {}
@@ -753,11 +760,12 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
     for e in container.walk():
         if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk":
             note("chunk", f"it walks chunks of a split axis: {printer.format_expr_head(e)}")
-        if isinstance(e, ir.Transfer):
+        if isinstance(e, ir.Transfer) and e.stream != "current":
             note(
                 "transfer",
-                f"it moves data between host and device memory, which the C++ executor has no instruction "
-                f"for (transfers run on the Python evaluator's copy streams): {printer.format_expr_head(e)}",
+                f"it posts a transfer between host and device memory on a copy stream, which the C++ "
+                f"executor has no instruction for (posted transfers run on the Python evaluator's copy "
+                f"streams): {printer.format_expr_head(e)}",
             )
             continue
         if type(e) not in _COMPILERS:
