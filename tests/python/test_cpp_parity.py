@@ -149,6 +149,9 @@ def test_parallel_linears_on_one_rank_run_in_cpp(monkeypatch):
 
     for name in communicator.LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
+    # A CPU mesh runs on gloo: a communicator an earlier test left (NCCL on
+    # a machine with GPUs) is shut down first.
+    communicator.shutdown()
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 6))
     model = copy.deepcopy(ref)
