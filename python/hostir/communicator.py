@@ -1103,6 +1103,11 @@ def torch_mesh(devices, shape, device_type: str | None = None):
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
     if not dist.is_initialized():
-        get()
+        # A CPU mesh runs on gloo, on a machine with GPUs too (whose default
+        # backend would put the communicator, and the programs, on a GPU).
+        if device_type == "cpu":
+            get(backend="gloo")
+        else:
+            get()
     ranks = torch.tensor(list(devices), dtype=torch.int64).reshape(shape)
     return TorchDeviceMesh(device_type or ("cuda" if torch.cuda.is_available() else "cpu"), ranks)
