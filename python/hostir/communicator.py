@@ -750,7 +750,10 @@ class Communicator:
             if self.device.type == "cuda" and self.world_size > 1:
                 self._check_gpus_distinct()
             if self.world_size > 1:
-                self.mailbox = mailbox.Mailbox.open(self, rendezvous.namespace(rendezvous.job_id()))
+                local = self.launch.local_size
+                self.mailbox = mailbox.Mailbox.open(
+                    self, rendezvous.namespace(rendezvous.job_id()), one_node=local is None or local == self.world_size
+                )
         except BaseException:
             self.shutdown()
             raise

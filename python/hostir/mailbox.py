@@ -38,7 +38,8 @@ process has exited (the communicator raises them as its
 Set-up (`Mailbox.open`, collective on the control group, once per
 communicator): the ranks gather their host's identity (host name, boot id,
 PID namespace); if any differs, or the machine is not x86-64, or
-HOSTIR_MAILBOX=0 on any rank, there is no mailbox. Otherwise rank 0 creates
+HOSTIR_MAILBOX=0 on any rank, or the launcher says the job spans nodes
+(a local size below the world size), there is no mailbox. Otherwise rank 0 creates
 the segment under /dev/shm, named from the job's rendezvous namespace, its
 process id and a random part (two jobs, or two communicators of one job,
 never share one), writes a random nonce into it and sends the name and
@@ -163,11 +164,13 @@ class Mailbox:
         self._closed = False
 
     @classmethod
-    def open(cls, comm, namespace: str) -> Mailbox | None:
+    def open(cls, comm, namespace: str, one_node: bool = True) -> Mailbox | None:
         """The mailbox of `comm`'s ranks, or None where they do not all share
-        this host (or cannot map the segment). Collective on `comm`'s control
-        group: every rank calls it at the same point of set-up."""
-        identity = _identity()
+        this host (or cannot map the segment), or where the launcher says the
+        job spans nodes (`one_node` false on any rank: it keeps its nodes
+        apart even where they run on one machine). Collective on `comm`'s
+        control group: every rank calls it at the same point of set-up."""
+        identity = _identity() if one_node else b""
         identities = comm.all_gather_bytes(identity, _IDENTITY_BYTES)
         if not identity or any(other != identity for other in identities):
             return None
