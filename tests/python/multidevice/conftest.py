@@ -45,11 +45,30 @@ def pytest_collection_modifyitems(config, items):
     # This hook sees every collected item of the session, not only this
     # directory's: mark ours alone.
     if hostir.world_size() >= 2:
+        _deselect_mailbox_tests_across_nodes(config, items)
         return
     skip = pytest.mark.skip(reason=_SKIP_REASON)
     for item in items:
         if _HERE in pathlib.Path(str(item.path)).resolve().parents:
             item.add_marker(skip)
+
+
+def _deselect_mailbox_tests_across_nodes(config, items) -> None:
+    """A job the launcher splits into nodes has no mailbox: of
+    test_mailbox.py only the test that says so runs (the same on every
+    rank: every rank's launcher gives the same split)."""
+    launch = hostir.communicator.discover()
+    if launch.local_size is None or launch.local_size == launch.world_size:
+        return
+    mailbox_tests = _HERE / "test_mailbox.py"
+    dropped = [
+        item for item in items
+        if pathlib.Path(str(item.path)).resolve() == mailbox_tests
+        and item.name != "test_the_mailbox_follows_the_launchers_nodes"
+    ]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item not in dropped]
 
 
 class World(NamedTuple):

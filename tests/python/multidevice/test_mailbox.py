@@ -23,19 +23,17 @@ from hostir.runtime import agreement
 ODD = 1
 
 # The same answer on every rank of a job on one host.
-_LAUNCH = communicator.discover()
-pytestmark = [
-    pytest.mark.skipif(
-        not mailbox._identity(), reason="no shared-memory mailbox here (not x86-64 Linux, or HOSTIR_MAILBOX=0)"
-    ),
-    # A job the launcher splits into nodes keeps its steps on gloo (the
-    # multi-node tests check that a lost node's error is gloo's).
-    pytest.mark.skipif(
-        _LAUNCH.local_size is not None and _LAUNCH.local_size != _LAUNCH.world_size,
-        reason="the launcher splits this job into nodes: its steps stay on gloo",
-    ),
-]
+pytestmark = pytest.mark.skipif(
+    not mailbox._identity(), reason="no shared-memory mailbox here (not x86-64 Linux, or HOSTIR_MAILBOX=0)"
+)
 
+
+def split_into_nodes() -> bool:
+    """Whether the launcher splits this job into nodes (a local size below
+    the world size): its steps then stay on gloo, and the conftest keeps
+    only the test below of this file."""
+    launch = communicator.discover()
+    return launch.local_size is not None and launch.local_size != launch.world_size
 
 def _segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.endswith(".mailbox")}
@@ -45,6 +43,12 @@ def _segments() -> set[str]:
 def comm(world):
     """The process-wide communicator (the executor's)."""
     return communicator.get()
+
+
+def test_the_mailbox_follows_the_launchers_nodes(comm):
+    # One node: the steps go through shared memory; nodes (even on one
+    # machine, as the multi-node tests run them): over gloo.
+    assert (comm.mailbox is None) == split_into_nodes()
 
 
 def test_one_host_steps_go_through_shared_memory_and_leave_no_name(comm, world, device):
