@@ -8,6 +8,9 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
+
+from hostir import communicator
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 
@@ -110,3 +113,16 @@ def evaluator_class(evaluator):
     from hostir.runtime.evaluator import HostIrEvaluator
 
     return cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
+
+
+@pytest.fixture
+def plain_process(monkeypatch):
+    """One plain process: no launcher variables, and no communicator or
+    process group left behind."""
+    for name in (*communicator.LAUNCHER_VARIABLES, "HOSTIR_TIMEOUT", "HOSTIR_MASTER_ADDR", "HOSTIR_MASTER_PORT",
+                 "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    communicator.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()

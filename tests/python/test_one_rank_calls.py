@@ -7,22 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import hostir
 from hostir import FusionDefinition, communicator
-
-
-@pytest.fixture
-def plain_process(monkeypatch):
-    """No launcher variables, and no process group left behind."""
-    for name in (*communicator.LAUNCHER_VARIABLES, "HOSTIR_TIMEOUT", "HOSTIR_MASTER_ADDR", "HOSTIR_MASTER_PORT",
-                 "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    communicator.shutdown()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _linear_on_one_rank():

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -21,18 +19,6 @@ from hostir.runtime.bind import Binding
 from hostir.runtime.evaluator import HostIrEvaluator
 
 MESH = hostir.DeviceMesh([0])
-
-
-@pytest.fixture
-def plain_process(monkeypatch):
-    """No launcher variables, and no process group left behind."""
-    for name in (*communicator.LAUNCHER_VARIABLES, "HOSTIR_TIMEOUT", "HOSTIR_MASTER_ADDR", "HOSTIR_MASTER_PORT",
-                 "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    communicator.shutdown()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 class _Ops(TorchDispatchMode):
