@@ -957,14 +957,17 @@ class Run {
   }
 
   // A transfer on the current stream (`ir.Transfer` with stream="current"):
-  // a host-to-device copy is enqueued in order with the ops around it (from
-  // pinned memory it does not block the host; from pageable memory torch
-  // stages it), a device-to-host one blocks until the bytes are in host
-  // memory. Posted transfers, on copy streams, run on the Python evaluator.
+  // a host-to-device copy is enqueued in order with the ops around it, a
+  // device-to-host one blocks until the bytes are in host memory. The H2D
+  // copy is always asked for non-blocking: from pinned memory it does not
+  // block the host, and from pageable memory the CUDA runtime stages the
+  // bytes before the call returns, so the source may change right after
+  // either way, and no driver query (`is_pinned`) is needed to choose.
+  // Posted transfers, on copy streams, run on the Python evaluator.
   void transfer(const Instr& ins) {
     const at::Tensor& src = tensor(ins.input);
     at::Tensor out = tensor(ins.out);
-    out.copy_(src.reshape(out.sizes()), /*non_blocking=*/ins.h2d && src.is_pinned());
+    out.copy_(src.reshape(out.sizes()), /*non_blocking=*/ins.h2d);
   }
 
   void permute(const Instr& ins) {
