@@ -297,6 +297,8 @@ def main() -> None:
     stacks = {
         "hostir": hostir.offload(pinned_stack, device),
         "hostir sequential": hostir.offload(pinned_stack, device, hoist="sequential"),
+        "hostir hoisted": hostir.offload(pinned_stack, device, hoist="hoist"),
+        "hostir in chunks": hostir.offload(pinned_stack, device, hoist="hoist:chunks=4"),
     }
     pinned = [m.weight.detach() for m in stacks["hostir"].layers if isinstance(m, nn.Linear)]
     hand = HandWritten(pinned, device)
@@ -306,6 +308,8 @@ def main() -> None:
         "hand prefetch": hand.prefetch,
         "hostir": stacks["hostir"],
         "hostir sequential": stacks["hostir sequential"],
+        "hostir hoisted": stacks["hostir hoisted"],
+        "hostir in chunks": stacks["hostir in chunks"],
     }
     out = [f"# profile_offload: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
            f"{args.layers} x {args.hidden}² {str(DTYPE).removeprefix('torch.')}"]

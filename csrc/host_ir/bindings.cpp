@@ -185,6 +185,7 @@ Instr instr(int opcode, const py::dict& f) {
   }
   if (i.op == Opcode::kTransfer) {
     i.h2d = f["h2d"].cast<bool>();
+    i.copy_stream = field<bool>(f, "copy_stream", false);
   }
   if (i.op == Opcode::kP2P) {
     i.send = f["send"].cast<bool>();

@@ -62,6 +62,11 @@ void EventPool::give(std::unique_ptr<c10::Event> event) {
 
 namespace {
 
+// The pool key of the copy stream that posted host-to-device transfers run
+// on: far from the keys of the program's own streams (an indexed stream's
+// index, or -1 - slot).
+constexpr int64_t kH2DCopyStream = int64_t{1} << 40;
+
 // A run failed at an instruction; carries the Failure up through loops.
 struct Failed {
   Failure failure;
@@ -176,10 +181,11 @@ c10d::ReduceOp reduceOp(const std::string& name) {
 
 class Run {
  public:
-  Run(const Program& program, bool uses_streams, EventPool& events)
+  Run(const Program& program, bool uses_streams, EventPool& events, Staging& staging)
       : p_(program),
         uses_streams_(uses_streams),
         events_(events),
+        staging_(staging),
         tensors_(program.num_tensors),
         ints_(program.num_ints),
         bound_(program.num_ints, 0),
@@ -188,6 +194,9 @@ class Run {
   ~Run() {
     if (event_) {
       events_.give(std::move(event_));
+    }
+    for (auto& e : copy_events_) {
+      events_.give(std::move(e));
     }
   }
 
@@ -619,13 +628,7 @@ class Run {
         }
         c10::Stream s = stream(ins);
         guard().exchangeStream(s);
-        bool seen = false;
-        for (const auto& u : used_) {
-          seen = seen || u == s;
-        }
-        if (!seen) {
-          used_.push_back(s);
-        }
+        noteUsed(s);
         break;
       }
       case Opcode::kSynchronize:
@@ -676,7 +679,11 @@ class Run {
         permute(ins);
         break;
       case Opcode::kTransfer:
-        transfer(ins);
+        if (ins.copy_stream) {
+          posted_[&ins - p_.instrs.data()] = postTransfer(ins);
+        } else {
+          transfer(ins);
+        }
         break;
       case Opcode::kReduction:
         reduction(ins);
@@ -963,12 +970,93 @@ class Run {
   // block the host, and from pageable memory the CUDA runtime stages the
   // bytes before the call returns, so the source may change right after
   // either way, and no driver query (`is_pinned`) is needed to choose.
-  // Posted transfers, on copy streams, run on the Python evaluator.
   void transfer(const Instr& ins) {
     const at::Tensor& src = tensor(ins.input);
     at::Tensor out = tensor(ins.out);
     out.copy_(src.reshape(out.sizes()), /*non_blocking=*/ins.h2d);
   }
+
+  // A posted host-to-device transfer (`ir.Transfer` on a copy stream): the
+  // copy runs on the copy stream after the work already on the current
+  // stream, from pinned memory (the source itself, else its staging), and
+  // its Wait makes the waiting stream wait for it; the host blocks at
+  // neither. On the CPU it is a copy made at the post. (A posted
+  // device-to-host transfer runs on the Python evaluator: its output is
+  // host memory the program allocates.)
+  Posted postTransfer(const Instr& ins) {
+    const at::Tensor& src = tensor(ins.input);
+    at::Tensor out = tensor(ins.out);
+    Posted posted;
+    if (!uses_streams_) {
+      out.copy_(src.reshape(out.sizes()));
+      return posted;
+    }
+    c10::Stream caller = guard().getStream(p_.device);
+    c10::Stream copy = poolStream(kH2DCopyStream);
+    wait(copy, caller);
+    noteUsed(copy);
+    copy_events_.push_back(events_.take(p_.device.type()));
+    c10::Event* done = copy_events_.back().get();
+    StreamSwitch on(guard(), copy, caller);
+    if (src.is_contiguous() && src.is_pinned()) {
+      out.copy_(src.reshape(out.sizes()), /*non_blocking=*/true);
+      done->record(copy);
+    } else {
+      // The staging is refreshed and read under its lock, so that a run of
+      // the same program on another thread cannot refresh it between.
+      std::lock_guard<std::mutex> lock(staging_.mutex);
+      Staged& entry = staging_.entries[&ins - p_.instrs.data()];
+      refresh(entry, src);
+      out.copy_(entry.buffer.reshape(out.sizes()), /*non_blocking=*/true);
+      done->record(copy);
+      entry.read = std::make_shared<c10::Event>(p_.device.type());
+      entry.read->record(copy);
+    }
+    posted.after = [this, done]() { done->block(guard().getStream(p_.device)); };
+    return posted;
+  }
+
+  // `entry`'s buffer holding `src`'s bytes: copied again only if `src` is
+  // another tensor than the one last copied, or was written since.
+  static void refresh(Staged& entry, const at::Tensor& src) {
+    if (entry.source.defined() && entry.source.data_ptr() == src.data_ptr() &&
+        entry.version == src._version() && entry.source.sizes() == src.sizes() &&
+        entry.source.strides() == src.strides() && entry.source.scalar_type() == src.scalar_type()) {
+      return;
+    }
+    if (entry.read) {
+      entry.read->synchronize();  // the last copy out of the buffer is done
+    }
+    if (!entry.buffer.defined() || entry.buffer.sizes() != src.sizes() ||
+        entry.buffer.scalar_type() != src.scalar_type()) {
+      entry.buffer = at::empty(src.sizes(), src.options().memory_format(at::MemoryFormat::Contiguous).pinned_memory(true));
+    }
+    entry.buffer.copy_(src);
+    entry.source = src;
+    entry.version = src._version();
+  }
+
+  void noteUsed(const c10::Stream& s) {
+    for (const auto& u : used_) {
+      if (u == s) {
+        return;
+      }
+    }
+    used_.push_back(s);
+  }
+
+  // Makes `to` the current stream until the end of the scope, then `back`.
+  struct StreamSwitch {
+    StreamSwitch(c10::impl::VirtualGuardImpl impl, const c10::Stream& to, const c10::Stream& back)
+        : impl_(impl), back_(back) {
+      impl_.exchangeStream(to);
+    }
+    ~StreamSwitch() {
+      impl_.exchangeStream(back_);
+    }
+    c10::impl::VirtualGuardImpl impl_;
+    c10::Stream back_;
+  };
 
   void permute(const Instr& ins) {
     at::Tensor src = tensor(ins.input);
@@ -1411,7 +1499,10 @@ class Run {
   const Program& p_;
   bool uses_streams_;
   EventPool& events_;
+  Staging& staging_;
   std::unique_ptr<c10::Event> event_;  // taken from events_ at the first wait
+  // One per posted transfer, each recorded on the copy stream after its copy.
+  std::vector<std::unique_ptr<c10::Event>> copy_events_;
   int64_t executed_ = 0;
   std::vector<at::Tensor> tensors_;
   std::vector<int64_t> ints_;
@@ -1522,7 +1613,7 @@ RunResult Executor::run(
   // Run::go reports what fails as a Failure; anything else (restoring the
   // caller's stream) comes back the same way, never as an exception.
   try {
-    Run run(program_, uses_streams_, events_);
+    Run run(program_, uses_streams_, events_, staging_);
     RunResult result = run.go(inputs, outputs, number_of_streams);
     ops_executed_.fetch_add(run.executed(), std::memory_order_relaxed);
     return result;

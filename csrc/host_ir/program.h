@@ -291,6 +291,9 @@ struct Instr {
   bool out_may_be_given = false;  // ... unless it is a program output the caller gave
   bool send = false;
   bool h2d = false;  // Transfer: host to device (else device to host)
+  // Transfer: posted on the copy stream of its direction and completed by
+  // its Wait (else a copy on the current stream).
+  bool copy_stream = false;
   int64_t world_size = 0;
   int posted = -1;  // Wait: the posting instruction
   std::string text;  // Wait: the dump line of what it waits for
@@ -355,6 +358,25 @@ class EventPool {
   std::vector<std::unique_ptr<c10::Event>> events_;
 };
 
+// The pinned staging of a pageable host tensor that a posted host-to-device
+// transfer reads: the copy engine reads host memory asynchronously only from
+// pinned memory. Kept per transfer instruction across runs, and refreshed only
+// when the transfer reads another tensor or one written since (its version
+// counter moved). `source` is held, so that its memory cannot be reused by
+// another tensor while the entry says it was copied; `read` completes the
+// latest copy that read `buffer`, which a refresh waits for.
+struct Staged {
+  at::Tensor source;
+  at::Tensor buffer;
+  int64_t version = -1;
+  std::shared_ptr<c10::Event> read;
+};
+
+struct Staging {
+  std::mutex mutex;
+  std::map<int64_t, Staged> entries;
+};
+
 class Executor {
  public:
   // Checks and prepares `program` once (operation kinds from their text,
@@ -384,6 +406,7 @@ class Executor {
   bool uses_streams_;
   mutable std::atomic<int64_t> ops_executed_{0};
   mutable EventPool events_;
+  mutable Staging staging_;
 };
 
 // The process-wide pool of worker streams.

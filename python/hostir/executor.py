@@ -786,7 +786,9 @@ class FusionExecutor:
         evaluator, reasons = params.evaluator_choice()
         chosen = machine.for_inputs(self.fusion, inputs, comm, params.schedule, device)
         host = host_positions(self.fusion, inputs, params.host_inputs)
-        hoisting = machine.hoisting_for_inputs(self.fusion, inputs, device, comm, host, params.hoist)
+        hoisting = machine.hoisting_for_inputs(
+            self.fusion, inputs, device, comm, host, params.hoist, cpp_posts=evaluator == "cpp"
+        )
         key = (
             tuple(
                 (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else "scalar"

@@ -292,10 +292,23 @@ PIECE_US = 0.0
 # against 15.84 ms; M = 512: 16.66 against 15.91; one H100, one run), so
 # that hoisting loses where it hides no compute.
 HANDOFF_US = 160.0
+# A whole post that the C++ executor makes leaves no such gap (those runs
+# posted from the Python evaluator). On the same H100 (one run, 11 rounds) the
+# stack hoisted whole and posted from C++ ran as fast as or faster than the
+# sequential program at every M measured: M = 1: 15.04 ms against 15.31
+# (hostir's sequential program; 15.09 hand-written), M = 512: 14.92 against
+# 15.52, M = 1024: 15.00 against 15.97, M = 2048: 15.23 against 17.07. Weights
+# moved in pieces are chunk views, which run on the Python evaluator, so
+# pieces still pay HANDOFF_US.
+CPP_HANDOFF_US = 0.0
 # The least gain, as a fraction of the sequential estimate, that hoisting
 # must promise to run: the model's figures are measured once and times move
 # by a few percent from run to run, so where hoisting wins by less than
-# that the sequential program runs (it is never slower than itself).
+# that the sequential program runs (it is never slower than itself). Not
+# asked of whole posts from the C++ executor on the GPU, which were measured
+# never slower than the sequential program (CPP_HANDOFF_US) and beat it
+# where the sequential program's own start costs more than the little
+# compute hoisting hides.
 NOISE = 0.03
 
 
@@ -325,7 +338,7 @@ def pipeline_ms(transfers: list[float], computes: list[float], pieces: int = 1, 
 
 
 def choose_hoisting(
-    model: MachineModel, transfers: list[float], computes: list[float], pieces: bool = True
+    model: MachineModel, transfers: list[float], computes: list[float], pieces: bool = True, cpp_posts: bool = False
 ) -> tuple[str, int, str]:
     """("hoist" or "sequential", chunks, why) for a program whose posts take
     `transfers` ms each and whose compute reading post i takes `computes[i]`
@@ -337,12 +350,17 @@ def choose_hoisting(
     post also pays HANDOFF_US, so where the compute it would hide is
     shorter than that (a few rows), the sequential program runs. So does
     it where the fastest hoisted estimate beats it by less than NOISE of
-    its own: a gain within the model's noise is no gain to bet on."""
+    its own: a gain within the model's noise is no gain to bet on.
+
+    `cpp_posts`: the C++ executor runs the program, so whole posts pay
+    CPP_HANDOFF_US instead and are taken for any gain (see NOISE)."""
     if not transfers:
         return "hoist", 1, "nothing to move"
     sequential = pipeline_ms(transfers, computes, depth=1)
     handoff = HANDOFF_US * 1e-3 if pieces else 0.0
-    hoisted = pipeline_ms(transfers, computes, handoff_ms=handoff)
+    whole_from_cpp = pieces and cpp_posts
+    whole_handoff = CPP_HANDOFF_US * 1e-3 if whole_from_cpp else handoff
+    hoisted = pipeline_ms(transfers, computes, handoff_ms=whole_handoff)
     chunked = pipeline_ms(transfers, computes, CHUNKS, step_ms=PIECE_US * 1e-3, handoff_ms=handoff)
     numbers = f"sequential {sequential:.3f} ms, hoisted {hoisted:.3f} ms, in {CHUNKS} chunks {chunked:.3f} ms"
     candidates = [("hoist", 1, hoisted), ("sequential", 1, sequential)]
@@ -350,7 +368,8 @@ def choose_hoisting(
         candidates.insert(0, ("hoist", CHUNKS, chunked))
     # min() keeps the first of equal estimates: pieces, then whole posts.
     best = min(candidates, key=lambda c: c[2])
-    if best[0] == "hoist" and best[2] > sequential * (1.0 - NOISE):
+    margin = 0.0 if whole_from_cpp and best[:2] == ("hoist", 1) else NOISE
+    if best[0] == "hoist" and best[2] > sequential * (1.0 - margin):
         return "sequential", 1, f"model ({model.device}): {numbers}; hoisting gains less than {NOISE:.0%}"
     return best[0], best[1], f"model ({model.device}): {numbers}"
 
@@ -406,12 +425,15 @@ _HOISTINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MAX_HOISTINGS = 64
 
 
-def hoisting_for_inputs(fusion, inputs, device, comm, host: frozenset, option="auto") -> Hoisting | None:
+def hoisting_for_inputs(
+    fusion, inputs, device, comm, host: frozenset, option="auto", cpp_posts: bool = False
+) -> Hoisting | None:
     """How `hoist_transfers` moves this fusion's posts for these inputs: the
     forced choice (`option`, else `HOSTIR_HOIST`), or the machine model's
     (`choose_hoisting`, made once per input signature and kept); None where
     the fusion moves nothing between memories or ranks. Every rank gets the
-    same answer for the same input shapes."""
+    same answer for the same input shapes. `cpp_posts`: the C++ executor
+    would run the program (`choose_hoisting`)."""
     chosen = forced(option)
     if chosen is not None:
         return chosen
@@ -424,6 +446,7 @@ def hoisting_for_inputs(fusion, inputs, device, comm, host: frozenset, option="a
         str(device),
         None if comm is None else (comm.world_size, comm.backend, str(comm.device)),
         host,
+        cpp_posts,
     )
     kept = _HOISTINGS.get(fusion)
     if kept is None:
@@ -431,17 +454,19 @@ def hoisting_for_inputs(fusion, inputs, device, comm, host: frozenset, option="a
     if key not in kept:
         if len(kept) >= _MAX_HOISTINGS:
             kept.pop(next(iter(kept)))
-        kept[key] = _choose_hoisting_for(fusion, inputs, device, comm, host, has_host)
+        kept[key] = _choose_hoisting_for(fusion, inputs, device, comm, host, has_host, cpp_posts)
     return kept[key]
 
 
-def _choose_hoisting_for(fusion, inputs, device, comm, host: frozenset, has_host: bool) -> Hoisting | None:
+def _choose_hoisting_for(
+    fusion, inputs, device, comm, host: frozenset, has_host: bool, cpp_posts: bool
+) -> Hoisting | None:
     model = model_for(comm) if comm is not None else machine_model(device)
     found = _posts_and_computes(fusion, inputs, host, model, comm)
     if found is None:
         return Hoisting(note="no transfer to time") if has_host else None
     on_gpu = getattr(device, "type", "cpu") == "cuda"
     # Only a linear's weight in host memory moves in pieces.
-    mode, chunks, note = choose_hoisting(model, *found, pieces=on_gpu and has_host)
+    mode, chunks, note = choose_hoisting(model, *found, pieces=on_gpu and has_host, cpp_posts=cpp_posts)
     free = torch.cuda.mem_get_info(device)[0] if on_gpu else None
     return Hoisting(mode=mode, chunks=chunks, note=note, free_bytes=free)

@@ -37,6 +37,7 @@ from torch import nn
 
 from hostir import machine
 from hostir.errors import UsageError
+from hostir.executor import ExecutorParams
 from hostir.frontend import FusionDefinition
 from hostir.lower.hoist_transfers import ENV
 from hostir.runtime import prepared
@@ -211,7 +212,9 @@ class OffloadedStack(nn.Module):
         fd = self.fusion(x.dim())
         inputs = [x.to(self.dtype), *self.host_tensors()]
         host = host_positions(fd.fusion, inputs)
-        chosen = machine.hoisting_for_inputs(fd.fusion, inputs, x.device, None, host, self.hoist)
+        # As a call would run it: on the C++ executor unless told otherwise.
+        cpp_posts = ExecutorParams().evaluator_choice()[0] == "cpp"
+        chosen = machine.hoisting_for_inputs(fd.fusion, inputs, x.device, None, host, self.hoist, cpp_posts=cpp_posts)
         if chosen is not None and chosen.mode == "hoist" and chosen.budget_bytes is None:
             chosen = dataclasses.replace(chosen, budget_bytes=self.two_layers_bytes())
         return chosen

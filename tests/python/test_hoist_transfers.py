@@ -223,6 +223,55 @@ def test_the_model_hoists_only_for_a_gain_beyond_its_noise(m):
         assert f"hoisting gains less than {machine.NOISE:.0%}" in note
 
 
+@pytest.mark.parametrize("m, expected", [
+    # Whole posts from C++ cost nothing beyond their copies: taken for any
+    # gain, however small, even where a few rows hide almost no compute.
+    (1, ("hoist", 1)),
+    (512, ("hoist", 1)),
+    (4096, ("hoist", 1)),
+    # Pieces (on the Python evaluator) still win where compute is long.
+    (8192, ("hoist", 4)),
+    (16384, ("hoist", 4)),
+])
+def test_whole_posts_from_the_cpp_executor_are_taken_for_any_gain(m, expected):
+    transfers, computes = _stack_times(H100, m)
+    mode, chunks, note = machine.choose_hoisting(H100, transfers, computes, cpp_posts=True)
+    handoff = machine.HANDOFF_US * 1e-3
+    estimates = {
+        ("sequential", 1): machine.pipeline_ms(transfers, computes, depth=1),
+        ("hoist", 1): machine.pipeline_ms(transfers, computes, handoff_ms=machine.CPP_HANDOFF_US * 1e-3),
+        ("hoist", 4): machine.pipeline_ms(transfers, computes, 4, step_ms=machine.PIECE_US * 1e-3,
+                                          handoff_ms=handoff),
+    }
+    assert estimates[(mode, chunks)] == min(estimates.values()), note
+    assert (mode, chunks) == expected, note
+    # Without the C++ executor the same shapes keep the margin and the
+    # hand-off: a few rows run sequentially.
+    if m == 1:
+        assert machine.choose_hoisting(H100, transfers, computes)[:2] == ("sequential", 1)
+
+
+@pytest.mark.parametrize("evaluator", ["cpp", "python"])
+def test_the_executor_tells_the_model_which_evaluator_posts(evaluator, monkeypatch):
+    from hostir import cpp
+
+    if evaluator == "cpp" and not cpp.available():
+        pytest.skip(f"hostir._C is not built: {cpp.reason()}")
+    asked = []
+    real = machine.choose_hoisting
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("cpp_posts"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(machine, "choose_hoisting", spy)
+    torch.manual_seed(0)
+    x, ws = torch.randn(3, H), [torch.randn(H, H) for _ in range(3)]
+    (out,) = mlp(3).execute([x, *ws], evaluator=evaluator)
+    torch.testing.assert_close(out, reference(x, ws))
+    assert asked == [evaluator == "cpp"]
+
+
 def test_on_the_cpu_hoisting_pays_no_hand_off():
     # Compute as long as the copies: hoisting hides most of them, whole.
     transfers, computes = [2.0] * 6, [2.0] * 6

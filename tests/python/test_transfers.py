@@ -74,7 +74,7 @@ def test_a_host_tensor_read_twice_is_moved_once():
     torch.testing.assert_close(out, (x @ w.T) @ w.T)
 
 
-@pytest.mark.parametrize("hoist", ["sequential", "hoist"])
+@pytest.mark.parametrize("hoist", ["sequential", "hoist", "hoist:chunks=2"])
 @pytest.mark.parametrize("choice", ["python", "auto"])
 def test_host_weights_match_eager_torch(choice, hoist, caplog):
     from hostir import cpp
@@ -86,27 +86,41 @@ def test_host_weights_match_eager_torch(choice, hoist, caplog):
         (out,) = fd.execute([x, *ws], evaluator=choice, hoist=hoist)
     torch.testing.assert_close(out, mlp_reference(x, ws))
     if choice == "auto" and cpp.available():
-        if hoist == "sequential":
-            # Every transfer runs on the current stream: the C++ executor
-            # runs the whole program.
+        if hoist != "hoist:chunks=2":
+            # Transfers on the current stream, and posted whole ones on a
+            # copy stream: the C++ executor runs the whole program.
             assert fd.last_runner.name == "cpp", fd.last_runner
         else:
-            # A posted transfer needs the Python evaluator's copy streams:
-            # "auto" runs the program there, and says why.
+            # Weights moved in pieces are chunk views, which the C++
+            # executor has no instruction for: "auto" runs the program on
+            # the Python evaluator, and says why.
             assert fd.last_runner.name == "python"
-            assert any("copy stream" in r.getMessage() for r in caplog.records), caplog.text
+            assert any("HirAliasChunk" in r.getMessage() for r in caplog.records), caplog.text
 
 
-def test_cpp_evaluator_asked_for_says_why_it_cannot_post_a_transfer():
+def test_cpp_evaluator_runs_posted_transfers():
     from hostir import cpp
 
     if not cpp.available():
         pytest.skip(f"hostir._C is not built: {cpp.reason()}")
+    torch.manual_seed(0)
     # Three layers: the later weights' transfers are posted early, on a copy
     # stream (a lone transfer with nothing to overlap runs on the current one).
     fd = mlp(3)
-    with pytest.raises(hostir.HostIrError, match="transfer between host and device memory on a copy stream"):
-        fd.execute([torch.randn(2, H)] + [torch.randn(H, H) for _ in range(3)], evaluator="cpp", hoist="hoist")
+    x, ws = torch.randn(2, H), [torch.randn(H, H) for _ in range(3)]
+    program = fd.host_program(inputs=[x, *ws], hoist="hoist")
+    assert any(isinstance(e, ir.Transfer) and e.posted for e in program.walk())
+    for _ in range(2):  # the prepared call too
+        (out,) = fd.execute([x, *ws], evaluator="cpp", hoist="hoist")
+        torch.testing.assert_close(out, mlp_reference(x, ws))
+    assert fd.last_runner.name == "cpp"
+    ws[2].mul_(-2.0)  # a weight written between calls is read again
+    (out,) = fd.execute([x, *ws], evaluator="cpp", hoist="hoist")
+    torch.testing.assert_close(out, mlp_reference(x, ws))
+    # Other tensors of the same shapes: read from their own memory.
+    ws = [torch.randn(H, H) for _ in range(3)]
+    (out,) = fd.execute([x, *ws], evaluator="cpp", hoist="hoist")
+    torch.testing.assert_close(out, mlp_reference(x, ws))
 
 
 def test_cpp_evaluator_runs_transfers_on_the_current_stream():
@@ -188,10 +202,10 @@ def test_the_sequential_program_copies_on_the_current_stream(monkeypatch):
     torch.manual_seed(0)
     x, ws = torch.randn(5, H), [torch.randn(H, H) for _ in range(3)]
     fd = mlp(3)
-    (out,) = fd.execute([x, *ws], hoist="sequential")
+    (out,) = fd.execute([x, *ws], hoist="sequential", evaluator="python")
     torch.testing.assert_close(out, mlp_reference(x, ws))
     with pytest.raises(AssertionError, match="posted on a copy stream"):
-        fd.execute([x, *ws], hoist="hoist")
+        fd.execute([x, *ws], hoist="hoist", evaluator="python")
 
 
 def test_a_transfer_on_the_current_stream_has_no_wait():
@@ -334,6 +348,40 @@ def test_the_sequential_program_uses_no_copy_stream_on_cuda(cuda_device, monkeyp
         ws[1].mul_(3.0)  # a refreshed staging (pageable) or read in place (pinned), on the stream's order
         (out,) = fd.execute([x, *ws], hoist="sequential")
         torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in ws]))
+
+
+@pytest.mark.cuda
+def test_the_cpp_executor_posts_transfers_on_a_copy_stream(cuda_device):
+    # Whole weights hoisted: the C++ executor posts each transfer on its copy
+    # stream, from pinned memory (the weight itself, or its staging where it
+    # is pageable), eagerly and under a CUDA graph's capture.
+    from hostir import cpp
+
+    if not cpp.available():
+        pytest.skip(f"hostir._C is not built: {cpp.reason()}")
+    torch.manual_seed(0)
+    fd = mlp(3)
+    x = torch.randn(7, H, device=cuda_device)
+    for ws in ([torch.randn(H, H) for _ in range(3)], [torch.randn(H, H).pin_memory() for _ in range(3)]):
+        for _ in range(2):
+            (out,) = fd.execute([x, *ws], evaluator="cpp", hoist="hoist")
+            torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in ws]))
+        assert fd.last_runner.name == "cpp"
+        ws[2].mul_(3.0)  # written since: a refreshed staging (pageable) or read in place (pinned)
+        (out,) = fd.execute([x, *ws], evaluator="cpp", hoist="hoist")
+        torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in ws]))
+    # Back-to-back calls on other pageable tensors, no synchronization
+    # between: each call's copies read its own weights.
+    calls = [[torch.randn(H, H) for _ in range(3)] for _ in range(4)]
+    outs = [fd.execute([x, *ws], evaluator="cpp", hoist="hoist")[0].clone() for ws in calls]
+    for out, ws in zip(outs, calls):
+        torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in ws]))
+    pinned = [torch.randn(H, H).pin_memory() for _ in range(3)]
+    (out,) = fd.execute([x, *pinned], evaluator="cpp", hoist="hoist", cuda_graph=True)
+    torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in pinned]))
+    pinned[0].mul_(-1.0)  # a replay reads the pinned weights in place
+    (out,) = fd.execute([x, *pinned], evaluator="cpp", hoist="hoist", cuda_graph=True)
+    torch.testing.assert_close(out, mlp_reference(x, [w.to(cuda_device) for w in pinned]))
 
 
 @pytest.mark.cuda

@@ -196,7 +196,11 @@ class _Compiler:
         reason = unsupported(c)
         if reason is not None:
             raise MissingHandlerError(f"the C++ executor cannot run this program: {reason}")
-        needs = [e for e in c.walk() if isinstance(e, ir.COMMUNICATION_OPS)]
+        needs = [
+            e
+            for e in c.walk()
+            if isinstance(e, ir.COMMUNICATION_OPS) and not (isinstance(e, ir.Wait) and isinstance(e.communication, ir.Transfer))
+        ]
         if needs and self.comm is None:
             raise BindingError(
                 f"A communicator must be provided: the program has communications, such as\n"
@@ -544,8 +548,9 @@ def _reduction(cc, e) -> None:
 
 @_compiles(ir.Transfer)
 def _transfer(cc, e) -> None:
-    # Only a transfer on the current stream gets here (`unsupported`).
-    cc.emit("transfer", e, out=cc.tensor(e.out), input=cc.tensor(e.input), h2d=e.direction == "H2D")
+    # A posted one is host-to-device (`unsupported`): on the copy stream.
+    fields = {"copy_stream": True} if e.posted else {}
+    cc.emit("transfer", e, out=cc.tensor(e.out), input=cc.tensor(e.input), h2d=e.direction == "H2D", **fields)
 
 
 @_compiles(ir.PermuteOp)
@@ -711,9 +716,10 @@ def _end(cc, e) -> None:
 @_compiles(ir.Wait)
 def _wait(cc, e) -> None:
     target = e.communication
-    rank = cc.rank if cc.rank is not None else cc.comm.rank
-    if isinstance(target, ir.Communication) and rank not in target.team:
-        return
+    if isinstance(target, ir.Communication):
+        rank = cc.rank if cc.rank is not None else cc.comm.rank
+        if rank not in target.team:
+            return
     # The posting instruction of the target: the last one emitted for it
     # (it precedes its Wait in program order).
     posted = [i for i, instr in enumerate(cc.instrs) if instr.expr is target]
@@ -760,12 +766,11 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
     for e in container.walk():
         if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk":
             note("chunk", f"it walks chunks of a split axis: {printer.format_expr_head(e)}")
-        if isinstance(e, ir.Transfer) and e.stream != "current":
+        if isinstance(e, ir.Transfer) and e.posted and e.direction == "D2H":
             note(
                 "transfer",
-                f"it posts a transfer between host and device memory on a copy stream, which the C++ "
-                f"executor has no instruction for (posted transfers run on the Python evaluator's copy "
-                f"streams): {printer.format_expr_head(e)}",
+                f"it posts a device-to-host transfer on a copy stream, which the C++ executor has no "
+                f"instruction for: {printer.format_expr_head(e)}",
             )
             continue
         if type(e) not in _COMPILERS:
