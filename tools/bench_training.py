@@ -28,7 +28,9 @@ the fusion row stay single-GPU references on each rank).
     PYTHONPATH=python python3 tools/bench_training.py --device cpu --hidden 256 --intermediate 512 --tokens 64 --dtype float32
 
 Each timing is the median over ``--iters`` steps after ``--warmup`` (CUDA
-events on a GPU, wall clock on the CPU); ``host ms`` is the median time the
+events on a GPU, wall clock on the CPU), the rows timed in interleaved
+rounds (each round runs every row's step once, in turn), so that a GPU
+slowing as it warms up does not favour the rows timed first; ``host ms`` is the median time the
 host takes to issue a step's work (a step whose host ms reaches its fwd+bwd
 ms is host-bound). Rank 0 prints a Markdown table and
 writes ``bench_training_<tag>.md`` and ``.json`` under ``$OUT`` if set, else
@@ -95,36 +97,47 @@ def fusion_of(kind, dtype):
 
 
 class Timer:
-    """The median ms of a step; `host_ms` keeps the median host time of the
-    last timing's steps (the Python that issues the step's work: where it
-    exceeds the device time, the step is host-bound)."""
+    """Times steps in interleaved rounds: each round runs every step once,
+    in turn, starting one further along each round, so that a drift of the
+    device's clocks (a GPU warms up and slows under a long run) or of the
+    host's load hits every variant alike. Per step: the median ms (CUDA
+    events around the step on a GPU) and the median host ms (the Python
+    that issues the step's work: where it exceeds the device time, the step
+    is host-bound)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
-        self.host_ms = None
 
-    def __call__(self, step, warmup, iters):
-        for _ in range(warmup):
+    def one(self, step) -> tuple[float, float]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            t0 = time.perf_counter()
             step()
-        times, host = [], []
-        for _ in range(iters):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                t0 = time.perf_counter()
-                step()
-                host.append((time.perf_counter() - t0) * 1e3)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                step()
-                times.append((time.perf_counter() - t0) * 1e3)
-                host.append(times[-1])
-        self.host_ms = statistics.median(host)
-        return statistics.median(times)
+            host = (time.perf_counter() - t0) * 1e3
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end), host
+        t0 = time.perf_counter()
+        step()
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, ms
+
+    def rounds(self, steps: dict, warmup: int, iters: int) -> dict[str, tuple[float, float]]:
+        """{name: (median ms, median host ms)} of `steps` ({name: step})."""
+        names = list(steps)
+        for _ in range(warmup):
+            for name in names:
+                steps[name]()
+        got: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+        for r in range(iters):
+            for i in range(len(names)):
+                name = names[(r + i) % len(names)]
+                got[name].append(self.one(steps[name]))
+        return {
+            name: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for name, ts in got.items()
+        }
 
 
 def module_step(module, x, grads):
@@ -152,19 +165,17 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
     outs = base(x)
     grads = [torch.randn_like(o) for o in outs]
     rows = {}
-    steps = {}  # the hostir rows' steps, profiled with --profile
+    steps = {}  # each row's step, timed in interleaved rounds (and profiled with --profile)
 
-    def run(name, fn):
+    def prepare(name, make_step):
         try:
-            rows[name] = {"ms": fn(), "host_ms": timer.host_ms}
-            if args.profile and name in steps:
-                rows[name]["profile"] = profile(steps[name], device)
+            steps[name] = make_step()
         except Exception as err:  # a row that cannot run says why
             rows[name] = {"ms": None, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
             if args.verbose:
                 traceback.print_exc()
 
-    run("eager", lambda: timer(module_step(base, x, grads), args.warmup, args.iters))
+    prepare("eager", lambda: module_step(base, x, grads))
 
     def fused():
         fd = fusion_of(kind, dtype)
@@ -178,10 +189,10 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
             outs = fd.execute(ins)
             torch.autograd.backward(outs, grads)
 
-        steps["hostir fusion"] = step
-        return timer(step, args.warmup, args.iters)
+        step()  # a row whose first step fails is reported, not timed
+        return step
 
-    run("hostir fusion", fused)
+    prepare("hostir fusion", fused)
 
     def parallel(style_module):
         import copy
@@ -193,15 +204,14 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
             # Colwise outputs (k, v) are local shards; the rowwise output is replicated.
             local_grads = [g if g.shape[-1] == h else g.chunk(world, -1)[rank].contiguous() for g in grads]
         step = module_step(m, x, local_grads)
-        if style_module is hostir_parallelize:
-            steps["hostir.parallel"] = step
-        return timer(step, args.warmup, args.iters)
+        step()
+        return step
 
     from hostir.parallel import parallelize_module as hostir_parallelize
     from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
 
-    run("hostir.parallel", lambda: parallel(hostir_parallelize))
-    run("torch TP", lambda: parallel(torch_parallelize))
+    prepare("hostir.parallel", lambda: parallel(hostir_parallelize))
+    prepare("torch TP", lambda: parallel(torch_parallelize))
 
     def async_tp():
         if world < 2 or device.type != "cuda":
@@ -216,9 +226,17 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
         torch_parallelize(m, mesh, plan(kind))
         compiled = torch.compile(m)
         local_grads = [g if g.shape[-1] == h else g.chunk(world, -1)[rank].contiguous() for g in grads]
-        return timer(module_step(compiled, x, local_grads), args.warmup, args.iters)
+        step = module_step(compiled, x, local_grads)
+        step()
+        return step
 
-    run("torch async-TP", async_tp)
+    prepare("torch async-TP", async_tp)
+    for name, (ms, host_ms) in timer.rounds(steps, args.warmup, args.iters).items():
+        rows[name] = {"ms": ms, "host_ms": host_ms}
+        if args.profile and name != "torch TP" and name != "torch async-TP":
+            rows[name]["profile"] = profile(steps[name], device)
+    order = ("eager", "hostir fusion", "hostir.parallel", "torch TP", "torch async-TP")
+    rows = {name: rows[name] for name in order if name in rows}
     eager = rows["eager"]["ms"]
     for r in rows.values():
         if r["ms"] is not None and eager:
@@ -263,7 +281,8 @@ def main() -> None:
     ap.add_argument("--tag", default=None)
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--profile", action="store_true",
-                    help="profile one step of each hostir row (torch profiler; written to bench_training_<tag>_profile.txt)")
+                    help="profile one step of eager torch and of each hostir row (torch profiler; written to "
+                         "bench_training_<tag>_profile.txt)")
     args = ap.parse_args()
 
     world, rank, local = hostir.world_size(), hostir.rank(), hostir.local_rank()
