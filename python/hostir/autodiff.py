@@ -199,7 +199,14 @@ def _propagated_layouts(fusion: ir.Fusion) -> dict[int, Layout]:
     from hostir.lower.propagate_stream_axes import propagate_stream_axes
 
     container = propagate_shardings(propagate_stream_axes(build_host_program(fusion)))
-    return {tv.name: Layout.of(tv) for tv in all_tvs(container)}
+    layouts = {tv.name: Layout.of(tv) for tv in all_tvs(container)}
+    # A stream piece on an input only cuts the forward's loop over it (a
+    # row-parallel product walking its output's scattered axis, GEMM+RS);
+    # its gradient is whole along that axis, as any input's.
+    for tv in container.inputs:
+        if isinstance(tv, ir.TensorView):
+            layouts[tv.name] = layouts[tv.name].without_streams()
+    return layouts
 
 
 class _Deriver:

@@ -22,7 +22,7 @@ import weakref
 import torch
 
 from hostir import ir
-from hostir.lower.decompose_device_axis import walks_device_axis
+from hostir.lower.decompose_device_axis import scattered_operand, walks_device_axis
 from hostir.lower.hoist_transfers import Hoisting, forced
 from hostir.lower.schedule import Schedule, parse
 from hostir.runtime.transports import cuda
@@ -226,8 +226,24 @@ def _shape_hint(fusion, inputs, D: int) -> tuple[int, int, int, int]:
     """(rows, k, n, itemsize) of one shard's GEMM, from the sharded input
     with the most elements (rows x k per peer) and the other inputs'
     last axis (n)."""
-    from hostir import ir
+    from hostir import axis_graph, ir
 
+    # A row-parallel product walking its output's scattered axis (GEMM+RS):
+    # each step multiplies a D-th of the walked operand's rows by its K
+    # piece and moves the partial sums, rows x N.
+    graph = axis_graph.IdGraph(fusion.exprs, broadcast=True)
+    position = {id(tv): i for i, tv in enumerate(fusion.inputs)}
+    for e in fusion.exprs:
+        v = scattered_operand(e, graph)
+        if v is None or id(v) not in position:
+            continue
+        t = inputs[position[id(v)]]
+        k = t.shape[-1] if t.dim() else 1
+        rows = max(1, t.numel() // max(k, 1) // D)
+        other = e.weight if isinstance(e, ir.LinearOp) else (e.b if v is e.a else e.a)
+        w = inputs[position[id(other)]] if id(other) in position else None
+        n = (w.shape[-2] if isinstance(e, ir.LinearOp) else w.shape[-1]) if w is not None and w.dim() >= 2 else k
+        return rows, n, k, t.element_size()
     # The input a `set` gathers walking a stream axis, where the fusion
     # writes one (a sequence-parallel activation, smaller than the weight).
     walked = {e.input for e in fusion.exprs if isinstance(e, ir.Set) and e.out.stream_axes()}

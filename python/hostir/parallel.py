@@ -21,7 +21,10 @@ Hugging Face plans (`"colwise"`, `"rowwise"`, `"colwise_rep"`,
   DTensor) and whose output is sharded as `output_layouts` says. hostir
   inserts the communications torch's TP makes: an Allgather of a
   sequence-sharded input, partial sums completed by an Allreduce or a
-  ReduceScatter, and in the backward their transposes; `use_local_output`
+  ReduceScatter, and in the backward their transposes. Under sequence
+  parallelism the gather of a colwise input and the reduce-scatter of a
+  rowwise output are decomposed walking the sequence (AG+GEMM and GEMM+RS,
+  in the schedule the machine model chooses); `use_local_output`
   returns the local tensor or the DTensor as torch does;
 - `nn.Embedding` under those styles, `SequenceParallel`,
   `PrepareModuleInput`, `PrepareModuleOutput` and any other style run as
@@ -227,6 +230,21 @@ class _Linear:
         walked = placement[1] if placement[0] == "shard" and placement[1] < ndim - 1 else None
         if walked is not None and (D < 2 or self.kind != "colwise" or walked == out_dim):
             walked = None
+        # A rowwise linear whose output is sharded on a row axis (sequence
+        # parallelism) reduce-scatters its partial sums along that axis: the
+        # GEMM+RS, walked by marking the same axis of its K-sharded input
+        # as a stream axis (each step's partial product is that input's rows).
+        scattered = None
+        if (
+            self.kind == "rowwise"
+            and D >= 2
+            and input_placement is not None
+            and input_placement.is_shard()
+            and input_placement.dim % ndim == ndim - 1
+            and out_dim is not None
+            and out_dim < ndim - 1
+        ):
+            scattered = out_dim
         with FusionDefinition() as fd:
             x = fd.define_tensor([-1] * ndim, dtype)
             w = fd.define_tensor([-1, -1], dtype)
@@ -241,7 +259,10 @@ class _Linear:
                 d = input_placement.dim % ndim
                 x.outer_split(d, D)
                 x.axis(d).parallelize(ParallelType.mesh_x)
-            elif not input_placement.is_replicate():
+            if scattered is not None:
+                x.outer_split(scattered, D)
+                x.axis(scattered).parallelize(ParallelType.stream)
+            elif not input_placement.is_shard() and not input_placement.is_replicate():
                 raise ParallelizeError(
                     f"input layout {input_placement!r} of a {self.kind} linear: hostir takes Shard(d) or Replicate()"
                 )

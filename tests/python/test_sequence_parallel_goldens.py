@@ -1,9 +1,12 @@
-"""Golden dumps of a sequence-parallel colwise Linear, as hostir.parallel
-defines it for `ColwiseParallel(input_layouts=Shard(1))`: the activation
-[b, s, h] sharded on the sequence (not its outermost axis), the weight on
-N. The forward is the ring AG+GEMM walking the sequence; the backward
-gathers the saved shard again for the weight gradient. Each dump is
-race-checked, and so is each of its mutants missing a Synchronize or Wait."""
+"""Golden dumps of sequence-parallel Linears, as hostir.parallel defines
+them. Colwise, for `ColwiseParallel(input_layouts=Shard(1))`: the
+activation [b, s, h] sharded on the sequence (not its outermost axis), the
+weight on N; the forward is the ring AG+GEMM walking the sequence, and the
+backward gathers the saved shard again for the weight gradient. Rowwise,
+for `RowwiseParallel(output_layouts=Shard(1))`: the activation and the
+weight sharded on K, the output on the sequence; the forward is the ring
+GEMM+RS walking the sequence. Each dump is race-checked, and so is each of
+its mutants missing a Synchronize or Wait."""
 
 from __future__ import annotations
 
@@ -29,6 +32,27 @@ def colwise_sp(D: int) -> FusionDefinition:
     for tv in (xg, y):
         tv.outer_split(1, D)
         tv.axis(1).parallelize(ParallelType.stream)
+    return fd
+
+
+def rowwise_sp(D: int) -> FusionDefinition:
+    """y[b, s, N] (sharded on s) = linear(x[b, s, h/D], w[N, h/D]) + b[N]:
+    the K-sharded activation's sequence axis marked as the stream axis,
+    as hostir.parallel marks it."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        w = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1])
+        y = fd.ops.linear(x, w, b)
+        fd.add_output(y)
+    mesh = DeviceMesh(range(D))
+    for tv in (x, w, b, y):
+        tv.set_device_mesh(mesh)
+    for tv, axis in ((x, 2), (w, 1), (y, 1)):
+        tv.outer_split(axis, D)
+        tv.axis(axis).parallelize(ParallelType.mesh_x)
+    x.outer_split(1, D)
+    x.axis(1).parallelize(ParallelType.stream)
     return fd
 
 
@@ -89,3 +113,50 @@ def test_the_machine_model_sizes_the_gemm_of_the_walked_activation():
     fd = colwise_sp(2)
     inputs = [torch.empty(B, s, H), torch.empty(n, H), torch.empty(n)]
     assert machine._shape_hint(fd.fusion, inputs, 2) == (B * s, H, n, 4)
+
+
+@pytest.mark.parametrize("schedule", ["ring", "ring:chunks=2"])
+def test_golden_forward_of_a_sequence_parallel_rowwise_linear(schedule):
+    """Each step computes the partial sums of a peer's rows and sends them
+    while the next step computes; slots with the walked axis first receive
+    them (a slice of [b, s, N] along s is not contiguous), the local partial
+    lands in its own slot, and one sum over a view of the slots (the walked
+    axis back in its place) writes this rank's rows; then the bias."""
+    from conftest import check_golden
+
+    program = _lowered(rowwise_sp(2).fusion, schedule)
+    text = str(program.program)
+    ring = text.split("(ring,")[1]
+    assert "P2PCommunication" in ring and "linear(" in ring and "partial = " in ring
+    assert "permute(" in text and "type=ReduceScatter" not in text
+    name = "sp_rowwise_forward" + ("_chunks2" if "chunks" in schedule else "")
+    check_golden(name, program)
+
+
+def test_golden_backward_of_a_sequence_parallel_rowwise_linear():
+    """The output gradient, sharded on the sequence, is gathered once and
+    feeds both products; the input's stream axis does not reach the
+    gradient (it only cut the forward's loop)."""
+    from conftest import check_golden
+    from hostir import autodiff
+
+    d = autodiff.derive(rowwise_sp(2).fusion, [0, 1, 2])
+    program = _lowered(d.backward, "ring")
+    text = str(program.program)
+    assert "type=Allgather" in text
+    check_golden("sp_rowwise_backward", program)
+
+
+def test_the_machine_model_sizes_the_steps_of_a_gemm_rs():
+    """Per step, the model's GEMM is a D-th of the activation's rows times
+    its K piece times N, and what moves is those rows' partial sums (N
+    wide); the model chooses a schedule for the rowwise linear."""
+    import torch
+
+    from hostir import machine
+
+    B, S, h, N = 2, 8, 16, 64  # per rank: x [B, S, h] (K piece), w [N, h], bias [N]
+    fd = rowwise_sp(2)
+    inputs = [torch.empty(B, S, h), torch.empty(N, h), torch.empty(N)]
+    assert machine.decomposable(fd.fusion)
+    assert machine._shape_hint(fd.fusion, inputs, 2) == (B * S // 2, N, h, 4)

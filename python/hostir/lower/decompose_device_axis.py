@@ -110,7 +110,22 @@ def walks_device_axis(exprs) -> bool:
             s = _stream_axis(e.input)
             if s is not None and any(graph.mapped(d, s) for d in e.out.device_axes()):
                 return True
+        if scattered_operand(e, graph) is not None:
+            return True
     return False
+
+
+def scattered_operand(e, graph) -> ir.TensorView | None:
+    """The operand of a row-parallel product (`linear` or `matmul`) whose
+    stream axis maps to an axis its output shards: the partial sums are
+    reduce-scattered along that axis step by step (GEMM+RS); else None."""
+    if not isinstance(e, (ir.LinearOp, ir.MatmulOp)):
+        return None
+    for v in e.inputs():
+        s = _stream_axis(v)
+        if s is not None and any(graph.mapped(d, s) for d in e.out.device_axes()):
+            return v
+    return None
 
 
 def _stream_axis(tv) -> ir.IterDomain | None:
@@ -524,6 +539,10 @@ class _Builder:
             flat = {tv: self._serial_alias(tv) for tv in inner}
             for e in group:
                 changes = {f: flat[getattr(e, f)] for f in e.INPUTS + e.OUTPUTS if getattr(e, f) in flat}
+                partial = getattr(e, "partial", None)
+                if partial is not None and e.out in flat:
+                    # The partial sums' axis, on the alias the op now writes.
+                    changes["partial"] = flat[e.out].domain[e.out.domain.index(partial)]
                 self.c.push_back(e.replace(**changes))
             self.c.push_back(ir.Allocate(y, ir.MemoryType.global_))
             comm = self._comm(
@@ -565,6 +584,13 @@ class _Builder:
         # ring: slots receive the peers' partials; the local one lands in its own slot.
         slot_domain = [self._serial(d) for d in c.domain]
         at = c.domain.index(s)
+        # Where the walked axis is not outermost (a sequence-sharded
+        # [b, s, h]), it goes first in the slots, so that each slot (a peer's
+        # partial, which a P2P receive writes) is contiguous.
+        reordered = not _outermost(c, s)
+        if reordered:
+            slot_domain.insert(0, slot_domain.pop(at))
+            at = 0
         slots = ir.TensorView(self.c, slot_domain, c.dtype, ir.MemoryType.global_, mesh=c.mesh)
         symmetric = transports.capabilities(self._transport()).needs_symmetric_buffers
         self.c.push_back(ir.Allocate(slots, ir.MemoryType.symmetric if symmetric else ir.MemoryType.global_))
@@ -595,10 +621,31 @@ class _Builder:
         saved, self.schedule = self.schedule, self.schedule.with_chunks(1)
         self._ops_on(last, group, s, pos, ir.Scalar.constant(0), row_ref, {c: mine_slot})
         self.schedule = saved
-        # One reduction over the slots into this rank's piece of y (y's buffer).
-        kept = [self._clone(x) for x in slot_domain if not x.is_reduction]
-        kept[at] = ir.IterDomain(self.c, slot_axis.extent, ir.IterType.reduction)
+        # One reduction over the slots into this rank's piece of y (y's
+        # buffer). Reordered slots are read through a view with the walked
+        # axis back in its place and the partial sums' own device axis (one
+        # piece per rank) right after it, where y has its piece of that
+        # axis, so that the result's axes are y's.
+        nonred = [x for x in c.domain if not x.is_reduction]
+        partial = getattr(group[-1], "partial", None)
+        target, in_slots = nonred, nonred
+        if reordered:
+            target = [x for x in nonred if x is not partial]
+            if partial is not None:
+                target.insert(target.index(s) + 1, partial)
+            in_slots = [s] + [x for x in nonred if x is not s]
+        w_at = target.index(s)
+        summed = slots
+        if target != in_slots:
+            rest = [x for x in slot_domain if not x.is_reduction]
+            dims = tuple(in_slots.index(x) for x in target)
+            summed = ir.TensorView(
+                self.c, [self._clone(rest[i]) for i in dims], c.dtype, ir.MemoryType.global_, mesh=c.mesh
+            )
+            last.append(ir.PermuteOp(summed, slots, dims))
+        kept = [self._clone(x) for x in summed.domain if not x.is_reduction]
+        kept[w_at] = ir.IterDomain(self.c, slot_axis.extent, ir.IterType.reduction)
         y_slots = ir.TensorView(self.c, kept, y.dtype, ir.MemoryType.global_, mesh=y.mesh)
         self.c.mark_alias(y, y_slots)
-        last.append(ir.ReductionOp(y_slots, red.kind, slots))
+        last.append(ir.ReductionOp(y_slots, red.kind, summed))
         self._pipeline(parts, D * parts, body_of, self._head("ring"), local_last=last)

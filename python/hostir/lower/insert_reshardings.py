@@ -164,6 +164,7 @@ def _partial_sums(container: HostIrContainer, e) -> list[ir.Expr]:
     for ref in _operands(compute):
         for o, i in compute.id_pairs():
             if i in ref.logical and not o.is_reduction:
+                _walk_scattered(p, o, i, out.logical[p.logical.index(o) - 1], pt)
                 _copy_sharding(p, o, i)
 
     bias = getattr(e, "bias", None)
@@ -176,6 +177,29 @@ def _partial_sums(container: HostIrContainer, e) -> list[ir.Expr]:
     s.domain.insert(0, summed_axis)
     _set_axes(out, kept)
     return [compute, ir.ReductionOp(s, ReductionKind.sum, p), ir.BinaryOp(out, BinaryKind.add, s, bias)]
+
+
+def _walk_scattered(p: ir.TensorView, o: ir.IterDomain, i: ir.IterDomain, scattered: ir.IterDomain, pt) -> None:
+    """The partial sums' axis `o` walked as a stream axis where the sum
+    scatters the matching output axis over the ranks (its outer piece on
+    `pt`) and the operand's axis `i` asks for it, split alike with its outer
+    piece on the stream: the sum is then a reduce-scatter that
+    `decompose_device_axis` overlaps with the partial products (GEMM+RS)."""
+    if o.leaves is not None or i.leaves is None or scattered.leaves is None:
+        return
+    if len(i.leaves) != 2 or len(scattered.leaves) != 2:
+        return
+    if i.leaves[0].parallel_type is not ir.ParallelType.stream or scattered.leaves[0].parallel_type is not pt:
+        return
+    made = []
+    for leaf, kind in zip(i.leaves, (ir.ParallelType.stream, ir.ParallelType.serial)):
+        new = ir.IterDomain(p.owner, leaf.extent, o.iter_type, kind)
+        new.parent = o
+        made.append(new)
+    o.leaves = made
+    o.parallel_type = ir.ParallelType.serial
+    at = p.domain.index(o)
+    p.domain[at : at + 1] = made
 
 
 def _keep_stream(new: ir.IterDomain, like: ir.IterDomain) -> None:
