@@ -154,6 +154,44 @@ def shared_gpu_layers(device, world, rank, sched):
     except Exception as err:
         cases["matmul+RS fwd+bwd"] = f"FAIL {type(err).__name__}: {err}"
         traceback.print_exc()
+    try:
+        # A sequence-parallel rowwise Linear as hostir.parallel defines it for
+        # RowwiseParallel(output_layouts=Shard(1)): x [b, s, h] and w sharded
+        # on h, the output on s; the GEMM+RS ring walking the sequence.
+        from torch.distributed.tensor import Shard
+
+        from hostir.parallel import _Linear
+
+        torch.manual_seed(2)
+        Bt, S, H = 2, 4 * D, 16 * D
+        X, Wt, bias = torch.randn(Bt, S, H, device=device), torch.randn(N, H, device=device), torch.randn(N, device=device)
+        G = torch.randn(Bt, S, N, device=device)
+        fd = _Linear(hostir.DeviceMesh(range(D)).to_torch("cpu"), Shard(-1), Shard(1), True, "rowwise")._define(
+            3, torch.float32, True, ("shard", 2), Shard(-1)
+        )
+        # The weight is sharded on h, and the bias replicated, as the
+        # module's DTensor parameters place them.
+        w_tv, b_tv = fd.fusion.inputs[1], fd.fusion.inputs[2]
+        for tv in (w_tv, b_tv):
+            tv.set_device_mesh(hostir.DeviceMesh(range(D)))
+        w_tv.outer_split(1, D)
+        w_tv.axis(1).parallelize(hostir.ParallelType.mesh_x)
+        x = X.chunk(D, 2)[rank].contiguous().requires_grad_()
+        w = Wt.chunk(D, 1)[rank].contiguous().requires_grad_()
+        b = bias.clone().requires_grad_()
+        (y,) = fd.execute([x, w, b], **kwargs)
+        torch.testing.assert_close(y, (X @ Wt.T + bias).chunk(D, 1)[rank], **tol)
+        y.backward(G.chunk(D, 1)[rank].contiguous())
+        torch.testing.assert_close(x.grad, (G @ Wt).chunk(D, 2)[rank], **tol)
+        torch.testing.assert_close(w.grad, (G.reshape(-1, N).T @ X.reshape(-1, H)).chunk(D, 1)[rank], **tol)
+        torch.testing.assert_close(b.grad, G.sum((0, 1)), **tol)
+        from hostir.autograd import training_of
+
+        forward = training_of(fd, (0, 1, 2)).forward.host_ir(inputs=[x.detach(), w.detach(), b.detach()], **kwargs)
+        cases["SP rowwise Linear (GEMM+RS) fwd+bwd"] = "pass" + (" (ring)" if "(ring," in forward else "")
+    except Exception as err:
+        cases["SP rowwise Linear (GEMM+RS) fwd+bwd"] = f"FAIL {type(err).__name__}: {err}"
+        traceback.print_exc()
     return cases
 
 
