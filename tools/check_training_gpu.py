@@ -16,7 +16,9 @@ Two ranks sharing the GPU: the process group is gloo (NCCL refuses two
 ranks on one GPU) and the rings run on the `cuda` copy-engine transport
 (`schedule="ring:transport=cuda"`): the AG+matmul and matmul+ReduceScatter
 layers forward and backward (the backward's re-gather and its gather of the
-output gradient are rings too), every result and gradient compared with
+output gradient are rings too), and a sequence-parallel rowwise Linear as
+`hostir.parallel` defines it (the GEMM+RS ring walking the sequence of a
+[b, s, h] activation, with a bias), every result and gradient compared with
 eager torch on the whole tensors.
 
 Rank 0 prints a table and writes check_training_gpu_ws<N>.json under --out.

@@ -6,7 +6,8 @@
 #      AdamW steps)
 #   2. the same script under torchrun, two ranks sharing the GPU: gloo for
 #      the process group, the rings on the `cuda` copy-engine transport; the
-#      AG+matmul and matmul+ReduceScatter layers forward and backward
+#      AG+matmul and matmul+ReduceScatter layers and a sequence-parallel
+#      rowwise Linear (the GEMM+RS ring), forward and backward
 #   3. tools/bench_training.py at world size 1: the Llama MLP block and the
 #      attention projections (bf16, hidden 8192), hostir vs eager torch and
 #      torch TP; target hostir <= 1.05x eager
