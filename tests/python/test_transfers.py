@@ -98,46 +98,31 @@ def test_host_weights_match_eager_torch(choice, hoist, caplog):
             assert any("HirAliasChunk" in r.getMessage() for r in caplog.records), caplog.text
 
 
-def test_cpp_evaluator_runs_posted_transfers():
+@pytest.mark.parametrize("hoist, posted", [("sequential", False), ("hoist", True)])
+def test_cpp_evaluator_runs_transfers(hoist, posted):
+    # Sequentially every transfer runs on the current stream; hoisted over
+    # three layers, the later weights' transfers are posted early, on a copy
+    # stream (a lone transfer with nothing to overlap runs on the current one).
     from hostir import cpp
 
     if not cpp.available():
         pytest.skip(f"hostir._C is not built: {cpp.reason()}")
     torch.manual_seed(0)
-    # Three layers: the later weights' transfers are posted early, on a copy
-    # stream (a lone transfer with nothing to overlap runs on the current one).
     fd = mlp(3)
     x, ws = torch.randn(2, H), [torch.randn(H, H) for _ in range(3)]
-    program = fd.host_program(inputs=[x, *ws], hoist="hoist")
-    assert any(isinstance(e, ir.Transfer) and e.posted for e in program.walk())
+    program = fd.host_program(inputs=[x, *ws], hoist=hoist)
+    assert any(isinstance(e, ir.Transfer) and e.posted for e in program.walk()) is posted
     for _ in range(2):  # the prepared call too
-        (out,) = fd.execute([x, *ws], evaluator="cpp", hoist="hoist")
+        (out,) = fd.execute([x, *ws], evaluator="cpp", hoist=hoist)
         torch.testing.assert_close(out, mlp_reference(x, ws))
     assert fd.last_runner.name == "cpp"
-    ws[2].mul_(-2.0)  # a weight written between calls is read again
-    (out,) = fd.execute([x, *ws], evaluator="cpp", hoist="hoist")
+    ws[0].mul_(-2.0)  # weights written between calls are read again
+    ws[2].mul_(3.0)
+    (out,) = fd.execute([x, *ws], evaluator="cpp", hoist=hoist)
     torch.testing.assert_close(out, mlp_reference(x, ws))
     # Other tensors of the same shapes: read from their own memory.
     ws = [torch.randn(H, H) for _ in range(3)]
-    (out,) = fd.execute([x, *ws], evaluator="cpp", hoist="hoist")
-    torch.testing.assert_close(out, mlp_reference(x, ws))
-
-
-def test_cpp_evaluator_runs_transfers_on_the_current_stream():
-    from hostir import cpp
-
-    if not cpp.available():
-        pytest.skip(f"hostir._C is not built: {cpp.reason()}")
-    torch.manual_seed(0)
-    fd = mlp(2)
-    x, ws = torch.randn(3, H), [torch.randn(H, H) for _ in range(2)]
-    for _ in range(2):  # the prepared call too
-        (out,) = fd.execute([x, *ws], evaluator="cpp", hoist="sequential")
-        torch.testing.assert_close(out, mlp_reference(x, ws))
-    assert fd.last_runner.name == "cpp"
-    # A weight changed in place between calls is read again.
-    ws[0].mul_(-2.0)
-    (out,) = fd.execute([x, *ws], evaluator="cpp", hoist="sequential")
+    (out,) = fd.execute([x, *ws], evaluator="cpp", hoist=hoist)
     torch.testing.assert_close(out, mlp_reference(x, ws))
 
 

@@ -62,6 +62,32 @@ def _programs(executor) -> str:
     return "\n".join(str(p.container) for p in executor._programs.values())
 
 
+def _matches_the_unsharded_linear(world, lin, ref, X, in_dim: int, out_dim: int, schedule: str) -> None:
+    """`lin` (parallelized) on this rank's piece of `X` (cut on `in_dim`)
+    gives this rank's piece (cut on `out_dim`) of `ref` on the whole `X`,
+    forward and backward (every gradient); its training forward runs in
+    `schedule`'s decomposition, with P2P exactly where that is a ring."""
+    D, rank = world.size, world.rank
+    x = X.chunk(D, in_dim)[rank].contiguous().requires_grad_()
+    y = lin(x)
+    ref_x = X.clone().requires_grad_()
+    expected = ref(ref_x)
+    torch.testing.assert_close(y, expected.chunk(D, out_dim)[rank])
+    G = torch.randn_like(expected)
+    y.backward(G.chunk(D, out_dim)[rank].contiguous())
+    expected.backward(G)
+    torch.testing.assert_close(x.grad, ref_x.grad.chunk(D, in_dim)[rank])
+    torch.testing.assert_close(lin.weight.grad.full_tensor(), ref.weight.grad)
+    if ref.bias is not None:
+        torch.testing.assert_close(lin.bias.grad.full_tensor(), ref.bias.grad)
+    (fd,) = lin._hostir_linear.fusions.values()
+    (training,) = fd._trainings.values()
+    forward = _programs(training.forward)
+    kind = schedule.split(":")[0]
+    assert f"({kind}," in forward or f"schedule=({kind}" in forward
+    assert ("P2PCommunication" in forward) is (kind == "ring")
+
+
 @pytest.mark.parametrize("schedule", ["ring", "ring:chunks=2", "collective", "sequential"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 def test_hostir_parallel_colwise_under_sequence_parallelism(world, monkeypatch, schedule, bias):
@@ -82,25 +108,7 @@ def test_hostir_parallel_colwise_under_sequence_parallelism(world, monkeypatch, 
     ref = torch.nn.Linear(H, N, bias=bias)
     ref.load_state_dict(lin.state_dict())
     parallelize_module(lin, mesh, ColwiseParallel(input_layouts=Shard(1)))
-    X = torch.randn(B, S, H)
-    x = X.chunk(D, 1)[world.rank].contiguous().requires_grad_()
-    y = lin(x)
-    ref_x = X.clone().requires_grad_()
-    expected = ref(ref_x)
-    torch.testing.assert_close(y, expected.chunk(D, 2)[world.rank])
-    G = torch.randn_like(expected)
-    y.backward(G.chunk(D, 2)[world.rank].contiguous())
-    expected.backward(G)
-    torch.testing.assert_close(x.grad, ref_x.grad.chunk(D, 1)[world.rank])
-    torch.testing.assert_close(lin.weight.grad.full_tensor(), ref.weight.grad)
-    if bias:
-        torch.testing.assert_close(lin.bias.grad.full_tensor(), ref.bias.grad)
-    (fd,) = lin._hostir_linear.fusions.values()
-    (training,) = fd._trainings.values()
-    forward = _programs(training.forward)
-    kind = schedule.split(":")[0]
-    assert f"({kind}," in forward or f"schedule=({kind}" in forward
-    assert ("P2PCommunication" in forward) is (kind == "ring")
+    _matches_the_unsharded_linear(world, lin, ref, torch.randn(B, S, H), 1, 2, schedule)
 
 
 @pytest.mark.parametrize("schedule", ["ring", "ring:chunks=2", "collective", "sequential"])
@@ -127,21 +135,4 @@ def test_hostir_parallel_rowwise_under_sequence_parallelism(world, monkeypatch, 
     ref.load_state_dict(lin.state_dict())
     parallelize_module(lin, mesh, RowwiseParallel(output_layouts=Shard(seq)))
     X = torch.randn(*([2] if ndim == 3 else []), S, H)
-    x = X.chunk(D, -1)[world.rank].contiguous().requires_grad_()
-    y = lin(x)
-    ref_x = X.clone().requires_grad_()
-    expected = ref(ref_x)
-    torch.testing.assert_close(y, expected.chunk(D, seq)[world.rank])
-    G = torch.randn_like(expected)
-    y.backward(G.chunk(D, seq)[world.rank].contiguous())
-    expected.backward(G)
-    torch.testing.assert_close(x.grad, ref_x.grad.chunk(D, -1)[world.rank])
-    torch.testing.assert_close(lin.weight.grad.full_tensor(), ref.weight.grad)
-    if bias:
-        torch.testing.assert_close(lin.bias.grad.full_tensor(), ref.bias.grad)
-    (fd,) = lin._hostir_linear.fusions.values()
-    (training,) = fd._trainings.values()
-    forward = _programs(training.forward)
-    kind = schedule.split(":")[0]
-    assert f"({kind}," in forward or f"schedule=({kind}" in forward
-    assert ("P2PCommunication" in forward) is (kind == "ring")
+    _matches_the_unsharded_linear(world, lin, ref, X, -1, seq, schedule)
