@@ -18,8 +18,10 @@ ranks on one GPU) and the rings run on the `cuda` copy-engine transport
 layers forward and backward (the backward's re-gather and its gather of the
 output gradient are rings too), and a sequence-parallel rowwise Linear as
 `hostir.parallel` defines it (the GEMM+RS ring walking the sequence of a
-[b, s, h] activation, with a bias), every result and gradient compared with
-eager torch on the whole tensors.
+[b, s, h] activation, with a bias) and a sequence-parallel colwise Linear
+(the AG+GEMM ring forward; in the backward the GEMM+RS ring for the input
+gradient, the re-gather of the saved shard posted before it), every result
+and gradient compared with eager torch on the whole tensors.
 
 Rank 0 prints a table and writes check_training_gpu_ws<N>.json under --out.
 """
@@ -193,6 +195,48 @@ def shared_gpu_layers(device, world, rank, sched):
         cases["SP rowwise Linear (GEMM+RS) fwd+bwd"] = "pass" + (" (ring)" if "(ring," in forward else "")
     except Exception as err:
         cases["SP rowwise Linear (GEMM+RS) fwd+bwd"] = f"FAIL {type(err).__name__}: {err}"
+        traceback.print_exc()
+    try:
+        # A sequence-parallel colwise Linear as hostir.parallel defines it for
+        # ColwiseParallel(input_layouts=Shard(1)): x [b, s, h] sharded on s,
+        # w and the bias on N; the forward is the AG+GEMM ring walking the
+        # sequence, the backward's input gradient the GEMM+RS ring walking
+        # it, with the re-gather of x for the weight gradient under it.
+        from torch.distributed.tensor import Shard
+
+        from hostir.autograd import training_of
+        from hostir.parallel import _Linear
+
+        torch.manual_seed(3)
+        Bt, S, H = 2, 4 * D, 16
+        X, Wt, bias = torch.randn(Bt, S, H, device=device), torch.randn(N, H, device=device), torch.randn(N, device=device)
+        G = torch.randn(Bt, S, N, device=device)
+        fd = _Linear(hostir.DeviceMesh(range(D)).to_torch("cpu"), Shard(1), Shard(-1), True, "colwise")._define(
+            3, torch.float32, True, ("shard", 1), Shard(1)
+        )
+        for tv in fd.fusion.inputs[1:]:
+            tv.set_device_mesh(hostir.DeviceMesh(range(D)))
+            tv.outer_split(0, D)
+            tv.axis(0).parallelize(hostir.ParallelType.mesh_x)
+        x = X.chunk(D, 1)[rank].contiguous().requires_grad_()
+        w = Wt.chunk(D, 0)[rank].contiguous().requires_grad_()
+        b = bias.chunk(D, 0)[rank].contiguous().requires_grad_()
+        (y,) = fd.execute([x, w, b], **kwargs)
+        torch.testing.assert_close(y, (X @ Wt.T + bias).chunk(D, 2)[rank], **tol)
+        g = G.chunk(D, 2)[rank].contiguous()
+        y.backward(g)
+        torch.testing.assert_close(x.grad, (G @ Wt).chunk(D, 1)[rank], **tol)
+        torch.testing.assert_close(w.grad, (G.reshape(-1, N).T @ X.reshape(-1, H)).chunk(D, 0)[rank], **tol)
+        torch.testing.assert_close(b.grad, G.sum((0, 1)).chunk(D, 0)[rank], **tol)
+        training = training_of(fd, (0, 1, 2))
+        plain = [x.detach(), w.detach(), b.detach()]
+        forward = training.forward.host_ir(inputs=plain, **kwargs)
+        saved = [g if kind == "cotangent" else plain[i] for kind, i in training.derivation.saved]
+        backward = training.backward.host_ir(inputs=[g] + saved, **kwargs)
+        rings = "(ring," in forward and "(ring," in backward.split("type=Allgather")[1]
+        cases["SP colwise Linear (AG+GEMM, bwd GEMM+RS) fwd+bwd"] = "pass" + (" (rings, re-gather under the bwd ring)" if rings else "")
+    except Exception as err:
+        cases["SP colwise Linear (AG+GEMM, bwd GEMM+RS) fwd+bwd"] = f"FAIL {type(err).__name__}: {err}"
         traceback.print_exc()
     return cases
 

@@ -17,7 +17,10 @@ say where the pieces live. Each cotangent is sharded as its primal (the
 forward tensor it is the gradient of, as sharding propagation placed it), so
 the backward's lowering inserts the communications that transpose the
 forward's: a sequence-parallel input gathered before a column-parallel
-linear gets its gradient through partial sums and a ReduceScatter; a
+linear gets its gradient through partial sums and a ReduceScatter (where
+the forward walked the sequence, a GEMM+ReduceScatter ring walking it
+too: the product reads the output's cotangent a second time, as a backward
+input split as the forward walked it, see `_Deriver.walking`); a
 row-parallel linear's replicated output gives a replicated cotangent that
 each rank multiplies by its own rows. A resharding `set` has no op in the
 backward: the cotangent of its output is made directly in its input's
@@ -176,7 +179,8 @@ class Derivation:
     user_outputs: int
     # What the backward reads after the cotangents, in its inputs' order:
     # ("input", i) is forward input i (a tensor or a scalar), ("output", j)
-    # forward output j.
+    # forward output j, ("cotangent", j) the cotangent of user output j
+    # again (an alias split for a product to walk, see `_Deriver.walking`).
     saved: list[tuple[str, int]]
     # The forward inputs whose gradients the backward returns, in its
     # outputs' order.
@@ -227,6 +231,8 @@ class _Deriver:
         self.gathered: dict[tuple, ir.TensorView] = {}
         self.scalars: dict[int, ir.Scalar] = {}
         self.saved_order: list[tuple[str, int]] = []
+        self.cotangent_inputs: dict[ir.TensorView, int] = {}  # backward input -> forward output
+        self.walked: dict[tuple, ir.TensorView] = {}
 
     def _explicit_gathers(self) -> bool:
         """Make each gather the lowering would insert before a matmul or
@@ -257,12 +263,14 @@ class _Deriver:
         lay = self.layouts.get(tv.name)
         return lay if lay is not None else Layout.of(tv)
 
-    def new_input(self, like: ir.TensorView, layout: Layout) -> ir.TensorView:
+    def new_input(self, like: ir.TensorView, layout: Layout, streams: bool = False) -> ir.TensorView:
         shape = [-1 if not d.extent.is_constant else (1 if d.is_broadcast else d.extent.value) for d in like.logical_runtime()]
         shape = [s if s != 1 or d.is_broadcast else -1 for s, d in zip(shape, like.logical_runtime())]
         tv = self.bwd.new_tensor(shape, like.dtype)
-        # Inputs take no stream axis: a stream loop cuts the ops that read them.
-        layout = layout.without_streams()
+        # Inputs take no stream axis (a stream loop cuts the ops that read
+        # them), except an alias made for one product to walk (`walking`).
+        if not streams:
+            layout = layout.without_streams()
         layout.apply(tv)
         self.known[tv] = layout
         return tv
@@ -420,6 +428,54 @@ class _Deriver:
             total = self.made(builders.binary("add", total, p))
         return self.place(total, layout if layout is not None else self.layout(tv))
 
+    # -- a row-parallel product whose sum scatters a walked axis (GEMM+RS)
+    def walking(self, g: ir.TensorView, out: ir.TensorView, x: ir.TensorView, lead) -> ir.TensorView:
+        """`g`, the cotangent of forward output `out`, to be multiplied by a
+        weight over its last axis into the gradient of `x`; `lead` pairs
+        axes of `g` with axes of `x`. Where the product sums over ranks (that
+        last axis is sharded) and scatters onto `x` an axis that the forward
+        walked on `out` (its outer piece a stream piece, the same axis of `x`
+        split on the mesh dimension that shards the sum), the product reads
+        an alias of the cotangent split like the forward walked it: the
+        backward input again, given once more, so that the lowering
+        decomposes the sum into a GEMM+ReduceScatter ring walking that axis.
+        Other products keep reading `g` whole. Else `g` itself."""
+        j = self.cotangent_inputs.get(g)
+        lg = self.known.get(g)
+        if j is None or lg is None or lg.mesh is None:
+            return g
+        k_types = lg.device_types(len(lg.axes) - 1)
+        if len(k_types) != 1:
+            return g
+        (k_type,) = k_types
+        # The cotangent of a resharding `set`'s output read by this product
+        # alone is made directly in the set input's sharding (`_set_rule`).
+        while isinstance(self.producer.get(x), ir.Set) and self.uses(x) == 1:
+            x = self.producer[x].input
+        lo, lx = self.layout(out), self.layout(x)
+        for a, b in lead:
+            walked, scattered = lo.axes[a], lx.axes[b]
+            if (
+                len(walked) == 2
+                and walked[0][1] is ir.ParallelType.stream
+                and len(scattered) == 2
+                and scattered[0][1] is k_type
+                and walked[0][0] == scattered[0][0]
+            ):
+                key = (j, a)
+                found = self.walked.get(key)
+                if found is None:
+                    axes = list(lg.axes)
+                    axes[a] = walked
+                    layout = Layout(lg.mesh, tuple(axes))
+                    self.saved_order.append(("cotangent", j))
+                    found = self.walked[key] = self.new_input(out, layout, streams=True)
+                return found
+        return g
+
+    def uses(self, tv: ir.TensorView) -> int:
+        return sum(1 for e in self.fwd.exprs for v in e.inputs() if v is tv) + (tv in self.fwd.outputs)
+
     # -- gathers where a product would shard one mesh dimension twice
     def unsharded(self, tv: ir.TensorView, axes) -> ir.TensorView:
         lay = self.known.get(tv)
@@ -479,6 +535,7 @@ class _Deriver:
             lay = self.layout(out)
             cot_layouts.append(lay)
             g = self.new_input(out, lay)
+            self.cotangent_inputs[g] = len(cot_layouts) - 1
             if out in needs:
                 self.contribs.setdefault(out, []).append(g)
         for e in reversed(list(fwd.exprs)):
@@ -697,12 +754,19 @@ def _linear_rule(d: _Deriver, e: ir.LinearOp, needs) -> None:
         rows = set().union(*(lg.device_types(i) for i in lead))
         if rows & (d.layout(w).device_types(1) | d.layout(x).device_types(n - 1)):
             g = d.unsharded(g, lead)
+    xs = None
     if _wants(d, x, needs):
         ws = d.save(w)
-        gg, ws = d.contraction_ready(g, [n - 1], ws, [0])
+        gx = d.walking(g, e.out, x, [(k, k) for k in lead])
+        if gx is not g and _wants(d, w, needs):
+            # The weight gradient's operand first: a re-gather is then
+            # posted before the input gradient's ring and runs under it.
+            xs = d.save(x, contracted=[n - 2])
+        gg, ws = d.contraction_ready(gx, [n - 1], ws, [0])
         d.contribute(x, d.made(builders.matmul(gg, ws)))
     if _wants(d, w, needs):
-        xs = d.save(x, contracted=[n - 2])
+        if xs is None:
+            xs = d.save(x, contracted=[n - 2])
         gt = d.permute(g, list(range(1, n)) + [0]) if n == 2 else d.permute(g, _swap_last(n))
         if n == 2:
             gt, xs = d.contraction_ready(gt, [1], xs, [0])

@@ -154,13 +154,23 @@ def _evaluate(s, sizes):
     return s.value if s.is_constant else sizes.get(s)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Cotangent:
+    """Stands, among the values saved for the backward, for the cotangent
+    of user output `index`, known only when the backward runs."""
+
+    index: int
+
+
 class _Node(torch.autograd.Function):
     @staticmethod
     def forward(ctx, training: Training, params, *inputs):
         d = training.derivation
         results = training.forward.execute([_plain(t) for t in inputs], None, params)
         user = results[: d.user_outputs]
-        saved = [inputs[i] if kind == "input" else results[i] for kind, i in d.saved]
+        saved = [
+            inputs[i] if kind == "input" else results[i] if kind == "output" else _Cotangent(i) for kind, i in d.saved
+        ]
         if any(t is None for t in saved):
             saved = _placeholders(d, saved, inputs)
         tensors = [t for t in saved if isinstance(t, torch.Tensor)]
@@ -195,6 +205,8 @@ class _Node(torch.autograd.Function):
             elif is_dtensor(g):
                 g = g.to_local()
             cotangents.append(g.contiguous())
+        # A cotangent read again (an alias a product walks) is the same tensor.
+        saved = [cotangents[v.index] if isinstance(v, _Cotangent) else v for v in saved]
         results = training.backward.execute(cotangents + saved, None, ctx.params)
         per_input: list[Any] = [None] * ctx.count
         for i, g in zip(d.grad_inputs, results):

@@ -80,8 +80,11 @@ def test_golden_forward_of_a_sequence_parallel_colwise_linear(schedule):
 
 def test_golden_backward_of_a_sequence_parallel_colwise_linear():
     """The input gradient is dy @ w summed over the ranks' N and scattered
-    on the sequence; the weight gradient gathers the saved shard again
-    (whole: its product sums over the sequence)."""
+    on the sequence: a GEMM+RS ring walking the sequence, each step the
+    partial sums of one peer's rows, read from the output gradient split
+    as the forward walked it. The weight gradient gathers the saved shard
+    again (whole: its product sums over the sequence), posted before the
+    ring and waited for by its product after it."""
     from conftest import check_golden
     from hostir import autodiff
 
@@ -89,16 +92,26 @@ def test_golden_backward_of_a_sequence_parallel_colwise_linear():
     d = autodiff.derive(fd.fusion, [0, 1, 2])
     program = _lowered(d.backward, "ring")
     text = str(program.program)
-    assert "type=ReduceScatter" in text and "type=Allgather" in text
+    assert "type=ReduceScatter" not in text
+    before, ring = text.split("(ring,")
+    ring, after = ring.split("Synchronize Stream ( StreamIdx % numberOfStreams )\n", 1)
+    assert "type=Allgather" in before and "Wait Communication" not in before
+    assert "P2PCommunication" in ring and "partial = " in ring
+    assert "Wait Communication" in after and "matmul(" in after.split("Wait Communication")[1]
     check_golden("sp_colwise_backward", program)
 
 
 def test_the_forward_saves_the_shard_not_the_gathered_activation():
+    """Nothing of the forward's is saved but its inputs (the activation's
+    shard, the weight); the output gradient is read a second time, split
+    as the forward walked its sequence."""
     from hostir import autodiff
 
     d = autodiff.derive(colwise_sp(2).fusion, [0, 1, 2])
-    assert ("input", 0) in d.saved
-    assert all(kind == "input" for kind, _ in d.saved), d.saved
+    assert ("input", 0) in d.saved and ("cotangent", 0) in d.saved
+    assert all(kind in ("input", "cotangent") for kind, _ in d.saved), d.saved
+    walked = d.backward.inputs[len(d.cotangent_layouts) + d.saved.index(("cotangent", 0))]
+    assert [a.parallel_type for a in walked.domain].count(ParallelType.stream) == 1
 
 
 def test_the_machine_model_sizes_the_gemm_of_the_walked_activation():
@@ -113,6 +126,23 @@ def test_the_machine_model_sizes_the_gemm_of_the_walked_activation():
     fd = colwise_sp(2)
     inputs = [torch.empty(B, s, H), torch.empty(n, H), torch.empty(n)]
     assert machine._shape_hint(fd.fusion, inputs, 2) == (B * s, H, n, 4)
+
+
+def test_the_machine_model_sizes_the_gemm_rs_of_the_colwise_backward():
+    """The backward's input gradient walks the output gradient's rows: per
+    step a D-th of them times its N piece (the contraction) times H, and
+    what moves is those rows' partial sums, H wide."""
+    import torch
+
+    from hostir import autodiff, machine
+
+    B, S, H, n = 2, 8, 16, 64  # per rank: dy [B, S, n], w [n, H], x [B, S/2, H]
+    d = autodiff.derive(colwise_sp(2).fusion, [0, 1, 2])
+    assert d.saved == [("input", 1), ("cotangent", 0), ("input", 0)]
+    dy = torch.empty(B, S, n)
+    inputs = [dy, torch.empty(n, H), dy, torch.empty(B, S // 2, H)]
+    assert machine.decomposable(d.backward)
+    assert machine._shape_hint(d.backward, inputs, 2) == (B * S // 2, H, n, 4)
 
 
 @pytest.mark.parametrize("schedule", ["ring", "ring:chunks=2"])

@@ -85,7 +85,9 @@ def dry_run_training(fd, inputs, wrt=None, world_size: int | None = None, keep_g
         ]
         saved, listed, saved_bytes, input_bytes = [], [], 0, 0
         for kind, i in d.saved:
-            if kind == "input":
+            if kind == "cotangent":
+                saved.append(cotangents[i])  # the same tensor again: no bytes saved
+            elif kind == "input":
                 value = metas[i]
                 saved.append(value)
                 if isinstance(value, torch.Tensor):

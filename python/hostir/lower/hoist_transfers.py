@@ -8,9 +8,11 @@ use of its output) and deallocations are inserted.
 Postcondition: with `Hoisting.mode` "hoist", first each top-level `Wait`
 of a communication (with the Deallocates of its buffers that follow it)
 sits as late as it can: below the compute that neither reads nor writes
-what the communication touches, and below posts of other communication
-types, but not below the next post of its own type, a barrier, or the
-budget — so a weight gradient's ReduceScatter, posted as soon as the
+what the communication touches, below posts of other communication
+types, and below a stream loop none of whose ops touches it or posts its
+type (a re-gather posted above a GEMM+ReduceScatter ring runs under the
+ring), but not below the next post of its own type, another barrier, or
+the budget — so a weight gradient's ReduceScatter, posted as soon as the
 gradient is computed, runs under the next layer's backward ("waited for N
 compute ops later" in its dump line). Then each top-level post, with the
 `Allocate` of its output, sits as early as it can: not above an op that
@@ -233,7 +235,8 @@ def _sink_waits(exprs: list, budget: int, resolve) -> tuple[list, dict]:
             # Past other communications' posts, but not the next of its kind:
             # one of each kind in flight.
             other_post = isinstance(nxt, ir.Communication) and nxt.type is not comm.type
-            if not (isinstance(nxt, _SINKS_PAST) or other_post) or _conflicts(nxt, touched, resolve):
+            passes = isinstance(nxt, _SINKS_PAST) or other_post or _clear_region(nxt, comm, touched, resolve)
+            if not passes or _conflicts(nxt, touched, resolve):
                 break
             to += 1
             if isinstance(nxt, ir.FUSION_OPS):
@@ -246,6 +249,32 @@ def _sink_waits(exprs: list, budget: int, resolve) -> tuple[list, dict]:
                 sunk[(type(comm), comm.name)] = passed
                 break
     return exprs, sunk
+
+
+def _clear_region(e: ir.Expr, comm: ir.Communication, touched: set, resolve) -> bool:
+    """Whether a Wait may sink past `e` as a whole: a view, the capture of
+    the caller's stream before a stream loop, or a loop none of whose ops
+    (nested bodies included) touches the communication's buffers or posts
+    another communication of its type. A re-gather posted above the ring of
+    a GEMM+ReduceScatter then runs under it and is waited for by the product
+    that reads it after the ring; the loop's point-to-point sends follow
+    the post on every rank alike."""
+    if isinstance(e, (ir.HirAliasSelect, ir.GetCurrentStream)):
+        return True
+    if not isinstance(e, ir.ForLoop):
+        return False
+    todo = list(e.body)
+    while todo:
+        inner = todo.pop()
+        if isinstance(inner, ir.ForLoop):
+            todo.extend(inner.body)
+        elif isinstance(inner, ir.IfThenElse):
+            todo.extend(inner.then_body + inner.else_body)
+        if isinstance(inner, ir.Communication) and inner.type is comm.type:
+            return False
+        if _conflicts(inner, touched, resolve):
+            return False
+    return True
 
 
 def _note_sunk(exprs: list, sunk: dict) -> list:

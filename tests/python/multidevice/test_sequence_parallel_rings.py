@@ -62,11 +62,14 @@ def _programs(executor) -> str:
     return "\n".join(str(p.container) for p in executor._programs.values())
 
 
-def _matches_the_unsharded_linear(world, lin, ref, X, in_dim: int, out_dim: int, schedule: str) -> None:
+def _matches_the_unsharded_linear(
+    world, lin, ref, X, in_dim: int, out_dim: int, schedule: str, backward_walks: bool = False
+) -> None:
     """`lin` (parallelized) on this rank's piece of `X` (cut on `in_dim`)
     gives this rank's piece (cut on `out_dim`) of `ref` on the whole `X`,
-    forward and backward (every gradient); its training forward runs in
-    `schedule`'s decomposition, with P2P exactly where that is a ring."""
+    forward and backward (every gradient); its training forward (and, if
+    `backward_walks`, its backward) runs in `schedule`'s decomposition,
+    with P2P exactly where that is a ring."""
     D, rank = world.size, world.rank
     x = X.chunk(D, in_dim)[rank].contiguous().requires_grad_()
     y = lin(x)
@@ -82,19 +85,23 @@ def _matches_the_unsharded_linear(world, lin, ref, X, in_dim: int, out_dim: int,
         torch.testing.assert_close(lin.bias.grad.full_tensor(), ref.bias.grad)
     (fd,) = lin._hostir_linear.fusions.values()
     (training,) = fd._trainings.values()
-    forward = _programs(training.forward)
     kind = schedule.split(":")[0]
-    assert f"({kind}," in forward or f"schedule=({kind}" in forward
-    assert ("P2PCommunication" in forward) is (kind == "ring")
+    for program in [training.forward] + ([training.backward] if backward_walks else []):
+        text = _programs(program)
+        assert f"({kind}," in text or f"schedule=({kind}" in text
+        assert ("P2PCommunication" in text) is (kind == "ring")
 
 
 @pytest.mark.parametrize("schedule", ["ring", "ring:chunks=2", "collective", "sequential"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-def test_hostir_parallel_colwise_under_sequence_parallelism(world, monkeypatch, schedule, bias):
-    """`ColwiseParallel(input_layouts=Shard(1))` through hostir.parallel:
-    the forward is the AG+GEMM walking the sequence in the forced schedule,
-    the backward re-gathers the saved shard; outputs and gradients match
-    the unsharded Linear."""
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_hostir_parallel_colwise_under_sequence_parallelism(world, monkeypatch, schedule, bias, ndim):
+    """`ColwiseParallel(input_layouts=Shard(seq))` through hostir.parallel,
+    on a 2-D [s, h] and a 3-D [b, s, h] activation: the forward is the
+    AG+GEMM walking the sequence in the forced schedule; in the backward
+    the input gradient is the GEMM+RS walking it in the same schedule, and
+    the weight gradient re-gathers the saved shard; outputs and gradients
+    match the unsharded Linear."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
@@ -107,8 +114,10 @@ def test_hostir_parallel_colwise_under_sequence_parallelism(world, monkeypatch, 
     lin = torch.nn.Linear(H, N, bias=bias)
     ref = torch.nn.Linear(H, N, bias=bias)
     ref.load_state_dict(lin.state_dict())
-    parallelize_module(lin, mesh, ColwiseParallel(input_layouts=Shard(1)))
-    _matches_the_unsharded_linear(world, lin, ref, torch.randn(B, S, H), 1, 2, schedule)
+    seq = ndim - 2
+    parallelize_module(lin, mesh, ColwiseParallel(input_layouts=Shard(seq)))
+    X = torch.randn(*([B] if ndim == 3 else []), S, H)
+    _matches_the_unsharded_linear(world, lin, ref, X, seq, -1, schedule, backward_walks=True)
 
 
 @pytest.mark.parametrize("schedule", ["ring", "ring:chunks=2", "collective", "sequential"])
