@@ -18,7 +18,8 @@ ranks on one GPU) and the rings run on the `cuda` copy-engine transport
 layers forward and backward (the backward's re-gather and its gather of the
 output gradient are rings too), and a sequence-parallel rowwise Linear as
 `hostir.parallel` defines it (the GEMM+RS ring walking the sequence of a
-[b, s, h] activation, with a bias) and a sequence-parallel colwise Linear
+[b, s, h] activation, with a bias; in the backward the AG+GEMM ring of the
+output gradient) and a sequence-parallel colwise Linear
 (the AG+GEMM ring forward; in the backward the GEMM+RS ring for the input
 gradient, the re-gather of the saved shard posted before it), every result
 and gradient compared with eager torch on the whole tensors.
@@ -191,10 +192,15 @@ def shared_gpu_layers(device, world, rank, sched):
         torch.testing.assert_close(b.grad, G.sum((0, 1)), **tol)
         from hostir.autograd import training_of
 
-        forward = training_of(fd, (0, 1, 2)).forward.host_ir(inputs=[x.detach(), w.detach(), b.detach()], **kwargs)
-        cases["SP rowwise Linear (GEMM+RS) fwd+bwd"] = "pass" + (" (ring)" if "(ring," in forward else "")
+        training = training_of(fd, (0, 1, 2))
+        plain = [x.detach(), w.detach(), b.detach()]
+        forward = training.forward.host_ir(inputs=plain, **kwargs)
+        g = G.chunk(D, 1)[rank].contiguous()
+        backward = training.backward.host_ir(inputs=[g] + [plain[i] for _, i in training.derivation.saved], **kwargs)
+        rings = "(ring," in forward and "(ring," in backward
+        cases["SP rowwise Linear (GEMM+RS, bwd AG+GEMM) fwd+bwd"] = "pass" + (" (rings)" if rings else "")
     except Exception as err:
-        cases["SP rowwise Linear (GEMM+RS) fwd+bwd"] = f"FAIL {type(err).__name__}: {err}"
+        cases["SP rowwise Linear (GEMM+RS, bwd AG+GEMM) fwd+bwd"] = f"FAIL {type(err).__name__}: {err}"
         traceback.print_exc()
     try:
         # A sequence-parallel colwise Linear as hostir.parallel defines it for

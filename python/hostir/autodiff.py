@@ -22,7 +22,9 @@ the forward walked the sequence, a GEMM+ReduceScatter ring walking it
 too: the product reads the output's cotangent a second time, as a backward
 input split as the forward walked it, see `_Deriver.walking`); a
 row-parallel linear's replicated output gives a replicated cotangent that
-each rank multiplies by its own rows. A resharding `set` has no op in the
+each rank multiplies by its own rows, and its sequence-sharded output a
+cotangent gathered once for both products (walking the sequence where the
+forward walked it: an AG+GEMM ring, `_Deriver.gathered_walking`). A resharding `set` has no op in the
 backward: the cotangent of its output is made directly in its input's
 sharding. Where a contraction is sharded on a mesh dimension that another
 axis of the same product also uses (a weight gradient of a sequence-parallel
@@ -111,6 +113,21 @@ class Layout:
             new[a] = ((None, ir.ParallelType.serial),)
         return Layout(self.mesh, tuple(new))
 
+    def walking(self, axis: int, pieces: int) -> Layout:
+        """The same with logical axis `axis` cut into `pieces` chunks for a
+        stream loop (its outer piece a stream piece)."""
+        axes = list(self.axes)
+        axes[axis] = ((pieces, ir.ParallelType.stream), (None, ir.ParallelType.serial))
+        return Layout(self.mesh, tuple(axes))
+
+    def walked_pieces(self, axis: int) -> int | None:
+        """The chunks a stream loop cuts logical axis `axis` into (its outer
+        piece a stream piece of constant extent, the rest serial), else None."""
+        a = self.axes[axis]
+        if len(a) == 2 and a[0][1] is ir.ParallelType.stream and a[1][1] is ir.ParallelType.serial:
+            return a[0][0]
+        return None
+
     def permuted(self, dims) -> Layout:
         return Layout(self.mesh, tuple(self.axes[d] for d in dims))
 
@@ -195,9 +212,10 @@ def derive(fusion: ir.Fusion, wrt, keep_gathered: bool = False) -> Derivation:
     return _Deriver(fusion, list(wrt), keep_gathered).run()
 
 
-def _propagated_layouts(fusion: ir.Fusion) -> dict[int, Layout]:
+def _propagated_layouts(fusion: ir.Fusion) -> tuple[dict[int, Layout], dict[int, Layout]]:
     """Each tensor's layout (by name) after stream and sharding propagation,
-    as the forward's lowering places it."""
+    as the forward's lowering places it, and the layouts of the inputs with
+    their stream pieces (which the first leaves out)."""
     from hostir.lower.build_host_program import build_host_program
     from hostir.lower.propagate_shardings import all_tvs, propagate_shardings
     from hostir.lower.propagate_stream_axes import propagate_stream_axes
@@ -207,10 +225,12 @@ def _propagated_layouts(fusion: ir.Fusion) -> dict[int, Layout]:
     # A stream piece on an input only cuts the forward's loop over it (a
     # row-parallel product walking its output's scattered axis, GEMM+RS);
     # its gradient is whole along that axis, as any input's.
+    walked = {}
     for tv in container.inputs:
         if isinstance(tv, ir.TensorView):
+            walked[tv.name] = layouts[tv.name]
             layouts[tv.name] = layouts[tv.name].without_streams()
-    return layouts
+    return layouts, walked
 
 
 class _Deriver:
@@ -218,9 +238,9 @@ class _Deriver:
         self.fwd = copy.deepcopy(fusion)
         self.wrt = wrt
         self.keep_gathered = keep_gathered
-        self.layouts = _propagated_layouts(self.fwd)
+        self.layouts, self.input_walks = _propagated_layouts(self.fwd)
         if keep_gathered and self._explicit_gathers():
-            self.layouts = _propagated_layouts(self.fwd)
+            self.layouts, self.input_walks = _propagated_layouts(self.fwd)
         self.multi = any(lay.mesh is not None for lay in self.layouts.values())
         self.bwd = ir.Fusion()
         self.producer = {e.out: e for e in self.fwd.exprs}
@@ -491,6 +511,40 @@ class _Deriver:
             self.gathered[key] = found
         return found
 
+    def gathered_walking(self, g: ir.TensorView, lead, x: ir.TensorView) -> tuple[ir.TensorView, Layout | None]:
+        """`g` (a linear's output cotangent, sharded on rows `lead`) gathered
+        whole on them for both products. Where the forward walked one of
+        those rows on the linear's input `x` (a row-parallel product walking
+        its output's scattered axis, GEMM+RS), the gather walks it too, so
+        that the lowering makes it a ring feeding the input gradient chunk
+        by chunk (AG+GEMM); the weight gradient and the bias read the whole
+        gathered gradient after the ring. Returns the gathered gradient and
+        the layout the input gradient takes to walk with it (None where it
+        does not walk)."""
+        lay = self.known[g]
+        walk = self.input_walks.get(x.name, self.layout(x))
+        lx = self.layout(x)
+        for a in lead:
+            pieces = walk.walked_pieces(a)
+            sharded = lay.axes[a]
+            if (
+                pieces is not None
+                and len(sharded) == 2
+                and sharded[0][1].is_device
+                and sharded[0][0] == pieces
+                and not lx.device_types(a)
+            ):
+                key = ("walked", id(g), a)
+                found = self.gathered.get(key)
+                if found is None:
+                    layout = lay.without_streams().unsharded(lead).walking(a, pieces)
+                    found = builders.set_(g)
+                    layout.apply(found)
+                    self.known[found] = layout
+                    self.gathered[key] = found
+                return found, lx.without_streams().walking(a, pieces)
+        return self.unsharded(g, lead), None
+
     def contraction_ready(self, a, a_k: list[int], b, b_k: list[int]):
         """Gather the contracted axes of `a` or `b` where a mesh dimension
         shards a contracted axis and also an axis of the product."""
@@ -748,12 +802,13 @@ def _linear_rule(d: _Deriver, e: ir.LinearOp, needs) -> None:
     lead = list(range(n - 1))
     # A gradient sharded on the rows where the weight is sharded on K (the
     # backward of a GEMM+ReduceScatter layer) is gathered once, for both
-    # products.
+    # products; walking the rows where the forward walked them.
+    walked = None
     lg = d.known.get(g)
     if lg is not None:
         rows = set().union(*(lg.device_types(i) for i in lead))
         if rows & (d.layout(w).device_types(1) | d.layout(x).device_types(n - 1)):
-            g = d.unsharded(g, lead)
+            g, walked = d.gathered_walking(g, lead, x)
     xs = None
     if _wants(d, x, needs):
         ws = d.save(w)
@@ -763,7 +818,10 @@ def _linear_rule(d: _Deriver, e: ir.LinearOp, needs) -> None:
             # posted before the input gradient's ring and runs under it.
             xs = d.save(x, contracted=[n - 2])
         gg, ws = d.contraction_ready(gx, [n - 1], ws, [0])
-        d.contribute(x, d.made(builders.matmul(gg, ws)))
+        gx = d.made(builders.matmul(gg, ws))
+        if walked is not None:
+            gx = d.place(gx, walked)
+        d.contribute(x, gx)
     if _wants(d, w, needs):
         if xs is None:
             xs = d.save(x, contracted=[n - 2])

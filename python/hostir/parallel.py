@@ -24,9 +24,11 @@ Hugging Face plans (`"colwise"`, `"rowwise"`, `"colwise_rep"`,
   ReduceScatter, and in the backward their transposes. Under sequence
   parallelism the gather of a colwise input and the reduce-scatter of a
   rowwise output are decomposed walking the sequence (AG+GEMM and GEMM+RS,
-  in the schedule the machine model chooses), and so is the colwise
-  backward's reduce-scatter of the input gradient (GEMM+RS, with the
-  re-gather of the saved shard running under it); `use_local_output`
+  in the schedule the machine model chooses), and so are their backwards:
+  the colwise input gradient's reduce-scatter (GEMM+RS, the re-gather of
+  the saved shard running under it) and the rowwise gather of the output
+  gradient (AG+GEMM, computing the input gradient as it goes);
+  `use_local_output`
   returns the local tensor or the DTensor as torch does;
 - `nn.Embedding` under those styles, `SequenceParallel`,
   `PrepareModuleInput`, `PrepareModuleOutput` and any other style run as

@@ -1,12 +1,15 @@
 """Golden dumps of sequence-parallel Linears, as hostir.parallel defines
 them. Colwise, for `ColwiseParallel(input_layouts=Shard(1))`: the
 activation [b, s, h] sharded on the sequence (not its outermost axis), the
-weight on N; the forward is the ring AG+GEMM walking the sequence, and the
-backward gathers the saved shard again for the weight gradient. Rowwise,
+weight on N; the forward is the ring AG+GEMM walking the sequence; the
+backward's input gradient is the ring GEMM+RS walking it, and the saved
+shard is gathered again under that ring for the weight gradient. Rowwise,
 for `RowwiseParallel(output_layouts=Shard(1))`: the activation and the
 weight sharded on K, the output on the sequence; the forward is the ring
-GEMM+RS walking the sequence. Each dump is race-checked, and so is each of
-its mutants missing a Synchronize or Wait."""
+GEMM+RS walking the sequence, and the backward gathers the output gradient
+in a ring that computes the input gradient as it goes (AG+GEMM). Each dump
+is race-checked, and so is each of its mutants missing a Synchronize or
+Wait."""
 
 from __future__ import annotations
 
@@ -164,16 +167,23 @@ def test_golden_forward_of_a_sequence_parallel_rowwise_linear(schedule):
 
 
 def test_golden_backward_of_a_sequence_parallel_rowwise_linear():
-    """The output gradient, sharded on the sequence, is gathered once and
-    feeds both products; the input's stream axis does not reach the
-    gradient (it only cut the forward's loop)."""
+    """One AG+GEMM (torchtitan's backward of a GEMM+RS layer): the output
+    gradient, sharded on the sequence, is gathered in a ring walking the
+    sequence as the forward walked it, and each peer's rows of the input
+    gradient are computed as they arrive; the weight and bias gradients
+    read the whole gathered gradient after the ring. The input gradient
+    is whole on the sequence, as the input is."""
     from conftest import check_golden
     from hostir import autodiff
 
     d = autodiff.derive(rowwise_sp(2).fusion, [0, 1, 2])
     program = _lowered(d.backward, "ring")
     text = str(program.program)
-    assert "type=Allgather" in text
+    assert "type=Allgather" not in text
+    before, ring = text.split("(ring,")
+    ring, after = ring.split("Synchronize Stream ( StreamIdx % numberOfStreams )\n", 1)
+    assert "P2PCommunication" in ring and "matmul(" in ring
+    assert "permute(" in after and "matmul(" in after and "reduction(" in after
     check_golden("sp_rowwise_backward", program)
 
 
@@ -190,3 +200,18 @@ def test_the_machine_model_sizes_the_steps_of_a_gemm_rs():
     inputs = [torch.empty(B, S, h), torch.empty(N, h), torch.empty(N)]
     assert machine.decomposable(fd.fusion)
     assert machine._shape_hint(fd.fusion, inputs, 2) == (B * S // 2, N, h, 4)
+
+
+def test_the_machine_model_sizes_the_ag_gemm_of_the_rowwise_backward():
+    """The backward gathers the output gradient walking the sequence: per
+    step a peer's rows of it (N wide) times the weight's K piece."""
+    import torch
+
+    from hostir import autodiff, machine
+
+    B, S, h, N = 2, 8, 16, 64  # per rank: dy [B, S/2, N], w [N, h], x [B, S, h]
+    d = autodiff.derive(rowwise_sp(2).fusion, [0, 1, 2])
+    assert d.saved == [("input", 1), ("input", 0)]
+    inputs = [torch.empty(B, S // 2, N), torch.empty(N, h), torch.empty(B, S, h)]
+    assert machine.decomposable(d.backward)
+    assert machine._shape_hint(d.backward, inputs, 2) == (B * S // 2, N, h, 4)

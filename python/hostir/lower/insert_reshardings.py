@@ -356,13 +356,25 @@ def check_op(e: ir.Expr, classes) -> None:
             continue
         if i.is_broadcast or o.is_broadcast:
             continue
-        if _split_alike(o, i, classes) or slices_locally(e, o, i):
+        if _split_alike(o, i, classes) or slices_locally(e, o, i) or _reads_walked_whole(o, i):
             continue
         raise ShardingError(
             f"axis {printer.format_id(o)} and its operand axis {printer.format_id(i)} are split "
             f"differently ({_leaves_text(o)} vs {_leaves_text(i)}); split both the same way:\n"
             f"{printer.format_expr_head(e)}"
         )
+
+
+def _reads_walked_whole(o: ir.IterDomain, i: ir.IterDomain) -> bool:
+    """Whether the operand axis `i` is only cut for a stream loop (its outer
+    piece a stream piece, the rest serial) and the output axis `o` is
+    whole: the op runs after the loop that wrote the operand chunk by chunk
+    and reads all of it (the weight gradient of a backward whose ring
+    gathered the output gradient for the input gradient, walking it)."""
+    if o.leaves is not None or o.parallel_type is not ir.ParallelType.serial or i.leaves is None:
+        return False
+    first, *rest = i.leaves
+    return first.parallel_type is ir.ParallelType.stream and all(x.parallel_type is ir.ParallelType.serial for x in rest)
 
 
 def _split_alike(o: ir.IterDomain, i: ir.IterDomain, classes) -> bool:

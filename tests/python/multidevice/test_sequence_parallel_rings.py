@@ -127,7 +127,9 @@ def test_hostir_parallel_rowwise_under_sequence_parallelism(world, monkeypatch, 
     """`RowwiseParallel(output_layouts=Shard(seq))` through hostir.parallel:
     the forward is the GEMM+RS walking the sequence in the forced schedule
     (each step the partial product of a peer's rows, sent on while the next
-    computes), on a 2-D [s, h] and a 3-D [b, s, h] activation (the walked
+    computes), and the backward the AG+GEMM walking it in the same schedule
+    (the output gradient gathered as the input gradient's rows are
+    computed), on a 2-D [s, h] and a 3-D [b, s, h] activation (the walked
     axis not outermost); outputs and gradients match the unsharded Linear."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import RowwiseParallel
@@ -144,4 +146,4 @@ def test_hostir_parallel_rowwise_under_sequence_parallelism(world, monkeypatch, 
     ref.load_state_dict(lin.state_dict())
     parallelize_module(lin, mesh, RowwiseParallel(output_layouts=Shard(seq)))
     X = torch.randn(*([2] if ndim == 3 else []), S, H)
-    _matches_the_unsharded_linear(world, lin, ref, X, -1, seq, schedule)
+    _matches_the_unsharded_linear(world, lin, ref, X, -1, seq, schedule, backward_walks=True)
