@@ -6,9 +6,11 @@ the inputs that require grad is made once per fusion version and kept; its
 training forward runs now (the user's outputs, then the tensors the
 backward reads), and `backward()` runs its backward program, communications
 included, returning one gradient per input that torch accumulates into
-`.grad` as it does for its own ops. DTensor inputs enter through their
-differentiable `to_local()` and outputs leave through `DTensor.from_local`,
-so the gradients of DTensor inputs are DTensors with the inputs' placements.
+`.grad` as it does for its own ops. DTensor inputs enter the node as
+they are: it runs on their local shards and returns their gradients as
+DTensors with the inputs' placements (as `to_local()`'s backward would,
+without a `to_local` node and a `from_local` per gradient on every call);
+outputs leave through `DTensor.from_local`.
 
 Everything else (`no_grad`, no input requiring grad) never reaches this
 module: those calls run the plain forward program as before.
@@ -22,6 +24,7 @@ executors, so their steady-state single-device calls take the prepared path.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Sequence
 
@@ -93,7 +96,10 @@ def execute(fd, inputs, outputs, params, return_dtensors, kwargs) -> list[Any]:
     wrap = bool(return_dtensors)
     if has_dtensors(inputs):
         wrap = return_dtensors is not False
-        inputs = fd._dtensors().local_inputs(inputs)
+        # DTensor inputs enter the node as they are: it reads their local
+        # shards and gives their gradients their own specs (no to_local
+        # node, and no from_local per gradient, on every call).
+        fd._dtensors().place_inputs(inputs)
     if wrap:
         fd._dtensors().check_outputs()
     fusion_inputs = fd.fusion.inputs
@@ -103,7 +109,7 @@ def execute(fd, inputs, outputs, params, return_dtensors, kwargs) -> list[Any]:
         if isinstance(t, torch.Tensor) and t.requires_grad and i < len(fusion_inputs) and t.is_floating_point()
     )
     if len(inputs) != len(fusion_inputs) or not wrt:
-        results = fd.executor.execute([_plain(t) for t in inputs], None, params)
+        results = fd.executor.execute([_plain(_local(t)) for t in inputs], None, params)
         return fd._dtensors().wrap_outputs(results) if wrap else results
     training = training_of(fd, wrt)
     results = list(_Node.apply(training, params, *inputs))
@@ -112,6 +118,30 @@ def execute(fd, inputs, outputs, params, return_dtensors, kwargs) -> list[Any]:
 
 def _plain(t):
     return t.detach() if isinstance(t, torch.Tensor) else t
+
+
+def _local(t):
+    """A DTensor's local shard (its own tensor, not a view with a grad
+    node); anything else as it is."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def _gradient_like(g: torch.Tensor, spec, local_stride: tuple) -> Any:
+    """The gradient of a DTensor input from its local shard `g`: placed as
+    the input (whose spec is `spec` and whose local shard had strides
+    `local_stride`), a Partial placement as Replicate, as the backward of
+    `DTensor.to_local` places it. With the input's own placements and
+    strides it takes a copy of the input's spec, as that backward does,
+    without its `from_local`."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if g.stride() == local_stride and not any(p.is_partial() for p in spec.placements):
+        return DTensor(g, copy.copy(spec), requires_grad=False)
+    from torch.distributed.tensor._utils import compute_global_tensor_info
+
+    placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+    _, stride = compute_global_tensor_info(g, spec.mesh, placements)
+    return DTensor.from_local(g, spec.mesh, placements, run_check=False, shape=spec.shape, stride=tuple(stride))
 
 
 def _placeholders(d: Derivation, saved: list, inputs) -> list:
@@ -166,6 +196,9 @@ class _Node(torch.autograd.Function):
     @staticmethod
     def forward(ctx, training: Training, params, *inputs):
         d = training.derivation
+        specs = [(t._spec, t._local_tensor.stride()) if is_dtensor(t) else None for t in inputs]
+        if any(specs):
+            inputs = tuple(_local(t) for t in inputs)
         results = training.forward.execute([_plain(t) for t in inputs], None, params)
         user = results[: d.user_outputs]
         saved = [
@@ -180,6 +213,7 @@ class _Node(torch.autograd.Function):
         ctx.training, ctx.params = training, params
         ctx.outputs = [(None if r is None else (r.shape, r.dtype, r.device)) for r in user]
         ctx.count = len(inputs)
+        ctx.specs = specs
         for r in user:
             if r is not None and not r.is_floating_point():
                 ctx.mark_non_differentiable(r)
@@ -210,5 +244,6 @@ class _Node(torch.autograd.Function):
         results = training.backward.execute(cotangents + saved, None, ctx.params)
         per_input: list[Any] = [None] * ctx.count
         for i, g in zip(d.grad_inputs, results):
-            per_input[i] = g
+            spec = ctx.specs[i]
+            per_input[i] = g if spec is None or g is None else _gradient_like(g, *spec)
         return (None, None, *per_input)

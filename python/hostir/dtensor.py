@@ -84,16 +84,21 @@ class Adapter:
     def local_inputs(self, inputs: Sequence[Any]) -> list[Any]:
         """The local shards of `inputs`, after applying or checking the
         placements of the DTensors among them (plain tensors pass as they are)."""
+        self.place_inputs(inputs)
+        return [v.to_local() if is_dtensor(v) else v for v in inputs]
+
+    def place_inputs(self, inputs: Sequence[Any]) -> None:
+        """Apply or check the placements of the DTensors among `inputs`."""
         if len(inputs) != len(self.fusion.inputs):
             # The executor reports the count with the fusion's signature.
-            return [v.to_local() if is_dtensor(v) else v for v in inputs]
+            return
         placed = tuple(
             (i, id(v.device_mesh), tuple(v.placements), tuple(v.shape)) for i, v in enumerate(inputs) if is_dtensor(v)
         )
         if (self.fusion.version, placed) in self._checked:
             # The same meshes, placements and shapes on the same fusion:
             # the checks below would pass and change nothing.
-            return [v.to_local() if is_dtensor(v) else v for v in inputs]
+            return
         plans = []
         for i, (tv, value) in enumerate(zip(self.fusion.inputs, inputs)):
             if is_dtensor(value):
@@ -109,7 +114,6 @@ class Adapter:
         if len(self._checked) >= 64:
             self._checked.clear()
         self._checked[(self.fusion.version, placed)] = tuple(v.device_mesh for v in inputs if is_dtensor(v))
-        return [v.to_local() if is_dtensor(v) else v for v in inputs]
 
     def _plan(self, i: int, tv: ir.TensorView, dt: Any) -> Any:
         what = f"input {i} (T{tv.name})"

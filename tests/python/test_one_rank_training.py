@@ -236,3 +236,42 @@ def test_the_hoisting_choice_is_made_once_per_signature(plain_process, monkeypat
     assert again is first and len(made) == 1
     machine.hoisting_for_inputs(fd.fusion, [torch.randn(7, 8), w], device, comm, frozenset())
     assert len(made) == 2
+
+
+def test_dtensor_gradients_keep_the_inputs_placements(plain_process):
+    """A fusion on DTensor inputs returns their gradients as DTensors placed
+    as the inputs (the spec of a parameter's gradient is a copy of the
+    parameter's, not the object itself), with no `to_local` node in the
+    graph; a gradient with other strides, or of a Partial input, is placed
+    as `to_local()`'s backward places it (Partial as Replicate)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from hostir import autograd
+
+    mesh = MESH.to_torch("cpu")
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        w = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.linear(x, w))
+    X, W = torch.randn(3, 4), torch.randn(5, 4)
+    wd = DTensor.from_local(W.clone(), mesh, [Shard(0)]).requires_grad_()
+    xd = DTensor.from_local(X.clone(), mesh, [Replicate()]).requires_grad_()
+    (y,) = fd.execute([xd, wd], return_dtensors=False)
+    # One node, on the DTensors themselves (no to_local node before it).
+    assert [type(f).__name__ for f, _ in y.grad_fn.next_functions] == ["AccumulateGrad", "AccumulateGrad"]
+    G = torch.randn(3, 5)
+    y.backward(G)
+    assert isinstance(wd.grad, DTensor) and wd.grad.placements == (Shard(0),)
+    assert wd.grad._spec is not wd._spec
+    torch.testing.assert_close(wd.grad.full_tensor(), G.T @ X)
+    assert isinstance(xd.grad, DTensor) and xd.grad.placements == (Replicate(),)
+    torch.testing.assert_close(xd.grad.full_tensor(), G @ W)
+
+    spec, stride = wd._spec, wd._local_tensor.stride()
+    g = torch.randn(4, 5).T  # other strides than the parameter's shard
+    moved = autograd._gradient_like(g, spec, stride)
+    assert moved.placements == (Shard(0),) and moved.stride() == g.stride()
+    torch.testing.assert_close(moved.to_local(), g)
+    partial = DTensor.from_local(torch.randn(5, 4), mesh, [Partial()])
+    got = autograd._gradient_like(torch.ones(5, 4), partial._spec, partial._local_tensor.stride())
+    assert got.placements == (Replicate(),)
