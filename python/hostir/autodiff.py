@@ -24,7 +24,8 @@ input split as the forward walked it, see `_Deriver.walking`); a
 row-parallel linear's replicated output gives a replicated cotangent that
 each rank multiplies by its own rows, and its sequence-sharded output a
 cotangent gathered once for both products (walking the sequence where the
-forward walked it: an AG+GEMM ring, `_Deriver.gathered_walking`). A resharding `set` has no op in the
+forward walked it: an AG+GEMM ring, see `_Deriver.gathered_walking`). A
+resharding `set` has no op in the
 backward: the cotangent of its output is made directly in its input's
 sharding. Where a contraction is sharded on a mesh dimension that another
 axis of the same product also uses (a weight gradient of a sequence-parallel
@@ -474,22 +475,20 @@ class _Deriver:
             x = self.producer[x].input
         lo, lx = self.layout(out), self.layout(x)
         for a, b in lead:
-            walked, scattered = lo.axes[a], lx.axes[b]
+            pieces = lo.walked_pieces(a)
+            scattered = lx.axes[b]
             if (
-                len(walked) == 2
-                and walked[0][1] is ir.ParallelType.stream
+                pieces is not None
                 and len(scattered) == 2
-                and scattered[0][1] is k_type
-                and walked[0][0] == scattered[0][0]
+                and scattered[0] == (pieces, k_type)
+                and scattered[1][1] is ir.ParallelType.serial
             ):
                 key = (j, a)
                 found = self.walked.get(key)
                 if found is None:
-                    axes = list(lg.axes)
-                    axes[a] = walked
-                    layout = Layout(lg.mesh, tuple(axes))
                     self.saved_order.append(("cotangent", j))
-                    found = self.walked[key] = self.new_input(out, layout, streams=True)
+                    found = self.new_input(out, lg.walking(a, pieces), streams=True)
+                    self.walked[key] = found
                 return found
         return g
 
