@@ -39,10 +39,16 @@ def colwise(D: int, out_sharded: bool = True) -> FusionDefinition:
 
 
 @pytest.mark.parametrize("schedule", ["ring", "ring:chunks=2,direction=-1", "collective", "sequential"])
-def test_colwise_sequence_parallel_forward_and_backward(world, device, schedule):
+@pytest.mark.parametrize("keep_gathered", [False, True], ids=["regather", "keep_gathered"])
+def test_colwise_sequence_parallel_forward_and_backward(world, device, schedule, keep_gathered):
+    """Forward and backward against eager torch; the backward's input
+    gradient walks the output gradient (GEMM+RS) whether the weight
+    gradient gathers the saved shard again or reads the gathered input the
+    forward kept."""
     D = world.size
     B, S, H, N = 2, 4 * D, 6, 4 * D
     fd = colwise(D)
+    fd.keep_gathered = keep_gathered
     X = torch.randn(B, S, H, device=device)
     W = torch.randn(N, H, device=device)
     x = X.chunk(D, 1)[world.rank].contiguous().requires_grad_()
