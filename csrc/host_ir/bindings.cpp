@@ -240,23 +240,8 @@ Program program(const py::object& flat, const std::string& device, const std::ve
   return p;
 }
 
-py::object runExecutor(
-    const Executor& executor,
-    const std::vector<at::Tensor>& inputs,
-    const std::vector<std::optional<at::Tensor>>& outputs,
-    int64_t number_of_streams) {
-  std::vector<at::Tensor> outs;
-  outs.reserve(outputs.size());
-  for (const auto& o : outputs) {
-    outs.push_back(o ? *o : at::Tensor());
-  }
-  // Executor::run never throws: every error, a bad binding included, comes
-  // back in the result, and Python raises it (python/hostir/cpp.py).
-  RunResult result;
-  {
-    py::gil_scoped_release release;
-    result = executor.run(inputs, outs, number_of_streams);
-  }
+// The (values, failure) pair Python gets back from a run.
+py::object returned(const RunResult& result) {
   py::list values;
   for (const auto& t : result.outputs) {
     if (t.defined()) {
@@ -276,6 +261,35 @@ py::object runExecutor(
   return py::make_tuple(values, py::make_tuple(f.instr, loops, f.kind, f.message));
 }
 
+py::object runExecutor(
+    const Executor& executor,
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<std::optional<at::Tensor>>& outputs,
+    int64_t number_of_streams) {
+  std::vector<at::Tensor> outs;
+  outs.reserve(outputs.size());
+  for (const auto& o : outputs) {
+    outs.push_back(o ? *o : at::Tensor());
+  }
+  // Executor::run never throws: every error, a bad binding included, comes
+  // back in the result, and Python raises it (python/hostir/cpp.py).
+  RunResult result;
+  {
+    py::gil_scoped_release release;
+    result = executor.run(inputs, outs, number_of_streams);
+  }
+  return returned(result);
+}
+
+py::object runLogical(const Executor& executor, const std::vector<at::Tensor>& inputs, int64_t number_of_streams) {
+  RunResult result;
+  {
+    py::gil_scoped_release release;
+    result = executor.runLogical(inputs, number_of_streams);
+  }
+  return returned(result);
+}
+
 } // namespace
 } // namespace hostir
 
@@ -290,6 +304,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("device"),
           py::arg("opcodes"))
       .def("run", &hostir::runExecutor, py::arg("inputs"), py::arg("outputs"), py::arg("number_of_streams"))
+      .def("run_logical", &hostir::runLogical, py::arg("inputs"), py::arg("number_of_streams"))
+      .def("set_views", &hostir::Executor::setViews, py::arg("inputs"), py::arg("outputs"))
       .def_property_readonly("ops_executed", &hostir::Executor::opsExecuted);
   m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kTransfer) + 1;
   m.attr("UNARY_KINDS") = py::tuple(py::cast(hostir::unaryKindNames()));

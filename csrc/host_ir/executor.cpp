@@ -1624,4 +1624,60 @@ RunResult Executor::run(
   }
 }
 
+void Executor::setViews(
+    std::vector<std::vector<int64_t>> inputs,
+    std::vector<std::vector<std::vector<int64_t>>> outputs) {
+  input_views_ = std::move(inputs);
+  output_views_ = std::move(outputs);
+}
+
+RunResult Executor::runLogical(const std::vector<at::Tensor>& inputs, int64_t number_of_streams) const {
+  at::NoGradGuard no_grad;
+  at::AutoDispatchBelowAutograd below_autograd;
+  std::vector<at::Tensor> bound;
+  bound.reserve(inputs.size());
+  try {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor& t = inputs[i];
+      if (i >= input_views_.size() || input_views_[i].empty() || !t.defined()) {
+        bound.push_back(t);
+        continue;
+      }
+      std::vector<int64_t> sizes;
+      sizes.reserve(input_views_[i].size());
+      for (int64_t axis : input_views_[i]) {
+        sizes.push_back(axis < 0 ? 1 : t.size(axis));
+      }
+      bound.push_back(t.reshape(sizes));
+    }
+  } catch (const c10::Error& e) {
+    return RunResult{{}, Failure{-1, {}, "BindingError", e.what_without_backtrace()}};
+  }
+  RunResult result = run(bound, {}, number_of_streams);
+  if (result.failure) {
+    return result;
+  }
+  try {
+    for (size_t k = 0; k < result.outputs.size() && k < output_views_.size(); ++k) {
+      at::Tensor& t = result.outputs[k];
+      if (output_views_[k].empty() || !t.defined()) {
+        continue;
+      }
+      std::vector<int64_t> sizes;
+      sizes.reserve(output_views_[k].size());
+      for (const auto& held : output_views_[k]) {
+        int64_t size = 1;
+        for (int64_t dim : held) {
+          size *= t.size(dim);
+        }
+        sizes.push_back(size);
+      }
+      t = t.reshape(sizes);
+    }
+  } catch (const c10::Error& e) {
+    return RunResult{{}, Failure{-1, {}, "RuntimeError", e.what_without_backtrace()}};
+  }
+  return result;
+}
+
 } // namespace hostir

@@ -394,6 +394,18 @@ class Executor {
       const std::vector<at::Tensor>& outputs,
       int64_t number_of_streams) const;
 
+  // The views between a caller's tensors, with the fusion's logical axes,
+  // and the program's runtime axes, where they differ (an empty plan: they
+  // do not). Per input, for each runtime dim, the logical axis it takes its
+  // size from, or -1 for a device piece (size 1 on a rank); per output, for
+  // each logical axis, the runtime dims it is made of.
+  void setViews(std::vector<std::vector<int64_t>> inputs, std::vector<std::vector<std::vector<int64_t>>> outputs);
+
+  // `run` on the caller's logical tensors, with no outputs to write into:
+  // the inputs viewed with runtime axes first and the results with logical
+  // axes after, as `hostir.runtime.bind.Binding` does.
+  RunResult runLogical(const std::vector<at::Tensor>& inputs, int64_t number_of_streams) const;
+
   const Program& program() const {
     return program_;
   }
@@ -404,6 +416,8 @@ class Executor {
  private:
   Program program_;
   bool uses_streams_;
+  std::vector<std::vector<int64_t>> input_views_;
+  std::vector<std::vector<std::vector<int64_t>>> output_views_;
   mutable std::atomic<int64_t> ops_executed_{0};
   mutable EventPool events_;
   mutable Staging staging_;

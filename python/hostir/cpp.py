@@ -90,6 +90,7 @@ class CppEvaluator:
         self._lock = threading.Lock()
         self._flat: FlatProgram | None = None
         self._executor = None
+        self._views: tuple[list, list] | None = None
         # Positions of the scalar inputs (bound as integers).
         self._scalar_inputs = {i for i, v in enumerate(container.inputs) if not isinstance(v, ir.TensorView)}
         if communicator is None:
@@ -104,9 +105,20 @@ class CppEvaluator:
                 if self.dumper is not None:
                     self.dumper.emit("flat_program", "Flat program:", flat.dump())
                 opcodes = [OPCODES.index(i.op) for i in flat.instrs]
-                self._executor = _C.Executor(flat, str(self.device), opcodes)
+                executor = _C.Executor(flat, str(self.device), opcodes)
+                if self._views is not None:
+                    executor.set_views(*self._views)
                 self._flat = flat
+                self._executor = executor
         return self._executor
+
+    def take_views(self, views: tuple[list, list]) -> None:
+        """The conversions between a caller's logical tensors and the
+        program's (`Binding.views`), for `run_logical`."""
+        with self._lock:
+            self._views = views
+            if self._executor is not None:
+                self._executor.set_views(*views)
 
     @property
     def flat(self) -> FlatProgram:
@@ -146,6 +158,21 @@ class CppEvaluator:
         # Every error comes back as a failure tuple (no C++ exception crosses
         # into Python); instruction -1 is a bad binding, before any op runs.
         values, failure = executor.run(inputs, outputs, number_of_streams)
+        if failure is not None:
+            raise self._error(*failure)
+        for tv, slot, value in zip(self.container.outputs, self._flat.outputs, values):
+            if value is None and slot >= 0:
+                raise HostIrRuntimeError(f"output {printer.format_tv(tv)} is not bound at the end of the program")
+        return values
+
+    def run_logical(self, inputs: list, number_of_streams: int) -> list:
+        """`run_tensors` on tensors with the fusion's logical axes, with no
+        outputs to write into: the C++ executor views them with the
+        program's runtime axes, and its results with logical axes, by the
+        conversions `take_views` gave it (one call for what `Binding` does
+        in three). For calls with no scalar input."""
+        executor = self._executor or self._compile()
+        values, failure = executor.run_logical(inputs, number_of_streams)
         if failure is not None:
             raise self._error(*failure)
         for tv, slot, value in zip(self.container.outputs, self._flat.outputs, values):

@@ -294,9 +294,17 @@ class _Program:
     # What `lower` returned: the container with its digest, teams, chunked
     # axes and options (None for the fake runner's program).
     lowered: LoweredProgram | None = None
+    # Whether the runner binds and converts back itself (the C++ executor
+    # on a program without scalar inputs, `CppEvaluator.run_logical`): a
+    # call with no preallocated outputs and no CUDA graph then runs stages
+    # 5-7 in one call.
+    logical: bool = False
 
 
 _MAX_REPORTS = 64
+
+# What `_bind` returns where the runner binds and converts back itself.
+_LOGICAL = object()
 
 
 @dataclasses.dataclass
@@ -418,17 +426,11 @@ class FusionExecutor:
         Every call goes through the stages of `STAGES`, in order; a prepared
         call (a memo of the first four for its exact signature) enters at
         bind, and `HOSTIR_FAKE=1` is a runner, chosen in the program stage."""
-        key = None
-        if not self._multi_device():
-            key = prepared.signature(inputs, outputs, params, kwargs)
-        else:
-            key = self._multi_device_signature(inputs, outputs, params, kwargs)
+        key = self._signature(inputs, outputs, params, kwargs)
         if key is not None:
             ready = self._prepared.get(key, self.fusion.version)
             if ready is not None:
-                if ready.comm is not None:
-                    return self._steady(ready, inputs, outputs)
-                results = self._finish(self._recall(ready, inputs, outputs))
+                results = self.run_prepared(ready, inputs, outputs)
                 if results is not None:
                     return results
         checking = _check_mode(params, kwargs)
@@ -461,6 +463,30 @@ class FusionExecutor:
         if key is not None:
             self._keep(key, call, params, inputs, comm)
         return results
+
+    def _signature(self, inputs, outputs, params, kwargs) -> tuple | None:
+        """The prepared-call signature of a call (None: the full path)."""
+        if not self._multi_device():
+            return prepared.signature(inputs, outputs, params, kwargs)
+        return self._multi_device_signature(inputs, outputs, params, kwargs)
+
+    def recall(self, inputs, params: ExecutorParams) -> prepared.Prepared | None:
+        """The record a call `execute(inputs, None, params)` would run from
+        now, or None (it would take the full path). A caller that keeps it,
+        to make many calls of one signature without working the signature
+        out each time (`hostir.autograd`), runs them with `run_prepared`
+        and checks before each that `prepared.environment()` and
+        `communicator.live()` are still what they were when it recalled."""
+        key = self._signature(inputs, None, params, {})
+        return None if key is None else self._prepared.get(key, self.fusion.version)
+
+    def run_prepared(self, ready: prepared.Prepared, inputs, outputs=None) -> list[torch.Tensor | None] | None:
+        """A prepared call from its record `ready`: bind, run and convert
+        back (for many ranks, `_steady`'s checked step first); None where
+        the full path must run (preallocated outputs not its graph's)."""
+        if ready.comm is not None:
+            return self._steady(ready, inputs, outputs)
+        return self._finish(self._recall(ready, inputs, outputs))
 
     def _multi_device_signature(self, inputs, outputs, params, kwargs) -> tuple | None:
         """The prepared-call signature of a multi-device fusion's call on the
@@ -878,7 +904,12 @@ class FusionExecutor:
                 signature(self.fusion), len(exprs), comms, (lowered.digest or "")[:12],
                 type(run).__name__, device, type(streams).__name__,
             )
-        return _Program(container, run, equal_input_axes(self.fusion), Binding.of(container), runner, lowered=lowered)
+        binding = Binding.of(container)
+        program = _Program(container, run, equal_input_axes(self.fusion), binding, runner, lowered=lowered)
+        if isinstance(run, cpp.CppEvaluator) and not any(not isinstance(v, ir.TensorView) for v in container.inputs):
+            run.take_views(binding.views())
+            program.logical = True
+        return program
 
     # -- 4: agree and make groups
     def _communicator(self, params, kwargs):
@@ -967,11 +998,14 @@ class FusionExecutor:
         bound = self._bind(call)
         if bound is None:
             return None
-        return self._convert(call, self._run(call, bound))
+        return self._convert(call, self._run(call, bound), bound is _LOGICAL)
 
-    def _bind(self, call: _Call) -> tuple[list, list | None] | None:
+    def _bind(self, call: _Call) -> tuple[list, list | None] | object | None:
         """The call's inputs and preallocated outputs with the program's
-        runtime axes."""
+        runtime axes; `_LOGICAL` where the runner binds and converts back
+        itself (`_Program.logical`)."""
+        if call.program.logical and call.outputs is None and call.graph is None and call.capture is None:
+            return _LOGICAL
         binding = call.program.binding
         given = None if call.outputs is None else binding.outputs(call.outputs)
         if call.exact_outputs and call.graph is not None and given is not None and not call.graph.writes_into(given):
@@ -984,8 +1018,15 @@ class FusionExecutor:
         CUDA graph (captured here on the first call of a signature)."""
         program = call.program
         self.last_runner = program.runner
-        inputs, given = bound
         nos = call.number_of_streams
+        if bound is _LOGICAL:
+            try:
+                return program.evaluator.run_logical(call.inputs, nos)
+            except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
+                if call.comm is not None:
+                    call.comm.failure = f"{type(err).__name__}: {err}"
+                raise
+        inputs, given = bound
         try:
             if call.capture is not None:
                 bindings = dict(zip(program.binding.input_tvs, inputs))
@@ -1015,9 +1056,10 @@ class FusionExecutor:
                 call.comm.failure = f"{type(err).__name__}: {err}"
             raise
 
-    def _convert(self, call: _Call, results) -> list[torch.Tensor | None]:
-        """The results with the fusion's logical axes."""
-        return list(call.program.binding.unbind(results))
+    def _convert(self, call: _Call, results, logical: bool = False) -> list[torch.Tensor | None]:
+        """The results with the fusion's logical axes (`logical`: the runner
+        gave them so)."""
+        return results if logical else list(call.program.binding.unbind(results))
 
 
 class _FakeRun:

@@ -186,6 +186,23 @@ class Conversions:
         return t.reshape(shape)
 
 
+    def runtime_view(self, tv: ir.TensorView) -> list[int]:
+        """`to_runtime(tv, t)` as numbers, for a runner that views tensors
+        itself: for each runtime dim, the logical axis of `t` it takes its
+        size from, or -1 for a device piece (size 1); empty where the
+        runtime dims are the logical axes."""
+        plan = _runtime_plan(tv, self.dims(tv))
+        if plan is None:
+            return []
+        return [-1 if device else k for k, pieces in enumerate(plan) for device in pieces]
+
+    def logical_view(self, tv: ir.TensorView) -> list[list[int]]:
+        """`to_logical(tv, t)` as numbers: for each logical axis, the
+        runtime dims whose sizes multiply to its size; empty where the
+        runtime dims are the logical axes."""
+        return _logical_plan(tv, self.dims(tv)) or []
+
+
 _UNPLANNED = object()
 
 

@@ -2,7 +2,8 @@
 // Python: loops, conditionals and scalar expressions (scalar inputs among
 // them), selects into preallocated buffers,
 // the out= variants, every unary kind, operand views and partial sums,
-// extent binding, failures with loop indices, and two
+// extent binding, failures with loop indices, runs on a caller's logical
+// tensors (runLogical), and two
 // threads running one Executor at once.
 #include "../../csrc/host_ir/program.h"
 
@@ -407,6 +408,36 @@ TEST(Executor, RunsRecordNoAutogradHistory) {
   // The writes into the caller's buffer count for autograd's checks.
   EXPECT_GT(out._version(), 0u);
   EXPECT_TRUE(at::allclose(out, expectedRows(x.detach(), 2)));
+}
+
+// runLogical views a caller's tensors with the program's runtime axes and
+// the results with the caller's: here a logical [rows, 1, cols] input whose
+// size-1 axis the program does not have, and the same axes back.
+TEST(Executor, RunLogicalViewsInputsAndResults) {
+  Executor executor(rowLoop());
+  executor.setViews({{0, 2}}, {{{0}, {}, {1}}});
+  at::Tensor x = at::randn({5, 1, 4});
+  RunResult r = executor.runLogical({x}, 3);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  ASSERT_EQ(r.outputs[0].sizes(), (std::vector<int64_t>{5, 1, 4}));
+  EXPECT_TRUE(at::allclose(r.outputs[0], expectedRows(x.reshape({5, 4}), 3).reshape({5, 1, 4})));
+  // A -1 in an input's view is a device piece: a dim of size 1.
+  executor.setViews({{0, -1}}, {{{0, 1}}});
+  at::Tensor rows = at::randn({6});
+  RunResult ones = executor.runLogical({rows}, 2);
+  ASSERT_FALSE(ones.failure.has_value()) << ones.failure->message;
+  ASSERT_EQ(ones.outputs[0].sizes(), (std::vector<int64_t>{6}));
+  EXPECT_TRUE(at::allclose(ones.outputs[0], expectedRows(rows.reshape({6, 1}), 2).reshape({6})));
+}
+
+TEST(Executor, RunLogicalOnAnInputOfOtherAxesIsABindingError) {
+  Executor executor(rowLoop());
+  executor.setViews({{0, 2}}, {{}});
+  RunResult r = executor.runLogical({at::randn({5, 4})}, 2);
+  ASSERT_TRUE(r.failure.has_value());
+  EXPECT_EQ(r.failure->instr, -1);
+  EXPECT_EQ(r.failure->kind, "BindingError");
+  EXPECT_TRUE(r.outputs.empty());
 }
 
 TEST(Executor, TwoThreadsRunOneExecutorAtOnce) {

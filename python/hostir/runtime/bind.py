@@ -72,6 +72,14 @@ class Binding:
             return results
         return [None if r is None else self._layouts.to_logical(tv, r) for tv, r in zip(self.output_tvs, results)]
 
+    def views(self) -> tuple[list, list]:
+        """The conversions of `inputs` and `unbind` as numbers, for a runner
+        that views the tensors itself (`Conversions.runtime_view` for each
+        input, empty for a scalar; `Conversions.logical_view` for each
+        output)."""
+        inputs = [self._layouts.runtime_view(tv) if isinstance(tv, ir.TensorView) else [] for tv in self.input_tvs]
+        return inputs, [self._layouts.logical_view(tv) for tv in self.output_tvs]
+
     def logical_inputs(self, buffers) -> list:
         """Runtime-axes input buffers (a captured graph's) with the
         fusion's logical axes."""

@@ -72,10 +72,8 @@ def signature(inputs, outputs, params, kwargs: dict) -> tuple | None:
     other than running, a watching profiler or trace, a debug log that
     reports every cache lookup, an unhashable parameter, a CUDA device named
     without an index)."""
-    fake = environ("HOSTIR_FAKE")
-    if fake not in _RUNNING_FAKE_MODES or logger.isEnabledFor(logging.DEBUG):
-        return None
-    if torch.autograd._profiler_enabled() or profiling.tracing_active() or environ("HOSTIR_TRACE"):
+    env = environment()
+    if env is None:
         return None
     if type(inputs) not in (list, tuple) or (outputs is not None and type(outputs) not in (list, tuple)):
         return None
@@ -101,7 +99,22 @@ def signature(inputs, outputs, params, kwargs: dict) -> tuple | None:
         return None
     # Hashed once, by the lookup: an unhashable parameter makes the lookup
     # find nothing and the store keep nothing.
-    return (arguments, given, settings, fake, environ("HOSTIR_EVALUATOR"), environ("HOSTIR_HOIST"))
+    return (arguments, given, settings, env)
+
+
+def environment() -> tuple | None:
+    """The part of every call's signature that is not its arguments: the
+    environment variables that pick the evaluator, the dry run and the
+    hoisting; None where the call must take the full path (a dry-run mode
+    other than running, a watching profiler or trace, a debug log that
+    reports every cache lookup). A holder of a record checks it again
+    before each call it makes from that record."""
+    fake = environ("HOSTIR_FAKE")
+    if fake not in _RUNNING_FAKE_MODES or logger.isEnabledFor(logging.DEBUG):
+        return None
+    if torch.autograd._profiler_enabled() or profiling.tracing_active() or environ("HOSTIR_TRACE"):
+        return None
+    return (fake, environ("HOSTIR_EVALUATOR"), environ("HOSTIR_HOIST"))
 
 
 def _tensor_signatures(values) -> tuple | None:
