@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from typing import Any, Sequence
 
 import torch
 
 from hostir.autodiff import BackwardError, Derivation, derive
 from hostir.dtensor import has_dtensors, is_dtensor
+from hostir import communicator
 from hostir.errors import UsageError
+from hostir.runtime import prepared
 
 __all__ = ["requires_grad", "execute", "training_of"]
 
@@ -78,9 +81,20 @@ def training_of(fd, wrt: tuple[int, ...]) -> Training:
 
 
 def execute(fd, inputs, outputs, params, return_dtensors, kwargs) -> list[Any]:
-    """`fd.execute(inputs, ...)` recording one autograd node."""
+    """`fd.execute(inputs, ...)` recording one autograd node.
+
+    A call of a signature that already ran here (see `_signature`) takes
+    its `_Record`: what the checks below decided for it, without deciding
+    again. The node's two programs then run through their executors'
+    prepared calls, as every call does."""
     from hostir.executor import ExecutorParams
 
+    key = _signature(inputs, outputs, params, return_dtensors, kwargs)
+    if key is not None:
+        record = fd.__dict__.get("_training_calls", _NO_CALLS).get(key)
+        if record is not None and record.version == fd.fusion.version and record.keep == _keep_gathered(fd):
+            results = list(_Node.apply(record, *inputs))
+            return fd._dtensors().wrap_outputs(results) if record.wrap else results
     if outputs is not None:
         raise UsageError(
             "preallocated outputs and autograd do not mix (torch could not track writes into them): "
@@ -111,9 +125,142 @@ def execute(fd, inputs, outputs, params, return_dtensors, kwargs) -> list[Any]:
     if len(inputs) != len(fusion_inputs) or not wrt:
         results = fd.executor.execute([_plain(_local(t)) for t in inputs], None, params)
         return fd._dtensors().wrap_outputs(results) if wrap else results
-    training = training_of(fd, wrt)
-    results = list(_Node.apply(training, params, *inputs))
+    dtensors = tuple(i for i, t in enumerate(inputs) if is_dtensor(t))
+    meshes = tuple(inputs[i].device_mesh for i in dtensors)
+    record = _Record(fd.fusion.version, _keep_gathered(fd), training_of(fd, wrt), params, wrap, dtensors, meshes)
+    results = list(_Node.apply(record, *inputs))
+    if key is not None:
+        calls = fd.__dict__.setdefault("_training_calls", {})
+        if len(calls) >= _MAX_CALLS:
+            calls.pop(next(iter(calls)))
+        calls[key] = record
     return fd._dtensors().wrap_outputs(results) if wrap else results
+
+
+_NO_CALLS: dict = {}
+_MAX_CALLS = 16
+
+
+class _Record:
+    """What `execute` decided for the training calls of one signature: the
+    parameters, the derivation and its executors, which inputs are
+    DTensors, whether outputs are DTensors. Valid while the fusion keeps
+    its version and `fd.keep_gathered` its value; `meshes` keeps the
+    DTensor inputs' meshes alive, so that their ids in the signature stay
+    theirs. `forward` and `backward` run the two programs."""
+
+    __slots__ = (
+        "version", "keep", "training", "params", "wrap", "dtensors", "meshes", "forward", "backward", "_gradient_specs"
+    )  # fmt: skip
+
+    def __init__(self, version: int, keep: bool, training: Training, params, wrap: bool, dtensors: tuple, meshes):
+        self.version, self.keep, self.training, self.params = version, keep, training, params
+        self.wrap, self.dtensors, self.meshes = wrap, dtensors, meshes
+        self.forward = _Runs(training.forward, params)
+        self.backward = _Runs(training.backward, params)
+        self._gradient_specs: dict[int, Any] = {}
+
+    def gradient_spec(self, i: int, spec) -> Any:
+        """The spec of DTensor input `i`'s gradients: a copy of the input's,
+        made once (the signature fixes its mesh, placements, shape and
+        strides), as DTensor's own ops give the outputs of one sharding the
+        same spec call after call."""
+        found = self._gradient_specs.get(i)
+        if found is None:
+            found = self._gradient_specs[i] = copy.copy(spec)
+        return found
+
+
+class _Runs:
+    """A program's calls from one `_Record`: `executor.execute(inputs, None,
+    params)`, made from the executor's prepared record of the inputs'
+    signature once one exists, without working out the parts of the
+    signature the record fixes (the parameters) or that are checked here
+    instead (the environment, the communicator, the program's version)."""
+
+    __slots__ = ("executor", "params", "_ready", "_environment", "_comm")
+
+    def __init__(self, executor, params) -> None:
+        self.executor, self.params = executor, params
+        # Per inputs' signature, the executor's prepared record.
+        self._ready: dict[tuple, Any] = {}
+        self._environment: tuple | None = None
+        self._comm: Any = None
+
+    def __call__(self, inputs: list) -> list:
+        key = _tensor_signatures(inputs)
+        ready = self._ready.get(key) if key is not None else None
+        if (
+            ready is not None
+            and ready.version == self.executor.fusion.version
+            and prepared.environment() == self._environment
+            and communicator.live() is self._comm
+        ):
+            results = self.executor.run_prepared(ready, inputs)
+            if results is not None:
+                return results
+        results = self.executor.execute(inputs, None, self.params)
+        if key is not None:
+            environment, comm = prepared.environment(), communicator.live()
+            if (environment, comm) != (self._environment, self._comm):
+                self._ready.clear()
+                self._environment, self._comm = environment, comm
+            ready = self.executor.recall(inputs, self.params) if environment is not None else None
+            if ready is not None and len(self._ready) < _MAX_CALLS:
+                self._ready[key] = ready
+        return results
+
+
+def _tensor_signatures(values) -> tuple | None:
+    """Each tensor's shape, strides, dtype and device (everything of its
+    prepared signature that the program's inputs may vary in: they are
+    detached); None where a value is not a plain tensor."""
+    found = []
+    for t in values:
+        if type(t) is not torch.Tensor:
+            return None
+        found.append((t.shape, t.stride(), t.dtype, t.device))
+    return tuple(found)
+
+
+def _keep_gathered(fd) -> bool:
+    return bool(getattr(fd, "keep_gathered", False))
+
+
+def _signature(inputs, outputs, params, return_dtensors, kwargs) -> tuple | None:
+    """The signature of a training call that decides everything `execute`
+    checks before the node runs: per input its type, shape, strides, dtype,
+    device and requires_grad (a DTensor's placements, global shape and
+    mesh, and its local shard's strides, dtype and device), `return_dtensors`
+    and the keyword arguments with their types. None (no record) for a call
+    with outputs or an ExecutorParams, an argument other than a tensor or a
+    DTensor, or an unhashable argument. The executors check the local
+    tensors again on every call (their prepared signatures)."""
+    if outputs is not None or params is not None or type(inputs) not in (list, tuple):
+        return None
+    dtensor = _dtensor_type()
+    found = []
+    for t in inputs:
+        kind = type(t)
+        if kind is torch.Tensor:
+            found.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
+        elif kind is dtensor:
+            spec, local = t._spec, t._local_tensor
+            found.append((id(spec.mesh), spec.placements, spec.shape, local.stride(), local.dtype, local.device,
+                          t.requires_grad))  # fmt: skip
+        else:
+            return None
+    key = (tuple(found), return_dtensors, tuple([(name, type(v), v) for name, v in kwargs.items()]))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _dtensor_type():
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
 
 
 def _plain(t):
@@ -126,17 +273,17 @@ def _local(t):
     return t._local_tensor if is_dtensor(t) else t
 
 
-def _gradient_like(g: torch.Tensor, spec, local_stride: tuple) -> Any:
+def _gradient_like(g: torch.Tensor, spec, local_stride: tuple, own_spec=None) -> Any:
     """The gradient of a DTensor input from its local shard `g`: placed as
     the input (whose spec is `spec` and whose local shard had strides
     `local_stride`), a Partial placement as Replicate, as the backward of
     `DTensor.to_local` places it. With the input's own placements and
-    strides it takes a copy of the input's spec, as that backward does,
-    without its `from_local`."""
+    strides it takes a copy of the input's spec (`own_spec`, where the
+    caller keeps one), without `to_local`'s `from_local`."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if g.stride() == local_stride and not any(p.is_partial() for p in spec.placements):
-        return DTensor(g, copy.copy(spec), requires_grad=False)
+        return DTensor(g, own_spec or copy.copy(spec), requires_grad=False)
     from torch.distributed.tensor._utils import compute_global_tensor_info
 
     placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
@@ -194,23 +341,28 @@ class _Cotangent:
 
 class _Node(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, training: Training, params, *inputs):
-        d = training.derivation
-        specs = [(t._spec, t._local_tensor.stride()) if is_dtensor(t) else None for t in inputs]
-        if any(specs):
-            inputs = tuple(_local(t) for t in inputs)
-        results = training.forward.execute([_plain(t) for t in inputs], None, params)
+    def forward(ctx, record: _Record, *inputs):
+        d = record.training.derivation
+        specs = None
+        if record.dtensors:
+            specs = [None] * len(inputs)
+            inputs = list(inputs)
+            for i in record.dtensors:
+                t = inputs[i]
+                local = t._local_tensor
+                specs[i] = (t._spec, local.stride())
+                inputs[i] = local
+        results = record.forward([t.detach() if isinstance(t, torch.Tensor) else t for t in inputs])
         user = results[: d.user_outputs]
         saved = [
             inputs[i] if kind == "input" else results[i] if kind == "output" else _Cotangent(i) for kind, i in d.saved
         ]
         if any(t is None for t in saved):
             saved = _placeholders(d, saved, inputs)
-        tensors = [t for t in saved if isinstance(t, torch.Tensor)]
-        ctx.save_for_backward(*tensors)
+        ctx.save_for_backward(*[t for t in saved if isinstance(t, torch.Tensor)])
         ctx.layout = [isinstance(t, torch.Tensor) for t in saved]
         ctx.scalars = [t for t in saved if not isinstance(t, torch.Tensor)]
-        ctx.training, ctx.params = training, params
+        ctx.record = record
         ctx.outputs = [(None if r is None else (r.shape, r.dtype, r.device)) for r in user]
         ctx.count = len(inputs)
         ctx.specs = specs
@@ -226,24 +378,28 @@ class _Node(torch.autograd.Function):
                 "double backward through a hostir fusion is not supported: its backward program is not "
                 "itself differentiated; call backward without create_graph=True"
             )
-        training = ctx.training
-        d = training.derivation
+        record = ctx.record
+        d = record.training.derivation
         tensors = iter(ctx.saved_tensors)
         scalars = iter(ctx.scalars)
-        saved = [_plain(next(tensors)) if is_tensor else next(scalars) for is_tensor in ctx.layout]
+        saved = [next(tensors).detach() if is_tensor else next(scalars) for is_tensor in ctx.layout]
         cotangents = []
         for g, out in zip(grads, ctx.outputs):
             if g is None:
                 shape, dtype, device = out
                 g = torch.zeros(shape, dtype=dtype, device=device)
-            elif is_dtensor(g):
+            elif type(g) is not torch.Tensor and is_dtensor(g):
                 g = g.to_local()
             cotangents.append(g.contiguous())
         # A cotangent read again (an alias a product walks) is the same tensor.
-        saved = [cotangents[v.index] if isinstance(v, _Cotangent) else v for v in saved]
-        results = training.backward.execute(cotangents + saved, None, ctx.params)
+        if ctx.scalars:
+            saved = [cotangents[v.index] if isinstance(v, _Cotangent) else v for v in saved]
+        results = record.backward(cotangents + saved)
         per_input: list[Any] = [None] * ctx.count
+        specs = ctx.specs
         for i, g in zip(d.grad_inputs, results):
-            spec = ctx.specs[i]
-            per_input[i] = g if spec is None or g is None else _gradient_like(g, *spec)
-        return (None, None, *per_input)
+            if specs is None or specs[i] is None or g is None:
+                per_input[i] = g
+            else:
+                per_input[i] = _gradient_like(g, *specs[i], record.gradient_spec(i, specs[i][0]))
+        return (None, *per_input)

@@ -192,6 +192,11 @@ class _Linear:
         self.use_local_output = use_local_output
         self.kind = kind
         self.fusions: dict[tuple, Any] = {}
+        # The mesh's device type says where the layer runs: a CPU mesh runs
+        # on gloo, on a machine with GPUs too (the default backend there
+        # would be NCCL, on the GPU).
+        self.backend = {"backend": "gloo"} if mesh.device_type == "cpu" else {}
+        self.return_dtensors = not use_local_output
 
     def bind(self, module: nn.Linear):
         def forward(x):
@@ -200,25 +205,21 @@ class _Linear:
         return forward
 
     def __call__(self, module: nn.Linear, x):
-        from torch.distributed.tensor import DTensor
-
         # A plain input is the local piece `input_layout` places (as torch's
         # `DTensor.from_local` takes it): the fusion's input is placed so
         # when defined, and the tensor goes in as it is; a local output
         # comes out as it is. No DTensor is made only to be taken apart.
-        local = not isinstance(x, DTensor)
+        local = type(x) is torch.Tensor or not _is_dtensor(x)
         placement = self.input_layout if local else x.placements[0]
         bias = module.bias
-        key = (_placement_key(placement, x.dim()), x.dim(), x.dtype, bias is not None, local)
+        ndim = x.dim()
+        key = (placement, ndim, x.dtype, bias is not None, local)
         fd = self.fusions.get(key)
         if fd is None:
-            fd = self.fusions[key] = self._define(x.dim(), x.dtype, bias is not None, key[0], placement if local else None)
-        inputs = [x, module.weight] + ([bias] if bias is not None else [])
-        # The mesh's device type says where the layer runs: a CPU mesh runs
-        # on gloo, on a machine with GPUs too (the default backend there
-        # would be NCCL, on the GPU).
-        backend = {"backend": "gloo"} if self.mesh.device_type == "cpu" else {}
-        (y,) = fd.execute(inputs, return_dtensors=not self.use_local_output, **backend)
+            where = _placement_key(placement, ndim)
+            fd = self.fusions[key] = self._define(ndim, x.dtype, bias is not None, where, placement if local else None)
+        inputs = [x, module.weight] if bias is None else [x, module.weight, bias]
+        (y,) = fd.execute(inputs, return_dtensors=self.return_dtensors, **self.backend)
         return y
 
     def _define(self, ndim: int, dtype: torch.dtype, bias: bool, placement: tuple = ("replicate",), input_placement=None):
@@ -284,6 +285,12 @@ class _Linear:
                 tv.outer_split(at, D)
                 tv.axis(at).parallelize(ParallelType.stream)
         return fd
+
+
+def _is_dtensor(x) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
 
 
 def _placement_key(p, ndim: int):
