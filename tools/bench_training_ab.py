@@ -14,7 +14,8 @@ interface is a subset of it: copy the built module into its package).
 
 Arguments after ``--`` go to `bench_training.py`. Writes
 ``training_ab.md`` and ``training_ab.json`` under ``$OUT`` if set, else
-``benchmarks/results`` (``--out-dir`` and ``--tag`` change both); each
+``benchmarks/results`` (``--out-dir`` and ``--tag`` change both), and each
+run's own results under ``ab_runs/`` there as it finishes; each
 row gives the per-run fwd+bwd ms and × eager of both trees, the median ×
 eager, and the median host ms per step.
 """
@@ -28,7 +29,6 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import tempfile
 
 
 def run_once(tree: str, extra: list[str], workdir: pathlib.Path, name: str) -> dict:
@@ -59,12 +59,15 @@ def main(argv=None) -> None:
     labels = args.labels.split(",")
     trees = dict(zip(labels, (args.a, args.b)))
     runs: dict[str, list[dict]] = {label: [] for label in labels}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            order = labels if r % 2 == 0 else labels[::-1]
-            for label in order:
-                print(f"== round {r + 1}: {label} ({trees[label]})", flush=True)
-                runs[label].append(run_once(trees[label], extra, pathlib.Path(tmp), f"{label}{r}"))
+    out = pathlib.Path(args.out_dir or os.environ.get("OUT") or "benchmarks/results")
+    # Each run's own results stay (under <tag>_runs/), so that a run cut
+    # short keeps the rounds it finished.
+    runs_dir = out / f"{args.tag}_runs"
+    for r in range(args.rounds):
+        order = labels if r % 2 == 0 else labels[::-1]
+        for label in order:
+            print(f"== round {r + 1}: {label} ({trees[label]})", flush=True)
+            runs[label].append(run_once(trees[label], extra, runs_dir, f"{label}{r}"))
     first = runs[labels[0]][0]
     lines = [
         f"# bench_training, two trees alternating: {', '.join(f'{k} = {v}' for k, v in trees.items())}",
@@ -94,8 +97,6 @@ def main(argv=None) -> None:
                 )
     text = "\n".join(lines) + "\n"
     print(text)
-    out = pathlib.Path(args.out_dir or os.environ.get("OUT") or "benchmarks/results")
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"training_{args.tag}.md").write_text(text)
     (out / f"training_{args.tag}.json").write_text(json.dumps(summary, indent=1))
 
