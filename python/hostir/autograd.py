@@ -20,6 +20,12 @@ Not covered: preallocated outputs and `cuda_graph=True` (both raise
 (`backward(create_graph=True)` through a fusion raises `BackwardError`).
 Prepared calls are: the training forward and the backward are ordinary
 executors, so their steady-state single-device calls take the prepared path.
+A training call whose signature ran before (`_signature`) takes the first
+call's record (`_Record`: the parameters, the derivation, where the DTensors
+are) instead of deciding it all again, and its node runs the two programs
+from their executors' prepared records (`_Runs`), checking before each run
+what can change under a record: the environment, the communicator, the
+fusion's version and `keep_gathered`.
 """
 
 from __future__ import annotations
@@ -31,9 +37,9 @@ from typing import Any, Sequence
 
 import torch
 
+from hostir import communicator
 from hostir.autodiff import BackwardError, Derivation, derive
 from hostir.dtensor import has_dtensors, is_dtensor
-from hostir import communicator
 from hostir.errors import UsageError
 from hostir.runtime import prepared
 
@@ -91,7 +97,7 @@ def execute(fd, inputs, outputs, params, return_dtensors, kwargs) -> list[Any]:
 
     key = _signature(inputs, outputs, params, return_dtensors, kwargs)
     if key is not None:
-        record = fd.__dict__.get("_training_calls", _NO_CALLS).get(key)
+        record = _lookup(fd.__dict__.get("_training_calls", _NO_CALLS), key)
         if record is not None and record.version == fd.fusion.version and record.keep == _keep_gathered(fd):
             results = list(_Node.apply(record, *inputs))
             return fd._dtensors().wrap_outputs(results) if record.wrap else results
@@ -129,6 +135,11 @@ def execute(fd, inputs, outputs, params, return_dtensors, kwargs) -> list[Any]:
     meshes = tuple(inputs[i].device_mesh for i in dtensors)
     record = _Record(fd.fusion.version, _keep_gathered(fd), training_of(fd, wrt), params, wrap, dtensors, meshes)
     results = list(_Node.apply(record, *inputs))
+    if key is not None:
+        try:
+            hash(key)
+        except TypeError:
+            key = None
     if key is not None:
         calls = fd.__dict__.setdefault("_training_calls", {})
         if len(calls) >= _MAX_CALLS:
@@ -230,12 +241,12 @@ def _keep_gathered(fd) -> bool:
 def _signature(inputs, outputs, params, return_dtensors, kwargs) -> tuple | None:
     """The signature of a training call that decides everything `execute`
     checks before the node runs: per input its type, shape, strides, dtype,
-    device and requires_grad (a DTensor's placements, global shape and
-    mesh, and its local shard's strides, dtype and device), `return_dtensors`
-    and the keyword arguments with their types. None (no record) for a call
-    with outputs or an ExecutorParams, an argument other than a tensor or a
-    DTensor, or an unhashable argument. The executors check the local
-    tensors again on every call (their prepared signatures)."""
+    device and requires_grad (a DTensor's mesh, placements, global shape
+    and strides, and its local shard's strides, dtype and device),
+    `return_dtensors` and the keyword arguments with their types. None (no
+    record) for a call with outputs or an ExecutorParams, or an argument
+    other than a tensor or a DTensor; an unhashable keyword argument finds
+    and keeps no record."""
     if outputs is not None or params is not None or type(inputs) not in (list, tuple):
         return None
     dtensor = _dtensor_type()
@@ -246,16 +257,20 @@ def _signature(inputs, outputs, params, return_dtensors, kwargs) -> tuple | None
             found.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
         elif kind is dtensor:
             spec, local = t._spec, t._local_tensor
-            found.append((id(spec.mesh), spec.placements, spec.shape, local.stride(), local.dtype, local.device,
-                          t.requires_grad))  # fmt: skip
+            found.append((id(spec.mesh), spec.placements, spec.shape, spec.stride, local.stride(), local.dtype,
+                          local.device, t.requires_grad))  # fmt: skip
         else:
             return None
-    key = (tuple(found), return_dtensors, tuple([(name, type(v), v) for name, v in kwargs.items()]))
+    # Hashed once, by the lookup (`_lookup`): an unhashable keyword
+    # argument makes the call keep no record.
+    return (tuple(found), return_dtensors, tuple([(name, type(v), v) for name, v in kwargs.items()]))
+
+
+def _lookup(calls: dict, key: tuple) -> _Record | None:
     try:
-        hash(key)
+        return calls.get(key)
     except TypeError:
         return None
-    return key
 
 
 def _dtensor_type():

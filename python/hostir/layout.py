@@ -185,7 +185,6 @@ class Conversions:
             shape.append(size)
         return t.reshape(shape)
 
-
     def runtime_view(self, tv: ir.TensorView) -> list[int]:
         """`to_runtime(tv, t)` as numbers, for a runner that views tensors
         itself: for each runtime dim, the logical axis of `t` it takes its
