@@ -113,14 +113,13 @@ def _probe() -> _Probe:
     return _Probe([(o, n, k) for o, n, k in targets if hasattr(o, n)])
 
 
-def steps_for(kind: str, args, mesh) -> dict:
-    """The steps of each row for one piece, with their inputs made."""
+def steps_for(kind: str, h: int, i: int, t: int, mesh, dtype=torch.float32, device=torch.device("cpu")) -> dict:
+    """The steps of each row for one piece (hidden `h`, intermediate `i`,
+    `t` tokens), with their inputs made; the hostir.parallel row on `mesh`."""
     torch.manual_seed(0)
-    h, i, t = args.hidden, args.intermediate, args.tokens
-    dtype, device = torch.float32, torch.device("cpu")
     kv = max(h // 8, 1)
     base = bench_training.MLP(h, i, dtype, device) if kind == "mlp" else bench_training.AttnProj(h, kv, dtype, device)
-    x = torch.randn(t, h, dtype=dtype).requires_grad_()
+    x = torch.randn(t, h, dtype=dtype, device=device).requires_grad_()
     grads = [torch.randn_like(o) for o in base(x)]
     steps = {"eager": bench_training.module_step(base, x, grads)}
 
@@ -189,7 +188,7 @@ def main(argv=None) -> None:
     results = {"hidden": args.hidden, "intermediate": args.intermediate, "tokens": args.tokens,
                "torch": torch.__version__, "kinds": {}}
     for kind in args.kinds.split(","):
-        results["kinds"][kind] = measure(steps_for(kind, args, mesh), args)
+        results["kinds"][kind] = measure(steps_for(kind, args.hidden, args.intermediate, args.tokens, mesh), args)
     lines = [
         f"# bench_training_host: cpu, one thread, world size 1, float32, tokens {args.tokens}, "
         f"hidden {args.hidden}, intermediate {args.intermediate}",

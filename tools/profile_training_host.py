@@ -1,7 +1,8 @@
 """Where a training step's host time goes, on the CPU or a GPU.
 
-Runs one row of `tools/bench_training.py` (``eager``, ``hostir fusion`` or
-``hostir.parallel``) at small shapes, so that the device keeps up and each
+Runs the rows of `tools/bench_training_host.py` (``eager``, ``hostir
+fusion`` and ``hostir.parallel``, as in `tools/bench_training.py`) on the
+CPU or a GPU at small shapes, so that the device keeps up and each
 step's time is its host time, and reports the host µs per step of every
 row (steps issued back to back, one synchronization at the end of each
 round). With ``--loop SECONDS`` it then runs only ``--row``'s steps for
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import pathlib
 import re
 import statistics
@@ -30,34 +30,9 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench_training as bt  # noqa: E402
+from bench_training_host import steps_for  # noqa: E402
 
 import hostir  # noqa: E402
-from hostir.parallel import parallelize_module  # noqa: E402
-
-
-def steps_for(kind: str, device: torch.device, dtype: torch.dtype, h: int, i: int, t: int) -> dict:
-    torch.manual_seed(0)
-    kv = max(h // 8, 1)
-    base = bt.MLP(h, i, dtype, device) if kind == "mlp" else bt.AttnProj(h, kv, dtype, device)
-    x = torch.randn(t, h, dtype=dtype, device=device).requires_grad_()
-    grads = [torch.randn_like(o) for o in base(x)]
-    steps = {"eager": bt.module_step(base, x, grads)}
-    fd = bt.fusion_of(kind, dtype)
-    weights = [p.detach().clone().requires_grad_() for p in base.parameters()]
-
-    def fused():
-        x.grad = None
-        for w in weights:
-            w.grad = None
-        torch.autograd.backward(fd.execute([x] + weights), grads)
-
-    steps["hostir fusion"] = fused
-    mesh = hostir.DeviceMesh(range(1)).to_torch(device.type)
-    par = copy.deepcopy(base)
-    parallelize_module(par, mesh, bt.plan(kind))
-    steps["hostir.parallel"] = bt.module_step(par, x, grads)
-    return steps
 
 
 def sync(device: torch.device) -> None:
@@ -113,7 +88,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     h, i, t = (int(v) for v in args.shape.split(","))
-    steps = steps_for(args.kind, device, dtype, h, i, t)
+    steps = steps_for(args.kind, h, i, t, hostir.DeviceMesh(range(1)).to_torch(device.type), dtype, device)
     for step in steps.values():
         for _ in range(5):
             step()

@@ -199,7 +199,7 @@ class _Runs:
         self._comm: Any = None
 
     def __call__(self, inputs: list) -> list:
-        key = _tensor_signatures(inputs)
+        key = prepared.tensor_signatures(inputs)
         ready = self._ready.get(key) if key is not None else None
         if (
             ready is not None
@@ -220,18 +220,6 @@ class _Runs:
             if ready is not None and len(self._ready) < _MAX_CALLS:
                 self._ready[key] = ready
         return results
-
-
-def _tensor_signatures(values) -> tuple | None:
-    """Each tensor's shape, strides, dtype and device (everything of its
-    prepared signature that the program's inputs may vary in: they are
-    detached); None where a value is not a plain tensor."""
-    found = []
-    for t in values:
-        if type(t) is not torch.Tensor:
-            return None
-        found.append((t.shape, t.stride(), t.dtype, t.device))
-    return tuple(found)
 
 
 def _keep_gathered(fd) -> bool:

@@ -12,13 +12,11 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import hostir
 from hostir import FusionDefinition, ParallelType, communicator, ir, machine
 from hostir.lower import lower
 from hostir.runtime.bind import Binding
 from hostir.runtime.evaluator import HostIrEvaluator
-
-MESH = hostir.DeviceMesh([0])
+from one_rank_linears import MESH, one_rank_linear
 
 
 class _Ops(TorchDispatchMode):
@@ -36,33 +34,17 @@ class _Ops(TorchDispatchMode):
         return sum(n.startswith(prefixes) for n in self.names)
 
 
-def _rowwise_linear():
-    """y = x @ w.T with x and w sharded on K over a one-rank mesh: a partial
-    sum completed by an Allreduce over the team (0)."""
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1], torch.float32)
-        w = fd.define_tensor([-1, -1], torch.float32)
-        y = fd.ops.linear(x, w)
-        fd.add_output(y)
-    for tv in (x, w, y):
-        tv.set_device_mesh(MESH)
-    for tv in (x, w):
-        tv.outer_split(1, 1)
-        tv.axis(1).parallelize(ParallelType.mesh_x)
-    return fd
-
-
 def test_a_one_rank_allreduce_is_lowered_as_ever(plain_process):
     # The program keeps its communication (the same program on every rank
     # count); running it is what changes.
-    fd = _rowwise_linear()
+    fd = one_rank_linear("K")
     program = lower(fd.fusion, rank=0, backend="gloo").program
     (comm,) = [e for e in program.walk() if isinstance(e, ir.Communication)]
     assert comm.type is ir.CommunicationType.Allreduce and comm.team == (0,)
 
 
 def test_a_one_rank_allreduce_moves_nothing(plain_process):
-    fd = _rowwise_linear()
+    fd = one_rank_linear("K")
     x, w = torch.randn(6, 8), torch.randn(5, 8)
     fd.execute([x, w], backend="gloo")
     ops = _Ops()
@@ -74,7 +56,7 @@ def test_a_one_rank_allreduce_moves_nothing(plain_process):
 
 
 def test_a_one_rank_allreduce_writes_into_a_preallocated_output(plain_process):
-    fd = _rowwise_linear()
+    fd = one_rank_linear("K")
     x, w = torch.randn(6, 8), torch.randn(5, 8)
     out = torch.full((6, 5), float("nan"))
     (y,) = fd.execute([x, w], outputs=[out], backend="gloo")
@@ -110,7 +92,7 @@ def test_a_one_rank_allgather_of_an_input_to_an_output_is_a_copy(plain_process):
 
 
 def test_a_one_rank_allreduce_output_views_its_partial_sums(plain_process):
-    fd = _rowwise_linear()
+    fd = one_rank_linear("K")
     x, w = torch.randn(6, 8), torch.randn(5, 8)
     program, evaluator, bindings = _one_rank_program(fd, [x, w])
     (comm,) = [e for e in program.walk() if isinstance(e, ir.Communication)]
@@ -224,7 +206,7 @@ def test_one_rank_parallel_training_matches_eager_and_moves_nothing(plain_proces
 
 
 def test_the_hoisting_choice_is_made_once_per_signature(plain_process, monkeypatch):
-    fd = _rowwise_linear()
+    fd = one_rank_linear("K")
     comm = communicator.get(backend="gloo")
     made = []
     choose = machine._choose_hoisting_for

@@ -12,13 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hostir
-from hostir import FusionDefinition, ParallelType, autograd, cpp, executor
+from hostir import FusionDefinition, autograd, cpp, executor
 from hostir.runtime import prepared
+from one_rank_linears import MESH, one_rank_linear
 
 needs_cpp = pytest.mark.skipif(not cpp.available(), reason=f"the C++ executor is not built: {cpp.reason()}")
 
-MESH = hostir.DeviceMesh([0])
 
 
 def _mlp() -> FusionDefinition:
@@ -155,27 +154,10 @@ def test_the_evaluator_picked_by_the_environment_is_checked_on_every_call(monkey
     assert record.training.forward.last_runner.name == "cpp"
 
 
-def _rowwise_linear() -> FusionDefinition:
-    """y = x @ w.T, x and w sharded on K over a one-rank mesh: every tensor
-    has a device piece, so the program's runtime axes differ from the
-    fusion's logical ones."""
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        w = fd.define_tensor([-1, -1])
-        y = fd.ops.linear(x, w)
-        fd.add_output(y)
-    for tv in (x, w, y):
-        tv.set_device_mesh(MESH)
-    for tv in (x, w):
-        tv.outer_split(1, 1)
-        tv.axis(1).parallelize(ParallelType.mesh_x)
-    return fd
-
-
 @needs_cpp
 def test_the_cpp_executor_binds_and_converts_back_a_prepared_call(plain_process, monkeypatch):
     monkeypatch.delenv("HOSTIR_EVALUATOR", raising=False)
-    fd = _rowwise_linear()
+    fd = one_rank_linear("K")
     seen = []
     bind = executor.FusionExecutor._bind
     monkeypatch.setattr(executor.FusionExecutor, "_bind", lambda self, call: seen.append(bind(self, call)) or seen[-1])
@@ -200,29 +182,13 @@ def test_the_cpp_executor_binds_and_converts_back_a_prepared_call(plain_process,
     torch.testing.assert_close(out, x @ w.T)
 
 
-def _colwise_linear() -> FusionDefinition:
-    """y = x @ w.T, w and y sharded on N over a one-rank mesh: the weight
-    and the output have device pieces, the activation none."""
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        w = fd.define_tensor([-1, -1])
-        y = fd.ops.linear(x, w)
-        fd.add_output(y)
-    for tv in (x, w, y):
-        tv.set_device_mesh(MESH)
-    for tv, axis in ((w, 0), (y, 1)):
-        tv.outer_split(axis, 1)
-        tv.axis(axis).parallelize(ParallelType.mesh_x)
-    return fd
-
-
 @needs_cpp
-@pytest.mark.parametrize("make", [_rowwise_linear, _colwise_linear], ids=["rowwise", "colwise"])
-def test_views_are_the_bindings_conversions(plain_process, make):
+@pytest.mark.parametrize("sharded", ["K", "N"], ids=["rowwise", "colwise"])
+def test_views_are_the_bindings_conversions(plain_process, sharded):
     """`Binding.views` says in numbers what `Binding.inputs` and `unbind`
     do, and the C++ executor's run on logical tensors returns what the
     Binding's conversions around its run return."""
-    fd = make()
+    fd = one_rank_linear(sharded)
     x, w = torch.randn(6, 8), torch.randn(5, 8)
     fd.execute([x, w], backend="gloo")
     (program,) = fd.executor._programs.values()

@@ -77,12 +77,12 @@ def signature(inputs, outputs, params, kwargs: dict) -> tuple | None:
         return None
     if type(inputs) not in (list, tuple) or (outputs is not None and type(outputs) not in (list, tuple)):
         return None
-    arguments = _tensor_signatures(inputs)
+    arguments = tensor_signatures(inputs)
     if arguments is None:
         return None
     given = None
     if outputs is not None:
-        given = _tensor_signatures(outputs)
+        given = tensor_signatures(outputs)
         if given is None:
             return None
     if params is not None:
@@ -117,7 +117,7 @@ def environment() -> tuple | None:
     return (fake, environ("HOSTIR_EVALUATOR"), environ("HOSTIR_HOIST"))
 
 
-def _tensor_signatures(values) -> tuple | None:
+def tensor_signatures(values) -> tuple | None:
     """Each value's type, shape, strides, dtype, device and requires_grad;
     None if one is not a plain strided tensor."""
     found = []
