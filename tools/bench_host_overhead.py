@@ -548,20 +548,32 @@ def protections(comm, rank: int, layer, other, kwargs: dict, make) -> dict[str, 
     }
 
 
+def _multidevice_backend(device: torch.device) -> str:
+    """NCCL where every rank of this node has a GPU of its own, else gloo
+    (the CPU, or ranks sharing a GPU: NCCL cannot run two ranks on one)."""
+    from hostir import communicator
+
+    if device.type != "cuda":
+        return "gloo"
+    local = communicator.discover().local_size
+    return "nccl" if local is not None and local <= torch.cuda.device_count() else "gloo"
+
+
 def run_multidevice(args) -> int:
     from hostir import communicator, overlap
 
     device = torch.device(args.device)
-    comm = communicator.get(backend="gloo")
+    backend = args.backend or _multidevice_backend(device)
+    comm = communicator.get(backend=backend)
     rank, world = comm.rank, comm.world_size
     if world < 2:
         raise SystemExit("--multidevice needs two or more ranks: run it under mpirun or torchrun")
     if device.type == "cuda":
-        # Two ranks may share one GPU: the cuda transport moves the data.
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+        # Under gloo two ranks may share one GPU: the cuda transport moves the data.
+        device = comm.device if backend == "nccl" else torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     schedule = args.schedule or ("ring:transport=cuda" if device.type == "cuda" else None)
-    kwargs = {"backend": "gloo", "device": device}
+    kwargs = {"backend": backend, "device": device}
     if schedule:
         kwargs["schedule"] = schedule
     m, K, N = args.m, args.k, args.n
@@ -592,8 +604,8 @@ def run_multidevice(args) -> int:
         },
         "eager torch matmul (single device)": lambda: X @ W,
     }
-    if device.type == "cpu":
-        rows["eager all_gather + matmul (gloo, by hand)"] = eager_layer
+    if device.type == "cpu" or backend == "nccl":
+        rows[f"eager all_gather + matmul ({backend}, by hand)"] = eager_layer
     for name, fn in rows.items():
         (out,) = [fn()] if name.startswith("eager") else fn()
         torch.testing.assert_close(out, expected if name.startswith("multi") else X @ W)
@@ -615,7 +627,8 @@ def run_multidevice(args) -> int:
         "device": device_name(device),
         "device_type": device.type,
         "ranks": world,
-        "transport": "cuda (copy engine)" if "transport=cuda" in (schedule or "") else "gloo",
+        "transport": "cuda (copy engine)" if "transport=cuda" in (schedule or "") else backend,
+        "communicator": backend,
         "steps": "shared-memory mailbox" if comm.mailbox is not None else "gloo all-gather (control group)",
         "schedule": schedule or "the machine model's choice",
         "torch": torch.__version__,
@@ -708,6 +721,10 @@ def parse_args(argv=None) -> tuple[Params, str]:
     )
     ap.add_argument("--multidevice", action="store_true", help="time steady-state multi-device executes (under a launcher)")
     ap.add_argument("--schedule", default=None, help="--multidevice: the layer's schedule (default: ring:transport=cuda on CUDA)")
+    ap.add_argument(
+        "--backend", choices=("nccl", "gloo"), default=None,
+        help="--multidevice: the communicator's backend (default: nccl where each rank has a GPU, else gloo)",
+    )
     ap.add_argument("--m", type=int, default=4, help="--multidevice: rows of a rank's piece (default: 4)")
     ap.add_argument("--k", type=int, default=8, help="--multidevice: K (default: 8)")
     ap.add_argument("--n", type=int, default=8, help="--multidevice: N (default: 8)")

@@ -225,8 +225,8 @@ class ExecutorParams:
         if choice == "python":
             return "python", (given,)
         if choice == "auto" and profiling.watched():
-            # The profiler's ranges and traces come from the Python evaluator.
-            return "python", ("a profiler or trace is watching (its ranges come from the Python evaluator)",)
+            # The profiler's ranges come from the Python evaluator.
+            return "python", ("the profiler is watching (its ranges come from the Python evaluator)",)
         if cpp.available():
             return "cpp", ()
         if choice == "cpp":
@@ -892,7 +892,7 @@ class FusionExecutor:
             # The program's dump ends with a newline; the runner is its last line.
             dumper.emit("host_ir", f"Host program{self.label}:", f"{container}{runner}\n")
         logger.info("%s", runner)
-        torch_dist.check_p2p_memory(container, device)
+        torch_dist.check_backends(container, device, comm.backend if comm is not None else None)
         make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
         run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper, rank=lowered.rank)
         if logger.isEnabledFor(logging.INFO):
@@ -1036,10 +1036,11 @@ class FusionExecutor:
                 with torch.no_grad():
                     call.graph = self._graphs.captured(program, bindings, nos, call.capture, backend)
             if call.graph is not None:
+                rank = call.comm.rank if call.comm is not None else 0
                 if call.no_grad:
                     with torch.no_grad():
-                        return call.graph.replay(inputs, given)
-                return call.graph.replay(inputs, given)
+                        return call.graph.replay(inputs, given, rank)
+                return call.graph.replay(inputs, given, rank)
             run_tensors = getattr(program.evaluator, "run_tensors", None)
             if run_tensors is not None:
                 if call.no_grad:

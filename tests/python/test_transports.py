@@ -95,13 +95,52 @@ def test_a_gloo_send_of_device_memory_is_refused_when_lowered():
 
     program = _p2p_program("gloo", ir.MemoryType.global_)
     with pytest.raises(transports.TransportUnsupported, match="gloo sends and receives only host memory") as err:
-        torch_dist.check_p2p_memory(program, torch.device("cuda", 0))
+        torch_dist.check_backends(program, torch.device("cuda", 0), "gloo")
     assert isinstance(err.value, HostIrError) and "cuda:0" in str(err.value)
     # Host memory, the CPU, and the other transports are fine.
-    torch_dist.check_p2p_memory(program, torch.device("cpu"))
-    torch_dist.check_p2p_memory(_p2p_program("gloo", ir.MemoryType.host), torch.device("cuda", 0))
-    torch_dist.check_p2p_memory(_p2p_program("NCCL", ir.MemoryType.global_), torch.device("cuda", 0))
-    torch_dist.check_p2p_memory(_p2p_program("cuda", ir.MemoryType.symmetric), torch.device("cuda", 0))
+    torch_dist.check_backends(program, torch.device("cpu"), "gloo")
+    torch_dist.check_backends(_p2p_program("gloo", ir.MemoryType.host), torch.device("cuda", 0), "gloo")
+    torch_dist.check_backends(_p2p_program("NCCL", ir.MemoryType.global_), torch.device("cuda", 0), "nccl")
+    torch_dist.check_backends(_p2p_program("cuda", ir.MemoryType.symmetric), torch.device("cuda", 0), "gloo")
+
+
+def test_an_nccl_post_through_a_gloo_communicator_is_refused_when_lowered():
+    # A program that says NCCL on a communicator whose groups are gloo's
+    # (the schedule's transport=nccl on a gloo communicator) would hand the
+    # device pointers to gloo: refused, naming the op and both backends.
+    from hostir.runtime.transports import torch_dist
+
+    program = _p2p_program("NCCL", ir.MemoryType.global_)
+    with pytest.raises(transports.TransportUnsupported) as err:
+        torch_dist.check_backends(program, torch.device("cuda", 0), "gloo")
+    text = str(err.value)
+    assert "P2PCommunication 0" in text and "backend=NCCL" in text
+    assert "the communicator runs gloo" in text and "backend='nccl'" in text
+
+
+def test_an_nccl_post_of_host_memory_or_on_the_cpu_is_refused_when_lowered():
+    from hostir.runtime.transports import torch_dist
+
+    host = _p2p_program("NCCL", ir.MemoryType.host)
+    with pytest.raises(transports.TransportUnsupported, match=r"NCCL carries device memory only, but T\d+_h"):
+        torch_dist.check_backends(host, torch.device("cuda", 0), "nccl")
+    on_cpu = _p2p_program("NCCL", ir.MemoryType.global_)
+    with pytest.raises(transports.TransportUnsupported, match="the program runs on cpu"):
+        torch_dist.check_backends(on_cpu, torch.device("cpu"), "nccl")
+    # Without a communicator (a program lowered to be printed) nothing is posted.
+    torch_dist.check_backends(on_cpu, torch.device("cpu"), None)
+
+
+def test_a_collective_of_a_team_of_one_is_never_refused():
+    # It moves nothing: its output is its input, on any backend.
+    from hostir.runtime.transports import torch_dist
+
+    c = HostIrContainer()
+    axes = [ir.IterDomain(c, ir.Scalar.constant(4))]
+    a = ir.TensorView(c, axes, torch.float32, ir.MemoryType.host)
+    b = ir.TensorView(c, [ir.IterDomain(c, ir.Scalar.constant(4))], torch.float32, ir.MemoryType.host)
+    c.push_back(ir.Communication(c.next_name("comm"), ir.CommunicationType.Allreduce, b, a, (0,), red_op="sum"))
+    torch_dist.check_backends(c, torch.device("cuda", 0), "nccl")
 
 
 def test_a_gloo_send_of_a_cuda_buffer_is_refused_before_it_is_posted(monkeypatch):

@@ -391,7 +391,7 @@ class TorchDistTransport(Transport):
 
     def post_p2p(self, frame, e, buf, peer: int, ops: list | None) -> Posted:
         if self.name == "gloo" and buf.is_cuda:
-            # `check_p2p_memory` refuses such a program when it is lowered,
+            # `check_backends` refuses such a program when it is lowered,
             # on every rank; this guards a program built by hand.
             raise TransportUnsupported(gloo_p2p_on_device(e, buf.device))
         if ops is not None:
@@ -413,15 +413,57 @@ def gloo_p2p_on_device(e, device) -> str:
     )
 
 
-def check_p2p_memory(container, device) -> None:
-    """Refuses a program running on a GPU whose gloo sends or receives move
-    device memory (gloo's point-to-point transport reads and writes host
-    addresses only and would abort the process). Called when the program
-    is lowered, before anything is posted: every rank lowers the same
-    program and fails the same way, for the Python and the C++ evaluator
-    alike."""
-    if torch.device(device).type != "cuda":
-        return
+def check_backends(container, device, communicator_backend: str | None = None) -> None:
+    """Refuses a program whose communications name a backend that cannot
+    carry their buffers where the program runs: each backend carries only
+    what it can. Called when the program is lowered, before anything is
+    posted; every rank lowers the same program on the same kind of device
+    and fails the same way, for the Python and the C++ evaluator alike.
+
+    - NCCL moves device memory between GPUs: it needs the program on a GPU,
+      a communicator whose process groups have NCCL (`communicator_backend`
+      "nccl"; a gloo communicator's groups would hand the device pointers
+      to gloo), and no buffer in host memory. Without a communicator (a
+      program lowered to be printed) nothing is posted, so nothing is
+      checked.
+    - gloo's sends and receives read and write host addresses only: a
+      program on a GPU may post them only for host-memory buffers (gloo's
+      collectives stage device memory themselves).
+    """
+    on_gpu = torch.device(device).type == "cuda"
     for e in container.walk():
-        if isinstance(e, ir.P2PCommunication) and str(e.backend).lower() == "gloo" and e.buffer.memory_type is not ir.MemoryType.host:
-            raise TransportUnsupported(gloo_p2p_on_device(e, device))
+        if isinstance(e, ir.P2PCommunication):
+            buffers = [e.buffer]
+        elif isinstance(e, ir.Communication) and len(e.team) > 1:
+            buffers = [e.input, e.out]
+        else:
+            continue  # a team of one moves nothing
+        if e.backend == "NCCL" and communicator_backend is not None:
+            problem = _nccl_problem(buffers, on_gpu, device, communicator_backend)
+            if problem:
+                raise TransportUnsupported(f"{printer.format_expr_head(e)}: {problem}")
+        elif e.backend == "gloo" and on_gpu and isinstance(e, ir.P2PCommunication):
+            if e.buffer.memory_type is not ir.MemoryType.host:
+                raise TransportUnsupported(gloo_p2p_on_device(e, device))
+
+
+def _nccl_problem(buffers, on_gpu: bool, device, communicator_backend: str | None) -> str | None:
+    host = [tv for tv in buffers if ir.in_host_memory(tv)]
+    if host:
+        return (
+            f"NCCL carries device memory only, but {printer.format_val(host[0])} is in host memory; "
+            f"move it to the device first (a Transfer), or run the program on gloo"
+        )
+    if not on_gpu:
+        return (
+            f"NCCL carries device memory only, but the program runs on {device}; pass the inputs on "
+            f"this rank's GPU, or use backend='gloo'"
+        )
+    if communicator_backend is not None and communicator_backend != "nccl":
+        return (
+            f"the program posts device memory through NCCL, but the communicator runs "
+            f"{communicator_backend} (its process groups have no NCCL), which would hand the device "
+            f"buffers to {communicator_backend}; create the communicator with backend='nccl' (one GPU "
+            f"per rank), or use transport=cuda or a gloo program"
+        )
+    return None

@@ -1,0 +1,44 @@
+"""Each backend carries only what it can carry: a program whose ring names
+the other backend than the communicator's (NCCL on a gloo communicator's
+host memory, gloo sends of a GPU's memory under NCCL) is refused before
+anything is posted, on every rank, with an error that names the op and the
+backend; the rank's own backend runs the same ring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hostir import RankMismatchError, communicator, overlap
+
+
+def rand_int(shape, device) -> torch.Tensor:
+    return torch.randint(-4, 4, tuple(shape)).to(torch.float32).to(device)
+
+
+def _inputs(world, device):
+    D, m, K, N = world.size, 4, 6, 5
+    return overlap.allgather_matmul_inputs(rand_int([D, m, K], device), rand_int([K, N], device), world.rank)
+
+
+def test_a_ring_on_the_other_backend_is_refused_on_every_rank(world, device):
+    fd = overlap.allgather_matmul(world.size)
+    inputs, expected = _inputs(world, device)
+    # The first call makes the communicator; its backend is the rank's own.
+    out, = fd.execute(inputs, schedule="ring")
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    own = communicator.live().backend
+    other = "gloo" if own == "nccl" else "nccl"
+    with pytest.raises(RankMismatchError) as err:
+        fd.execute(inputs, schedule=f"ring:transport={other}")
+    text = str(err.value)
+    # Every rank failed its own check (not a peer's): the same error on each.
+    assert "ranks " + ", ".join(map(str, range(world.size))) + " failed" in text
+    assert "TransportUnsupported" in text and "P2PCommunication" in text
+    if other == "nccl":
+        assert "backend=NCCL" in text and "NCCL carries device memory only" in text
+    else:
+        assert "backend=gloo" in text and "gloo sends and receives only host memory" in text
+    # Nothing was posted: the ranks are still in step, and the own backend runs.
+    out, = fd.execute(inputs, schedule="ring")
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
