@@ -306,6 +306,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &hostir::runExecutor, py::arg("inputs"), py::arg("outputs"), py::arg("number_of_streams"))
       .def("run_logical", &hostir::runLogical, py::arg("inputs"), py::arg("number_of_streams"))
       .def("set_views", &hostir::Executor::setViews, py::arg("inputs"), py::arg("outputs"))
+      .def("set_tracing", &hostir::Executor::setTracing, py::arg("on"))
+      .def(
+          "take_trace",
+          [](const hostir::Executor& executor) {
+            // One list per run: (instr, track, posted, start_us, end_us).
+            py::list runs;
+            for (const auto& records : executor.takeTrace()) {
+              py::list run;
+              for (const auto& r : records) {
+                run.append(py::make_tuple(r.instr, r.track, r.posted, r.start_us, r.end_us));
+              }
+              runs.append(run);
+            }
+            return runs;
+          })
       .def_property_readonly("ops_executed", &hostir::Executor::opsExecuted);
   m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kTransfer) + 1;
   m.attr("UNARY_KINDS") = py::tuple(py::cast(hostir::unaryKindNames()));

@@ -9,6 +9,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
+#include <chrono>
 #include <functional>
 #include <limits>
 #include <utility>
@@ -181,9 +182,10 @@ c10d::ReduceOp reduceOp(const std::string& name) {
 
 class Run {
  public:
-  Run(const Program& program, bool uses_streams, EventPool& events, Staging& staging)
+  Run(const Program& program, bool uses_streams, EventPool& events, Staging& staging, bool tracing = false)
       : p_(program),
         uses_streams_(uses_streams),
+        tracing_(tracing),
         events_(events),
         staging_(staging),
         tensors_(program.num_tensors),
@@ -229,6 +231,9 @@ class Run {
     if (uses_streams_) {
       caller_ = guard().getStream(p_.device);
     }
+    if (tracing_) {
+      origin_ = stamp();
+    }
     try {
       scope(0, static_cast<int>(p_.instrs.size()));
       for (size_t i = 0; i < p_.outputs.size(); ++i) {
@@ -244,10 +249,69 @@ class Run {
       result.failure = std::move(failed.failure);
     }
     join();
+    if (tracing_) {
+      finishTrace();
+    }
     return result;
   }
 
+  // The records of a traced run, in the order the instructions ended.
+  std::vector<TraceRecord>& trace() {
+    return trace_;
+  }
+
  private:
+  // -- tracing: a host time and, on a GPU, an event on the current stream
+  struct Stamp {
+    double host_us = 0;
+    std::shared_ptr<c10::Event> event;
+  };
+  struct Pending {
+    int instr;
+    int64_t track;
+    int posted;
+    Stamp start;
+    Stamp end;
+  };
+
+  Stamp stamp() {
+    Stamp s;
+    s.host_us = std::chrono::duration<double, std::micro>(
+                    std::chrono::steady_clock::now().time_since_epoch())
+                    .count();
+    if (uses_streams_) {
+      s.event = std::make_shared<c10::Event>(p_.device.type(), c10::EventFlag::BACKEND_DEFAULT);
+      s.event->record(guard().getStream(p_.device));
+    }
+    return s;
+  }
+
+  void traced(int i, const Instr& ins) {
+    int64_t track = track_;
+    Stamp start = stamp();
+    exec(ins);
+    pending_.push_back({i, track, ins.op == Opcode::kWait ? ins.posted : -1, std::move(start), stamp()});
+    if (ins.op == Opcode::kSetStream) {
+      track_ = ins.stream_index >= 0 ? get(ins.stream_index) : -1;
+    }
+  }
+
+  double since(const Stamp& origin, const Stamp& s) {
+    if (origin.event && s.event) {
+      s.event->synchronize();
+      return origin.event->elapsedTime(*s.event) * 1000.0;
+    }
+    return s.host_us - origin.host_us;
+  }
+
+  void finishTrace() {
+    trace_.reserve(pending_.size());
+    for (const Pending& p : pending_) {
+      trace_.push_back({p.instr, p.track, p.posted, since(origin_, p.start), since(origin_, p.end)});
+    }
+    pending_.clear();
+  }
+
   // The caller's values: number_of_streams, the inputs and the outputs to
   // write into, with the extents their sizes give. Throws on a bad one.
   void bindAll(
@@ -503,6 +567,8 @@ class Run {
           }
           i = ins.else_end;
           continue;
+        } else if (tracing_) {
+          traced(i, ins);
         } else {
           exec(ins);
         }
@@ -1442,6 +1508,24 @@ class Run {
     return posted;
   }
 
+  // gloo's sends and receives read and write host addresses only: a device
+  // buffer handed to them is read as whatever the address maps to on the
+  // host. The lowering refuses such programs on every rank
+  // (`torch_dist.check_backends`); this guards a program built by hand.
+  static void checkCarries(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& buf) {
+    if (!buf.is_cuda()) {
+      return;
+    }
+    const std::string name = group->getBackend(c10::DeviceType::CUDA)->getBackendName();
+    if (name == "gloo") {
+      throw Error(
+          text("gloo sends and receives only host memory, but the buffer is on ", buf.device().str(),
+               " and the process group carries device memory through gloo; use backend='nccl' (one GPU "
+               "per rank) or the cuda transport"),
+          "TransportUnsupported");
+    }
+  }
+
   void p2p(const Instr& ins) {
     int64_t peer = get(static_cast<int>(ins.peer));
     if (peer < 0 || peer >= ins.world_size) {
@@ -1462,6 +1546,7 @@ class Run {
     }
     std::vector<at::Tensor> bufs{buf};
     auto& group = worldGroup();
+    checkCarries(group, buf);
     auto work = ins.send ? group->send(bufs, static_cast<int>(peer), 0)
                          : group->recv(bufs, static_cast<int>(peer), 0);
     Posted posted;
@@ -1498,6 +1583,11 @@ class Run {
 
   const Program& p_;
   bool uses_streams_;
+  bool tracing_;
+  int64_t track_ = -1;  // while tracing: the stream the ops now run on
+  Stamp origin_;
+  std::vector<Pending> pending_;
+  std::vector<TraceRecord> trace_;
   EventPool& events_;
   Staging& staging_;
   std::unique_ptr<c10::Event> event_;  // taken from events_ at the first wait
@@ -1613,15 +1703,27 @@ RunResult Executor::run(
   // Run::go reports what fails as a Failure; anything else (restoring the
   // caller's stream) comes back the same way, never as an exception.
   try {
-    Run run(program_, uses_streams_, events_, staging_);
+    bool tracing = tracing_.load(std::memory_order_relaxed);
+    Run run(program_, uses_streams_, events_, staging_, tracing);
     RunResult result = run.go(inputs, outputs, number_of_streams);
     ops_executed_.fetch_add(run.executed(), std::memory_order_relaxed);
+    if (tracing) {
+      std::lock_guard<std::mutex> lock(trace_mutex_);
+      traces_.push_back(std::move(run.trace()));
+    }
     return result;
   } catch (const c10::Error& e) {
     return RunResult{{}, Failure{-1, {}, "RuntimeError", e.what_without_backtrace()}};
   } catch (const std::exception& e) {
     return RunResult{{}, Failure{-1, {}, "RuntimeError", e.what()}};
   }
+}
+
+std::vector<std::vector<TraceRecord>> Executor::takeTrace() const {
+  std::lock_guard<std::mutex> lock(trace_mutex_);
+  std::vector<std::vector<TraceRecord>> taken;
+  taken.swap(traces_);
+  return taken;
 }
 
 void Executor::setViews(

@@ -327,6 +327,19 @@ struct Failure {
   std::string message;
 };
 
+// One instruction of a traced run (`Executor::setTracing`): its index, the
+// stream it ran on (-1: the caller's; else the index its SetCurrentStream
+// named), for a Wait the instruction it completes (else -1), and when it
+// ran, in µs from the run's start: device times on a GPU (events on the
+// current stream around the op), host times (steady clock) elsewhere.
+struct TraceRecord {
+  int instr = -1;
+  int64_t track = -1;
+  int posted = -1;
+  double start_us = 0;
+  double end_us = 0;
+};
+
 struct RunResult {
   std::vector<at::Tensor> outputs;  // undefined: not held by this rank
   std::optional<Failure> failure;
@@ -413,12 +426,23 @@ class Executor {
     return ops_executed_.load(std::memory_order_relaxed);
   }
 
+  // With tracing on, every run records when each instruction ran; the
+  // records wait, one list per run, for `takeTrace`. A run on a GPU then
+  // synchronizes its events at its end.
+  void setTracing(bool on) {
+    tracing_.store(on, std::memory_order_relaxed);
+  }
+  std::vector<std::vector<TraceRecord>> takeTrace() const;
+
  private:
   Program program_;
   bool uses_streams_;
   std::vector<std::vector<int64_t>> input_views_;
   std::vector<std::vector<std::vector<int64_t>>> output_views_;
   mutable std::atomic<int64_t> ops_executed_{0};
+  std::atomic<bool> tracing_{false};
+  mutable std::mutex trace_mutex_;
+  mutable std::vector<std::vector<TraceRecord>> traces_;
   mutable EventPool events_;
   mutable Staging staging_;
 };

@@ -28,7 +28,9 @@ from hostir.communicator import CommunicatorTimeout, PeerLostError, classify_err
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.runtime.evaluator import BindingError, HostIrRuntimeError
+from hostir.runtime import profiling
 from hostir.runtime.flat import OPCODES, FlatProgram, compile_program
+from hostir.runtime.transports.base import TransportUnsupported
 
 try:
     from hostir import _C
@@ -157,7 +159,7 @@ class CppEvaluator:
             inputs = [torch.tensor(int(v)) if i in self._scalar_inputs else v for i, v in enumerate(inputs)]
         # Every error comes back as a failure tuple (no C++ exception crosses
         # into Python); instruction -1 is a bad binding, before any op runs.
-        values, failure = executor.run(inputs, outputs, number_of_streams)
+        values, failure = self._traced(executor, lambda: executor.run(inputs, outputs, number_of_streams))
         if failure is not None:
             raise self._error(*failure)
         for tv, slot, value in zip(self.container.outputs, self._flat.outputs, values):
@@ -172,13 +174,30 @@ class CppEvaluator:
         conversions `take_views` gave it (one call for what `Binding` does
         in three). For calls with no scalar input."""
         executor = self._executor or self._compile()
-        values, failure = executor.run_logical(inputs, number_of_streams)
+        values, failure = self._traced(executor, lambda: executor.run_logical(inputs, number_of_streams))
         if failure is not None:
             raise self._error(*failure)
         for tv, slot, value in zip(self.container.outputs, self._flat.outputs, values):
             if value is None and slot >= 0:
                 raise HostIrRuntimeError(f"output {printer.format_tv(tv)} is not bound at the end of the program")
         return values
+
+    def _traced(self, executor, run):
+        """`run()`, recorded op by op into the active trace if there is one
+        (`HOSTIR_TRACE`, `execute(trace=...)`); not under a CUDA graph's
+        capture, where an event cannot be waited for."""
+        trace = profiling.active_trace(self.rank or 0)
+        if trace is None or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return run()
+        executor.set_tracing(True)
+        origin = profiling.now_us()
+        try:
+            return run()
+        finally:
+            executor.set_tracing(False)
+            exprs = [i.expr for i in self._flat.instrs]
+            for records in executor.take_trace():
+                profiling.add_recorded_run(trace, self.container, exprs, records, origin)
 
     def _error(self, instr: int, loops: list, kind: str, message: str) -> Exception:
         if instr < 0:
@@ -198,6 +217,8 @@ class CppEvaluator:
             )
             if isinstance(err, (CommunicatorTimeout, PeerLostError)):
                 return type(err)(f"{err}\nWhile executing:\n{where}")
+        if kind == "TransportUnsupported":
+            return TransportUnsupported(f"{printer.format_expr_head(expr)}: {message}")
         if kind in _HOSTIR_KINDS:
             return HostIrRuntimeError(f"{kind}: {message}\nWhile executing:\n{where}")
         # torch's own error keeps its type; a note names the op (PEP 678).

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+import hostir
+import hostir.cpp
 from hostir import DeviceMesh, FusionDefinition, ParallelType, timeline
 from hostir.runtime import profiling
 from hostir.lower import lower
@@ -98,6 +100,50 @@ def test_trace_has_a_track_per_stream(tmp_path):
     for tid in tracks:
         mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == tid)
         assert all(end <= nxt + 1e-3 for (_, end), (nxt, _) in zip(mine, mine[1:]))
+
+
+def _events(directory) -> list[tuple]:
+    trace = json.loads(profiling.trace_path(directory, 0).read_text())
+    tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    return [(e["name"], e["args"]["kind"], tracks[e["tid"]], e["args"].get("posted_to_wait", False)) for e in events]
+
+
+@pytest.mark.skipif(not hostir.cpp.available(), reason="the C++ executor is not built")
+def test_the_cpp_executor_traces_the_ops_the_python_evaluator_traces(tmp_path):
+    # The same program on both runners: the same ops, kinds and tracks, in
+    # the same order; each event of the C++ run says which runner made it.
+    fd = stream_matmul()
+    a, b = inputs()
+    for evaluator in ("python", "cpp"):
+        (out,) = fd.execute([a, b], number_of_streams=2, trace=tmp_path / evaluator, evaluator=evaluator)
+        torch.testing.assert_close(out, a @ b + a)
+        assert fd.executor.last_runner.name == evaluator
+    python, cpp = _events(tmp_path / "python"), _events(tmp_path / "cpp")
+    assert cpp == python and len(cpp) > 20
+    trace = json.loads(profiling.trace_path(tmp_path / "cpp", 0).read_text())
+    assert {e["args"]["runner"] for e in trace["traceEvents"] if e["ph"] == "X"} == {"cpp"}
+
+
+@pytest.mark.skipif(not hostir.cpp.available(), reason="the C++ executor is not built")
+def test_a_cpp_trace_spans_each_communication_from_its_post_to_its_wait(tmp_path):
+    # One rank, a transfer-free program with a communication: the team of
+    # one keeps its input (no peer), still posted and waited for.
+    from one_rank_linears import one_rank_linear
+
+    fd = one_rank_linear("K")
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    traces = {}
+    for evaluator in ("python", "cpp"):
+        (y,) = fd.execute([x, w], trace=tmp_path / evaluator, evaluator=evaluator)
+        torch.testing.assert_close(y, x @ w.T)
+        traces[evaluator] = _events(tmp_path / evaluator)
+    # The C++ program binds the communication's output as its own buffer
+    # (no ALLOCATE instruction): host ops may differ, the device work not.
+    device_work = {k: [e for e in v if e[1] != "host"] for k, v in traces.items()}
+    assert device_work["cpp"] == device_work["python"]
+    spans = [e for e in traces["cpp"] if e[3]]
+    assert spans and all(e[1] == "communication" and e[0].startswith("Communication") for e in spans)
 
 
 def test_env_trace_written_at_exit(tmp_path):

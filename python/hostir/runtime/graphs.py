@@ -40,7 +40,9 @@ import threading
 
 import torch
 
+from hostir import communicator
 from hostir.errors import HostIrError, UsageError
+from hostir.runtime import profiling
 
 
 class CudaGraphError(HostIrError, ValueError):
@@ -60,14 +62,15 @@ class _Captured:
         """Whether the preallocated outputs `given` are the ones captured."""
         return self.output_ptrs is not None and tuple(t.data_ptr() for t in given) == self.output_ptrs
 
-    def replay(self, inputs: list, given: list | None) -> list:
+    def replay(self, inputs: list, given: list | None, rank: int = 0) -> list:
         """Copy `inputs` into the graph's buffers where they are other
         tensors, replay, and return the outputs (`given`'s tensors where the
-        caller preallocated other ones than the captured, copied into)."""
+        caller preallocated other ones than the captured, copied into).
+        With a trace active, the replay is one event of it."""
         for buf, t in zip(self.inputs, inputs):
             if t is not buf and t.data_ptr() != buf.data_ptr():
                 buf.copy_(t)
-        self.graph.replay()
+        profiling.traced_replay(rank, self.graph.replay)
         if given is None:
             return list(self.outputs)
         results = []
@@ -164,14 +167,15 @@ class Replay:
     """Replays the captured graphs alternately; `()` returns the outputs the
     replay wrote (valid until the replay after next)."""
 
-    def __init__(self, graphs: list, outputs: list[list[torch.Tensor]]):
+    def __init__(self, graphs: list, outputs: list[list[torch.Tensor]], rank: int = 0):
         self.graphs = graphs
         self.outputs = outputs
+        self.rank = rank
         self._next = 0
 
     def __call__(self) -> list[torch.Tensor]:
         i = self._next
-        self.graphs[i].replay()
+        profiling.traced_replay(self.rank, self.graphs[i].replay)
         self._next = (i + 1) % len(self.graphs)
         return self.outputs[i]
 
@@ -195,4 +199,5 @@ def capture(fd, inputs, **params) -> Replay:
             fd.execute(inputs, outputs[parity], **params)
         graphs.append(graph)
     torch.cuda.synchronize()
-    return Replay(graphs, outputs)
+    comm = communicator.live()
+    return Replay(graphs, outputs, comm.rank if comm is not None else 0)

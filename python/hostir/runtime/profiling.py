@@ -42,6 +42,9 @@ __all__ = [
     "Trace",
     "op_kind",
     "op_name",
+    "active_trace",
+    "add_recorded_run",
+    "traced_replay",
     "tracing",
     "trace_path",
     "write_env_trace",
@@ -321,18 +324,86 @@ class Observer:
         self._pending.clear()
 
 
+def active_trace(rank: int) -> Trace | None:
+    """The trace a run now records into: the open `tracing` block's, else
+    `HOSTIR_TRACE`'s, else None."""
+    trace = _active.get()
+    return trace if trace is not None else _env_trace_for(rank)
+
+
+def now_us() -> float:
+    """The clock of trace events (µs): every rank of one machine shares it."""
+    return _now_us()
+
+
+def add_recorded_run(trace: Trace, container: Any, exprs: list, records: list, origin_us: float) -> None:
+    """One run that the C++ executor recorded, as trace events like the
+    Python evaluator's: `records` are its (instruction, stream, waited
+    instruction, start µs, end µs) from the run's start at `origin_us`,
+    `exprs[i]` instruction i's op. A communication spans from its posting
+    to the end of its `Wait`, on the track it was posted on."""
+    names = _names_of(container)
+    run = trace.next_run()
+    posted: dict[int, tuple[str, float]] = {}
+    for instr, track, waited, start, end in records:
+        e = exprs[instr]
+        label = TRACK_CALLER if track < 0 else f"stream {track}"
+        if isinstance(e, (ir.Communication, ir.P2PCommunication, ir.EndCoalescing)):
+            posted[instr] = (label, start)
+            continue
+        began = posted.pop(waited, None) if waited >= 0 else None
+        if began is not None:
+            comm = exprs[waited]
+            trace.add(names.get(id(comm)) or op_name(comm), "communication", began[0], origin_us + began[1],
+                      origin_us + end, posted_to_wait=True, run=run, runner="cpp")
+        trace.add(names.get(id(e)) or op_name(e), op_kind(e), label, origin_us + start, origin_us + end,
+                  run=run, runner="cpp")
+
+
+_GRAPH_NOTE = (
+    "a CUDA graph replays its ops as one launch, so a trace times the replay as a whole; "
+    "trace an eager call (without cuda_graph) for its ops one by one"
+)
+_graph_note_said = False
+
+
+def traced_replay(rank: int, replay: Callable[[], Any], what: str = "CUDA graph replay") -> Any:
+    """Run `replay()` (a CUDA graph's), recorded as one event on the caller
+    stream when a trace is active: the device time between events on the
+    current stream before and after it. Says once, in the log, that the
+    ops inside a replay are not timed one by one."""
+    trace = active_trace(rank)
+    if trace is None:
+        return replay()
+    global _graph_note_said
+    if not _graph_note_said:
+        _graph_note_said = True
+        import logging
+
+        logging.getLogger("hostir").warning("trace: %s", _GRAPH_NOTE)
+    origin_us = _now_us()
+    origin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    origin.record()
+    result = replay()
+    end.record()
+    end.synchronize()
+    trace.add(what, "compute", TRACK_CALLER, origin_us, origin_us + origin.elapsed_time(end) * 1000.0,
+              run=trace.next_run(), runner="cuda_graph", note=_GRAPH_NOTE)
+    return result
+
+
 def tracing_active() -> bool:
     """Whether a `tracing(...)` block is open in this context."""
     return _active.get() is not None
 
 
 def watched() -> bool:
-    """Whether a run now would be watched (profiler on, a trace requested or
-    HOSTIR_TRACE set): only the Python evaluator reports ops, so `auto`
-    picks it then."""
-    if torch.autograd._profiler_enabled() or _active.get() is not None:  # type: ignore[attr-defined]
-        return True
-    return bool(os.environ.get("HOSTIR_TRACE"))
+    """Whether a run now would be watched by the profiler: only the Python
+    evaluator opens a profiler range per op, so `auto` picks it then.
+    (Traces come from both runners: the C++ executor records its ops
+    itself.)"""
+    return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
 
 
 def observer_for(container: Any, streams: Any, rank: int) -> Observer | None:
