@@ -96,3 +96,17 @@ def _seed(request):
     """The same seed on every rank, from the test's id (not its position in
     the run), so every rank builds the same full tensors."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_runtest_logreport(report):
+    """Print a failure's traceback when it happens, not in the summary at the
+    end: a rank that aborts later (a peer's NCCL watchdog, a signal) never
+    prints that summary, and the first failure is the one that explains the
+    rest."""
+    if not report.failed or hostir.world_size() < 2:
+        return
+    text = report.longreprtext.splitlines()
+    tail = text[-60:]
+    lines = [f"\n---- rank {hostir.rank()}: {report.nodeid} failed ({report.when}) ----"]
+    lines += (["..."] if len(text) > len(tail) else []) + tail
+    print("\n".join(lines), flush=True)
