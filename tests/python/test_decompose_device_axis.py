@@ -86,16 +86,20 @@ def test_assigned_streams_of_a_decomposition(name, form):
 
 def test_ring_own_chunk_runs_on_the_caller_between_the_two_loops():
     """The workers wait for the caller before the rank's own shard is
-    computed, so the shard's matmul overlaps the ring's steps."""
+    computed, then the caller's stream is current again: the shard's matmul
+    runs on it, beside the ring's steps, never queued before a step's push
+    on the last worker."""
     program = lower(
         overlap.allgather_matmul(2).fusion, rank=0, backend="gloo", schedule=Schedule(), until="assign_streams"
     ).program
     kinds = [type(e).__name__ for e in program.exprs]
     assert kinds == [
-        "Allocate", "Allocate", "GetCurrentStream", "ForLoop",
+        "Allocate", "Allocate", "GetCurrentStream", "ForLoop", "SetCurrentStream",
         "HirAliasSelect", "HirAliasSelect", "Set", "HirAliasSelect", "MatmulOp", "ForLoop",
     ], kinds
     assert [type(e).__name__ for e in program.exprs[3].body] == ["SetCurrentStream", "Synchronize"]
+    caller = program.exprs[2].stream
+    assert program.exprs[4].stream is caller
 
 
 def test_ring_on_four_ranks_of_an_offset_mesh_names_positions():

@@ -112,7 +112,11 @@ def _pipelined(container: HostIrContainer, loop: ir.ForLoop, own: list[ir.Expr])
     work = loop.replace(
         body=[ir.SetCurrentStream(worker), *loop.body, ir.SetCurrentStream(caller), ir.Synchronize(worker)]
     )
-    return [ir.GetCurrentStream(caller), sync, *own, work]
+    # The sync loop ends on the last worker: the own chunk goes back to the
+    # caller, or the iteration on that worker (at two ranks and one chunk,
+    # the ring's only push) would queue behind the own chunk's GEMM.
+    back = [ir.SetCurrentStream(caller)] if own else []
+    return [ir.GetCurrentStream(caller), sync, *back, *own, work]
 
 
 def _per_iteration(container: HostIrContainer, loop: ir.ForLoop) -> ir.ForLoop:
