@@ -25,10 +25,10 @@ F64 = torch.float64
 
 
 @pytest.fixture(autouse=True)
-def _torch_distributed(world):
+def _torch_distributed(world, device):
     # The joins below use torch.distributed's default group (hostir's
-    # communicator creates it).
-    DeviceMesh(range(world.size)).to_torch("cpu")
+    # communicator creates it), on the rank's device.
+    DeviceMesh(range(world.size)).to_torch(device.type)
 
 
 class _Cut(torch.autograd.Function):
@@ -136,14 +136,20 @@ def place(mesh, *tvs):
             tv.set_device_mesh(mesh)
 
 
-def randn(*shape):
-    return torch.randn(*shape, dtype=F64)
+@pytest.fixture
+def randn(device):
+    """Whole float64 tensors from the per-test seed, on the rank's device."""
+
+    def make(*shape):
+        return torch.randn(*shape, dtype=F64).to(device)
+
+    return make
 
 
 # ------------------------------------------------------------ communications
 
 
-def test_allgather(world):
+def test_allgather(world, randn):
     D = world.size
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1], F64)
@@ -154,7 +160,7 @@ def test_allgather(world):
     gradcheck(fd, [randn(2 * D, 3)], [("shard", 0)], [None], world)
 
 
-def test_allreduce(world):
+def test_allreduce(world, randn):
     D = world.size
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1], F64)
@@ -166,7 +172,7 @@ def test_allreduce(world):
     gradcheck(fd, [randn(3, 2 * D)], [("shard", 1)], [None], world)
 
 
-def test_reduce_scatter(world):
+def test_reduce_scatter(world, randn):
     D = world.size
     with FusionDefinition() as fd:
         x = fd.define_tensor([D, -1, -1], F64)
@@ -179,7 +185,7 @@ def test_reduce_scatter(world):
     gradcheck(fd, [randn(D, 2 * D, 3)], [("shard", 0)], [("shard", 0)], world)
 
 
-def test_all_to_all(world):
+def test_all_to_all(world, randn):
     D = world.size
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1], F64)
@@ -193,7 +199,7 @@ def test_all_to_all(world):
 
 
 @pytest.mark.parametrize("root", ["first", "last"])
-def test_broadcast(world, root):
+def test_broadcast(world, randn, root):
     D = world.size
     r = 0 if root == "first" else D - 1
     with FusionDefinition() as fd:
@@ -207,7 +213,7 @@ def test_broadcast(world, root):
 
 
 @pytest.mark.parametrize("root", ["first", "last"])
-def test_gather_and_scatter(world, root):
+def test_gather_and_scatter(world, randn, root):
     D = world.size
     r = 0 if root == "first" else D - 1
     with FusionDefinition() as fd:
@@ -226,7 +232,7 @@ def test_gather_and_scatter(world, root):
 
 
 @pytest.mark.parametrize("root", ["first", "last"])
-def test_reduce(world, root):
+def test_reduce(world, randn, root):
     D = world.size
     r = 0 if root == "first" else D - 1
     with FusionDefinition() as fd:
@@ -242,7 +248,7 @@ def test_reduce(world, root):
     gradcheck(fd, [randn(D, 3)], [("shard", 0)], [None], world)
 
 
-def test_send_recv(world):
+def test_send_recv(world, randn):
     D = world.size
     with FusionDefinition() as fd:
         x = fd.define_tensor([D, -1], F64)
@@ -285,21 +291,21 @@ def _linear(D, x_axis=None, w_axis=None, b_sharded=False, y_axis=None, bias=True
     return fd
 
 
-def test_column_parallel_linear(world):
+def test_column_parallel_linear(world, randn):
     D = world.size
     fd = _linear(D, w_axis=0, b_sharded=True, y_axis=1)
     gradcheck(fd, [randn(3, 4), randn(2 * D, 4), randn(2 * D)], [None, ("shard", 0), ("shard", 0)], [("shard", 1)], world)
 
 
 @pytest.mark.parametrize("output", ["allreduce", "reduce_scatter"])
-def test_row_parallel_linear(world, output):
+def test_row_parallel_linear(world, randn, output):
     D = world.size
     fd = _linear(D, x_axis=1, w_axis=1, y_axis=0 if output == "reduce_scatter" else None)
     out = ("shard", 0) if output == "reduce_scatter" else None
     gradcheck(fd, [randn(2 * D, 2 * D), randn(3, 2 * D), randn(3)], [("shard", 1), ("shard", 1), None], [out], world)
 
 
-def test_sequence_parallel_column_linear_regathers_its_input(world):
+def test_sequence_parallel_column_linear_regathers_its_input(world, randn):
     D = world.size
     fd = _linear(D, x_axis=0, w_axis=0, b_sharded=True, y_axis=1)
     gradcheck(
@@ -311,7 +317,7 @@ def test_sequence_parallel_column_linear_regathers_its_input(world):
     )
 
 
-def test_megatron_mlp_block_matches_eager(world):
+def test_megatron_mlp_block_matches_eager(world, randn):
     import importlib.util
     import pathlib
 
@@ -338,7 +344,7 @@ def test_megatron_mlp_block_matches_eager(world):
 
 
 @pytest.mark.parametrize("keep_gathered", [False, True], ids=["regather", "keep_gathered"])
-def test_sequence_parallel_linear_saves_the_shard_or_the_gathered_input(world, keep_gathered):
+def test_sequence_parallel_linear_saves_the_shard_or_the_gathered_input(world, randn, keep_gathered):
     from hostir.autograd import training_of
 
     D = world.size
@@ -367,7 +373,7 @@ SCHEDULES = ["ring", "ring:chunks=2,direction=-1", "collective", "sequential"]
 
 
 @pytest.mark.parametrize("sched", SCHEDULES)
-def test_allgather_matmul_layer_backward(world, sched):
+def test_allgather_matmul_layer_backward(world, device, sched):
     """The AG+matmul layer's gradients under every decomposition: the
     weight gradient gathers the saved shard again (a ring, when the
     schedule says so); the input gradient is this rank's rows."""
@@ -375,7 +381,7 @@ def test_allgather_matmul_layer_backward(world, sched):
 
     # The backward gathers x transposed, [K, m] per shard: chunks cut K.
     D, m, K, N = world.size, 4, 6, 5
-    X, W, G = torch.randn(D, m, K), torch.randn(K, N), torch.randn(D, m, N)
+    X, W, G = torch.randn(D, m, K, device=device), torch.randn(K, N, device=device), torch.randn(D, m, N, device=device)
     fd = overlap.allgather_matmul(D)
     (x, w), expected = overlap.allgather_matmul_inputs(X, W, world.rank)
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -387,14 +393,15 @@ def test_allgather_matmul_layer_backward(world, sched):
 
 
 @pytest.mark.parametrize("sched", SCHEDULES)
-def test_matmul_reduce_scatter_layer_backward(world, sched):
+def test_matmul_reduce_scatter_layer_backward(world, device, sched):
     """The matmul+RS layer's gradients under every decomposition: one
     gather of the output gradient (a ring, when the schedule says so) feeds
     both products."""
     from hostir import overlap
 
     D, m, k, N = world.size, 4, 3, 5
-    A, B, G = torch.randn(D * m, D * k), torch.randn(D * k, N), torch.randn(D * m, N)
+    A, B = torch.randn(D * m, D * k, device=device), torch.randn(D * k, N, device=device)
+    G = torch.randn(D * m, N, device=device)
     fd = overlap.matmul_reduce_scatter(D)
     (a, b), expected = overlap.matmul_reduce_scatter_inputs(A, B, D, world.rank)
     a, b = a.clone().requires_grad_(), b.clone().requires_grad_()

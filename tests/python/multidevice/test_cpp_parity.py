@@ -140,7 +140,7 @@ def _step(model, x, mesh, plan, evaluator, monkeypatch):
         inp = DTensor.from_local(inp.chunk(mesh.size(), 0)[mesh.get_local_rank()].detach().requires_grad_(True), mesh, (Shard(0),))
     y = model(inp)
     full = y.full_tensor() if isinstance(y, DTensor) else y
-    loss = (full * torch.arange(full.numel()).reshape(full.shape)).sum()
+    loss = (full * torch.arange(full.numel(), device=full.device).reshape(full.shape)).sum()
     loss.backward()
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in model.named_parameters()}
     runners = {label: executor.last_runner for label, executor in _linears(model)}
@@ -149,16 +149,16 @@ def _step(model, x, mesh, plan, evaluator, monkeypatch):
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
-def test_parallel_linears_forward_and_backward_run_in_cpp(world, plan, monkeypatch):
+def test_parallel_linears_forward_and_backward_run_in_cpp(world, device, plan, monkeypatch):
     """Every program of both Linears, forward and backward, runs on the C++
     executor (`cpp`, strict: a program it cannot run is an error) and gives
     what the Python evaluator gives, and both what torch gives unsharded."""
     torch.manual_seed(0)
-    ref = MLP()
+    ref = MLP().to(device)
     model = copy.deepcopy(ref)
-    mesh = DeviceMesh(range(world.size)).to_torch("cpu")
+    mesh = DeviceMesh(range(world.size)).to_torch(device.type)
     parallelize_module(model, mesh, PLANS[plan]())
-    x = torch.randn(2 * world.size, 8)
+    x = torch.randn(2 * world.size, 8).to(device)
     out_py, grads_py, runners_py = _step(model, x, mesh, plan, "python", monkeypatch)
     out_cpp, grads_cpp, runners_cpp = _step(model, x, mesh, plan, "cpp", monkeypatch)
     assert len(runners_cpp) == 4
@@ -171,7 +171,7 @@ def test_parallel_linears_forward_and_backward_run_in_cpp(world, plan, monkeypat
     # And both are torch's unsharded results.
     inp = x.clone().requires_grad_(True)
     expected = ref(inp)
-    (expected * torch.arange(expected.numel()).reshape(expected.shape)).sum().backward()
+    (expected * torch.arange(expected.numel(), device=device).reshape(expected.shape)).sum().backward()
     torch.testing.assert_close(out_cpp, expected.detach(), rtol=1e-4, atol=1e-5)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads_cpp[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -22,8 +22,8 @@ from hostir.dtensor import DTensorPlacementError
 
 
 @pytest.fixture
-def torch_mesh(world):
-    return DeviceMesh(range(world.size)).to_torch("cpu")
+def torch_mesh(world, device):
+    return DeviceMesh(range(world.size)).to_torch(device.type)
 
 
 def _matmul_fusion():
@@ -36,23 +36,23 @@ def _matmul_fusion():
     return fd, x, w, xg, y
 
 
-def test_mesh_converts_both_ways(world, torch_mesh):
+def test_mesh_converts_both_ways(world, device, torch_mesh):
     mesh = DeviceMesh.from_torch(torch_mesh)
     assert mesh == DeviceMesh(range(world.size))
-    back = mesh.to_torch("cpu")
+    back = mesh.to_torch(device.type)
     assert back.mesh.tolist() == list(range(world.size))
     assert DeviceMesh(torch_mesh) == mesh
 
 
-def test_sharded_input_allgathered_matches_redistribute(world, torch_mesh):
+def test_sharded_input_allgathered_matches_redistribute(world, device, torch_mesh):
     fd, x, w, xg, y = _matmul_fusion()
     mesh = DeviceMesh(range(world.size))
     # The intermediate and the output are placed replicated: the set from
     # the DTensor-sharded input is an Allgather.
     xg.set_device_mesh(torch_mesh)
     y.set_device_mesh(mesh)
-    x_full = torch.randn(4 * world.size, 16)
-    w_full = torch.randn(16, 8)
+    x_full = torch.randn(4 * world.size, 16, device=device)
+    w_full = torch.randn(16, 8, device=device)
     x_dt = distribute_tensor(x_full, torch_mesh, [Shard(0)])
     w_dt = distribute_tensor(w_full, torch_mesh, [Replicate()])
 
@@ -68,13 +68,13 @@ def test_sharded_input_allgathered_matches_redistribute(world, torch_mesh):
     assert x.mesh == mesh and x.device_axes()
 
 
-def test_sharded_output_is_a_sharded_dtensor(world, torch_mesh):
+def test_sharded_output_is_a_sharded_dtensor(world, device, torch_mesh):
     with FusionDefinition() as fd:
         a = fd.define_tensor(shape=[2 * world.size, 6])
         b = fd.define_tensor(shape=[2 * world.size, 6])
         fd.add_output(fd.ops.mul(fd.ops.add(a, b), b))
-    a_dt = distribute_tensor(torch.randn(2 * world.size, 6), torch_mesh, [Shard(0)])
-    b_dt = distribute_tensor(torch.randn(2 * world.size, 6), torch_mesh, [Shard(0)])
+    a_dt = distribute_tensor(torch.randn(2 * world.size, 6, device=device), torch_mesh, [Shard(0)])
+    b_dt = distribute_tensor(torch.randn(2 * world.size, 6, device=device), torch_mesh, [Shard(0)])
 
     (out,) = fd.execute([a_dt, b_dt])
 
@@ -84,11 +84,11 @@ def test_sharded_output_is_a_sharded_dtensor(world, torch_mesh):
     torch.testing.assert_close(out.full_tensor(), expected.full_tensor())
 
 
-def test_mesh_sized_axis_is_sharded_in_place(world, torch_mesh):
+def test_mesh_sized_axis_is_sharded_in_place(world, device, torch_mesh):
     with FusionDefinition() as fd:
         x = fd.define_tensor(shape=[world.size, -1])
         fd.add_output(fd.ops.sum(x, [0]))
-    x_full = torch.randn(world.size, 5)
+    x_full = torch.randn(world.size, 5, device=device)
     x_dt = distribute_tensor(x_full, torch_mesh, [Shard(0)])
 
     (out,) = fd.execute([x_dt])
@@ -99,7 +99,7 @@ def test_mesh_sized_axis_is_sharded_in_place(world, torch_mesh):
     torch.testing.assert_close(out.full_tensor(), x_dt.full_tensor().sum(0))
 
 
-def test_placement_checked_against_the_users_sharding(world, torch_mesh):
+def test_placement_checked_against_the_users_sharding(world, device, torch_mesh):
     fd, x, w, xg, y = _matmul_fusion()
     mesh = DeviceMesh(range(world.size))
     for tv in (x, w, xg, y):
@@ -109,7 +109,7 @@ def test_placement_checked_against_the_users_sharding(world, torch_mesh):
     # K divides over the ranks, so sharding axis 1 is even and only the
     # placement is wrong.
     k = 2 * world.size
-    x_full, w_full = torch.randn(2 * world.size, k), torch.randn(k, 3)
+    x_full, w_full = torch.randn(2 * world.size, k, device=device), torch.randn(k, 3, device=device)
     x_dt = distribute_tensor(x_full, torch_mesh, [Shard(0)])
     w_dt = distribute_tensor(w_full, torch_mesh, [Replicate()])
 
@@ -124,11 +124,11 @@ def test_placement_checked_against_the_users_sharding(world, torch_mesh):
         fd.execute([replicated, w_dt])
 
 
-def test_uneven_shards_are_rejected_with_sizes(world, torch_mesh):
+def test_uneven_shards_are_rejected_with_sizes(world, device, torch_mesh):
     fd, x, w, xg, y = _matmul_fusion()
     size = 2 * world.size + 1
-    x_dt = distribute_tensor(torch.randn(size, 4), torch_mesh, [Shard(0)])
-    w_dt = distribute_tensor(torch.randn(4, 3), torch_mesh, [Replicate()])
+    x_dt = distribute_tensor(torch.randn(size, 4, device=device), torch_mesh, [Shard(0)])
+    w_dt = distribute_tensor(torch.randn(4, 3, device=device), torch_mesh, [Replicate()])
     with pytest.raises(DTensorPlacementError, match=rf"axis 0 of size {size} unevenly over {world.size} ranks") as info:
         fd.execute([x_dt, w_dt])
     # The sizes named are the shards DTensor holds.
@@ -138,14 +138,14 @@ def test_uneven_shards_are_rejected_with_sizes(world, torch_mesh):
     assert x.mesh is None, "a rejected input must leave the fusion unchanged"
 
 
-def test_return_dtensors_from_local_inputs(world, torch_mesh):
+def test_return_dtensors_from_local_inputs(world, device, torch_mesh):
     fd, x, w, xg, y = _matmul_fusion()
     mesh = DeviceMesh(range(world.size))
     for tv in (x, w, xg, y):
         tv.set_device_mesh(mesh)
     x.outer_split(0, world.size)
     x.axis(0).parallelize(ParallelType.mesh_x)
-    x_full, w_full = torch.randn(2 * world.size, 4), torch.randn(4, 3)
+    x_full, w_full = torch.randn(2 * world.size, 4, device=device), torch.randn(4, 3, device=device)
 
     (plain,) = fd.execute([hostir.shard_tensor(x_full, x), w_full])
     (wrapped,) = fd.execute([hostir.shard_tensor(x_full, x), w_full], return_dtensors=True)

@@ -37,8 +37,8 @@ STEPS = 3
 
 
 @pytest.fixture
-def tp_mesh(world):
-    return DeviceMesh(range(world.size)).to_torch("cpu")
+def tp_mesh(world, device):
+    return DeviceMesh(range(world.size)).to_torch(device.type)
 
 
 def full(t):
@@ -69,15 +69,16 @@ def tiny_llama():
     return config, LlamaForCausalLM(config).float()
 
 
-def test_llama_with_its_own_tp_plan(world, tp_mesh):
+def test_llama_with_its_own_tp_plan(world, device, tp_mesh):
     config, model = tiny_llama()
+    model.to(device)
     ref = copy.deepcopy(model)
     parallelize_module(model.model, tp_mesh, dict(config.base_model_tp_plan))
     assert isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)
     assert model.model.layers[0].self_attn.q_proj.weight.placements == (Shard(0),)
     assert model.model.layers[0].mlp.down_proj.weight.placements == (Shard(1),)
 
-    ids = torch.randint(0, config.vocab_size, (2, 8))
+    ids = torch.randint(0, config.vocab_size, (2, 8), device=device)
     out = model(input_ids=ids, labels=ids)
     expected = ref(input_ids=ids, labels=ids)
     torch.testing.assert_close(out.logits, expected.logits, **TOL)
@@ -186,14 +187,14 @@ def torchtitan_plan(gather_in_hostir: bool) -> dict:
 
 
 @pytest.mark.parametrize("gather_in_hostir", [False, True], ids=["torchtitan", "megatron"])
-def test_sequence_parallel_llama_block(world, tp_mesh, gather_in_hostir):
-    model = Stack()
+def test_sequence_parallel_llama_block(world, device, tp_mesh, gather_in_hostir):
+    model = Stack().to(device)
     ref = copy.deepcopy(model)
     for layer in model.layers:
         parallelize_module(layer, tp_mesh, torchtitan_plan(gather_in_hostir))
     S = 4 * world.size
-    x = torch.randn(2, S, 48)
-    target = torch.randn(2, S, 48)
+    x = torch.randn(2, S, 48, device=device)
+    target = torch.randn(2, S, 48, device=device)
     mine = x.chunk(world.size, 1)[world.rank]
     my_target = target.chunk(world.size, 1)[world.rank]
 
@@ -224,8 +225,8 @@ def test_sequence_parallel_llama_block(world, tp_mesh, gather_in_hostir):
         ref_loss.backward()
 
 
-def test_a_linear_style_on_another_module_is_refused_before_anything_moves(world, tp_mesh):
-    model = Stack(layers=1)
+def test_a_linear_style_on_another_module_is_refused_before_anything_moves(world, device, tp_mesh):
+    model = Stack(layers=1).to(device)
     before = model.layers[0].attention_norm.weight
     with pytest.raises(ParallelizeError, match=r"module 'layers.0.attention_norm' \(RMSNorm\) under ColwiseParallel"):
         parallelize_module(model, tp_mesh, {"layers.*.attention.wq": ColwiseParallel(), "layers.*.attention_norm": ColwiseParallel()})
@@ -233,12 +234,12 @@ def test_a_linear_style_on_another_module_is_refused_before_anything_moves(world
     assert not isinstance(model.layers[0].attention.wq.weight, DTensor)
 
 
-def test_dtensor_outputs_and_prepare_module_output(world, tp_mesh):
+def test_dtensor_outputs_and_prepare_module_output(world, device, tp_mesh):
     """use_local_output=False returns the DTensor; PrepareModuleOutput
     redistributes it (here to replicated) as torch does."""
     from torch.distributed.tensor.parallel import PrepareModuleOutput
 
-    model = FeedForward(16, 8 * world.size)
+    model = FeedForward(16, 8 * world.size).to(device)
     ref = copy.deepcopy(model)
     plan = {
         "w1": ColwiseParallel(),
@@ -247,7 +248,7 @@ def test_dtensor_outputs_and_prepare_module_output(world, tp_mesh):
         "": PrepareModuleOutput(output_layouts=(Shard(0),), desired_output_layouts=(Replicate(),)),
     }
     parallelize_module(model, tp_mesh, plan)
-    x = torch.randn(2 * world.size, 16)
+    x = torch.randn(2 * world.size, 16, device=device)
     y = model(x)
     assert isinstance(y, torch.Tensor) and not isinstance(y, DTensor)
     expected = ref(x)

@@ -101,7 +101,7 @@ def _matches_the_unsharded_linear(
 @pytest.mark.parametrize("schedule", ["ring", "ring:chunks=2", "collective", "sequential"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("ndim", [2, 3])
-def test_hostir_parallel_colwise_under_sequence_parallelism(world, monkeypatch, schedule, bias, ndim):
+def test_hostir_parallel_colwise_under_sequence_parallelism(world, device, monkeypatch, schedule, bias, ndim):
     """`ColwiseParallel(input_layouts=Shard(seq))` through hostir.parallel,
     on a 2-D [s, h] and a 3-D [b, s, h] activation: the forward is the
     AG+GEMM walking the sequence in the forced schedule; in the backward
@@ -115,21 +115,21 @@ def test_hostir_parallel_colwise_under_sequence_parallelism(world, monkeypatch, 
 
     monkeypatch.setenv("HOSTIR_SCHEDULE", schedule)
     D = world.size
-    mesh = DeviceMesh(range(D)).to_torch("cpu")
+    mesh = DeviceMesh(range(D)).to_torch(device.type)
     B, S, H, N = 2, 2 * D, 6, 4 * D
-    lin = torch.nn.Linear(H, N, bias=bias)
-    ref = torch.nn.Linear(H, N, bias=bias)
+    lin = torch.nn.Linear(H, N, bias=bias).to(device)
+    ref = torch.nn.Linear(H, N, bias=bias).to(device)
     ref.load_state_dict(lin.state_dict())
     seq = ndim - 2
     parallelize_module(lin, mesh, ColwiseParallel(input_layouts=Shard(seq)))
-    X = torch.randn(*([B] if ndim == 3 else []), S, H)
+    X = torch.randn(*([B] if ndim == 3 else []), S, H, device=device)
     _matches_the_unsharded_linear(world, lin, ref, X, seq, -1, schedule, backward_walks=True)
 
 
 @pytest.mark.parametrize("schedule", ["ring", "ring:chunks=2", "collective", "sequential"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("ndim", [2, 3])
-def test_hostir_parallel_rowwise_under_sequence_parallelism(world, monkeypatch, schedule, bias, ndim):
+def test_hostir_parallel_rowwise_under_sequence_parallelism(world, device, monkeypatch, schedule, bias, ndim):
     """`RowwiseParallel(output_layouts=Shard(seq))` through hostir.parallel:
     the forward is the GEMM+RS walking the sequence in the forced schedule
     (each step the partial product of a peer's rows, sent on while the next
@@ -144,12 +144,12 @@ def test_hostir_parallel_rowwise_under_sequence_parallelism(world, monkeypatch, 
 
     monkeypatch.setenv("HOSTIR_SCHEDULE", schedule)
     D = world.size
-    mesh = DeviceMesh(range(D)).to_torch("cpu")
+    mesh = DeviceMesh(range(D)).to_torch(device.type)
     S, H, N = 4 * D, 3 * D, 5
     seq = ndim - 2
-    lin = torch.nn.Linear(H, N, bias=bias)
-    ref = torch.nn.Linear(H, N, bias=bias)
+    lin = torch.nn.Linear(H, N, bias=bias).to(device)
+    ref = torch.nn.Linear(H, N, bias=bias).to(device)
     ref.load_state_dict(lin.state_dict())
     parallelize_module(lin, mesh, RowwiseParallel(output_layouts=Shard(seq)))
-    X = torch.randn(*([2] if ndim == 3 else []), S, H)
+    X = torch.randn(*([2] if ndim == 3 else []), S, H, device=device)
     _matches_the_unsharded_linear(world, lin, ref, X, -1, seq, schedule, backward_walks=True)

@@ -291,7 +291,7 @@ def test_megatron_mlp_block(world, device, dtype):
     mine = [shard_tensor(t.to(dtype), tv).to(device) for t, tv in zip(whole, tvs)]
     (out,) = fd.execute(mine)
     # The reference computes in float32 from the same dtype-rounded data.
-    expected = example.reference(*[t.to(dtype).float() for t in whole])
+    expected = example.reference(*[t.to(dtype).float().to(device) for t in whole])
     torch.testing.assert_close(out.float(), chunk(expected, 0, world), **_tolerance(dtype))
     dump = fd.host_ir()
     comms = re.findall(r"^\s*Communication \d+ \(type=(\w+),", dump, re.MULTILINE)
