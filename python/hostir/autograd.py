@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 from typing import Any, Sequence
 
 import torch
 
-from hostir import communicator
+from hostir import communicator, ir
 from hostir.autodiff import BackwardError, Derivation, derive
 from hostir.dtensor import has_dtensors, is_dtensor
 from hostir.errors import UsageError
@@ -262,8 +261,7 @@ def _lookup(calls: dict, key: tuple) -> _Record | None:
 
 
 def _dtensor_type():
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
+    return ir.loaded_class("torch.distributed.tensor._api", "DTensor")
 
 
 def _plain(t):

@@ -18,7 +18,6 @@ DTensors with the placements their (propagated) shardings imply.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,23 +37,28 @@ class DTensorPlacementError(HostIrError, ValueError):
     fusion input it is passed as."""
 
 
+# Where DTensor is defined: bound there before any DTensor can exist, even
+# while another thread is still importing the package that re-exports it.
+_DTENSOR_MODULE = "torch.distributed.tensor._api"
+
+
 def is_dtensor(value: object) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(value, module.DTensor)
+    cls = ir.loaded_class(_DTENSOR_MODULE, "DTensor")
+    return cls is not None and isinstance(value, cls)
 
 
 def has_dtensors(values: object) -> bool:
     if not isinstance(values, (list, tuple)):
         return False
-    module = sys.modules.get("torch.distributed.tensor")
-    if module is None:
+    cls = ir.loaded_class(_DTENSOR_MODULE, "DTensor")
+    if cls is None:
         return False
-    return any(isinstance(v, module.DTensor) for v in values)
+    return any(isinstance(v, cls) for v in values)
 
 
 def is_torch_mesh(value: object) -> bool:
-    module = sys.modules.get("torch.distributed.device_mesh")
-    return module is not None and isinstance(value, module.DeviceMesh)
+    cls = ir.loaded_class("torch.distributed.device_mesh", "DeviceMesh")
+    return cls is not None and isinstance(value, cls)
 
 
 def _placement_text(placements: Sequence[Any]) -> str:

@@ -238,10 +238,19 @@ def same_scalar(a: Scalar, b: Scalar, equal=None) -> bool:
 # ---------------------------------------------------------------- domains
 
 
+def loaded_class(module: str, name: str) -> type | None:
+    """Class `name` of `module` if the program imported that module, else
+    None; never imports it. A module that another thread is still importing
+    may not have bound the class yet: no instance of it can exist then, and
+    None is the answer (never the half-made module's AttributeError)."""
+    found = getattr(sys.modules.get(module), name, None)
+    return found if isinstance(found, type) else None
+
+
 def _is_torch_mesh(value) -> bool:
     # Only a program that imported torch's device_mesh can hold one.
-    module = sys.modules.get("torch.distributed.device_mesh")
-    return module is not None and isinstance(value, module.DeviceMesh)
+    cls = loaded_class("torch.distributed.device_mesh", "DeviceMesh")
+    return cls is not None and isinstance(value, cls)
 
 
 class DeviceMesh:

@@ -24,3 +24,19 @@ def test_dtensor_outputs_of_a_fusion_without_mesh_are_refused_before_running():
 def test_from_torch_takes_only_a_torch_mesh():
     with pytest.raises(DefinitionTypeError, match="DeviceMesh.from_torch takes a torch DeviceMesh, got list"):
         DeviceMesh.from_torch([0, 1])
+
+
+def test_a_dtensor_module_another_thread_is_still_importing_is_no_error(monkeypatch):
+    # Another thread's first import of torch.distributed.tensor leaves the
+    # module in sys.modules before it binds DTensor: the checks a call makes
+    # answer "not a DTensor" then, never AttributeError.
+    import sys
+    import types
+
+    from hostir import dtensor, ir
+
+    for name in ("torch.distributed.tensor._api", "torch.distributed.device_mesh"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    t = torch.randn(2)
+    assert ir.loaded_class("torch.distributed.tensor._api", "DTensor") is None
+    assert not dtensor.is_dtensor(t) and not dtensor.has_dtensors([t]) and not dtensor.is_torch_mesh(t)
