@@ -1,13 +1,15 @@
-"""Builders of `broadcast_in_dim` and `expand`: new axes and grown size-1
-axes, as nvFuser's ops of those names define them.
+"""Builders of `broadcast_in_dim`, `broadcast` and `expand`: new axes and
+grown size-1 axes, as nvFuser's ops of those names define them.
 
 `broadcast_in_dim(x, shape, dims)` puts input axis i at output axis
 `dims[i]` (increasing); every other output axis is new, of size
 `shape[j]` (a size-1 axis is a broadcast axis). A size-1 input axis may
 grow to `shape[dims[i]]`; any other input axis keeps its size (`-1`, or
-that size). `expand(x, shape)` is `broadcast_in_dim` with the axes in
-place. Sizes are checked when the op is defined where they are known, and
-when the program runs where they are symbolic. The output is a copy: it
+that size). `broadcast(x, is_broadcast_dim)` is `broadcast_in_dim` that
+only adds size-1 axes: one flag per output axis, True for a new one.
+`expand(x, shape)` is `broadcast_in_dim` with the axes in place. Sizes are
+checked when the op is defined where they are known, and when the program
+runs where they are symbolic. The output is a copy: it
 may be sharded (its kept axes as the input's) and stream-parallel.
 """
 
@@ -62,6 +64,31 @@ def broadcast_in_dim(x: ir.TensorView, shape: Sequence[int], dims: Sequence[int]
     out = ir.TensorView(fusion, domain, x.dtype)
     fusion.add_expr(ir.BroadcastInDimOp(out, x, tuple(dims)))
     return out
+
+
+def broadcast(x: ir.TensorView, is_broadcast_dim: Sequence[bool]) -> ir.TensorView:
+    """nvFuser's `broadcast(x, is_broadcast_dim)`: one flag per output axis,
+    True where a new size-1 (broadcast) axis goes, False where the next axis
+    of `x` goes, as `x.unsqueeze` at each True position. It is
+    `broadcast_in_dim(x, shape, dims)` with `shape` 1 at the new axes and -1
+    (the input's size, symbolic or not) at the kept ones, and `dims` the
+    positions of the False flags."""
+    if not isinstance(x, ir.TensorView):
+        raise DefinitionTypeError(f"broadcast takes a TensorView, got {type(x).__name__}")
+    if isinstance(is_broadcast_dim, (str, bytes)) or not isinstance(is_broadcast_dim, Sequence):
+        raise DefinitionTypeError(f"broadcast: is_broadcast_dim must be a list of bools, got {is_broadcast_dim!r}")
+    flags = tuple(is_broadcast_dim)
+    if not all(isinstance(f, bool) for f in flags):
+        raise DefinitionTypeError(f"broadcast: is_broadcast_dim must be a list of bools, got {list(flags)!r}")
+    kept = [j for j, f in enumerate(flags) if not f]
+    ndim = x.logical_ndim
+    if len(kept) != ndim:
+        raise DefinitionError(
+            f"broadcast: is_broadcast_dim {list(flags)} (length {len(flags)}) must have one False entry per "
+            f"axis of T{x.name}: expected {ndim} False entries, got {len(kept)}"
+        )
+    shape = [1 if f else -1 for f in flags]
+    return broadcast_in_dim(x, shape, kept)
 
 
 def expand(x: ir.TensorView, shape: Sequence[int]) -> ir.TensorView:

@@ -137,6 +137,15 @@ class Ops:
         self._check(x)
         return broadcast_ops.broadcast_in_dim(x, shape, broadcast_dims)
 
+    def broadcast(self, x: ir.TensorView, is_broadcast_dim) -> ir.TensorView:
+        """nvFuser's `broadcast`: `is_broadcast_dim` has one bool per
+        output axis, True where a new size-1 axis goes, False where the
+        next axis of `x` goes (as many False as `x` has axes); as
+        `x.unsqueeze` at each True position. A `broadcast_in_dim` that only
+        adds size-1 axes, as a copy."""
+        self._check(x)
+        return broadcast_ops.broadcast(x, is_broadcast_dim)
+
     def expand(self, x: ir.TensorView, shape) -> ir.TensorView:
         """`x` with its size-1 axes grown to `shape` (-1 keeps an axis), as
         torch's expand, as a copy."""
