@@ -154,6 +154,8 @@ Instr instr(int opcode, const py::dict& f) {
   i.index = field(f, "index", -1);
   // GetCurrentStream names its slot "slot".
   i.stream_slot = field(f, "stream_slot", field(f, "slot", -1));
+  // Communications, P2P and coalescing name the backend that carries them.
+  i.backend = field(f, "backend", std::string());
   if (i.op == Opcode::kCommunication) {
     i.comm_type = static_cast<CommType>(f["type"].cast<int>());
     i.group = f["group"].cast<int>();

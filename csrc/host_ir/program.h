@@ -262,7 +262,9 @@ struct Instr {
   // every operand is read as it is bound), and the output's store.
   std::vector<View> views;
   Store store;
-  // Communications.
+  // Communications, P2P and coalescing: the backend that carries them
+  // (NCCL, gloo; empty for a coalescing group with no member).
+  std::string backend;
   CommType comm_type = CommType::kAllgather;
   int group = -1;
   int64_t team_size = 0;
