@@ -327,6 +327,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kTransfer) + 1;
   m.attr("UNARY_KINDS") = py::tuple(py::cast(hostir::unaryKindNames()));
   m.attr("BINARY_KINDS") = py::tuple(py::cast(hostir::binaryKindNames()));
+  m.attr("TRANSPORTS") = py::tuple(py::cast(hostir::transportNames()));
   m.def(
       "stream_pool_size",
       []() { return hostir::streamPool().size(); },

@@ -5,8 +5,8 @@ The flat program is the container with every name resolved: each buffer
 each symbolic scalar an integer slot `$<n>`, each `Stream` value a stream slot
 `%s<n>` or a key of the device's stream pool; `HirAliasSelect` knows the dim it
 selects, matmul and linear the dims a select removed, a communication its
-process group, its backend, its roots as group ranks and its permutations
-in the group's order. Loops stay structured (an
+process group, its backend (which C++ transport posts it), its roots as group
+ranks and its permutations in the group's order. Loops stay structured (an
 instruction with the index of its body's end) and scalar expressions
 (`( StreamIdx % numberOfStreams )`, extents, the rank) are small trees over
 integer slots, so `hostir._C` runs the whole program without calling back
@@ -67,6 +67,14 @@ try:
     from hostir._C import BINARY_KINDS as CPP_BINARY_KINDS, UNARY_KINDS as CPP_UNARY_KINDS
 except Exception:  # noqa: BLE001 - any failure to load means "not built"
     CPP_UNARY_KINDS = CPP_BINARY_KINDS = ()
+
+# The backends the C++ core has a transport for (its registry in
+# csrc/host_ir/transports/transport.h); a communication on another one runs
+# on the Python evaluator, and the runner says so.
+try:
+    from hostir._C import TRANSPORTS as CPP_TRANSPORTS
+except Exception:  # noqa: BLE001 - not built, or built before the registry
+    CPP_TRANSPORTS = ("NCCL", "gloo")
 
 
 @dataclasses.dataclass
@@ -796,7 +804,7 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
             note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
         if isinstance(e, ir.BinaryOp) and e.kind.value not in CPP_BINARY_KINDS:
             note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
-        if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):
+        if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in CPP_TRANSPORTS:
             note(f"transport {e.backend}", f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and e.type.value not in COMMUNICATION_TYPES:
             note(f"type {e.type.value}", f"it has no {e.type.value}: {printer.format_expr_head(e)}")
