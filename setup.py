@@ -27,7 +27,8 @@ def _extension():
             file=sys.stderr,
         )
         return [], {}
-    sources = sorted(glob.glob(os.path.join("csrc", "host_ir", "*.cpp")))
+    # The executor's sources, its transports in csrc/host_ir/transports/ included.
+    sources = sorted(glob.glob(os.path.join("csrc", "host_ir", "**", "*.cpp"), recursive=True))
     ext = CppExtension(
         name="hostir._C",
         sources=sources,

@@ -154,6 +154,8 @@ Instr instr(int opcode, const py::dict& f) {
   i.index = field(f, "index", -1);
   // GetCurrentStream names its slot "slot".
   i.stream_slot = field(f, "stream_slot", field(f, "slot", -1));
+  // Communications, P2P and coalescing name the backend that carries them.
+  i.backend = field(f, "backend", std::string());
   if (i.op == Opcode::kCommunication) {
     i.comm_type = static_cast<CommType>(f["type"].cast<int>());
     i.group = f["group"].cast<int>();
@@ -325,6 +327,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kTransfer) + 1;
   m.attr("UNARY_KINDS") = py::tuple(py::cast(hostir::unaryKindNames()));
   m.attr("BINARY_KINDS") = py::tuple(py::cast(hostir::binaryKindNames()));
+  m.attr("TRANSPORTS") = py::tuple(py::cast(hostir::transportNames()));
   m.def(
       "stream_pool_size",
       []() { return hostir::streamPool().size(); },

@@ -29,6 +29,8 @@
 
 namespace hostir {
 
+class Transport;  // transports/transport.h
+
 // The text of an error message: strings, integers and integer lists
 // ([2, 3], as Python prints a shape) joined without iostreams. Not c10::str:
 // built by the GPU machine's compiler (CXX=/opt/gcc/bin/g++), code in this
@@ -262,7 +264,11 @@ struct Instr {
   // every operand is read as it is bound), and the output's store.
   std::vector<View> views;
   Store store;
-  // Communications.
+  // Communications, P2P and coalescing: the backend that carries them
+  // (NCCL, gloo; empty for a coalescing group with no member), and its
+  // transport, chosen once by the Executor.
+  std::string backend;
+  const Transport* transport = nullptr;
   CommType comm_type = CommType::kAllgather;
   int group = -1;
   int64_t team_size = 0;
@@ -393,8 +399,9 @@ struct Staging {
 class Executor {
  public:
   // Checks and prepares `program` once (operation kinds from their text,
-  // the tensors of constant numbers), so that a run builds no string and
-  // no tensor that does not depend on its inputs.
+  // the tensors of constant numbers, each communication's transport from
+  // its backend), so that a run builds no string and no tensor that does
+  // not depend on its inputs, and looks no transport up.
   explicit Executor(Program program);
 
   // Binds `inputs` (and `outputs` to write into, if not empty), runs the
@@ -453,5 +460,8 @@ StreamPool& streamPool();
 // The names of the unary and binary kinds the executor runs.
 std::vector<std::string> unaryKindNames();
 std::vector<std::string> binaryKindNames();
+
+// The backends the executor has a transport for (transports/transport.h).
+std::vector<std::string> transportNames();
 
 } // namespace hostir

@@ -24,19 +24,31 @@ std="-std=c++17"
 if "$python" -c 'import sys, torch; sys.exit(0 if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 13) else 1)'; then
   std="-std=c++20"
 fi
-# The executor's object from `setup.py build_ext` when it is up to date
-# (a translation unit with torch's headers takes minutes on a small
-# machine), else its source.
-core=csrc/host_ir/executor.cpp
-for obj in build/temp*/csrc/host_ir/executor.o; do
-  if [[ -f "$obj" && "$obj" -nt csrc/host_ir/executor.cpp && "$obj" -nt csrc/host_ir/program.h ]]; then
-    core="$obj"
-  fi
+# The executor's sources (every .cpp of csrc/host_ir but the Python
+# bindings), each as its object from `setup.py build_ext` when that is newer
+# than the source and every header (a translation unit with torch's headers
+# takes a minute or more on a small machine), else as the source.
+headers=(csrc/host_ir/*.h csrc/host_ir/*/*.h)
+core=()
+for src in $(find csrc/host_ir -name '*.cpp' ! -name bindings.cpp | sort); do
+  use="$src"
+  for obj in build/temp*/"${src%.cpp}.o"; do
+    fresh=1
+    for dep in "$src" "${headers[@]}"; do
+      if [[ ! -f "$obj" || ! "$obj" -nt "$dep" ]]; then
+        fresh=0
+      fi
+    done
+    if [[ $fresh == 1 ]]; then
+      use="$obj"
+    fi
+  done
+  core+=("$use")
 done
-echo "tests/cpp: core from $core"
+echo "tests/cpp: core from ${core[*]}"
 # shellcheck disable=SC2086
 g++ $std -O1 -fPIC $torch_flags $gtest_flags \
-  "$core" tests/cpp/test_executor.cpp \
+  "${core[@]}" tests/cpp/test_executor.cpp \
   -o "$out/test_executor" \
   $torch_libs -ltorch -ltorch_cpu -lc10 -lgtest -lgtest_main -pthread
 "$out/test_executor"

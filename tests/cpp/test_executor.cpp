@@ -3,9 +3,10 @@
 // them), selects into preallocated buffers,
 // the out= variants, every unary kind, operand views and partial sums,
 // extent binding, failures with loop indices, runs on a caller's logical
-// tensors (runLogical), and two
-// threads running one Executor at once.
+// tensors (runLogical), two threads running one Executor at once, and the
+// transport registry (a backend chosen once, an unknown one refused).
 #include "../../csrc/host_ir/program.h"
+#include "../../csrc/host_ir/transports/transport.h"
 
 #include <gtest/gtest.h>
 
@@ -457,6 +458,117 @@ TEST(Executor, TwoThreadsRunOneExecutorAtOnce) {
   t2.join();
   EXPECT_TRUE(ok1);
   EXPECT_TRUE(ok2);
+}
+
+// -- transports
+
+// %t0 [4] in, %t1 [4] out: an Allreduce over a team of one on `backend`
+// (it moves nothing, so it needs no process group) and its Wait.
+Program teamOfOne(const std::string& backend) {
+  Program p;
+  p.num_tensors = 2;
+  p.inputs = {0};
+  p.outputs = {1};
+  p.tensor_names = {"T0", "T1"};
+  Instr alloc;
+  alloc.op = Opcode::kAllocate;
+  alloc.out = 1;
+  alloc.shape = {constNode(p, 4)};
+  p.instrs.push_back(alloc);
+  Instr comm;
+  comm.op = Opcode::kCommunication;
+  comm.comm_type = CommType::kAllreduce;
+  comm.team_size = 1;
+  comm.input = 0;
+  comm.out = 1;
+  comm.red_op = "sum";
+  comm.backend = backend;
+  p.instrs.push_back(comm);
+  Instr wait;
+  wait.op = Opcode::kWait;
+  wait.posted = 1;
+  wait.text = "Communication 0";
+  p.instrs.push_back(wait);
+  return p;
+}
+
+TEST(Transports, UnknownBackendIsRejectedWhenMade) {
+  try {
+    Executor executor(teamOfOne("mpi"));
+    FAIL() << "a communication on an unknown backend was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), "ProgramError");
+    EXPECT_STREQ(
+        e.what(), "instruction 1 names the backend 'mpi', which the C++ executor has no transport for (it has NCCL, gloo)");
+  }
+}
+
+TEST(Transports, RegistryHasOneC10dTransportAndNoCopyEngineYet) {
+  EXPECT_EQ(transportNames(), (std::vector<std::string>{"NCCL", "gloo"}));
+  EXPECT_EQ(findTransport("NCCL"), &c10dTransport());
+  EXPECT_EQ(findTransport("gloo"), &c10dTransport());
+  EXPECT_EQ(findTransport("cuda"), nullptr);
+  EXPECT_EQ(findTransport("nccl"), nullptr);  // ir.backend_name's spelling only
+}
+
+TEST(Transports, TeamOfOneKeepsItsInputOnEveryTransport) {
+  for (const std::string& backend : transportNames()) {
+    Executor executor(teamOfOne(backend));
+    EXPECT_EQ(executor.program().instrs[1].transport, findTransport(backend));
+    at::Tensor x = at::randn({4});
+    RunResult r = executor.run({x}, {}, 1);
+    ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+    EXPECT_TRUE(at::equal(r.outputs[0], x)) << backend;
+  }
+}
+
+// StartCoalescing, a P2P send of %t0 to rank 0, EndCoalescing, its Wait.
+Program coalescedSend(const std::string& group_backend, const std::string& send_backend) {
+  Program p;
+  p.num_tensors = 1;
+  p.inputs = {0};
+  p.outputs = {0};
+  p.tensor_names = {"T0"};
+  Instr start;
+  start.op = Opcode::kStartCoalescing;
+  start.backend = group_backend;
+  p.instrs.push_back(start);
+  Instr send;
+  send.op = Opcode::kP2P;
+  send.send = true;
+  send.buffer = 0;
+  send.peer = constNode(p, 0);
+  send.world_size = 1;
+  send.backend = send_backend;
+  p.instrs.push_back(send);
+  Instr end = start;
+  end.op = Opcode::kEndCoalescing;
+  p.instrs.push_back(end);
+  Instr wait;
+  wait.op = Opcode::kWait;
+  wait.posted = 2;
+  p.instrs.push_back(wait);
+  return p;
+}
+
+TEST(Transports, CoalescingGroupOfTwoBackendsIsAProgramError) {
+  Executor executor(coalescedSend("NCCL", "gloo"));
+  RunResult r = executor.run({at::randn({3})}, {}, 1);
+  ASSERT_TRUE(r.failure.has_value());
+  EXPECT_EQ(r.failure->instr, 1);
+  EXPECT_EQ(r.failure->kind, "ProgramError");
+  EXPECT_EQ(r.failure->message, "one coalescing group mixes backends NCCL and gloo");
+}
+
+TEST(Transports, EmptyCoalescingGroupPostsNothing) {
+  Program p = coalescedSend("", "gloo");
+  p.instrs.erase(p.instrs.begin() + 1);
+  p.instrs[2].posted = 1;
+  Executor executor(std::move(p));
+  at::Tensor x = at::randn({3});
+  RunResult r = executor.run({x}, {}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_TRUE(at::equal(r.outputs[0], x));
 }
 
 } // namespace

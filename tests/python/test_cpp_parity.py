@@ -239,3 +239,68 @@ def test_the_tie_mask_runs_in_cpp(dtype, device):
     python, compiled = _both(fd, [a_in, b_in])
     _same(python, compiled)
     torch.testing.assert_close(compiled[0], (a_in == b_in).to(dtype))
+
+
+# ---------------------------------------------------------------- transports
+#
+# A parity test per C++ transport (csrc/host_ir/transports/), as the op
+# parity tests above: the same program on both evaluators, bit for bit.
+
+H = 8
+
+
+def _host_weights(layers: int):
+    """x @ W_l.T then GELU per layer, every W_l in host memory."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, H])
+        ws = [fd.define_tensor([H, H], memory="host") for _ in range(layers)]
+        y = x
+        for w in ws:
+            y = fd.ops.gelu(fd.ops.linear(y, w))
+        fd.add_output(y)
+    return fd
+
+
+@pytest.mark.parametrize("hoist, posted", [("sequential", False), ("hoist", True)])
+def test_host_transfers_run_in_cpp_as_in_python(hoist, posted):
+    """transports/host.cpp: transfers on the current stream (sequential),
+    and posted on the copy stream (hoisted), each read again after the
+    weights are written between calls."""
+    from hostir import ir
+
+    fd = _host_weights(3)
+    x, ws = torch.randn(5, H), [torch.randn(H, H) for _ in range(3)]
+    program = fd.host_program(inputs=[x, *ws], hoist=hoist)
+    transfers = [e for e in program.walk() if isinstance(e, ir.Transfer)]
+    assert transfers and any(e.posted for e in transfers) is posted
+    for _ in range(2):
+        python, compiled = _both(fd, [x, *ws], hoist=hoist)
+        _same(python, compiled)
+        ws[1].mul_(-2.0)
+    reference = x
+    for w in ws:
+        reference = torch.nn.functional.gelu(reference @ w.T)
+    torch.testing.assert_close(fd.execute([x, *ws], evaluator="cpp", hoist=hoist)[0], reference)
+
+
+def test_the_core_has_a_transport_for_nccl_and_gloo():
+    """The registry of csrc/host_ir/transports/transport.h; a program on
+    another backend (the copy engine's `cuda`) runs on the Python evaluator."""
+    assert flat.CPP_TRANSPORTS == ("NCCL", "gloo")
+
+
+def test_communications_post_on_the_c10d_transport_as_in_python():
+    """transports/c10d.cpp: the multi-device parity tests of the c10d
+    transport (tests/python/multidevice/test_cpp_parity.py), every
+    communication type and P2P on both evaluators, on two gloo ranks."""
+    import pathlib
+
+    from spawn import spawn
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    test = root / "tests/python/multidevice/test_cpp_parity.py"
+    args = ["pytest", "-q", "-p", "no:cacheprovider", "--color=no", str(test), "-k", "c10d_transport"]
+    results = spawn("-m", 2, args=args, env={"HOSTIR_TIMEOUT": "30"}, timeout=240)
+    for r in results:
+        assert r.returncode == 0 and not r.timed_out, f"rank {r.rank}:\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
+        assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]

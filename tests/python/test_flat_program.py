@@ -275,3 +275,36 @@ def test_unsupported_names_what_only_python_runs():
     assert unsupported(c) == "it has no instruction for Mystery"
     with pytest.raises(MissingHandlerError, match="cannot run this program: it has no instruction for Mystery"):
         compile_program(c)
+
+
+def _coalesced_p2p(backends):
+    """A StartCoalescing, one P2P send per backend, EndCoalescing, Wait."""
+    c = HostIrContainer()
+    x = ir.TensorView(c, [ir.IterDomain(c, ir.Scalar.constant(4))], torch.float32, ir.MemoryType.global_)
+    c.add_input(x)
+    end = ir.EndCoalescing(c.next_name("comm"))
+    sends = [ir.P2PCommunication(c.next_name("comm"), "send", x, ir.Scalar.constant(1), backend=b) for b in backends]
+    for e in [ir.StartCoalescing(), *sends, end, ir.Wait(end)]:
+        c.push_back(e)
+    return c
+
+
+def test_each_communication_instruction_names_its_backend():
+    """The C++ executor chooses each P2P's, collective's and coalescing
+    group's transport by the backend its instruction names: a group's is its
+    first member's, and an empty group names none."""
+    import types
+
+    comm = types.SimpleNamespace(rank=0, world_size=2)
+    p = compile_program(_coalesced_p2p(["gloo", "gloo"]), comm)
+    assert [(i.op, i.fields.get("backend")) for i in p.instrs] == [
+        ("start_coalescing", "gloo"),
+        ("p2p", "gloo"),
+        ("p2p", "gloo"),
+        ("end_coalescing", "gloo"),
+        ("wait", None),
+    ]
+    assert "backend=gloo" in p.dump()
+    empty = compile_program(_coalesced_p2p([]), comm)
+    assert [i.fields.get("backend") for i in empty.instrs] == ["", "", None]
+    assert "0: start_coalescing backend=-" in empty.dump()

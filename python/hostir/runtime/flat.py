@@ -5,12 +5,13 @@ The flat program is the container with every name resolved: each buffer
 each symbolic scalar an integer slot `$<n>`, each `Stream` value a stream slot
 `%s<n>` or a key of the device's stream pool; `HirAliasSelect` knows the dim it
 selects, matmul and linear the dims a select removed, a communication its
-process group, its roots as group ranks and its permutations in the group's
-order. Loops stay structured (an instruction with the index of its body's
-end) and scalar expressions (`( StreamIdx % numberOfStreams )`, extents, the
-rank) are small trees over integer slots, so `hostir._C` runs the whole
-program without calling back into Python. The Python evaluator stays the
-reference; both run from the same container.
+process group, its backend (which C++ transport posts it), its roots as group
+ranks and its permutations in the group's order. Loops stay structured (an
+instruction with the index of its body's end) and scalar expressions
+(`( StreamIdx % numberOfStreams )`, extents, the rank) are small trees over
+integer slots, so `hostir._C` runs the whole program without calling back
+into Python. The Python evaluator stays the reference; both run from the
+same container.
 
 `HOSTIR_DUMP=flat_program` prints `FlatProgram.dump()` when the C++ executor
 first runs a program.
@@ -66,6 +67,14 @@ try:
     from hostir._C import BINARY_KINDS as CPP_BINARY_KINDS, UNARY_KINDS as CPP_UNARY_KINDS
 except Exception:  # noqa: BLE001 - any failure to load means "not built"
     CPP_UNARY_KINDS = CPP_BINARY_KINDS = ()
+
+# The backends the C++ core has a transport for (its registry in
+# csrc/host_ir/transports/transport.h); a communication on another one runs
+# on the Python evaluator, and the runner says so.
+try:
+    from hostir._C import TRANSPORTS as CPP_TRANSPORTS
+except Exception:  # noqa: BLE001 - not built, or built before the registry
+    CPP_TRANSPORTS = ("NCCL", "gloo")
 
 
 @dataclasses.dataclass
@@ -132,6 +141,8 @@ class _Compiler:
         # a program output the caller gave a buffer for is copied into it.
         self.local_views = local_views(container, source, self.alias)
         self.instrs: list[Instr] = []
+        # The StartCoalescing of the coalescing group being compiled, if any.
+        self.coalescing: Instr | None = None
 
     # -- slots
     def tensor(self, tv: ir.TensorView) -> int:
@@ -646,6 +657,7 @@ def _communication(cc: _Compiler, e: ir.Communication) -> None:
         "self_copy": False,
         "view_out": e.out in cc.local_views,
         "out_may_be_given": e.out in cc.container.outputs,
+        "backend": e.backend,
     }
     if t is ir.CommunicationType.Allgather:
         f["perm"] = [order.index(r) for r in e.team]
@@ -700,17 +712,29 @@ def _p2p(cc, e) -> None:
         buffer=cc.tensor(e.buffer),
         peer=cc.scalar(e.peer),
         world_size=cc.comm.world_size,
+        backend=e.backend,
     )
 
 
 @_compiles(ir.StartCoalescing)
 def _start(cc, e) -> None:
-    cc.emit("start_coalescing", e)
+    # Its backend is its group's, known at its EndCoalescing.
+    cc.coalescing = cc.emit("start_coalescing", e, backend="")
 
 
 @_compiles(ir.EndCoalescing)
 def _end(cc, e) -> None:
-    cc.emit("end_coalescing", e)
+    """Both ends of a coalescing group name the backend of its first P2P,
+    as the evaluator takes it, so that the group opens and closes on the
+    transport its members post on; an empty group names none and posts
+    nothing."""
+    start, cc.coalescing = cc.coalescing, None
+    backend = ""
+    if start is not None:
+        opened = next(k for k, instr in enumerate(cc.instrs) if instr is start)
+        members = [instr.fields["backend"] for instr in cc.instrs[opened + 1 :] if instr.op == "p2p"]
+        backend = start.fields["backend"] = members[0] if members else ""
+    cc.emit("end_coalescing", e, backend=backend)
 
 
 @_compiles(ir.Wait)
@@ -780,7 +804,7 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
             note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
         if isinstance(e, ir.BinaryOp) and e.kind.value not in CPP_BINARY_KINDS:
             note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
-        if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in ("NCCL", "gloo"):
+        if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in CPP_TRANSPORTS:
             note(f"transport {e.backend}", f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and e.type.value not in COMMUNICATION_TYPES:
             note(f"type {e.type.value}", f"it has no {e.type.value}: {printer.format_expr_head(e)}")
@@ -829,6 +853,8 @@ def _field_text(p: FlatProgram, name: str, value) -> str:
         return "(" + " ".join(f"%t{v}" for v in value) + ")"
     if name == "group":
         return f"g{value}"
+    if name == "backend":
+        return value or "-"
     if name == "slot":
         return f"%s{value}"
     if name in ("dtype", "dtype_in", "dtype_out"):

@@ -1,8 +1,10 @@
 """The C++ executor against the Python evaluator on every rank: AllToAll,
-unary ops on sharded tensors, and the forward and backward programs of
+unary ops on sharded tensors, the forward and backward programs of
 `hostir.parallel`'s Linears (split axes, sharded operands, partial sums
-completed by an Allreduce, permutes), each run on both evaluators on the
-same random data, with the runner saying the C++ executor ran it."""
+completed by an Allreduce, permutes), and every communication type and P2P
+on the c10d transport (the parity test of csrc/host_ir/transports/c10d.cpp),
+each run on both evaluators on the same random data, with the runner saying
+the C++ executor ran it."""
 
 from __future__ import annotations
 
@@ -14,9 +16,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from hostir import DeviceMesh, FusionDefinition, ParallelType, cpp, shard_tensor
+import hostir
+from hostir import DeviceMesh, FusionDefinition, ParallelType, cpp, ir, shard_tensor
+from hostir.container import HostIrContainer
 from hostir.kinds import UnaryKind
 from hostir.parallel import parallelize_module
+from hostir.runtime.evaluator import HostIrEvaluator
+from hostir.runtime.streams import streams_for
 
 pytestmark = pytest.mark.skipif(not cpp.available(), reason=f"the C++ executor is not built: {cpp.reason()}")
 
@@ -175,3 +181,108 @@ def test_parallel_linears_forward_and_backward_run_in_cpp(world, device, plan, m
     torch.testing.assert_close(out_cpp, expected.detach(), rtol=1e-4, atol=1e-5)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads_cpp[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+# ------------------------------------------------------------ the c10d transport
+#
+# The parity test of csrc/host_ir/transports/c10d.cpp: each communication
+# type and P2P, posted by the C++ transport and by the Python one
+# (runtime/transports/torch_dist.py) on the same data, bit for bit.
+
+TRANSPORT_CASES = [
+    "Allgather",
+    "Allreduce-sum",
+    "Allreduce-max",
+    "ReduceScatter-sum",
+    "ReduceScatter-min",
+    "Broadcast",
+    "Gather",
+    "Scatter",
+    "Reduce-sum",
+    "Reduce-max",
+    "SendRecv",
+]
+
+
+def _one_communication(world, device, case: str, dtype):
+    """A program whose one communication is `case` over every rank (a root:
+    the last), and this rank's input; a max or min's data hold a NaN."""
+    D = world.size
+    name, _, kind = case.partition("-")
+    shape = [D, D, 3] if name == "ReduceScatter" else [D, 3]
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=shape, dtype=dtype)
+        y = getattr(fd.ops, kind)(x, [0]) if kind else fd.ops.set(x)
+        fd.add_output(y)
+    everyone, root = DeviceMesh(range(D)), DeviceMesh([D - 1])
+    x.set_device_mesh(root if name in ("Broadcast", "Scatter") else everyone)
+    y.set_device_mesh({"Gather": root, "Reduce": root, "SendRecv": DeviceMesh(list(reversed(range(D))))}.get(name, everyone))
+    if name not in ("Broadcast", "Scatter"):
+        x.axis(0).parallelize(ParallelType.mesh_x)
+    if name in ("Scatter", "SendRecv"):
+        y.axis(0).parallelize(ParallelType.mesh_x)
+    if name == "ReduceScatter":
+        y.axis(1).parallelize(ParallelType.mesh_x)  # y's domain is [rD, D, 3]
+    full = torch.randint(-8, 8, shape).to(dtype)
+    if kind in ("max", "min") and dtype.is_floating_point:
+        full.view(-1)[1] = float("nan")
+    full = full.to(device)
+    if name in ("Broadcast", "Scatter"):
+        mine = full if world.rank == D - 1 else torch.full_like(full, 99)
+    else:
+        mine = shard_tensor(full, x)
+    return fd, mine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+@pytest.mark.parametrize("case", TRANSPORT_CASES)
+def test_each_communication_posts_on_the_c10d_transport_as_in_python(world, device, case, dtype):
+    fd, mine = _one_communication(world, device, case, dtype)
+    assert f"type={case.partition('-')[0]}," in fd.host_ir()
+    outs = {}
+    for evaluator in ("python", "cpp"):
+        outs[evaluator] = [fd.execute([mine], evaluator=evaluator)[0] for _ in range(2)]
+        assert fd.last_runner.name == evaluator and (evaluator == "python" or fd.last_runner.reasons == ()), fd.last_runner
+    for p, c in zip(outs["python"], outs["cpp"]):
+        assert (p is None) == (c is None)
+        if p is not None:
+            torch.testing.assert_close(c, p, rtol=0, atol=0, equal_nan=True)
+
+
+def _ring(world, coalesced: bool):
+    """Send the input to the next rank, receive the previous rank's."""
+    c = HostIrContainer()
+    x = ir.TensorView(c, [ir.IterDomain(c, ir.Scalar.constant(6))], torch.float32, ir.MemoryType.global_)
+    c.add_input(x)
+    buf = ir.TensorView(c, [ir.IterDomain(c, ir.Scalar.constant(6))], torch.float32, ir.MemoryType.global_)
+    c.push_back(ir.Allocate(buf))
+    me = c.named_scalar("rank")
+    backend = "NCCL" if torch.cuda.is_available() else "gloo"
+    send = ir.P2PCommunication(c.next_name("comm"), "send", x, (me + 1) % world.size, backend=backend)
+    recv = ir.P2PCommunication(c.next_name("comm"), "recv", buf, (me + (world.size - 1)) % world.size, backend=backend)
+    if coalesced:
+        end = ir.EndCoalescing(c.next_name("comm"))
+        exprs = [ir.StartCoalescing(), send, recv, end, ir.Wait(end)]
+    else:
+        exprs = [send, recv, ir.Wait(send), ir.Wait(recv)]
+    for e in exprs:
+        c.push_back(e)
+    c.add_output(buf)
+    c.verify()
+    return c, x
+
+
+@pytest.mark.parametrize("coalesced", [True, False], ids=["coalesced", "separate"])
+def test_p2p_posts_on_the_c10d_transport_as_in_python(world, device, coalesced):
+    container, x = _ring(world, coalesced)
+    mine = torch.randn(6, device=device)
+    outs = []
+    for make in (HostIrEvaluator, cpp.CppEvaluator):
+        evaluator = make(container, streams=streams_for(device), device=device, communicator=hostir.communicator.get())
+        (out,) = evaluator.run({x: mine})
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    # Every instruction of the ring names the backend its transport is for.
+    expected = "NCCL" if torch.cuda.is_available() else "gloo"
+    named = {i.op: i.fields.get("backend") for i in evaluator._flat.instrs if "backend" in i.fields}
+    assert named == ({"start_coalescing": expected, "p2p": expected, "end_coalescing": expected} if coalesced else {"p2p": expected})

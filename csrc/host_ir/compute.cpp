@@ -1,0 +1,457 @@
+// The compute ops of a run, the C++ twins of python/hostir/runtime/
+// evaluator.py's: binary, unary, reduction, matmul, linear and permute, with
+// ATen's out= variants where an op writes into a bound output, and the
+// layouts that read an operand with its logical axes (`_operand`) and put
+// a result into its output (`_store`).
+#include "run.h"
+
+#include <optional>
+#include <utility>
+
+namespace hostir {
+namespace {
+
+// The 0-d CPU tensor torch makes of a number on the right of a binary op.
+at::Tensor wrappedNumber(const at::Scalar& s) {
+  at::Tensor t = c10::scalar_to_tensor(s);
+  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return t;
+}
+
+// The binary kinds the core runs (python/hostir/kinds.py's BinaryKind
+// names); the flat compiler reads them through `binaryKindNames`.
+const std::pair<const char*, OpKind> kBinary[] = {
+    {"add", OpKind::kAdd},
+    {"sub", OpKind::kSub},
+    {"mul", OpKind::kMul},
+    {"div", OpKind::kDiv},
+    {"relu_grad", OpKind::kReluGrad},
+    {"gelu_grad", OpKind::kGeluGrad},
+    {"gelu_tanh_grad", OpKind::kGeluTanhGrad},
+    {"silu_grad", OpKind::kSiluGrad},
+    {"tanh_grad", OpKind::kTanhGrad},
+    {"sigmoid_grad", OpKind::kSigmoidGrad},
+    {"abs_grad", OpKind::kAbsGrad},
+    {"eq", OpKind::kEq}};
+
+// The unary kinds the core runs (python/hostir/kinds.py's UnaryKind names);
+// the flat compiler reads them through `unaryKindNames`.
+const std::pair<const char*, OpKind> kUnary[] = {
+    {"relu", OpKind::kRelu},
+    {"neg", OpKind::kNeg},
+    {"abs", OpKind::kAbs},
+    {"cast", OpKind::kCast},
+    {"gelu", OpKind::kGelu},
+    {"gelu_tanh", OpKind::kGeluTanh},
+    {"silu", OpKind::kSilu},
+    {"exp", OpKind::kExp},
+    {"tanh", OpKind::kTanh},
+    {"sigmoid", OpKind::kSigmoid}};
+
+OpKind opKind(const std::string& kind, Opcode op) {
+  // The kinds of python/hostir/kinds.py the C++ core runs, by their names.
+  static const std::pair<const char*, OpKind> kReduction[] = {
+      {"sum", OpKind::kSum}, {"max", OpKind::kMax}, {"min", OpKind::kMin}};
+  auto find = [&](const auto& table) -> std::optional<OpKind> {
+    for (const auto& [name, k] : table) {
+      if (kind == name) {
+        return k;
+      }
+    }
+    return std::nullopt;
+  };
+  std::optional<OpKind> found = op == Opcode::kBinary ? find(kBinary)
+      : op == Opcode::kUnary                          ? find(kUnary)
+                                                      : find(kReduction);
+  if (found) {
+    return *found;
+  }
+  const char* what = op == Opcode::kBinary ? "binary op" : op == Opcode::kUnary ? "unary op" : "reduction";
+  throw Error(text("unknown ", what, " '", kind, "'"), "ProgramError");
+}
+
+at::Tensor fullRank(const at::Tensor& t, int dim) {
+  return dim < 0 ? t : t.unsqueeze(dim);
+}
+
+at::Tensor operandTensor(Run& run, const Operand& o) {
+  if (o.tensor >= 0) {
+    return run.tensor(o.tensor);
+  }
+  // torch takes a number only on the right; the evaluator makes the left
+  // one a 0-d CPU tensor of the number's default dtype.
+  at::Scalar s = o.is_number ? o.number : at::Scalar(run.get(o.scalar));
+  at::ScalarType dtype = s.isBoolean() ? at::kBool
+      : s.isIntegral(false)            ? at::kLong
+                                       : c10::typeMetaToScalarType(c10::get_default_dtype());
+  return at::scalar_tensor(s, at::TensorOptions().dtype(dtype));
+}
+
+at::Tensor operandOther(Run& run, const Operand& o) {
+  if (o.tensor >= 0) {
+    return run.tensor(o.tensor);
+  }
+  if (o.wrapped.defined()) {
+    return o.wrapped;
+  }
+  return wrappedNumber(at::Scalar(run.get(o.scalar)));
+}
+
+// -- layouts (the evaluator's `_operand` and `_store`)
+// Operand `k` of `ins` as the op reads it: with its logical axes, cut to
+// this rank's slice where the output is sharded and it is not.
+at::Tensor viewed(const Instr& ins, size_t k, at::Tensor t) {
+  if (k >= ins.views.size()) {
+    return t;
+  }
+  return applyView(ins.views[k], std::move(t));
+}
+
+std::vector<int64_t> groupShape(const at::Tensor& t, const std::vector<std::vector<int64_t>>& groups) {
+  std::vector<int64_t> shape;
+  shape.reserve(groups.size());
+  for (const auto& group : groups) {
+    int64_t size = 1;
+    for (int64_t d : group) {
+      size *= t.size(d);
+    }
+    shape.push_back(size);
+  }
+  return shape;
+}
+
+// A result with the output's logical axes, in its runtime dims.
+at::Tensor toRuntime(const at::Tensor& r, const Store& s) {
+  if (s.runtime.empty()) {
+    return r;
+  }
+  std::vector<int64_t> shape;
+  shape.reserve(s.runtime.size());
+  for (int64_t axis : s.runtime) {
+    shape.push_back(axis < 0 ? 1 : r.size(axis));
+  }
+  return r.reshape(shape);
+}
+
+void copySameSizes(at::Tensor& out, const at::Tensor& result) {
+  std::vector<int64_t> a, b;
+  for (int64_t v : out.sizes()) {
+    if (v != 1) {
+      a.push_back(v);
+    }
+  }
+  for (int64_t v : result.sizes()) {
+    if (v != 1) {
+      b.push_back(v);
+    }
+  }
+  if (a != b) {
+    throw Error(
+        text("a result of shape ", result.sizes(), " does not fit its buffer of shape ", out.sizes()),
+        "BindingError");
+  }
+  out.copy_(result.reshape(out.sizes()));
+}
+
+// Puts a result into `ins.out` as the evaluator's `_store` does: binds
+// `fresh()` (in the output's runtime layout) if the output is not bound,
+// else runs `into(view)` on the bound output's logical view. `full_rank`:
+// the op computes at full rank, a selected slice's dim put back as 1.
+template <typename Fresh, typename Into>
+void store(Run& run, const Instr& ins, bool full_rank, Fresh fresh, Into into) {
+  const Store& s = ins.store;
+  const at::Tensor* bound = run.maybeTensor(ins.out);
+  int dim = full_rank ? ins.out_dim : -1;
+  if (s.slice || (s.runtime.empty() && s.logical.empty() && !s.partial)) {
+    if (bound == nullptr) {
+      at::Tensor r = fresh();
+      run.bind(ins.out, dim < 0 ? r : r.squeeze(dim));
+      return;
+    }
+    at::Tensor o = fullRank(*bound, dim);
+    if (!s.partial) {
+      into(o);
+    } else {
+      copySameSizes(o, fresh());
+    }
+    return;
+  }
+  if (bound == nullptr) {
+    at::Tensor r = fresh();
+    if (s.partial) {
+      r = r.unsqueeze(0);
+    }
+    run.bind(ins.out, toRuntime(r, s));
+    return;
+  }
+  at::Tensor o = s.logical.empty() ? *bound : bound->reshape(groupShape(*bound, s.logical));
+  if (s.partial) {
+    o = o.squeeze(0);
+  }
+  into(o);
+}
+
+void binary(Run& run, const Instr& ins) {
+  at::Tensor lhs =
+      ins.lhs.tensor >= 0 ? viewed(ins, 0, operandTensor(run, ins.lhs)) : operandTensor(run, ins.lhs);
+  at::Tensor rhs = ins.rhs.tensor >= 0 ? viewed(ins, 1, operandOther(run, ins.rhs)) : operandOther(run, ins.rhs);
+  OpKind kind = ins.op_kind;
+  auto fresh = [&]() {
+    switch (kind) {
+      case OpKind::kAdd:
+        return at::add(lhs, rhs);
+      case OpKind::kSub:
+        return at::sub(lhs, rhs);
+      case OpKind::kMul:
+        return at::mul(lhs, rhs);
+      case OpKind::kDiv:
+        return at::div(lhs, rhs);
+      case OpKind::kReluGrad:
+        return at::threshold_backward(lhs, rhs, 0);
+      case OpKind::kGeluGrad:
+        return at::gelu_backward(lhs, rhs);
+      case OpKind::kGeluTanhGrad:
+        return at::gelu_backward(lhs, rhs, "tanh");
+      case OpKind::kSiluGrad:
+        return at::silu_backward(lhs, rhs);
+      case OpKind::kTanhGrad:
+        return at::tanh_backward(lhs, rhs);
+      case OpKind::kSigmoidGrad:
+        return at::sigmoid_backward(lhs, rhs);
+      case OpKind::kAbsGrad:
+        return at::mul(lhs, at::sgn(rhs));
+      default:
+        return at::eq(lhs, rhs).to(lhs.scalar_type());
+    }
+  };
+  bool copies = kind != OpKind::kAdd && kind != OpKind::kSub && kind != OpKind::kMul && kind != OpKind::kDiv;
+  store(run, ins, false, fresh, [&](at::Tensor& o) {
+    if (copies) {
+      // The derivative kinds have no out= form: computed, then copied.
+      o.copy_(fresh());
+      return;
+    }
+    switch (kind) {
+      case OpKind::kAdd:
+        at::add_out(o, lhs, rhs);
+        break;
+      case OpKind::kSub:
+        at::sub_out(o, lhs, rhs);
+        break;
+      case OpKind::kMul:
+        at::mul_out(o, lhs, rhs);
+        break;
+      default:
+        at::div_out(o, lhs, rhs);
+        break;
+    }
+  });
+}
+
+// The torch function of a unary kind (python/hostir/kinds.py), on `x`.
+at::Tensor unaryOf(OpKind kind, const at::Tensor& x, at::ScalarType dtype) {
+  switch (kind) {
+    case OpKind::kRelu:
+      return at::relu(x);
+    case OpKind::kNeg:
+      return at::neg(x);
+    case OpKind::kAbs:
+      return at::abs(x);
+    case OpKind::kCast:
+      return x.to(dtype);
+    case OpKind::kGelu:
+      return at::gelu(x);
+    case OpKind::kGeluTanh:
+      return at::gelu(x, "tanh");
+    case OpKind::kSilu:
+      return at::silu(x);
+    case OpKind::kExp:
+      return at::exp(x);
+    case OpKind::kTanh:
+      return at::tanh(x);
+    default:
+      return at::sigmoid(x);
+  }
+}
+
+void unary(Run& run, const Instr& ins) {
+  at::Tensor x = viewed(ins, 0, run.tensor(ins.input));
+  OpKind kind = ins.op_kind;
+  at::ScalarType dtype = ins.dtype;
+  store(
+      run,
+      ins,
+      false,
+      [&]() { return unaryOf(kind, x, dtype); },
+      [&](at::Tensor& o) {
+        // A cast copies, converting to the output's dtype.
+        o.copy_(kind == OpKind::kCast ? x : unaryOf(kind, x, dtype));
+      });
+}
+
+void permute(Run& run, const Instr& ins) {
+  at::Tensor src = run.tensor(ins.input);
+  if (!ins.views.empty()) {
+    // On sharded tensors: this rank's piece, permuted, its sharded axes
+    // moving with it (a view: the runtime dims only add size-1 dims and
+    // split a dim), written into the output if it is bound.
+    at::Tensor r = toRuntime(viewed(ins, 0, src).permute(ins.dims), ins.store);
+    const at::Tensor* bound = run.maybeTensor(ins.out);
+    if (bound != nullptr) {
+      at::Tensor(*bound).copy_(r);
+    } else {
+      run.bind(ins.out, r);
+    }
+    return;
+  }
+  at::Tensor r = fullRank(src, ins.a_dim).permute(ins.dims);
+  const at::Tensor* out = run.maybeTensor(ins.out);
+  if (out != nullptr) {
+    fullRank(*out, ins.out_dim).copy_(r);
+    return;
+  }
+  run.bind(ins.out, ins.out_dim < 0 ? r : r.squeeze(ins.out_dim));
+}
+
+void reduction(Run& run, const Instr& ins) {
+  at::Tensor src = viewed(ins, 0, run.tensor(ins.input));
+  OpKind kind = ins.op_kind;
+  store(
+      run,
+      ins,
+      false,
+      [&]() {
+        return kind == OpKind::kSum ? at::sum(src, ins.dims, false, ins.dtype)
+            : kind == OpKind::kMax  ? at::amax(src, ins.dims)
+                                    : at::amin(src, ins.dims);
+      },
+      [&](at::Tensor& o) {
+        if (kind == OpKind::kSum) {
+          at::sum_out(o, src, ins.dims, false, ins.dtype);
+        } else if (kind == OpKind::kMax) {
+          at::amax_out(o, src, ins.dims);
+        } else {
+          at::amin_out(o, src, ins.dims);
+        }
+      });
+}
+
+void matmulOrLinear(Run& run, const Instr& ins) {
+  at::Tensor a = viewed(ins, 0, fullRank(run.tensor(ins.a), ins.a_dim));
+  at::Tensor b = viewed(ins, 1, fullRank(run.tensor(ins.b), ins.b_dim));
+  std::optional<at::Tensor> bias;
+  if (ins.bias >= 0) {
+    bias = viewed(ins, 2, fullRank(run.tensor(ins.bias), ins.bias_dim));
+  }
+  bool linear = ins.op == Opcode::kLinear;
+  if (linear && b.dim() > 2) {
+    // A weight [*W, N, K]: linear on [W*N, K], the result unflattened
+    // to [..., *W, N]; the bias is [*W, N] or a trailing part of it.
+    auto fresh = [&]() {
+      std::vector<int64_t> lead(b.sizes().begin(), b.sizes().end() - 1);
+      std::optional<at::Tensor> flat_bias;
+      if (bias.has_value()) {
+        flat_bias = bias->expand(lead).reshape({-1});
+      }
+      return at::linear(a, b.reshape({-1, b.size(-1)}), flat_bias).unflatten(-1, lead);
+    };
+    store(run, ins, true, fresh, [&](at::Tensor& o) { o.copy_(fresh()); });
+    return;
+  }
+  if (linear) {
+    store(
+        run,
+        ins,
+        true,
+        [&]() { return at::linear(a, b, bias); },
+        [&](at::Tensor& o) { at::linear_out(o, a, b, bias); });
+    return;
+  }
+  store(
+      run,
+      ins,
+      true,
+      [&]() { return at::matmul(a, b); },
+      [&](at::Tensor& o) { at::matmul_out(o, a, b); });
+}
+
+} // namespace
+
+at::Tensor applyView(const View& v, at::Tensor t) {
+  if (!v.logical.empty()) {
+    t = t.reshape(groupShape(t, v.logical));
+  }
+  for (const Cut& c : v.cuts) {
+    int64_t size = t.size(c.pos);
+    int64_t known = 1;
+    for (int64_t s : c.sizes) {
+      known *= s < 0 ? 1 : s;
+    }
+    std::vector<int64_t> shape(t.sizes().begin(), t.sizes().begin() + c.pos);
+    std::vector<int64_t> back = shape;
+    for (int64_t s : c.sizes) {
+      shape.push_back(s < 0 ? floorDiv(size, known) : s);
+    }
+    back.push_back(-1);
+    for (int64_t d = c.pos + 1; d < t.dim(); ++d) {
+      shape.push_back(t.size(d));
+      back.push_back(t.size(d));
+    }
+    at::Tensor pieces = t.reshape(shape);
+    for (size_t j = 0; j + 1 < c.narrows.size(); j += 2) {
+      pieces = pieces.narrow(c.pos + c.narrows[j], c.narrows[j + 1], 1);
+    }
+    t = pieces.reshape(back);
+  }
+  return t;
+}
+
+void prepareCompute(Instr& ins) {
+  if (ins.op == Opcode::kBinary || ins.op == Opcode::kReduction || ins.op == Opcode::kUnary) {
+    ins.op_kind = opKind(ins.kind, ins.op);
+  }
+  if (ins.op == Opcode::kBinary && ins.rhs.is_number) {
+    ins.rhs.wrapped = wrappedNumber(ins.rhs.number);
+  }
+}
+
+void compute(Run& run, const Instr& ins) {
+  switch (ins.op) {
+    case Opcode::kBinary:
+      binary(run, ins);
+      break;
+    case Opcode::kUnary:
+      unary(run, ins);
+      break;
+    case Opcode::kPermute:
+      permute(run, ins);
+      break;
+    case Opcode::kReduction:
+      reduction(run, ins);
+      break;
+    case Opcode::kMatmul:
+    case Opcode::kLinear:
+      matmulOrLinear(run, ins);
+      break;
+    default:
+      throw Error(text("instruction ", run.indexOf(ins), " is no compute op"), "ProgramError");
+  }
+}
+
+std::vector<std::string> binaryKindNames() {
+  std::vector<std::string> names;
+  for (const auto& [name, kind] : kBinary) {
+    names.emplace_back(name);
+  }
+  return names;
+}
+
+std::vector<std::string> unaryKindNames() {
+  std::vector<std::string> names;
+  for (const auto& [name, kind] : kUnary) {
+    names.emplace_back(name);
+  }
+  return names;
+}
+
+} // namespace hostir
