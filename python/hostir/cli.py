@@ -266,9 +266,44 @@ def _plan(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- main
 
 
+# ---------------------------------------------------------------- machine
+
+
+def _machine(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+
+    from hostir import machine
+
+    if not torch.cuda.is_available():
+        model = machine.CPU_MODEL
+        where = "the CPU model (no CUDA device)"
+    else:
+        device = torch.device("cuda", args.device)
+        if args.measure:
+            model = machine.measure(device)
+            where = f"measured now, written to {machine.save_model(model, replace=True)}"
+        else:
+            model = machine.machine_model(device)
+            where = f"cached in {machine._model_path(model.device)}"
+    data = dataclasses.asdict(model)
+    if args.json:
+        print(json.dumps({"model": data, "where": where}, indent=2))
+        return 0
+    print(f"machine model ({where}):")
+    for name, value in data.items():
+        if name == "host_ms":
+            for runner, call, step in value:
+                print(f"  host ms, {runner}: {call:g} per call, {step:g} per ring step")
+            continue
+        print(f"  {name}: {value:.4g}" if isinstance(value, float) else f"  {name}: {value}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="hostir", description="hostir: a Host-IR runtime for sharded, stream-parallel tensor programs.")
-    sub = top.add_subparsers(dest="command", required=True, metavar="{dump,run,env,plan}")
+    sub = top.add_subparsers(dest="command", required=True, metavar="{dump,run,env,machine,plan}")
 
     dump = sub.add_parser("dump", help="print the host program a script's first fusion lowers to, per rank, without running it",
                           description="Run SCRIPT as one rank up to its first fd.execute, and print the host program "
@@ -296,6 +331,16 @@ def parser() -> argparse.ArgumentParser:
                                      "devices, P2P access between GPUs, whether the extension is built, and versions.")
     env.add_argument("--json", action="store_true", help="print JSON")
     env.set_defaults(func=_env)
+
+    mach = sub.add_parser("machine", help="the machine model the schedule choice uses; --measure times this GPU again",
+                          description="Print the machine model (GEMM, copy and collective throughput, the GEMM's "
+                                      "slowdown beside traffic, host cost per call and per ring step by runner) "
+                                      "that hostir.machine chooses schedules from; with --measure, time this "
+                                      "GPU again and replace the cached model.")
+    mach.add_argument("--measure", action="store_true", help="time this GPU now and replace the cached model")
+    mach.add_argument("--device", type=int, default=0, help="the CUDA device to show or measure (default 0)")
+    mach.add_argument("--json", action="store_true", help="print JSON")
+    mach.set_defaults(func=_machine)
 
     plan = sub.add_parser("plan", help="the analyses' command line (python -m hostir.plan), where installed",
                           description="Run `python -m hostir.plan` with the remaining arguments.", add_help=False)

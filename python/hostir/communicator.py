@@ -754,6 +754,8 @@ class Communicator:
                 self.mailbox = mailbox.Mailbox.open(
                     self, rendezvous.namespace(rendezvous.job_id()), one_node=local is None or local == self.world_size
                 )
+            for hook in _creation_hooks:
+                hook(self)
         except BaseException:
             self.shutdown()
             raise
@@ -993,6 +995,19 @@ class Communicator:
             f"Communicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
             f"device={self.device}, timeout={self.timeout:g}, {state})"
         )
+
+
+# Run by every new communicator, on every rank at the same point of its
+# creation (collective code may run there): what a layer above must agree
+# on once per communicator (the machine model).
+_creation_hooks: list = []
+
+
+def on_creation(hook) -> None:
+    """Call `hook(communicator)` in every communicator's creation, after its
+    groups are made; registered once, at import, by the layer that needs it."""
+    if hook not in _creation_hooks:
+        _creation_hooks.append(hook)
 
 
 _instance: Communicator | None = None

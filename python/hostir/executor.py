@@ -810,7 +810,9 @@ class FusionExecutor:
             for axis in getattr(tv, "static_dims", ())
         )
         evaluator, reasons = params.evaluator_choice()
-        chosen = machine.for_inputs(self.fusion, inputs, comm, params.schedule, device)
+        chosen = machine.for_inputs(
+            self.fusion, inputs, comm, params.schedule, device, evaluator, bool(params.cuda_graph)
+        )
         host = host_positions(self.fusion, inputs, params.host_inputs)
         hoisting = machine.hoisting_for_inputs(
             self.fusion, inputs, device, comm, host, params.hoist, cpp_posts=evaluator == "cpp"

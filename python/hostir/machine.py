@@ -1,12 +1,20 @@
 """The choice of a `Schedule` per input signature, from a model of this
 machine.
 
-`choose` picks a schedule for a fusion's inputs from a `MachineModel` (GEMM
-and copy throughput of this machine, measured once and cached per machine
-under `~/.cache/hostir/`, the first rank to measure writing it for all, or
-the CPU defaults): the sequential program where overlap cannot pay (the
-time a ring could hide is smaller than what it costs), else the ring with
-the transport the probe allows and the chunk count the model prefers.
+`choose` picks a schedule for a fusion's inputs from a `MachineModel` of
+this machine: its GEMM throughput, copy-engine push bandwidth between
+peers and collective bandwidth, timed on the device only (the queue
+pre-filled, so no launch gap counts), the GEMM's slowdown beside each kind
+of traffic, and what a call and a ring step cost on the host for the
+runner that will run it (the Python evaluator, the C++ executor, or a
+CUDA-graph replay). It predicts the call's time for the sequential program
+and for rings of 1, 2 and 4 chunks per peer on each transport that can
+run, and takes the fastest; the note in the dump names every candidate's
+prediction. A model is measured once per device, torch, CUDA and GPU
+count and cached under `~/.cache/hostir/` (`HOSTIR_CACHE_DIR`); every
+communicator on GPUs agrees on rank 0's model when it is created, so every
+rank (on every node) plans the same program. CPU ranks use `CPU_MODEL`.
+`python3 -m hostir machine` shows the model and re-measures it.
 `HOSTIR_SCHEDULE` (or `ExecutorParams.schedule`) forces a choice (its text
 form: `hostir.lower.schedule`).
 """
@@ -17,11 +25,12 @@ import dataclasses
 import json
 import os
 import pathlib
+import struct
 import weakref
 
 import torch
 
-from hostir import ir
+from hostir import communicator, ir
 from hostir.lower.decompose_device_axis import scattered_operand, walks_device_axis
 from hostir.lower.hoist_transfers import Hoisting, forced
 from hostir.lower.schedule import Schedule, parse
@@ -33,10 +42,15 @@ from hostir.runtime.transports import cuda
 @dataclasses.dataclass(frozen=True)
 class MachineModel:
     """Measured throughputs: `gemm_tflops` (bf16 GEMM), `copy_gbps` (one-way
-    peer copy with the copy engine; 0 without P2P), `collective_gbps`
-    (NCCL/gloo all-gather bus bandwidth), `step_us` (fixed cost of one ring
-    step: host issue, signal and launch), `h2d_gbps` and `d2h_gbps` (copies
-    between pinned host memory and the device)."""
+    push to a peer with the copy engine; 0 without P2P), `collective_gbps`
+    (NCCL/gloo all-gather bus bandwidth), `step_us` (the device's gap per
+    ring step: the signal and its wait), `h2d_gbps` and `d2h_gbps` (copies
+    between pinned host memory and the device); the GEMM's slowdown beside
+    copy-engine traffic and beside a collective's kernels; and the host
+    time of one call and of one ring step per runner, in ms (`host_ms`:
+    runner -> (per call, per step)). `copy_source` says how `copy_gbps` was
+    had: "peer" (a push to a peer GPU), "estimate" (no peer visible: a
+    same-device copy scaled by NVLINK_PER_HBM) or "none"."""
 
     device: str
     gemm_tflops: float
@@ -45,6 +59,10 @@ class MachineModel:
     step_us: float
     h2d_gbps: float = 10.0
     d2h_gbps: float = 10.0
+    gemm_slowdown_copy: float = 1.0
+    gemm_slowdown_collective: float = 1.0
+    host_ms: tuple = ()  # ((runner, per call, per step), ...)
+    copy_source: str = "none"
 
     def transfer_ms(self, nbytes: float, direction: str = "H2D") -> float:
         gbps = self.h2d_gbps if direction == "H2D" else self.d2h_gbps
@@ -56,6 +74,60 @@ class MachineModel:
     def move_ms(self, nbytes: float, p2p: bool) -> float:
         gbps = self.copy_gbps if p2p and self.copy_gbps > 0 else self.collective_gbps
         return nbytes / (gbps * 1e9) * 1e3
+
+    def host(self, runner: str) -> tuple[float, float]:
+        """(ms per call, ms per ring step) on the host for `runner`
+        ("python", "cpp" or "replay"); nothing where the model has no
+        figure (the CPU model: its host time is its compute)."""
+        for name, call, step in self.host_ms:
+            if name == runner:
+                return call, step
+        return 0.0, 0.0
+
+    def to_words(self) -> list[int]:
+        """The numbers of the model as int64 words (each float's bits), to
+        agree on across ranks; `from_words` reads them back."""
+        numbers = [getattr(self, f) for f in _NUMBER_FIELDS]
+        numbers += [v for _, call, step in _host_rows(self) for v in (call, step)]
+        return [struct.unpack("<q", struct.pack("<d", float(v)))[0] for v in numbers]
+
+    def from_words(self, words: list[int]) -> MachineModel:
+        """This model with the numbers of `words` (another rank's `to_words`)."""
+        values = [struct.unpack("<d", struct.pack("<q", int(w)))[0] for w in words]
+        fields = dict(zip(_NUMBER_FIELDS, values))
+        rest = values[len(_NUMBER_FIELDS):]
+        rows = tuple((name, rest[2 * i], rest[2 * i + 1]) for i, name in enumerate(RUNNERS))
+        return dataclasses.replace(self, **fields, host_ms=rows)
+
+
+RUNNERS = ("python", "cpp", "replay")
+_NUMBER_FIELDS = (
+    "gemm_tflops", "copy_gbps", "collective_gbps", "step_us", "h2d_gbps", "d2h_gbps",
+    "gemm_slowdown_copy", "gemm_slowdown_collective",
+)
+
+
+def _host_rows(model: MachineModel) -> list[tuple[str, float, float]]:
+    return [(r, *model.host(r)) for r in RUNNERS]
+
+
+# What a multi-device call and one ring step cost on the host, per runner,
+# in ms, measured on the 2×H100 hosts (2026-11-27, the AG+matmul ring):
+# the Python evaluator's ring call fits 0.6 + 0.4·S ms (S steps, each about
+# 15 interpreted ops); the C++ executor's sequential call took 0.36 ms and
+# its NCCL ring 0.44 ms at one step; a CUDA-graph replay 0.04–0.06 ms.
+HOST_MS = (("python", 0.6, 0.4), ("cpp", 0.36, 0.085), ("replay", 0.05, 0.0))
+# The GEMM's slowdown beside copy-engine pushes and beside NCCL's kernels,
+# which take SMs from it (2×H200, the hand-written rings' micro rows).
+GEMM_SLOWDOWN_COPY = 1.04
+GEMM_SLOWDOWN_COLLECTIVE = 1.12
+# A push to an NVLink peer against a same-device copy's throughput (356–373
+# against 1210–1360 GB/s on H100 and H200): the estimate where no peer GPU
+# is visible to time a push.
+NVLINK_PER_HBM = 0.27
+# The device's gap per ring step (a signal and its wait), measured in
+# replays of the hand-written ring: 5–15 µs.
+STEP_US = 10.0
 
 
 # CPU ranks over gloo: nothing overlaps on one core, and the ring's extra
@@ -70,30 +142,39 @@ def cache_dir() -> pathlib.Path:
 
 
 def _model_path(device_name: str) -> pathlib.Path:
-    safe = "".join(ch if ch.isalnum() else "_" for ch in device_name)
-    # v2: with host-device copy throughputs.
-    return cache_dir() / f"machine_{safe}.v2.json"
+    # v3: timed on the device only, a push to a peer, host costs; per torch,
+    # CUDA and the GPUs this process sees.
+    import torch
+
+    key = f"{device_name}_torch{torch.__version__}_cuda{torch.version.cuda}_gpus{torch.cuda.device_count()}"
+    safe = "".join(ch if ch.isalnum() else "_" for ch in key)
+    return cache_dir() / f"machine_{safe}.v3.json"
 
 
 def load_model(device_name: str) -> MachineModel | None:
     path = _model_path(device_name)
     try:
         data = json.loads(path.read_text())
+        data["host_ms"] = tuple(tuple(row) for row in data.get("host_ms", ()))
         return MachineModel(**data)
     except (OSError, ValueError, TypeError):
         return None
 
 
-def save_model(model: MachineModel) -> pathlib.Path:
+def save_model(model: MachineModel, replace: bool = False) -> pathlib.Path:
     """Write `model` unless the cache already holds one for its device: the
     first writer wins (written aside, then linked into place), so ranks of
-    one node that measured at once all read back the same model."""
+    one node that measured at once all read back the same model.
+    `replace=True` writes over it (a re-measurement)."""
     path = _model_path(model.device)
     path.parent.mkdir(parents=True, exist_ok=True)
     aside = path.with_suffix(f".{os.getpid()}.tmp")
     aside.write_text(json.dumps(dataclasses.asdict(model), indent=1))
     try:
-        os.link(aside, path)
+        if replace:
+            os.replace(aside, path)
+        else:
+            os.link(aside, path)
     except FileExistsError:
         pass
     finally:
@@ -119,69 +200,176 @@ def machine_model(device) -> MachineModel:
     return model
 
 
-def measure(device) -> MachineModel:
-    """GEMM throughput and local copy-engine throughput of `device` (a
-    same-device copy stands in for a peer copy; NVLink peers are faster)."""
+def _device_ms(fn, device, iters: int = 20, trials: int = 5) -> float:
+    """The median over `trials` of `fn`'s device time per call: the launches
+    queue behind a spinning kernel first, so no host gap between them counts."""
     import torch
 
-    def timed(fn, iters=10):
+    for _ in range(3):
         fn()
-        torch.cuda.synchronize(device)
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(trials):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(20_000_000)  # about 10 ms: the host queues every call meanwhile
         start.record()
         for _ in range(iters):
             fn()
         end.record()
         torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / iters
+        times.append(start.elapsed_time(end) / iters)
+    return sorted(times)[len(times) // 2]
 
-    n = 4096
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    gemm_ms = timed(lambda: torch.matmul(a, b))
-    src = torch.empty(64 << 20, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_ms = timed(lambda: dst.copy_(src))
-    pinned = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
-    h2d_ms = timed(lambda: dst.copy_(pinned, non_blocking=True))
-    d2h_ms = timed(lambda: pinned.copy_(dst, non_blocking=True))
-    name = torch.cuda.get_device_name(device)
+
+def _peer_of(index: int) -> int | None:
+    import torch
+
+    for peer in range(torch.cuda.device_count()):
+        if peer != index and torch.cuda.can_device_access_peer(index, peer):
+            return peer
+    return None
+
+
+def measure(device) -> MachineModel:
+    """Time this GPU on the device only: a bf16 GEMM, a copy-engine push of
+    64 MiB to a peer GPU where one is visible (else a same-device copy
+    scaled by NVLINK_PER_HBM), and pinned host copies. The host costs, the
+    GEMM's slowdowns and the collective bandwidth are this module's
+    measured constants."""
+    import torch
+
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        m, k, n = 8192, 8192, 4096
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+        gemm_ms = _device_ms(lambda: torch.matmul(a, b), device)
+        src = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+        peer = _peer_of(index)
+        if peer is not None:
+            dst = torch.empty(src.numel(), dtype=torch.uint8, device=torch.device("cuda", peer))
+            copy_gbps = src.numel() / (_device_ms(lambda: dst.copy_(src), device, iters=10) * 1e-3) / 1e9
+            source = "peer"
+        else:
+            dst = torch.empty_like(src)
+            local = src.numel() / (_device_ms(lambda: dst.copy_(src), device, iters=10) * 1e-3) / 1e9
+            copy_gbps, source = local * NVLINK_PER_HBM, "estimate"
+        local_dst = torch.empty_like(src)
+        pinned = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+        h2d_ms = _device_ms(lambda: local_dst.copy_(pinned, non_blocking=True), device, iters=5, trials=3)
+        d2h_ms = _device_ms(lambda: pinned.copy_(local_dst, non_blocking=True), device, iters=5, trials=3)
+        name = torch.cuda.get_device_name(device)
     return MachineModel(
         name,
-        gemm_tflops=2 * n**3 / (gemm_ms * 1e-3) / 1e12,
-        copy_gbps=src.numel() / (copy_ms * 1e-3) / 1e9,
+        gemm_tflops=2 * m * k * n / (gemm_ms * 1e-3) / 1e12,
+        copy_gbps=copy_gbps,
         collective_gbps=150.0,
-        step_us=30.0,
+        step_us=STEP_US,
         h2d_gbps=src.numel() / (h2d_ms * 1e-3) / 1e9,
         d2h_gbps=src.numel() / (d2h_ms * 1e-3) / 1e9,
+        gemm_slowdown_copy=GEMM_SLOWDOWN_COPY,
+        gemm_slowdown_collective=GEMM_SLOWDOWN_COLLECTIVE,
+        host_ms=HOST_MS,
+        copy_source=source,
     )
+
+
+def agree(comm) -> MachineModel:
+    """Every rank of `comm` takes rank 0's model of its GPU (numbers only):
+    ranks on other nodes, or that measured apart, then plan the same
+    programs. Collective: called once, when a communicator on GPUs is made
+    (every rank is at the same point then)."""
+    model = machine_model(comm.device)
+    if comm.world_size > 1:
+        everyone = comm.all_gather_words(torch.tensor(model.to_words(), dtype=torch.int64)).tolist()
+        model = model.from_words(everyone[0])
+    comm._machine_model = model
+    return model
+
+
+def _agree_on_creation(comm) -> None:
+    if comm.device.type == "cuda":
+        agree(comm)
+
+
+communicator.on_creation(_agree_on_creation)
 
 
 # ---------------------------------------------------------------- the choice
 
 
-def choose(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize: int, p2p: str | None,
-           backend: str) -> Schedule:
-    """The schedule for a gather or reduce side of `rows` x `k` shards per
-    rank (times an n-wide weight), on D ranks. `p2p` is None when the cuda
-    transport can run, else why not."""
-    transport = "cuda" if p2p is None else backend
-    why = "" if p2p is None else f"no P2P: {p2p}"
+def runner_of(evaluator: str, transport: str, chunks: int) -> str:
+    """The runner a decomposition's program will have: the C++ executor
+    where it is asked for ("cpp") and the program has no op it lacks, else
+    the Python evaluator. The C++ executor runs no copy-engine transport and
+    no chunk views (`flat.unsupported_reasons`; a test holds the two
+    together)."""
+    if evaluator != "cpp" or transport == "cuda" or chunks > 1:
+        return "python"
+    return "cpp"
+
+
+def predict_ms(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize: int, kind: str,
+               chunks: int = 1, transport: str = "NCCL", runner: str = "cpp", replay: bool = False) -> float:
+    """The predicted time of one call, in ms: the device's time, or the
+    host's where the host issues the work more slowly than the device runs
+    it (eager calls; a replay costs its launch only). `kind`: "sequential"
+    or "ring" with `chunks` per peer on `transport`."""
     gemm = model.gemm_ms(2.0 * rows * k * n)  # one shard's GEMM
-    move = model.move_ms(rows * k * itemsize, p2p is None)  # one shard's transfer
-    steps = (D - 1)
-    # Sequential: the whole transfer then every GEMM. Ring: the local GEMM
-    # hides the first transfer, each later GEMM hides the next.
-    sequential = steps * move + D * gemm
-    ring = gemm + steps * max(gemm, move) + steps * model.step_us * 1e-3
-    if ring >= sequential:
-        note = f"a ring would take {ring:.3f} ms against {sequential:.3f} ms sequentially"
+    if kind == "sequential":
+        device = (D - 1) * model.move_ms(rows * k * itemsize, False) + D * gemm
+        steps = 0
+        last = gemm
+    else:
+        copy_engine = transport == "cuda"
+        slowdown = model.gemm_slowdown_copy if copy_engine else model.gemm_slowdown_collective
+        piece = gemm / chunks * slowdown
+        move = model.move_ms(rows * k * itemsize / chunks, copy_engine)
+        steps = chunks * (D - 1)
+        # The local GEMM hides the first transfer, each later GEMM the next.
+        device = gemm * slowdown + steps * max(piece, move) + steps * model.step_us * 1e-3
+        last = piece
+    call, step = model.host("replay" if replay else runner)
+    if replay:
+        return max(device, call)
+    # The host issues every op before the last GEMM can start.
+    return max(device, call + steps * step + last)
+
+
+def choose(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize: int, p2p: str | None,
+           backend: str, evaluator: str = "cpp", replay: bool = False) -> Schedule:
+    """The schedule for a gather or reduce side of `rows` x `k` shards per
+    rank (times an n-wide weight), on D ranks: the fastest predicted of the
+    sequential program and rings of 1, 2 and 4 chunks per peer on the copy
+    engine (where `p2p` is None, else why not) and on `backend`, each for
+    the runner that would run it (`evaluator` asked for, and whether the
+    call is replayed from a CUDA graph). Ties go to the simpler program."""
+    why = "" if p2p is None else f"no P2P: {p2p}"
+    transports = (["cuda"] if p2p is None else []) + [backend]
+    sequential = predict_ms(model, D, rows, k, n, itemsize, "sequential",
+                            runner=runner_of(evaluator, backend, 1), replay=replay)
+    candidates = [(sequential, "sequential", 1, backend)]
+    for transport in transports:
+        for chunks in (1, 2, 4):
+            if rows % chunks:
+                continue
+            runner = runner_of(evaluator, transport, chunks)
+            t = predict_ms(model, D, rows, k, n, itemsize, "ring", chunks, transport, runner, replay)
+            candidates.append((t, "ring", chunks, transport))
+    mode = "replayed" if replay else "eager"
+    listed = ", ".join(
+        f"{'sequential' if kind == 'sequential' else f'ring c={c} {tr}'} {t:.3f}" for t, kind, c, tr in candidates
+    )
+    best = min(candidates, key=lambda c: c[0])
+    ring = min((c for c in candidates if c[1] == "ring"), key=lambda c: c[0])
+    if best[1] == "sequential":
+        note = (f"a ring would take {ring[0]:.3f} ms against {sequential:.3f} ms sequentially "
+                f"({mode}; ms: {listed})")
         return Schedule("sequential", note=note)
-    # More chunks pay only while a step is much longer than its fixed cost.
-    chunks = 1
-    while chunks < 4 and rows % (chunks * 2) == 0 and max(gemm, move) / (chunks * 2) > 20 * model.step_us * 1e-3:
-        chunks *= 2
-    note = f"model: ring {ring:.3f} ms, sequential {sequential:.3f} ms" + (f", {why}" if why else "")
+    _, _, chunks, transport = best
+    note = (f"model: ring {best[0]:.3f} ms, sequential {sequential:.3f} ms ({mode}; ms: {listed})"
+            + (f", {why}" if why else ""))
     return Schedule("ring", chunks=chunks, transport=transport, note=note)
 
 
@@ -265,11 +453,13 @@ def _shape_hint(fusion, inputs, D: int) -> tuple[int, int, int, int]:
     return rows, k, n, t.element_size()
 
 
-def for_inputs(fusion, inputs, comm, forced=None, device=None) -> Schedule | None:
+def for_inputs(fusion, inputs, comm, forced=None, device=None, evaluator: str = "cpp",
+               replay: bool = False) -> Schedule | None:
     """The schedule of `fusion` on these inputs: `forced` (a Schedule or its
-    text; else `HOSTIR_SCHEDULE`) or the model's choice. None where the
-    fusion has nothing to decompose. Every rank gets the same answer for
-    the same input shapes."""
+    text; else `HOSTIR_SCHEDULE`) or the model's choice for the runner
+    asked for (`evaluator`) and whether the call is replayed from a CUDA
+    graph. None where the fusion has nothing to decompose. Every rank gets
+    the same answer for the same input shapes."""
     if comm is None:
         return None
     if forced is None:
@@ -289,7 +479,7 @@ def for_inputs(fusion, inputs, comm, forced=None, device=None) -> Schedule | Non
     D = comm.world_size
     rows, k, n, itemsize = _shape_hint(fusion, inputs, D)
     backend = "NCCL" if comm.backend == "nccl" else "gloo"
-    return choose(model_for(comm), D, rows, k, n, itemsize, p2p_reason(comm, device), backend)
+    return choose(model_for(comm), D, rows, k, n, itemsize, p2p_reason(comm, device), backend, evaluator, replay)
 
 
 # ---------------------------------------------------------------- hoisting transfers

@@ -7,6 +7,8 @@ eager torch under mpirun (tests/python/multidevice/test_decompositions.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -226,5 +228,99 @@ def test_machine_model_is_cached_per_device_name(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
+# Figures of the 2×H100 machine (device-only GEMM, NVLink push, NCCL bus).
+H100ISH = machine.MachineModel(
+    "gpu", gemm_tflops=730.0, copy_gbps=370.0, collective_gbps=150.0, step_us=10.0,
+    gemm_slowdown_copy=1.04, gemm_slowdown_collective=1.12, host_ms=machine.HOST_MS,
+)
+
+
+def test_the_model_never_rings_where_the_host_would_starve_the_gpu():
+    # Eager on the Python evaluator (the copy-engine ring today), a shard
+    # of 2048 rows: each step costs the host more than its GEMM.
+    s = machine.choose(H100ISH, D=2, rows=2048, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
+                       evaluator="python")
+    assert s.decomposition == "sequential", s.note
+
+
+def test_a_replayed_call_rings_where_an_eager_python_one_would_not():
+    eager = machine.choose(H100ISH, D=2, rows=2048, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
+                           evaluator="python")
+    replayed = machine.choose(H100ISH, D=2, rows=2048, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
+                              evaluator="python", replay=True)
+    assert eager.decomposition == "sequential"
+    assert replayed.decomposition == "ring" and replayed.transport == "cuda", replayed.note
+    assert "replayed" in replayed.note and "eager" in eager.note
+
+
+def test_the_models_note_names_every_candidates_prediction():
+    s = machine.choose(H100ISH, D=2, rows=8192, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL")
+    assert s.decomposition == "ring"
+    for candidate in ("sequential", "ring c=1 cuda", "ring c=2 cuda", "ring c=4 cuda", "ring c=1 NCCL"):
+        assert candidate in s.note, s.note
+    # The choice is the least of the predictions it lists.
+    listed = s.note.split("ms: ", 1)[1].rstrip(")")
+    times = {name.rsplit(" ", 1)[0]: float(name.rsplit(" ", 1)[1]) for name in listed.split(", ")}
+    chosen = f"ring c={s.chunks} {s.transport}"
+    assert times[chosen] == min(times.values()), s.note
+
+
+def test_the_prediction_follows_the_device_then_the_host():
+    # Replayed: the device's time; eager on a slow runner: the host's.
+    args = dict(D=2, rows=8192, k=8192, n=4096, itemsize=2, kind="ring", chunks=1, transport="cuda")
+    replayed = machine.predict_ms(H100ISH, runner="python", replay=True, **args)
+    python = machine.predict_ms(H100ISH, runner="python", **args)
+    gemm = H100ISH.gemm_ms(2.0 * 8192 * 8192 * 4096)
+    assert replayed == pytest.approx(2 * gemm * 1.04 + 0.01)
+    call, step = H100ISH.host("python")
+    assert python == pytest.approx(call + step + gemm * 1.04)
+
+
+@pytest.mark.parametrize("schedule", [
+    Schedule("sequential"), Schedule("ring", 1, 1, "gloo"), Schedule("ring", 2, 1, "gloo"),
+    Schedule("ring", 1, 1, "cuda"), Schedule("ring", 2, 1, "cuda"),
+])
+def test_the_runner_the_model_predicts_is_the_one_the_program_gets(schedule):
+    # The model's table of what the C++ executor runs, held against the
+    # flat compiler's own reasons for refusing a program.
+    from hostir.runtime import flat
+
+    program = lower(overlap.allgather_matmul(2).fusion, rank=0, backend="gloo", schedule=schedule).program
+    runs_in_cpp = not list(flat.unsupported_reasons(program))
+    transport = schedule.transport or "gloo"
+    assert (machine.runner_of("cpp", transport, schedule.chunks) == "cpp") is runs_in_cpp
+
+
+def test_a_model_travels_between_ranks_as_words():
+    back = machine.CPU_MODEL.from_words(H100ISH.to_words())
+    assert back.device == "cpu" and back.gemm_tflops == H100ISH.gemm_tflops
+    assert back.host_ms == H100ISH.host_ms and back.gemm_slowdown_copy == 1.04
+
+
+def test_the_models_cache_key_names_torch_cuda_and_the_gpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOSTIR_CACHE_DIR", str(tmp_path))
+    path = machine.save_model(H100ISH)
+    assert torch.__version__.replace(".", "_").replace("+", "_") in path.name and path.name.endswith(".v3.json")
+    assert machine.load_model("gpu") == H100ISH
+    # A re-measurement replaces it; a rank that measured later does not.
+    remeasured = dataclasses.replace(H100ISH, gemm_tflops=700.0)
+    machine.save_model(remeasured)
+    assert machine.load_model("gpu") == H100ISH
+    machine.save_model(remeasured, replace=True)
+    assert machine.load_model("gpu") == remeasured
+
+
 def test_cpu_ranks_use_the_cpu_model():
     assert machine.machine_model(torch.device("cpu")) is machine.CPU_MODEL
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_gpu_model_is_timed_on_the_device(tmp_path, monkeypatch):
+    # A GEMM timed without host gaps runs near the chip's rate: far above
+    # the ~100 TFLOP/s that launches timed from Python showed on an H100.
+    monkeypatch.setenv("HOSTIR_CACHE_DIR", str(tmp_path))
+    model = machine.measure(torch.device("cuda", 0))
+    assert model.gemm_tflops > 200.0, model
+    assert model.copy_source in ("peer", "estimate") and model.copy_gbps > 10.0, model
+    assert model.host_ms == machine.HOST_MS and model.step_us == machine.STEP_US

@@ -123,9 +123,11 @@ def test_the_models_choice_runs_and_shows_in_the_dump(world, device, monkeypatch
     exact(out, expected)
     program = next(iter(fd.executor._programs.values())).container
     head = head_of(str(program))
-    if device.type == "cpu":
-        # Tiny shapes cannot pay for a ring: the sequential program, and why.
-        assert "schedule=(sequential, a ring would take" in head, head
+    # Tiny shapes cannot pay for a ring, on CPUs or GPUs (the host's cost
+    # per step alone is more than the whole call): the sequential program,
+    # and why, with every candidate's predicted time.
+    assert "schedule=(sequential, a ring would take" in head, head
+    assert "ms: sequential " in head and "ring c=1 " in head, head
 
 
 def test_forced_schedule_from_the_environment(world, device, monkeypatch):
@@ -137,3 +139,22 @@ def test_forced_schedule_from_the_environment(world, device, monkeypatch):
     exact(out, expected)
     program = next(iter(fd.executor._programs.values())).container
     assert "(ring, chunks=2, direction=-1, transport=" in head_of(str(program))
+
+
+def test_every_rank_plans_with_rank_0s_machine_model(world, monkeypatch):
+    # Ranks that measured (or cached) different models would lower
+    # different programs: the communicator's agreement gives each rank
+    # rank 0's numbers.
+    from hostir import communicator, machine
+
+    comm = communicator.live() or communicator.get()
+    mine = machine.MachineModel("gpu", gemm_tflops=100.0 + world.rank, copy_gbps=300.0, collective_gbps=150.0,
+                                step_us=10.0, host_ms=machine.HOST_MS)
+    monkeypatch.setattr(machine, "machine_model", lambda device: mine)
+    saved = getattr(comm, "_machine_model", None)
+    try:
+        agreed = machine.agree(comm)
+        assert agreed.gemm_tflops == 100.0 and agreed.host_ms == machine.HOST_MS
+        assert machine.model_for(comm) is agreed
+    finally:
+        comm._machine_model = saved
