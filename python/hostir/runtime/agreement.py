@@ -229,6 +229,19 @@ def _describe_input(entry) -> str:
     return f"shape {shape} and dtype {_dtype_name(code)}"
 
 
+def _inputs_difference(r: int, rec: Record, ref: Record) -> str:
+    for i, (a, b) in enumerate(zip(rec.inputs, ref.inputs)):
+        if a != b:
+            return (
+                f"inputs differ across ranks: rank {r} input {i} has {_describe_input(a)}, "
+                f"but rank 0 input {i} has {_describe_input(b)}"
+            )
+    return (
+        f"inputs differ across ranks: rank {r}'s inputs differ from rank 0's in number, or beyond the "
+        f"first {MAX_INPUTS} inputs or {MAX_DIMS} dims"
+    )
+
+
 def check(records: list[Record], cause: BaseException | None = None) -> bool:
     """Raise `RankMismatchError` unless every rank is at the same call of the
     same fusion, passed its local checks, lowered the same program and holds
@@ -256,25 +269,22 @@ def check(records: list[Record], cause: BaseException | None = None) -> bool:
         raise RankMismatchError(
             f"rank {r} failed before the program ran{others}: {records[r].error}"
         ) from cause
+    # Other shapes lower another program (its schedule is chosen per
+    # shape): where inputs differ, they are named first, and the programs
+    # too where those differ as well (another definition may be the cause).
     for r, rec in enumerate(records[1:], start=1):
+        program = None
         if rec.digest != ref.digest:
-            raise RankMismatchError(
+            program = (
                 f"the host program differs across ranks: rank {r} lowered program {_short(rec.digest)} "
                 f"but rank 0 lowered {_short(ref.digest)}; every rank must define and schedule the same "
                 f"fusion (print it with HOSTIR_DUMP=host_ir HOSTIR_DUMP_RANKS=all)"
             )
-        if rec.inputs_digest == ref.inputs_digest:
-            continue
-        for i, (a, b) in enumerate(zip(rec.inputs, ref.inputs)):
-            if a != b:
-                raise RankMismatchError(
-                    f"inputs differ across ranks: rank {r} input {i} has {_describe_input(a)}, "
-                    f"but rank 0 input {i} has {_describe_input(b)}"
-                )
-        raise RankMismatchError(
-            f"inputs differ across ranks: rank {r}'s inputs differ from rank 0's in number, or beyond the "
-            f"first {MAX_INPUTS} inputs or {MAX_DIMS} dims"
-        )
+        inputs = None if rec.inputs_digest == ref.inputs_digest else _inputs_difference(r, rec, ref)
+        if inputs is not None:
+            raise RankMismatchError(inputs + (f"; and {program}" if program else ""))
+        if program is not None:
+            raise RankMismatchError(program)
     return any(rec.needs_groups for rec in records)
 
 
