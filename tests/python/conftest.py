@@ -34,6 +34,13 @@ def device(request) -> str:
     return request.param
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test that takes `cuda_device` is a `cuda` test (`-m cuda` picks it)."""
+    for item in items:
+        if "cuda_device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cuda)
+
+
 @pytest.fixture
 def cuda_device() -> str:
     if not torch.cuda.is_available():

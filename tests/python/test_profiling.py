@@ -146,6 +146,32 @@ def test_a_cpp_trace_spans_each_communication_from_its_post_to_its_wait(tmp_path
     assert spans and all(e[1] == "communication" and e[0].startswith("Communication") for e in spans)
 
 
+@pytest.mark.skipif(not hostir.cpp.available(), reason="the C++ executor is not built")
+def test_the_cpp_executor_traces_a_gpu_run_from_events_on_its_streams(tmp_path, cuda_device):
+    fd = stream_matmul()
+    a, b = (t.to(cuda_device) for t in inputs())
+    for evaluator in ("python", "cpp"):
+        (out,) = fd.execute([a, b], number_of_streams=2, trace=tmp_path / evaluator, evaluator=evaluator)
+        torch.testing.assert_close(out, a @ b + a)
+    assert _events(tmp_path / "cpp") == _events(tmp_path / "python")
+    trace = json.loads(profiling.trace_path(tmp_path / "cpp", 0).read_text())
+    matmuls = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("matmul")]
+    assert len(matmuls) == 8 and all(e["dur"] > 0 for e in matmuls)
+
+
+def test_a_graph_replay_is_one_event_of_the_trace(tmp_path, cuda_device):
+    fd = stream_matmul()
+    a, b = (t.to(cuda_device) for t in inputs())
+    fd.execute([a, b], number_of_streams=2, cuda_graph=True)  # captured here
+    (out,) = fd.execute([a, b], number_of_streams=2, cuda_graph=True, trace=tmp_path)
+    torch.testing.assert_close(out, a @ b + a)
+    trace = json.loads(profiling.trace_path(tmp_path, 0).read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in events] == ["CUDA graph replay"], events
+    assert events[0]["args"]["runner"] == "cuda_graph" and "one launch" in events[0]["args"]["note"]
+    assert events[0]["dur"] > 0
+
+
 def test_env_trace_written_at_exit(tmp_path):
     code = (
         "import torch, sys; sys.path.insert(0, 'tests/python');"
