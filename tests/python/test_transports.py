@@ -207,3 +207,45 @@ def test_the_lowering_asks_a_capability_not_a_name(monkeypatch):
     )
     declared = ring()
     assert "symmetric" in declared and "into=" in declared, declared
+
+
+def test_a_new_program_never_finds_a_dead_programs_windows(monkeypatch):
+    # Windows are per program, held weakly: a program made where a dead
+    # one was (the same id()) rendezvous for windows of its own on every
+    # rank, never reusing the dead one's on some ranks only.
+    import gc
+
+    made = []
+
+    class FakeWindow:
+        def __init__(self, nbytes, device, group):
+            made.append(self)
+            self.base, self.nbytes = 4096 * len(made), nbytes
+
+        def view(self, rank, shape, dtype, byte_off):
+            return torch.empty(shape, dtype=dtype)
+
+    monkeypatch.setattr(cuda, "SymmetricWindow", FakeWindow)
+    transport = object.__new__(cuda.CudaTransport)
+    transport.comm = types.SimpleNamespace(rank=0)
+    transport.device = torch.device("cpu")
+    transport.group_name = "world"
+    transport.kind = "symm_mem"
+    transport.rendezvous_count = 0
+    transport._windows = cuda.weakref.WeakKeyDictionary()
+
+    def frame_of(container, parity=0):
+        return types.SimpleNamespace(call_parity=parity, evaluator=types.SimpleNamespace(container=container))
+
+    c = HostIrContainer()
+    tv = ir.TensorView(c, [ir.IterDomain(c, ir.Scalar.constant(4))], torch.float32, ir.MemoryType.symmetric)
+    first = HostIrContainer()
+    transport.allocate(frame_of(first), tv, [4])
+    transport.allocate(frame_of(first), tv, [4])  # the same call parity: the same window
+    transport.allocate(frame_of(first, 1), tv, [4])  # the other parity: its own
+    assert transport.rendezvous_count == 2 and len(transport._windows) == 1
+    del first
+    gc.collect()
+    assert len(transport._windows) == 0
+    transport.allocate(frame_of(HostIrContainer()), tv, [4])
+    assert transport.rendezvous_count == 3 and len(made) == 3

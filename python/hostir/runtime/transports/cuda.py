@@ -323,7 +323,12 @@ class CudaTransport(Transport):
         self.device = _run_device(comm, device)
         self.group_name = dist.group.WORLD.group_name
         self.timeout_ms = int(comm.timeout * 1000)
-        self._windows: dict[tuple, Window] = {}
+        # Per program (held weakly: a program's windows go with it), then
+        # per (tensor, shape, dtype, call parity). Never keyed by id(): a new
+        # program at a dead one's address would find its windows on one rank
+        # and rendezvous for new ones on another, and the ranks' pushes and
+        # waits would no longer pair.
+        self._windows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._send = torch.cuda.Stream(self.device, priority=-1)
         self.rendezvous_count = 0
         self.kind = window_kind(comm)
@@ -333,8 +338,11 @@ class CudaTransport(Transport):
         # Per program: two programs never share a window, so each one's
         # parity alone orders the writes into it.
         parity = frame.call_parity
-        key = (id(frame.evaluator.container), tv.name, tuple(shape), tv.dtype, parity)
-        window = self._windows.get(key)
+        windows = self._windows.get(frame.evaluator.container)
+        if windows is None:
+            windows = self._windows[frame.evaluator.container] = {}
+        key = (tv.name, tuple(shape), tv.dtype, parity)
+        window = windows.get(key)
         if window is None:
             size = torch.empty((), dtype=tv.dtype).element_size()
             nbytes = max(size, size * layout.numel(shape))
@@ -342,15 +350,16 @@ class CudaTransport(Transport):
                 window = IpcWindow(nbytes, self.device, self.comm)
             else:
                 window = SymmetricWindow(nbytes, self.device, self.group_name)
-            self._windows[key] = window
+            windows[key] = window
             self.rendezvous_count += 1
         return window.view(self.comm.rank, shape, tv.dtype, 0)
 
     def _locate(self, t: torch.Tensor) -> tuple[Window, int]:
         ptr = t.data_ptr()
-        for window in self._windows.values():
-            if window.base <= ptr < window.base + window.nbytes:
-                return window, ptr - window.base
+        for windows in list(self._windows.values()):
+            for window in windows.values():
+                if window.base <= ptr < window.base + window.nbytes:
+                    return window, ptr - window.base
         raise TransportUsageError(
             "a cuda-transport buffer must be a view of a symmetric allocation (Allocate with "
             "mem_type=symmetric)"
