@@ -53,7 +53,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 STATE = REPO / ".gpu_check"
 PARTS = ("build", "single", "suite", "examples")
 MULTIDEVICE = "tests/python/multidevice"
-_SUMMARY_LINE = re.compile(r"=+ (?P<body>.*\d+ (?:passed|failed|errors?|skipped|deselected).*) in [\d.]+s")
+_SUMMARY_LINE = re.compile(
+    r"^(?:=+ )?(?P<body>\d+ (?:passed|failed|errors?|skipped|deselected|xfailed)[^\n]*?) in [\d.]+s", re.M
+)
 
 
 def free_port() -> int:
@@ -77,7 +79,7 @@ class Runner:
         return self.budget - (time.monotonic() - self.start)
 
     def step(self, name: str, limit: float, command: list[str], env: dict[str, str] | None = None,
-             check=None) -> bool:
+             check=None, ranks: int = 0) -> bool:
         """Run `command` with at most `limit` seconds (less if the budget is
         short); its output goes to logs/NAME.log. `check(log_text)` may
         return an error string that fails a command that exited 0."""
@@ -111,7 +113,11 @@ class Runner:
         else:
             problem = check(text) if check else None
             status = f"FAILED ({problem})" if problem else "passed"
-        detail = _pytest_results(text)
+        detail = _outcome(text)
+        if ranks:
+            # Each rank's own outcome, from its own log.
+            per_rank = [_outcome(_read(self.logs / f"{name}.rank{r}.log")) or "no output" for r in range(ranks)]
+            detail = "; ".join(f"rank {r}: {d}" for r, d in enumerate(per_rank))
         record.update(status=status, seconds=round(seconds, 1), detail=detail)
         self.steps.append(record)
         print(f"--- {name}: {status} in {seconds:.1f} s {detail}", flush=True)
@@ -137,6 +143,16 @@ def _kill_session(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _read(path: pathlib.Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _outcome(text: str) -> str:
+    """A step's pytest summary, else its last line of output."""
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("$ ")]
+    return _pytest_results(text) or (lines[-1][:160] if lines else "")
 
 
 def _pytest_results(text: str) -> str:
@@ -265,7 +281,7 @@ def part_suite(run: Runner, world_sizes: list[int], launchers: list[str], transp
                 program = [sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-p", "no:cacheprovider",
                            "--color=no", MULTIDEVICE, "--timeout=120"]
                 run.step(name, 240, launch(launcher, n, program, prefix, env), env=env,
-                         check=ranks_passed(n, prefix))
+                         check=ranks_passed(n, prefix), ranks=n)
 
 
 def part_examples(run: Runner, world_sizes: list[int]) -> None:
@@ -282,7 +298,7 @@ def part_examples(run: Runner, world_sizes: list[int]) -> None:
                 return f"ranks {missing} did not match" if missing else None
 
             run.step(name, 120, launch(launcher, n, [sys.executable, "examples/sequence_parallel_matmul.py"], prefix, env),
-                     env=env, check=matched)
+                     env=env, check=matched, ranks=n)
 
 
 def write_summary(run: Runner, info: dict, tag: str, out: pathlib.Path) -> pathlib.Path:

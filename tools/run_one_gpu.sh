@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every check and benchmark that one GPU can run, in one command: builds
 # hostir._C against the machine's torch, then
-#   1. the nvFuser-parity tests' CUDA cases (tools/run_parity_gpu.sh),
+#   1. every test marked cuda (tools/gpu_check.py --part single),
 #   2. the offload tests marked cuda and tools/bench_offload.py
 #      (tools/run_offload_gpu.sh),
 #   3. the training checks: one rank on CUDA, and two ranks sharing the GPU
@@ -41,7 +41,7 @@ start=$(date +%s)
 MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1
 echo "build: exit $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
 
-step parity 200 bash tools/run_parity_gpu.sh
+step cuda_tests 300 sh -c 'python3 tools/gpu_check.py --part single --out "$OUT"'
 step offload 400 bash tools/run_offload_gpu.sh --iters 11
 step training_one_rank 200 sh -c 'python3 tools/check_training_gpu.py --out "$OUT"'
 step training_two_ranks 200 sh -c 'torchrun --standalone --nproc-per-node 2 tools/check_training_gpu.py --out "$OUT"'

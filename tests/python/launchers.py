@@ -53,7 +53,7 @@ def job_env() -> dict[str, str]:
     }
     env["PYTHONPATH"] = os.pathsep.join([str(PYTHON_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     # These are the gloo suites: on a machine with one GPU, NCCL would refuse
-    # two ranks on it (tools/run_multidevice_gpu.sh runs the NCCL ones).
+    # two ranks on it (tools/gpu_check.py runs the NCCL ones).
     env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
