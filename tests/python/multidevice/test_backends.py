@@ -6,9 +6,13 @@ backend; the rank's own backend runs the same ring."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+import hostir
+import hostir.cpp
 from hostir import RankMismatchError, communicator, overlap
 
 
@@ -29,6 +33,12 @@ def test_a_ring_on_the_other_backend_is_refused_on_every_rank(world, device):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     own = communicator.live().backend
     other = "gloo" if own == "nccl" else "nccl"
+    # The ring on the rank's own backend, named: on GPUs `ring:transport=nccl`,
+    # run by the C++ executor where it is built, its result checked.
+    out, = fd.execute(inputs, schedule=f"ring:transport={own}")
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    if hostir.cpp.available() and os.environ.get("HOSTIR_EVALUATOR", "auto") != "python":
+        assert fd.executor.last_runner.name == "cpp", fd.executor.last_runner
     with pytest.raises(RankMismatchError) as err:
         fd.execute(inputs, schedule=f"ring:transport={other}")
     text = str(err.value)
