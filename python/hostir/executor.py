@@ -65,7 +65,7 @@ from typing import Sequence
 
 import torch
 
-from hostir import communicator, cpp, ir, machine, printer
+from hostir import backends, communicator, cpp, ir, machine, printer
 from hostir.analysis import dry_run
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError, UsageError
@@ -384,7 +384,7 @@ class FusionExecutor:
             return lowered
         if is_multi_device(self.fusion):
             rank = communicator.rank()
-            backend = _BACKEND_NAMES["nccl" if torch.cuda.is_available() else "gloo"]
+            backend = backends.of_process_group("nccl" if torch.cuda.is_available() else "gloo").name
             return lower(self.fusion, rank=rank, backend=backend, resharding=resharding)
         return lower(self.fusion, resharding=resharding)
 
@@ -871,7 +871,7 @@ class FusionExecutor:
         else:
             options = LoweringOptions(
                 rank=comm.rank,
-                backend=_BACKEND_NAMES[comm.backend],
+                backend=backends.of_process_group(comm.backend).name,
                 schedule=chosen,
                 resharding=resharding,
                 host_inputs=host,
@@ -1158,6 +1158,5 @@ def _key_text(key: tuple) -> str:
     return text + ("" if chosen is None else f", schedule {chosen}")
 
 
-_BACKEND_NAMES = {"nccl": "NCCL", "gloo": "gloo"}
 
 

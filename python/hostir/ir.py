@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from hostir import communicator
+from hostir import backends, communicator
 from hostir.errors import DefinitionError, DefinitionIndexError, DefinitionTypeError
 from hostir.kinds import BinaryKind, ReductionKind, UnaryKind
 
@@ -1280,17 +1280,9 @@ class CommunicationType(enum.Enum):
     AllToAll = "AllToAll", False, False, "all", "all", True, _all_to_all_traffic
 
 
-BACKENDS = ("NCCL", "gloo", "cuda")
-
-
-def backend_name(name: object) -> str:
-    """The one spelling of a communication backend (`NCCL`, `gloo` or
-    `cuda`, as dumps print it), whatever the case `name` is written in."""
-    if isinstance(name, str):
-        for known in BACKENDS:
-            if name.strip().lower() == known.lower():
-                return known
-    raise DefinitionError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)} (in any case)")
+# The backends' spellings are declared in `hostir.backends`.
+BACKENDS = backends.NAMES
+backend_name = backends.backend_name
 
 
 @_op

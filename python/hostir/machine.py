@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from hostir import communicator, ir
+from hostir import backends, communicator, ir
 from hostir.lower.decompose_device_axis import scattered_operand, walks_device_axis
 from hostir.lower.hoist_transfers import Hoisting, forced
 from hostir.lower.schedule import Schedule, parse
@@ -305,7 +305,7 @@ def runner_of(evaluator: str, transport: str, chunks: int) -> str:
     the Python evaluator. The C++ executor runs no copy-engine transport and
     no chunk views (`flat.unsupported_reasons`; a test holds the two
     together)."""
-    if evaluator != "cpp" or transport == "cuda" or chunks > 1:
+    if evaluator != "cpp" or not backends.get(transport).cpp or chunks > 1:
         return "python"
     return "cpp"
 
@@ -322,8 +322,9 @@ def predict_ms(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize:
         steps = 0
         last = gemm
     else:
-        copy_engine = transport == "cuda"
-        slowdown = model.gemm_slowdown_copy if copy_engine else model.gemm_slowdown_collective
+        declared = backends.get(transport)
+        copy_engine = declared.bandwidth == "copy"
+        slowdown = model.gemm_slowdown_copy if declared.capabilities.uses_no_sms else model.gemm_slowdown_collective
         piece = gemm / chunks * slowdown
         move = model.move_ms(rows * k * itemsize / chunks, copy_engine)
         steps = chunks * (D - 1)
@@ -346,7 +347,9 @@ def choose(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize: int
     the runner that would run it (`evaluator` asked for, and whether the
     call is replayed from a CUDA graph). Ties go to the simpler program."""
     why = "" if p2p is None else f"no P2P: {p2p}"
-    transports = (["cuda"] if p2p is None else []) + [backend]
+    # The copy-engine transports where P2P can run, then the program's backend.
+    one_sided = [b.name for b in backends.BACKENDS.values() if b.bandwidth == "copy"]
+    transports = (one_sided if p2p is None else []) + [backend]
     sequential = predict_ms(model, D, rows, k, n, itemsize, "sequential",
                             runner=runner_of(evaluator, backend, 1), replay=replay)
     candidates = [(sequential, "sequential", 1, backend)]
@@ -469,7 +472,7 @@ def for_inputs(fusion, inputs, comm, forced=None, device=None, evaluator: str = 
         # still make a ring of a resharding (a backward's gather of its
         # output gradient), and it must run on the transport asked for.
         schedule = parse(forced) if isinstance(forced, str) else forced
-        if schedule.transport == "cuda":
+        if schedule.transport is not None and backends.get(schedule.transport).p2p_memory == "symmetric":
             reason = p2p_reason(comm, device)
             if reason is not None:
                 schedule = dataclasses.replace(schedule, transport=None, note=f"cuda transport unavailable: {reason}")
@@ -478,7 +481,7 @@ def for_inputs(fusion, inputs, comm, forced=None, device=None, evaluator: str = 
         return None
     D = comm.world_size
     rows, k, n, itemsize = _shape_hint(fusion, inputs, D)
-    backend = "NCCL" if comm.backend == "nccl" else "gloo"
+    backend = backends.of_process_group(comm.backend).name
     return choose(model_for(comm), D, rows, k, n, itemsize, p2p_reason(comm, device), backend, evaluator, replay)
 
 

@@ -283,12 +283,6 @@ def test_host_transfers_run_in_cpp_as_in_python(hoist, posted):
     torch.testing.assert_close(fd.execute([x, *ws], evaluator="cpp", hoist=hoist)[0], reference)
 
 
-def test_the_core_has_a_transport_for_nccl_and_gloo():
-    """The registry of csrc/host_ir/transports/transport.h; a program on
-    another backend (the copy engine's `cuda`) runs on the Python evaluator."""
-    assert flat.CPP_TRANSPORTS == ("NCCL", "gloo")
-
-
 def test_communications_post_on_the_c10d_transport_as_in_python():
     """transports/c10d.cpp: the multi-device parity tests of the c10d
     transport (tests/python/multidevice/test_cpp_parity.py), every

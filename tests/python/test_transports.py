@@ -5,6 +5,7 @@ dump says so)."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -202,9 +203,12 @@ def test_the_lowering_asks_a_capability_not_a_name(monkeypatch):
 
     plain = ring()
     assert "symmetric" not in plain and "into=" not in plain
-    monkeypatch.setitem(
-        transports._CAPABILITIES, "gloo", transports.Capabilities(one_sided=True, needs_symmetric_buffers=True)
+    from hostir import backends
+
+    declared_gloo = dataclasses.replace(
+        backends.BACKENDS["gloo"], capabilities=transports.Capabilities(one_sided=True, needs_symmetric_buffers=True)
     )
+    monkeypatch.setitem(backends.BACKENDS, "gloo", declared_gloo)
     declared = ring()
     assert "symmetric" in declared and "into=" in declared, declared
 

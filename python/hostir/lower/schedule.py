@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from hostir import backends
 from hostir.errors import ScheduleError
 
 __all__ = ["DECOMPOSITIONS", "TRANSPORTS", "Schedule", "ScheduleError", "parse"]
 
 DECOMPOSITIONS = ("ring", "collective", "sequential")
-TRANSPORTS = ("cuda", "NCCL", "gloo")
+# The backends a ring's P2P communications may name (`hostir.backends`).
+TRANSPORTS = backends.NAMES
 
 
 @dataclasses.dataclass(frozen=True)

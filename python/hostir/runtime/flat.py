@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hostir import ir, layout, printer, unannotated
+from hostir import backends, ir, layout, printer, unannotated
 from hostir.container import HostIrContainer
 from hostir.runtime.evaluator import BindingError, MissingHandlerError, ProgramError, _local_slices, local_views
 
@@ -68,13 +68,10 @@ try:
 except Exception:  # noqa: BLE001 - any failure to load means "not built"
     CPP_UNARY_KINDS = CPP_BINARY_KINDS = ()
 
-# The backends the C++ core has a transport for (its registry in
-# csrc/host_ir/transports/transport.h); a communication on another one runs
-# on the Python evaluator, and the runner says so.
-try:
-    from hostir._C import TRANSPORTS as CPP_TRANSPORTS
-except Exception:  # noqa: BLE001 - not built, or built before the registry
-    CPP_TRANSPORTS = ("NCCL", "gloo")
+# The backends the C++ core has a transport for are those `hostir.backends`
+# declares `cpp` (tests/python/test_backends_table.py holds that to the
+# core's registry, csrc/host_ir/transports/transport.h); a communication on
+# another one runs on the Python evaluator, and the runner says so.
 
 
 @dataclasses.dataclass
@@ -804,7 +801,7 @@ def unsupported_reasons(container: HostIrContainer) -> list[str]:
             note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
         if isinstance(e, ir.BinaryOp) and e.kind.value not in CPP_BINARY_KINDS:
             note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
-        if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in CPP_TRANSPORTS:
+        if isinstance(e, (ir.Communication, ir.P2PCommunication)) and not backends.BACKENDS[e.backend].cpp:
             note(f"transport {e.backend}", f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}")
         if isinstance(e, ir.Communication) and e.type.value not in COMMUNICATION_TYPES:
             note(f"type {e.type.value}", f"it has no {e.type.value}: {printer.format_expr_head(e)}")

@@ -10,7 +10,7 @@ once, for every transport. Importing this package needs no CUDA.
 
 from __future__ import annotations
 
-from hostir import ir
+from hostir import backends, ir
 from hostir.runtime.transports.base import (
     Capabilities,
     NoWork,
@@ -44,22 +44,18 @@ __all__ = [
     "transport_for",
 ]
 
-_TORCH = {"NCCL": TorchDistTransport("NCCL"), "gloo": TorchDistTransport("gloo")}
-
-# Each transport's declared capabilities, by the name an op gives as its backend.
-_CAPABILITIES = {
-    "NCCL": TorchDistTransport.capabilities,
-    "gloo": TorchDistTransport.capabilities,
-    "cuda": cuda.CudaTransport.capabilities,
-}
+# One torch.distributed transport per backend that runs on process groups
+# of its own (`hostir.backends`); the copy engine's is made per communicator.
+_TORCH = {b.name: TorchDistTransport(b.name) for b in backends.BACKENDS.values() if b.process_group is not None}
 
 
 def capabilities(backend: str) -> Capabilities:
-    """What the transport named `backend` (NCCL, gloo or cuda) can do."""
-    found = _CAPABILITIES.get(backend)
+    """What the transport named `backend` (NCCL, gloo or cuda) can do, as
+    `hostir.backends` declares it."""
+    found = backends.BACKENDS.get(backend)
     if found is None:
-        raise TransportUsageError(f"unknown backend {backend!r}; expected one of {list(_CAPABILITIES)}")
-    return found
+        raise TransportUsageError(f"unknown backend {backend!r}; expected one of {list(backends.NAMES)}")
+    return found.capabilities
 
 
 def transport_for(frame, backend: str) -> Transport:

@@ -13,7 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from hostir.backends import Capabilities
 from hostir.errors import HostIrError
+
+__all__ = ["Capabilities", "NoWork", "Posted", "Transport", "TransportError", "TransportUnsupported", "TransportUsageError"]
 
 
 class TransportError(HostIrError, RuntimeError):
@@ -28,23 +31,6 @@ class TransportUsageError(HostIrError, ValueError):
 
 class TransportUnsupported(HostIrError, NotImplementedError):
     """An operation the chosen transport does not implement."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Capabilities:
-    """What a transport can do, as the lowering asks it (never its name).
-
-    one_sided: a send writes straight into a buffer the peer named (a push
-        `into` it); the peer posts no matching receive to move the data.
-    needs_symmetric_buffers: what it writes into must be allocated in
-        symmetric memory (the same allocation on every rank, mapped by the
-        peers).
-    uses_no_sms: it moves data with copy engines, taking no SMs from the
-        compute it overlaps."""
-
-    one_sided: bool = False
-    needs_symmetric_buffers: bool = False
-    uses_no_sms: bool = False
 
 
 @dataclasses.dataclass

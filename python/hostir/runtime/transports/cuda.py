@@ -33,10 +33,9 @@ import weakref
 
 import torch
 
-from hostir import ir, layout
+from hostir import backends, ir, layout
 from hostir.runtime.transports import torch_dist
 from hostir.runtime.transports.base import (
-    Capabilities,
     NoWork,
     Posted,
     Transport,
@@ -314,7 +313,7 @@ def _signal(fn, peer: int, channel: int, timeout_ms: int) -> None:
 
 class CudaTransport(Transport):
     name = "cuda"
-    capabilities = Capabilities(one_sided=True, needs_symmetric_buffers=True, uses_no_sms=True)
+    capabilities = backends.BACKENDS["cuda"].capabilities
 
     def __init__(self, comm, device=None):
         import torch.distributed as dist

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hostir import ir, layout, printer
+from hostir import backends, ir, layout, printer
 from hostir.kinds import ReductionKind
 from hostir.runtime.transports.base import NoWork, Posted, Transport, TransportUnsupported, TransportUsageError
 
@@ -349,8 +349,8 @@ POST = {
 
 
 
-# The backends this module posts to.
-BACKENDS = ("NCCL", "gloo")
+# The backends this module posts to: those with process groups of their own.
+BACKENDS = tuple(b.name for b in backends.BACKENDS.values() if b.process_group is not None)
 
 
 def backend_scratch_bytes(backend: str, call: str, rank: int, *args, **kwargs) -> int:
@@ -385,6 +385,7 @@ class TorchDistTransport(Transport):
     def __init__(self, name: str, calls: Calls = DIST):
         self.name = name
         self.calls = calls
+        self.capabilities = backends.BACKENDS[name].capabilities
 
     def post(self, frame, e, group, root: int | None) -> Posted:
         return POST[e.type](self.calls, frame, e, group, root)

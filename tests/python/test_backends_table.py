@@ -1,0 +1,56 @@
+"""The backends are declared once (`hostir.backends`): every layer's view of
+them is read from that table, and the table says what the C++ executor
+really runs."""
+
+from __future__ import annotations
+
+import pytest
+
+import hostir.cpp
+from hostir import backends, ir, machine
+from hostir.lower import schedule
+from hostir.runtime import flat, transports
+from hostir.runtime.transports import torch_dist
+
+
+def test_every_layer_reads_the_one_table():
+    assert ir.BACKENDS is backends.NAMES and schedule.TRANSPORTS is backends.NAMES
+    assert ir.backend_name is backends.backend_name
+    assert set(torch_dist.BACKENDS) == {b.name for b in backends.BACKENDS.values() if b.process_group}
+    for b in backends.BACKENDS.values():
+        assert transports.capabilities(b.name) is b.capabilities
+        assert machine.runner_of("cpp", b.name, 1) == ("cpp" if b.cpp else "python")
+
+
+@pytest.mark.skipif(not hostir.cpp.available(), reason="the C++ executor is not built")
+def test_the_table_says_what_the_cpp_executor_runs():
+    from hostir import _C
+
+    assert set(_C.TRANSPORTS) == {b.name for b in backends.BACKENDS.values() if b.cpp}
+
+
+def test_a_communicators_backend_names_the_programs_backend():
+    assert backends.of_process_group("nccl").name == "NCCL"
+    assert backends.of_process_group("gloo").name == "gloo"
+    with pytest.raises(hostir.DefinitionError, match="no backend runs process groups of 'mpi'"):
+        backends.of_process_group("mpi")
+
+
+def test_spellings_are_checked_against_the_table():
+    assert backends.get("nccl").name == "NCCL" and backends.get(" CUDA ").name == "cuda"
+    with pytest.raises(hostir.DefinitionError, match="unknown backend 'ucc'; expected one of NCCL, gloo, cuda"):
+        backends.get("ucc")
+    with pytest.raises(hostir.errors.ScheduleError, match="unknown transport 'ucc'"):
+        schedule.parse("ring:transport=ucc")
+
+
+def test_the_flat_compiler_sends_a_backend_the_table_marks_python_only_to_python(monkeypatch):
+    # The copy-engine transport is not the C++ executor's: its program
+    # runs on the Python evaluator, and the runner says why.
+    from hostir import overlap
+    from hostir.lower import lower
+    from hostir.lower.schedule import Schedule
+
+    program = lower(overlap.allgather_matmul(2).fusion, rank=0, backend="gloo", schedule=Schedule(transport="cuda")).program
+    reasons = list(flat.unsupported_reasons(program))
+    assert any("the cuda transport runs in Python" in r for r in reasons), reasons
