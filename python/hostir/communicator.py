@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hostir import mailbox, rendezvous
+from hostir import ir, mailbox, rendezvous
 from hostir.errors import HostIrError
 from hostir.network import GLOO_IFNAME, GlooInterface, InterfaceError, choose_gloo_interface
 from hostir import log
@@ -1129,3 +1129,8 @@ def torch_mesh(devices, shape, device_type: str | None = None):
             get()
     ranks = torch.tensor(list(devices), dtype=torch.int64).reshape(shape)
     return TorchDeviceMesh(device_type or ("cuda" if torch.cuda.is_available() else "cpu"), ranks)
+
+
+# The IR converts its meshes to torch's through this layer (it imports no
+# process code itself).
+ir._torch_mesh = torch_mesh

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from hostir import backends, communicator
+from hostir import backends
 from hostir.errors import DefinitionError, DefinitionIndexError, DefinitionTypeError
 from hostir.kinds import BinaryKind, ReductionKind, UnaryKind
 
@@ -238,6 +238,11 @@ def same_scalar(a: Scalar, b: Scalar, equal=None) -> bool:
 # ---------------------------------------------------------------- domains
 
 
+# Set by hostir.communicator when it is imported: the conversion of a mesh
+# to torch's, which may make the process groups.
+_torch_mesh: Any = None
+
+
 def loaded_class(module: str, name: str) -> type | None:
     """Class `name` of `module` if the program imported that module, else
     None; never imports it. A module that another thread is still importing
@@ -306,8 +311,12 @@ class DeviceMesh:
         """A `torch.distributed.device_mesh.DeviceMesh` of the same shape
         and ranks, on `device_type` ("cuda" where CUDA is available, else
         "cpu"). Every rank calls it (torch may create process groups);
-        torch.distributed is initialized first if it is not yet."""
-        return communicator.torch_mesh(self.devices, self.shape, device_type)
+        torch.distributed is initialized first if it is not yet (by the
+        process layer, `hostir.communicator`, which gives the IR this
+        conversion: the IR itself knows no processes)."""
+        if _torch_mesh is None:
+            raise DefinitionError("DeviceMesh.to_torch needs hostir.communicator: import hostir")
+        return _torch_mesh(self.devices, self.shape, device_type)
 
     @property
     def size(self) -> int:

@@ -53,13 +53,12 @@ transport (and why the transport was not `cuda`, if it was asked for).
 
 from __future__ import annotations
 
-from hostir import axis_graph, ir, layout, printer
+from hostir import axis_graph, backends, ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.lower.propagate_shardings import is_resharding
 from hostir.lower.record import ChunkedAxis
 from hostir.lower.schedule import Schedule
-from hostir.runtime import transports
 
 
 class DecompositionError(HostIrError, ValueError):
@@ -405,7 +404,7 @@ class _Builder:
 
     def _exchange(self, body, send, to, recv, frm, into):
         """Send `send` to `to` and receive `recv` from `frm` as one group."""
-        one_sided = transports.capabilities(self._transport()).one_sided
+        one_sided = backends.get(self._transport()).capabilities.one_sided
         posts = [self._p2p("send", send, to, into if one_sided else None), self._p2p("recv", recv, frm)]
         end = ir.EndCoalescing(self.c.next_name("comm"))
         body += [ir.StartCoalescing(), *posts, end, ir.Wait(end)]
@@ -437,7 +436,7 @@ class _Builder:
                 changes = {f: flat[getattr(e, f)] for f in e.INPUTS + e.OUTPUTS if getattr(e, f) in flat}
                 self.c.push_back(e.replace(**changes))
             return
-        symmetric = kind == "ring" and transports.capabilities(self._transport()).needs_symmetric_buffers
+        symmetric = kind == "ring" and backends.get(self._transport()).capabilities.needs_symmetric_buffers
         memory = ir.MemoryType.symmetric if symmetric else ir.MemoryType.global_
         # The buffer shards land in, and its walked axis. A shard of xg is
         # contiguous only where xg's walked axis is outermost; otherwise
@@ -592,7 +591,7 @@ class _Builder:
             slot_domain.insert(0, slot_domain.pop(at))
             at = 0
         slots = ir.TensorView(self.c, slot_domain, c.dtype, ir.MemoryType.global_, mesh=c.mesh)
-        symmetric = transports.capabilities(self._transport()).needs_symmetric_buffers
+        symmetric = backends.get(self._transport()).capabilities.needs_symmetric_buffers
         self.c.push_back(ir.Allocate(slots, ir.MemoryType.symmetric if symmetric else ir.MemoryType.global_))
         slot_axis = slot_domain[at]
         pre: list = []
