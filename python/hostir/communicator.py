@@ -289,6 +289,13 @@ def _positive_seconds(value: object, name: str) -> float:
     return seconds
 
 
+def resolve_timeout(timeout: float | None) -> float:
+    """The peer timeout in seconds: `timeout`, else HOSTIR_TIMEOUT, else the
+    default; a value that is not a positive number of seconds is an error
+    naming where it came from."""
+    return _resolve_timeout(timeout)
+
+
 def _resolve_timeout(timeout: float | None) -> float:
     if timeout is not None:
         return _positive_seconds(timeout, "timeout")

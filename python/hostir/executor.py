@@ -58,7 +58,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
+import os
 import threading
 import warnings
 from typing import Sequence
@@ -73,6 +75,8 @@ from hostir.log import logger
 from hostir.lower import LoweredProgram, LoweringOptions, lower
 from hostir.lower.insert_reshardings import MODES as RESHARDING_MODES
 from hostir.lower.hoist_transfers import forced as forced_hoisting
+from hostir.lower.schedule import Schedule, ScheduleError
+from hostir.lower.schedule import parse as parse_schedule
 from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
 from hostir.runtime import flat, prepared, profiling
 from hostir.runtime.agreement import (
@@ -214,6 +218,15 @@ class ExecutorParams:
         if self.host_inputs not in HOST_INPUTS:
             raise ExecuteArgumentError(f"host_inputs must be one of {list(HOST_INPUTS)}, got {self.host_inputs!r}")
         forced_hoisting(self.hoist)
+        # Checked on every call, also where nothing would read them (a
+        # program with no device axis to walk, one rank): a typo is an
+        # error where it is made, never silently ignored.
+        if self.schedule is not None:
+            _checked_schedule(self.schedule, "schedule")
+        if os.environ.get("HOSTIR_SCHEDULE"):
+            _checked_schedule(os.environ["HOSTIR_SCHEDULE"], "HOSTIR_SCHEDULE")
+        if os.environ.get("HOSTIR_TIMEOUT") is not None:
+            communicator.resolve_timeout(None)
 
     def evaluator_choice(self) -> tuple[str, tuple[str, ...]]:
         """The evaluator this run uses, "python" or "cpp", and why the C++
@@ -1077,6 +1090,24 @@ class _FakeRun:
             None if shape is None else torch.empty(shape, dtype=tv.dtype, device="meta")
             for tv, shape in self._outputs
         ]
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_schedule(text: str) -> Schedule:
+    return parse_schedule(text)
+
+
+def _checked_schedule(value: object, where: str) -> None:
+    """Raise the schedule's own error (naming `where`) unless `value` is a
+    Schedule or its valid text."""
+    if isinstance(value, Schedule):
+        return
+    if not isinstance(value, str):
+        raise InputTypeError(f"{where} must be a Schedule or its text (ring:chunks=2, ...), got {type(value).__name__}")
+    try:
+        _parsed_schedule(value)
+    except ScheduleError as err:
+        raise ScheduleError(f"{where}={value!r}: {err}") from None
 
 
 def _device_of(inputs: list) -> torch.device:

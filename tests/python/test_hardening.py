@@ -254,3 +254,33 @@ def test_preallocated_output_on_a_sharded_symbolic_axis_gets_the_shape_check():
     check_outputs(fd.fusion, [torch.empty(4, 3)], [piece], sizes, piece.device)
     with pytest.raises(InputError, match=r"preallocated output 0 \(T\d+\): expected shape \[4, 3\], got \[8, 3\]"):
         check_outputs(fd.fusion, [torch.empty(8, 3)], [piece], sizes, piece.device)
+
+
+@pytest.mark.parametrize("where", ["argument", "environment"])
+def test_a_schedule_typo_is_an_error_where_nothing_would_read_it(where, monkeypatch):
+    # A single-device fusion walks no device axis: its schedule is never
+    # used, yet a typo in it is an error, not silently ignored.
+    from hostir.errors import ScheduleError
+
+    fd = _stream_matmul_add()
+    inputs = [torch.randn(8, 4), torch.randn(4, 3), torch.randn(8, 3)]
+    kwargs = {}
+    if where == "argument":
+        kwargs["schedule"] = "rnig:chunks=2"
+    else:
+        monkeypatch.setenv("HOSTIR_SCHEDULE", "ring:chunks=two")
+    with pytest.raises(ScheduleError, match="HOSTIR_SCHEDULE=|schedule=") as err:
+        fd.execute(inputs, **kwargs)
+    assert ("rnig" if where == "argument" else "two") in str(err.value)
+    monkeypatch.delenv("HOSTIR_SCHEDULE", raising=False)
+    (out,) = fd.execute(inputs, schedule="ring:chunks=2")
+    torch.testing.assert_close(out, inputs[0] @ inputs[1] + inputs[2])
+
+
+def test_a_timeout_typo_is_an_error_where_nothing_would_read_it(monkeypatch):
+    from hostir.communicator import CommunicatorArgumentError
+
+    fd = _stream_matmul_add()
+    monkeypatch.setenv("HOSTIR_TIMEOUT", "30s")
+    with pytest.raises(CommunicatorArgumentError, match="HOSTIR_TIMEOUT='30s' is not a number of seconds"):
+        fd.execute([torch.randn(8, 4), torch.randn(4, 3), torch.randn(8, 3)])
