@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hostir import ir
 from hostir.errors import HostIrError
 
 __all__ = ["ParallelizeError", "parallelize_module"]
@@ -97,6 +98,10 @@ def parallelize_module(
     by hostir (see the module's doc)."""
     from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
 
+    if isinstance(device_mesh, ir.DeviceMesh):
+        # hostir's own mesh: the torch mesh of the same ranks, on this
+        # rank's device type (torch's styles take torch's meshes only).
+        device_mesh = device_mesh.to_torch()
     if parallelize_plan is None:
         return torch_parallelize(module, device_mesh, None, src_data_rank=src_data_rank)
     plan = _converted(parallelize_plan, "")

@@ -257,3 +257,22 @@ def test_dtensor_gradients_keep_the_inputs_placements(plain_process):
     partial = DTensor.from_local(torch.randn(5, 4), mesh, [Partial()])
     got = autograd._gradient_like(torch.ones(5, 4), partial._spec, partial._local_tensor.stride())
     assert got.placements == (Replicate(),)
+
+
+def test_parallelize_module_takes_hostirs_own_mesh(plain_process):
+    # hostir.DeviceMesh works where a torch mesh does: the same ranks, on
+    # this rank's device type.
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from hostir.parallel import parallelize_module
+
+    torch.manual_seed(0)
+    base = _attn_proj(16, 4)
+    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+    torch_mesh = MESH.to_torch()
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    parallelize_module(ours, MESH, plan)
+    parallelize_module(theirs, torch_mesh, plan)
+    x = torch.randn(5, 16, device=torch_mesh.device_type)
+    for a, b in zip(ours(x), theirs(x)):
+        torch.testing.assert_close(a, b)
