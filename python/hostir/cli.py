@@ -170,14 +170,15 @@ def _run(args: argparse.Namespace) -> int:
     addr = os.environ.get("HOSTIR_MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("HOSTIR_MASTER_PORT") or _free_port())
     command, exports = launch_command(launcher, args.nprocs, args.script, args.script_args, addr, port)
+    if launcher == "mpirun":
+        # Open MPI refuses root without these; the printed command carries
+        # them too, so that it runs as printed.
+        exports.setdefault("OMPI_ALLOW_RUN_AS_ROOT", os.environ.get("OMPI_ALLOW_RUN_AS_ROOT", "1"))
+        exports.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", os.environ.get("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"))
     if args.dry_run:
         print(" ".join(f"{k}={v}" for k, v in exports.items()), " ".join(command))
         return 0
-    env = dict(os.environ, **exports)
-    if launcher == "mpirun":
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    return subprocess.call(command, env=env)
+    return subprocess.call(command, env=dict(os.environ, **exports))
 
 
 # ---------------------------------------------------------------- env

@@ -77,7 +77,7 @@ def capture_first_execute(script: str, args: list[str], world_size: int, rank: i
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hostir.plan",
+        prog="hostir plan",
         description="Dry-run the fusion a script executes, for every rank, without a device or a launcher.",
     )
     parser.add_argument("script", help="the Python script every rank runs")

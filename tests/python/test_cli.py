@@ -27,7 +27,7 @@ def hostir_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 1
     )
 
 
-@pytest.mark.parametrize("command", ["dump", "run", "env"])
+@pytest.mark.parametrize("command", ["dump", "run", "env", "machine"])
 def test_each_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main([command, "--help"])
@@ -104,6 +104,21 @@ def test_run_commands(launcher, head):
         assert exports["HOSTIR_MASTER_PORT"] != "29999"  # torchrun's store holds that one
     else:
         assert exports["HOSTIR_MASTER_PORT"] == "29999"
+
+
+def test_run_dry_run_prints_an_mpirun_command_that_runs_as_printed(monkeypatch, capsys):
+    # Open MPI refuses root without its two variables: the printed command
+    # carries them, as the command `hostir run` itself starts does.
+    monkeypatch.setattr(cli.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.delenv("OMPI_ALLOW_RUN_AS_ROOT", raising=False)
+    assert cli.main(["run", "--launcher", "mpirun", "--dry-run", "-n", "2", "s.py"]) == 0
+    printed = capsys.readouterr().out
+    assert "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -np 2" in printed, printed
+
+
+def test_plan_help_names_the_hostir_command(capsys):
+    assert cli.main(["plan", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: hostir plan")
 
 
 def test_run_picks_srun_inside_slurm_only_when_srun_exists(monkeypatch):
