@@ -312,12 +312,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "take_trace",
           [](const hostir::Executor& executor) {
-            // One list per run: (instr, track, posted, start_us, end_us).
+            // One list per run: (instr, track, posted, start_us, end_us,
+            // input sizes, output sizes).
             py::list runs;
             for (const auto& records : executor.takeTrace()) {
               py::list run;
               for (const auto& r : records) {
-                run.append(py::make_tuple(r.instr, r.track, r.posted, r.start_us, r.end_us));
+                run.append(py::make_tuple(
+                    r.instr, r.track, r.posted, r.start_us, r.end_us, py::cast(r.input_sizes),
+                    py::cast(r.output_sizes)));
               }
               runs.append(run);
             }

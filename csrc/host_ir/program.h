@@ -337,13 +337,17 @@ struct Failure {
 // stream it ran on (-1: the caller's; else the index its SetCurrentStream
 // named), for a Wait the instruction it completes (else -1), and when it
 // ran, in µs from the run's start: device times on a GPU (events on the
-// current stream around the op), host times (steady clock) elsewhere.
+// current stream around the op), host times (steady clock) elsewhere; for
+// a collective, the sizes of its input and output (empty: not bound), which
+// the `communication` dump prints.
 struct TraceRecord {
   int instr = -1;
   int64_t track = -1;
   int posted = -1;
   double start_us = 0;
   double end_us = 0;
+  std::vector<int64_t> input_sizes;
+  std::vector<int64_t> output_sizes;
 };
 
 struct RunResult {

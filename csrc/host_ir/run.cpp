@@ -138,7 +138,15 @@ void Run::traced(int i, const Instr& ins) {
   int64_t track = track_;
   Stamp start = stamp();
   exec(ins);
-  pending_.push_back({i, track, ins.op == Opcode::kWait ? ins.posted : -1, std::move(start), stamp()});
+  pending_.push_back({i, track, ins.op == Opcode::kWait ? ins.posted : -1, std::move(start), stamp(), {}, {}});
+  if (ins.op == Opcode::kCommunication) {
+    if (const at::Tensor* t = ins.input >= 0 ? maybeTensor(ins.input) : nullptr) {
+      pending_.back().input_sizes = t->sizes().vec();
+    }
+    if (const at::Tensor* t = ins.out >= 0 ? maybeTensor(ins.out) : nullptr) {
+      pending_.back().output_sizes = t->sizes().vec();
+    }
+  }
   if (ins.op == Opcode::kSetStream) {
     track_ = ins.stream_index >= 0 ? get(ins.stream_index) : -1;
   }
@@ -155,7 +163,8 @@ double Run::since(const Stamp& origin, const Stamp& s) {
 void Run::finishTrace() {
   trace_.reserve(pending_.size());
   for (const Pending& p : pending_) {
-    trace_.push_back({p.instr, p.track, p.posted, since(origin_, p.start), since(origin_, p.end)});
+    trace_.push_back(
+        {p.instr, p.track, p.posted, since(origin_, p.start), since(origin_, p.end), p.input_sizes, p.output_sizes});
   }
   pending_.clear();
 }

@@ -112,6 +112,8 @@ class Run {
     int posted;
     Stamp start;
     Stamp end;
+    std::vector<int64_t> input_sizes;
+    std::vector<int64_t> output_sizes;
   };
   Stamp stamp();
   void traced(int i, const Instr& ins);

@@ -184,10 +184,15 @@ class CppEvaluator:
 
     def _traced(self, executor, run):
         """`run()`, recorded op by op into the active trace if there is one
-        (`HOSTIR_TRACE`, `execute(trace=...)`); not under a CUDA graph's
-        capture, where an event cannot be waited for."""
+        (`HOSTIR_TRACE`, `execute(trace=...)`), and its collectives printed
+        where the `communication` dump is on (as the Python evaluator
+        prints them when it posts them); not under a CUDA graph's capture,
+        where an event cannot be waited for."""
         trace = profiling.active_trace(self.rank or 0)
-        if trace is None or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        dumping = self.dumper is not None and self.dumper.enabled("communication")
+        if (trace is None and not dumping) or (
+            self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        ):
             return run()
         executor.set_tracing(True)
         origin = profiling.now_us()
@@ -197,7 +202,19 @@ class CppEvaluator:
             executor.set_tracing(False)
             exprs = [i.expr for i in self._flat.instrs]
             for records in executor.take_trace():
-                profiling.add_recorded_run(trace, self.container, exprs, records, origin)
+                if dumping:
+                    self._dump_postings(exprs, records)
+                if trace is not None:
+                    profiling.add_recorded_run(trace, self.container, exprs, [r[:5] for r in records], origin)
+
+    def _dump_postings(self, exprs: list, records: list) -> None:
+        for instr, _, _, _, _, input_sizes, output_sizes in records:
+            e = exprs[instr]
+            if not isinstance(e, ir.Communication) or len(e.team) == 1:
+                continue  # a team of one posts nothing (as in the Python evaluator)
+            sizes = [(name, s) for name, s in (("input", input_sizes), ("output", output_sizes)) if s]
+            text = ", ".join(f"{name} {list(s)}" for name, s in sizes)
+            self.dumper.emit("communication", f"Posting {printer.format_expr_head(e)}", f"  with {text}")
 
     def _error(self, instr: int, loops: list, kind: str, message: str) -> Exception:
         if instr < 0:

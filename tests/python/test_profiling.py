@@ -209,3 +209,4 @@ def test_plot_timeline_without_traces_says_so(tmp_path):
     with pytest.raises(FileNotFoundError, match="no hostir_trace_rank"):
         timeline.load(tmp_path)
 
+

@@ -336,7 +336,9 @@ def now_us() -> float:
     return _now_us()
 
 
-def add_recorded_run(trace: Trace, container: Any, exprs: list, records: list, origin_us: float) -> None:
+def add_recorded_run(
+    trace: Trace, container: Any, exprs: list[Any], records: list[tuple[Any, ...]], origin_us: float
+) -> None:
     """One run that the C++ executor recorded, as trace events like the
     Python evaluator's: `records` are its (instruction, stream, waited
     instruction, start µs, end µs) from the run's start at `origin_us`,

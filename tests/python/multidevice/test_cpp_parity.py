@@ -108,6 +108,32 @@ def test_unary_on_a_sharded_tensor(world, device, kind):
     torch.testing.assert_close(out.reshape(piece.shape), piece.double() if fn is None else fn(piece))
 
 
+@pytest.mark.parametrize("kind", ["sum", "max"])
+def test_the_communication_dump_prints_the_same_postings_on_both_runners(world, device, kind, monkeypatch, capsys):
+    # HOSTIR_DUMP=communication on the C++ executor: each collective it
+    # posted, with its input's and output's sizes, as the Python evaluator
+    # prints them.
+    D = world.size
+    monkeypatch.setenv("HOSTIR_DUMP", "communication")
+    monkeypatch.setenv("HOSTIR_DUMP_RANKS", "all")
+    printed = {}
+    full = torch.randn(D, 2 * D, 3, device=device)
+    for evaluator in ("python", "cpp"):
+        with FusionDefinition() as fd:
+            x = fd.define_tensor(shape=[-1, -1, -1])
+            y = getattr(fd.ops, kind)(x, [0])
+            fd.add_output(y)
+        x.set_device_mesh(DeviceMesh(range(D)))
+        y.set_device_mesh(DeviceMesh(range(D)))
+        x.axis(0).parallelize(ParallelType.mesh_x)
+        (out,) = fd.execute([shard_tensor(full, x)], evaluator=evaluator)
+        assert fd.last_runner.name == evaluator
+        torch.testing.assert_close(out.reshape(2 * D, 3), full.sum(0) if kind == "sum" else full.amax(0))
+        printed[evaluator] = [line for line in capsys.readouterr().out.splitlines() if "Posting" in line or "  with" in line]
+    assert printed["cpp"] == printed["python"], printed
+    assert any("type=Allreduce" in line for line in printed["cpp"]) and any("with input" in line for line in printed["cpp"])
+
+
 # ------------------------------------------------------------ parallel Linears
 
 
