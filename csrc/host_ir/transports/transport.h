@@ -52,9 +52,10 @@ inline const std::vector<TransportEntry>& transportRegistry() {
       {"gloo", &c10dTransport()},
       // The copy-engine transport goes here: {"cuda", &cudaTransport()},
       // with transports/cuda.cpp (one-sided pushes into memory the peers
-      // map, as python/hostir/runtime/transports/cuda.py does). Until then
-      // a program on it runs on the Python evaluator
-      // (flat.unsupported_reasons reads this registry's names).
+      // map, as python/hostir/runtime/transports/cuda.py does), and
+      // cpp=True in its entry of python/hostir/backends.py (a test holds the
+      // table to this registry). Until then a program on it runs on the
+      // Python evaluator (flat.unsupported_reasons reads the table).
   };
   return registry;
 }
