@@ -80,7 +80,9 @@ def training_of(fd, wrt: tuple[int, ...]) -> Training:
             cache.clear()
         d = derive(fd.fusion, wrt, keep_gathered=keep)
         forward, backward = FusionExecutor(d.forward), FusionExecutor(d.backward)
-        forward.label, backward.label = " (training forward)", " (backward)"
+        # A module's name (hostir.parallel's Linears) stays in the labels.
+        label = fd.executor.label
+        forward.label, backward.label = f"{label} (training forward)", f"{label} (backward)"
         found = cache[key] = Training(d, forward, backward)
     return found
 

@@ -914,9 +914,9 @@ class FusionExecutor:
             exprs = list(container.walk())
             comms = sum(isinstance(e, ir.Communication) for e in exprs)
             logger.info(
-                "lowered fusion %s to a host program of %d ops (%d communications), digest %s; "
+                "lowered fusion %s%s to a host program of %d ops (%d communications), digest %s; "
                 "evaluator %s on %s with %s",
-                signature(self.fusion), len(exprs), comms, (lowered.digest or "")[:12],
+                signature(self.fusion), self.label, len(exprs), comms, (lowered.digest or "")[:12],
                 type(run).__name__, device, type(streams).__name__,
             )
         binding = Binding.of(container)

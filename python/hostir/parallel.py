@@ -106,7 +106,13 @@ def parallelize_module(
         return torch_parallelize(module, device_mesh, None, src_data_rank=src_data_rank)
     plan = _converted(parallelize_plan, "")
     _check(module, plan, "")
-    return torch_parallelize(module, device_mesh, plan, src_data_rank=src_data_rank)
+    result = torch_parallelize(module, device_mesh, plan, src_data_rank=src_data_rank)
+    # Each hostir Linear learns its name, for its errors and dumps.
+    for name, sub in module.named_modules():
+        linear = getattr(sub, "_hostir_linear", None)
+        if isinstance(linear, _Linear):
+            linear.name = name or "(root)"
+    return result
 
 
 def _converted(plan, key: str):
@@ -202,6 +208,8 @@ class _Linear:
         # would be NCCL, on the GPU).
         self.backend = {"backend": "gloo"} if mesh.device_type == "cpu" else {}
         self.return_dtensors = not use_local_output
+        # The module's fully qualified name (set by parallelize_module).
+        self.name = "(a Linear)"
 
     def bind(self, module: nn.Linear):
         def forward(x):
@@ -219,13 +227,26 @@ class _Linear:
         bias = module.bias
         ndim = x.dim()
         key = (placement, ndim, x.dtype, bias is not None, local)
-        fd = self.fusions.get(key)
-        if fd is None:
-            where = _placement_key(placement, ndim)
-            fd = self.fusions[key] = self._define(ndim, x.dtype, bias is not None, where, placement if local else None)
         inputs = [x, module.weight] if bias is None else [x, module.weight, bias]
-        (y,) = fd.execute(inputs, return_dtensors=self.return_dtensors, **self.backend)
+        try:
+            fd = self.fusions.get(key)
+            if fd is None:
+                where = _placement_key(placement, ndim)
+                fd = self._define(ndim, x.dtype, bias is not None, where, placement if local else None)
+                # Dumps and logs of its programs (its training's too) name the module.
+                fd.executor.label = f" ({self.name}, {self.kind} nn.Linear)"
+                self.fusions[key] = fd
+            (y,) = fd.execute(inputs, return_dtensors=self.return_dtensors, **self.backend)
+        except HostIrError as err:
+            err.add_note(self._where(inputs))
+            raise
         return y
+
+    def _where(self, inputs) -> str:
+        """What the fusion's inputs are in the user's module: the error's note."""
+        names = ["the input (activation)", "the weight", "the bias"]
+        parts = [f"input {i} is {names[i]} {_shape_of(t)}" for i, t in enumerate(inputs)]
+        return f"in module {self.name!r} ({self.kind} nn.Linear, hostir.parallel): " + "; ".join(parts)
 
     def _define(self, ndim: int, dtype: torch.dtype, bias: bool, placement: tuple = ("replicate",), input_placement=None):
         from hostir.frontend import FusionDefinition
@@ -290,6 +311,11 @@ class _Linear:
                 tv.outer_split(at, D)
                 tv.axis(at).parallelize(ParallelType.stream)
         return fd
+
+
+def _shape_of(t) -> str:
+    shape = getattr(t, "shape", None)
+    return f"of shape {list(shape)}" if shape is not None else f"({type(t).__name__})"
 
 
 def _is_dtensor(x) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -276,3 +277,23 @@ def test_parallelize_module_takes_hostirs_own_mesh(plain_process):
     x = torch.randn(5, 16, device=torch_mesh.device_type)
     for a, b in zip(ours(x), theirs(x)):
         torch.testing.assert_close(a, b)
+
+
+def test_an_error_in_a_parallelized_module_names_the_module_and_its_inputs(plain_process, monkeypatch, capsys):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from hostir.errors import HostIrError
+    from hostir.parallel import parallelize_module
+
+    model = _attn_proj(16, 4)
+    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+    parallelize_module(model, MESH.to_torch("cpu"), plan)
+    with pytest.raises(HostIrError) as err:
+        model.k(torch.randn(5, 16, dtype=torch.float64))  # the weight is float32
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    assert "in module 'k' (colwise nn.Linear, hostir.parallel)" in notes, notes
+    assert "input 0 is the input (activation) of shape [5, 16]" in notes and "input 1 is the weight of shape" in notes
+    # Its programs' dumps carry the module's name too.
+    monkeypatch.setenv("HOSTIR_DUMP", "host_ir")
+    model.q(torch.randn(5, 16))
+    assert "Host program (q, colwise nn.Linear)" in capsys.readouterr().out
