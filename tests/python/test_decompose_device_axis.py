@@ -95,10 +95,13 @@ def test_ring_own_chunk_runs_on_the_caller_between_the_two_loops():
         overlap.allgather_matmul(2).fusion, rank=0, backend="gloo", schedule=Schedule(), until="assign_streams"
     ).program
     kinds = [type(e).__name__ for e in program.exprs]
+    # The rank's shard (a view of its input) feeds its GEMM in place.
     assert kinds == [
         "Allocate", "Allocate", "GetCurrentStream", "ForLoop", "SetCurrentStream",
-        "HirAliasSelect", "HirAliasSelect", "Set", "HirAliasSelect", "MatmulOp", "ForLoop",
+        "HirAliasSelect", "HirAliasSelect", "MatmulOp", "ForLoop",
     ], kinds
+    shard, matmul = program.exprs[5], program.exprs[7]
+    assert matmul.a is shard.out and shard.input is program.inputs[0]
     assert [type(e).__name__ for e in program.exprs[3].body] == ["SetCurrentStream", "Synchronize"]
     caller = program.exprs[2].stream
     assert program.exprs[4].stream is caller
@@ -115,8 +118,30 @@ def test_ring_on_four_ranks_of_an_offset_mesh_names_positions():
 def test_ring_steps_skip_the_local_shard():
     dump = _dump(overlap.allgather_matmul(3), Schedule(chunks=2))
     assert "FOR StreamIdx from 2 to 6 (ring, chunks=2, direction=+1, transport=gloo):" in dump
-    # The local shard is copied into its slot, never sent.
-    assert "= Set( " in dump and dump.count("type=send") == 1
+    # The local shard is read in place (the gathered tensor is not needed
+    # whole afterwards), never copied into its slot, and sent once a step.
+    assert "= Set( " not in dump and dump.count("type=send") == 1
+
+
+def test_a_gathered_tensor_needed_whole_keeps_the_local_shard_in_its_slot():
+    # Where the gathered tensor is an output too (a layer that keeps its
+    # gathered input for the backward), every slot must hold its shard.
+    from hostir import DeviceMesh, FusionDefinition, ParallelType
+
+    D = 2
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[D, -1, -1])
+        w = fd.define_tensor(shape=[-1, -1])
+        xg = fd.ops.set(x)
+        fd.add_output(fd.ops.matmul(xg, w))
+        fd.add_output(xg)
+    for tv in fd.fusion.inputs + fd.fusion.outputs:
+        tv.set_device_mesh(DeviceMesh(range(D)))
+    x.axis(0).parallelize(ParallelType.mesh_x)
+    for tv in fd.fusion.outputs:
+        tv.axis(0).parallelize(ParallelType.stream)
+    dump = _dump(fd, Schedule())
+    assert "(ring, chunks=1" in dump and "= Set( " in dump, dump
 
 
 def test_cuda_transport_allocates_symmetric_windows_and_names_where_sends_land():

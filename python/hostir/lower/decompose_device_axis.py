@@ -82,8 +82,10 @@ def decompose_device_axis(
         e = exprs[i]
         gather = _gather_axis(e, graph)
         if gather is not None:
+            start = i
             group, i = _run_of(exprs, i + 1, gather[1], graph)
-            _Builder(result, graph, schedule, backend, chunking).gather(e, gather, group)
+            escapes = _read_elsewhere(e.out, container, exprs[:start] + exprs[i:])
+            _Builder(result, graph, schedule, backend, chunking).gather(e, gather, group, escapes)
             continue
         reduce = _reduce_run(exprs, i, graph)
         if reduce is not None:
@@ -93,6 +95,26 @@ def decompose_device_axis(
         result.push_back(e)
         i += 1
     return result
+
+
+def _dims_without(tv: ir.TensorView, axis: ir.IterDomain) -> list | None:
+    """`tv`'s runtime dims without the one `axis` is alone in (None where it
+    shares a dim with other axes)."""
+    found = layout.dims(tv)
+    if any(axis in g and len(g) > 1 for g in found):
+        return None
+    return [g for g in found if axis not in g]
+
+
+def _read_elsewhere(tv: ir.TensorView, container: HostIrContainer, others: list) -> bool:
+    """Whether the gathered tensor is needed whole beyond the ops that walk
+    it: an output of the program, or read by another op."""
+    if tv in container.outputs:
+        return True
+    for e in ir.walk(others):
+        if any(getattr(e, f, None) is tv for f in e.INPUTS):
+            return True
+    return False
 
 
 # ---------------------------------------------------------------- patterns
@@ -418,7 +440,10 @@ class _Builder:
         domain.insert(0, domain.pop(at))
         return ir.TensorView(self.c, domain, tv.dtype, ir.MemoryType.global_, mesh=tv.mesh), domain[0]
 
-    def gather(self, set_op: ir.Set, axes, group: list) -> None:
+    def gather(self, set_op: ir.Set, axes, group: list, escapes: bool = True) -> None:
+        """`escapes`: whether the gathered tensor is needed whole after the
+        ops of `group` (else the ring leaves this rank's own slot of it
+        unfilled: its ops read the rank's shard in place)."""
         dx, s = axes
         x, xg = set_op.input, set_op.out
         mesh, first = self._mesh(set_op, x)
@@ -485,12 +510,31 @@ class _Builder:
 
             self._pipeline(0, D * parts, body_of, self._head("collective"))
             return
-        # ring: the local shard is copied into its slot and computed first.
-        # (Where the ring receives into slots, this rank's slot there only
-        # names where its shard lands on the peers.)
+        # ring: the local shard is computed first, read in place where the
+        # gathered tensor is needed no further (else copied into its slot
+        # first). (This rank's slot of the buffer always names where its
+        # shard lands on the peers.)
+        # The shard can stand in for its slot only where it has the slot's
+        # runtime dims, axis for axis (a shard that keeps a split's outer
+        # piece as a dim of its own keeps the copy).
         mine_slot = self._select(local, buf, bs, pos)
-        mine = mine_slot if buf is xg else self._select(local, xg, s, pos)
-        local.append(ir.Set(mine, xl))
+        kept, slot_dims = _dims_without(x, dx), _dims_without(xg, s)
+        in_place = (
+            kept is not None
+            and slot_dims is not None
+            and len(kept) == len(slot_dims)
+            and all(len(a) == len(b) and all(self.graph.mapped(i, j) for i, j in zip(a, b)) for a, b in zip(kept, slot_dims))
+        )
+        fills = escapes or buf is not xg or not in_place
+        if not fills and not backends.get(self._transport()).capabilities.one_sided:
+            # No push names it as its place on the peers: not needed.
+            local.pop()
+            mine_slot = None
+        if fills:
+            mine = mine_slot if buf is xg else self._select(local, xg, s, pos)
+            local.append(ir.Set(mine, xl))
+        else:
+            mine = xl
         saved, self.schedule = self.schedule, self.schedule.with_chunks(1)
         self._ops_on(local, group, s, pos, ir.Scalar.constant(0), row_ref, {xg: mine})
         self.schedule = saved
@@ -506,7 +550,8 @@ class _Builder:
             if parts > 1:
                 slot = self._chunk(body, slot, self._axis_of(slot, row_ref), chunk, parts)
                 send = self._chunk(body, xl, xl_row, chunk, parts)
-                into = self._chunk(body, mine_slot, self._axis_of(mine_slot, row_ref), chunk, parts)
+                if mine_slot is not None:
+                    into = self._chunk(body, mine_slot, self._axis_of(mine_slot, row_ref), chunk, parts)
             self._exchange(body, send, self._rank_at(to, first), slot, self._rank_at(frm, first), into)
             if buf is not xg:
                 landed = slot
