@@ -18,8 +18,10 @@ before it that compute the rank's own chunk are its `caller_ops` (the
 streams are written by `assign_streams`). Decompositions
 (`Schedule.decomposition`):
 
-  ring        gather: the local shard is copied into its slot and its ops
-              run first on the caller's stream; then step i = 1 .. D-1
+  ring        gather: the local shard's ops run first on the caller's
+              stream, on the shard in place (copied into its slot first
+              only where the gathered tensor is needed whole afterwards);
+              then step i = 1 .. D-1
               receives the shard of position (p + d*i) % D and sends its own
               to (p - d*i) % D (p: this rank's position, d: the direction),
               and runs the ops on that shard, on worker streams.
