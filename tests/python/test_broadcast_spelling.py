@@ -11,12 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hostir import DefinitionError, DeviceMesh, FusionDefinition, ParallelType, UsageError
+from hostir import DefinitionError, FusionDefinition, ParallelType, UsageError
 from hostir.errors import DefinitionTypeError
 from hostir.lower import lower
 from hostir.lower.schedule import Schedule
 
 from conftest import check_golden
+from multidevice.test_nvfuser_rs_matmul import reduce_scatter_p2p, reduce_scatter_reduce_based
 
 F64 = torch.float64
 MESH_X, STREAM = ParallelType.mesh_x, ParallelType.stream
@@ -231,35 +232,8 @@ def _interleave(flags, shape):
 
 
 # ------------------------------------------------- nvFuser's RSMatmulTest, golden
-# The programs of tests/python/multidevice/test_nvfuser_rs_matmul.py (which
-# runs them under mpirun), lowered for rank 0 of 2.
-
-
-def _rs_matmul(D: int, reduce_based: bool):
-    """A [DIDx(D), Stream(D), M/D, K/D] @ broadcast(B [DIDx(D), K/D, N]) (or,
-    reduce-based as nvFuser writes it, B [DIDx(D), 1, K/D, N]), summed over
-    the devices into C [r(D), DIDx(D), M/D, N]."""
-    with FusionDefinition() as fd:
-        a = fd.define_tensor([-1, -1, -1, -1])
-        if reduce_based:
-            b = bb = fd.define_tensor([-1, 1, -1, -1])
-        else:
-            b = fd.define_tensor([-1, -1, -1])
-            bb = fd.ops.broadcast(b, [False, True, False, False])
-        partials = fd.ops.matmul(a, bb)
-        c = fd.ops.sum(partials, [0])
-        fd.add_output(c)
-    mesh = DeviceMesh(range(D))
-    for tv in {a, b, bb, partials, c}:
-        tv.set_device_mesh(mesh)
-    for tv in {a, b, bb, partials}:
-        tv.axis(0).parallelize(MESH_X)
-    a.axis(1).parallelize(STREAM)
-    partials.axis(1).parallelize(STREAM)
-    c.axis(1).parallelize(MESH_X)
-    if reduce_based:
-        c.axis(0).parallelize(STREAM)
-    return fd
+# The programs tests/python/multidevice/test_nvfuser_rs_matmul.py runs under
+# mpirun, lowered for rank 0 of 2.
 
 
 @pytest.mark.parametrize(
@@ -270,5 +244,5 @@ def _rs_matmul(D: int, reduce_based: bool):
     ],
 )
 def test_golden_of_nvfusers_rs_matmul(name, reduce_based, sched):
-    fd = _rs_matmul(2, reduce_based)
+    fd = reduce_scatter_reduce_based(2, "input")[0] if reduce_based else reduce_scatter_p2p(2)[0]
     check_golden(name, lower(fd.fusion, rank=0, backend="gloo", schedule=sched))

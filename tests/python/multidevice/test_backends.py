@@ -14,10 +14,7 @@ import torch
 import hostir
 import hostir.cpp
 from hostir import RankMismatchError, communicator, overlap
-
-
-def rand_int(shape, device) -> torch.Tensor:
-    return torch.randint(-4, 4, tuple(shape)).to(torch.float32).to(device)
+from multidevice.test_decompositions import rand_int
 
 
 def _inputs(world, device):

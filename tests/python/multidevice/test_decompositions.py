@@ -18,12 +18,12 @@ from hostir import RankMismatchError, overlap
 
 # HOSTIR_TEST_TRANSPORT=cuda runs the rings over the copy-engine transport
 # (tools/run_overlap_gpu.sh does, on the GPU machines).
-_RING = f",transport={os.environ['HOSTIR_TEST_TRANSPORT']}" if os.environ.get("HOSTIR_TEST_TRANSPORT") else ""
+RING_TRANSPORT = f",transport={os.environ['HOSTIR_TEST_TRANSPORT']}" if os.environ.get("HOSTIR_TEST_TRANSPORT") else ""
 SCHEDULES = [
-    "ring:direction=1" + _RING,
-    "ring:direction=-1" + _RING,
-    "ring:chunks=2" + _RING,
-    "ring:chunks=2,direction=-1" + _RING,
+    "ring:direction=1" + RING_TRANSPORT,
+    "ring:direction=-1" + RING_TRANSPORT,
+    "ring:chunks=2" + RING_TRANSPORT,
+    "ring:chunks=2,direction=-1" + RING_TRANSPORT,
     "collective",
     "collective:chunks=2",
     "sequential",
@@ -131,7 +131,7 @@ def test_the_models_choice_runs_and_shows_in_the_dump(world, device, monkeypatch
 
 
 def test_forced_schedule_from_the_environment(world, device, monkeypatch):
-    monkeypatch.setenv("HOSTIR_SCHEDULE", "ring:chunks=2,direction=-1" + _RING)
+    monkeypatch.setenv("HOSTIR_SCHEDULE", "ring:chunks=2,direction=-1" + RING_TRANSPORT)
     D, m, K, N = world.size, 2, 3, 4
     fd = overlap.allgather_matmul(D)
     inputs, expected = overlap.allgather_matmul_inputs(rand_int([D, m, K], device), rand_int([K, N], device), world.rank)

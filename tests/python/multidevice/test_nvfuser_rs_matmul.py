@@ -27,32 +27,28 @@ picks for small shapes.
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 import torch
 
 from hostir import DeviceMesh, FusionDefinition, ParallelType, RankMismatchError, shard_tensor
+from multidevice.test_decompositions import SCHEDULES, exact, head_of, rand_int
 
 MESH_X, STREAM = ParallelType.mesh_x, ParallelType.stream
 
-# As in test_decompositions: HOSTIR_TEST_TRANSPORT=cuda runs the rings over
-# the copy-engine transport on the GPU machines.
-_RING = f",transport={os.environ['HOSTIR_TEST_TRANSPORT']}" if os.environ.get("HOSTIR_TEST_TRANSPORT") else ""
-RING = [
-    "ring:direction=1" + _RING,
-    "ring:direction=-1" + _RING,
-    "ring:chunks=2" + _RING,
-    "ring:chunks=2,direction=-1" + _RING,
-]
+# HOSTIR_TEST_TRANSPORT=cuda runs the rings over the copy-engine transport
+# on the GPU machines, as in test_decompositions.
+RING = [s for s in SCHEDULES if s.startswith("ring")]
 COLLECTIVE = ["collective", "collective:chunks=2"]
 
 M_D, K_D, N = 4, 3, 5  # M/D, K/D, N: M/D splits into 2 chunks per peer
 
 
-def reduce_scatter_p2p(D: int):
-    """RSMatmulTest.ReduceScatterP2p."""
+def reduce_scatter_p2p(D: int, partials: str = "hostir"):
+    """RSMatmulTest.ReduceScatterP2p, the partials [DIDx(D), Stream(D), M/D,
+    N] as A holds them (partials="hostir"), or [Stream(D), DIDx(D), M/D, N]
+    as nvFuser writes them (partials="nvfuser": the matmul reshards)."""
     with FusionDefinition() as fd:
         tv0 = fd.define_tensor([-1, -1, -1, -1])  # [DIDx(D), Stream(D), M/D, K/D]
         tv1 = fd.define_tensor([-1, -1, -1])  # [DIDx(D), K/D, N]
@@ -67,8 +63,9 @@ def reduce_scatter_p2p(D: int):
     tv1.axis(0).parallelize(MESH_X)
     tv1b.axis(0).parallelize(MESH_X)
     tv0.axis(1).parallelize(STREAM)
-    tv2_unreduced.axis(0).parallelize(MESH_X)
-    tv2_unreduced.axis(1).parallelize(STREAM)
+    device_axis, stream_axis = (0, 1) if partials == "hostir" else (1, 0)
+    tv2_unreduced.axis(device_axis).parallelize(MESH_X)
+    tv2_unreduced.axis(stream_axis).parallelize(STREAM)
     tv2.axis(1).parallelize(MESH_X)
     return fd, tv0, tv1
 
@@ -108,23 +105,6 @@ def _data(D, device):
     b = rand_int([D, K_D, N], device)
     c = torch.matmul(a, b.unsqueeze(1)).sum(0)  # [D, M/D, N]
     return a, b, c
-
-
-def rand_int(shape, device) -> torch.Tensor:
-    """As test_decompositions: small integers, so sums are exact."""
-    return torch.randint(-4, 4, tuple(shape)).to(torch.float32).to(device)
-
-
-def exact(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
-
-
-def head_of(dump: str) -> str:
-    """The decomposition named by the dump (the loop head or the collective)."""
-    for line in dump.splitlines():
-        if "(ring," in line or "(collective," in line or "schedule=(sequential" in line:
-            return line.strip()
-    raise AssertionError(f"no decomposition in the dump:\n{dump}")
 
 
 def collectives(dump: str) -> list[str]:
@@ -250,23 +230,7 @@ def test_reduce_scatter_reduce_based_sequential(world, device):
 )
 def test_reduce_scatter_p2p_with_nvfusers_partials_layout(world, device):
     D = world.size
-    with FusionDefinition() as fd:
-        tv0 = fd.define_tensor([-1, -1, -1, -1])
-        tv1 = fd.define_tensor([-1, -1, -1])
-        tv1b = fd.ops.broadcast(tv1, [False, True, False, False])
-        tv2_unreduced = fd.ops.matmul(tv0, tv1b)  # [Stream(D), DIDx(D), M/D, N]
-        tv2 = fd.ops.sum(tv2_unreduced, [0])
-        fd.add_output(tv2)
-    mesh = DeviceMesh(range(D))
-    for tv in (tv0, tv1, tv1b, tv2_unreduced, tv2):
-        tv.set_device_mesh(mesh)
-    tv0.axis(0).parallelize(MESH_X)
-    tv1.axis(0).parallelize(MESH_X)
-    tv1b.axis(0).parallelize(MESH_X)
-    tv2_unreduced.axis(0).parallelize(STREAM)
-    tv0.axis(1).parallelize(STREAM)
-    tv2_unreduced.axis(1).parallelize(MESH_X)
-    tv2.axis(1).parallelize(MESH_X)
+    fd, tv0, tv1 = reduce_scatter_p2p(D, partials="nvfuser")
     a_t, b_t, c_t = _data(D, device)
     inputs = [shard_tensor(a_t, tv0), shard_tensor(b_t, tv1)]
     (out,) = fd.execute(inputs, schedule="ring")
