@@ -159,7 +159,10 @@ class CppEvaluator:
             inputs = [torch.tensor(int(v)) if i in self._scalar_inputs else v for i, v in enumerate(inputs)]
         # Every error comes back as a failure tuple (no C++ exception crosses
         # into Python); instruction -1 is a bad binding, before any op runs.
-        values, failure = self._traced(executor, lambda: executor.run(inputs, outputs, number_of_streams))
+        if self._watched():
+            values, failure = self._traced(executor, lambda: executor.run(inputs, outputs, number_of_streams))
+        else:
+            values, failure = executor.run(inputs, outputs, number_of_streams)
         if failure is not None:
             raise self._error(*failure)
         for tv, slot, value in zip(self.container.outputs, self._flat.outputs, values):
@@ -174,13 +177,22 @@ class CppEvaluator:
         conversions `take_views` gave it (one call for what `Binding` does
         in three). For calls with no scalar input."""
         executor = self._executor or self._compile()
-        values, failure = self._traced(executor, lambda: executor.run_logical(inputs, number_of_streams))
+        if self._watched():
+            values, failure = self._traced(executor, lambda: executor.run_logical(inputs, number_of_streams))
+        else:
+            values, failure = executor.run_logical(inputs, number_of_streams)
         if failure is not None:
             raise self._error(*failure)
         for tv, slot, value in zip(self.container.outputs, self._flat.outputs, values):
             if value is None and slot >= 0:
                 raise HostIrRuntimeError(f"output {printer.format_tv(tv)} is not bound at the end of the program")
         return values
+
+    def _watched(self) -> bool:
+        """Whether a trace or the `communication` dump watches a run now."""
+        if self.dumper is not None and self.dumper.enabled("communication"):
+            return True
+        return profiling.active_trace(self.rank or 0) is not None
 
     def _traced(self, executor, run):
         """`run()`, recorded op by op into the active trace if there is one
@@ -190,9 +202,7 @@ class CppEvaluator:
         where an event cannot be waited for."""
         trace = profiling.active_trace(self.rank or 0)
         dumping = self.dumper is not None and self.dumper.enabled("communication")
-        if (trace is None and not dumping) or (
-            self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        ):
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return run()
         executor.set_tracing(True)
         origin = profiling.now_us()

@@ -20,7 +20,6 @@ from conftest import check_golden
 from multidevice.test_nvfuser_rs_matmul import reduce_scatter_p2p, reduce_scatter_reduce_based
 
 F64 = torch.float64
-MESH_X, STREAM = ParallelType.mesh_x, ParallelType.stream
 
 
 def unsqueezed(x: torch.Tensor, flags) -> torch.Tensor:
