@@ -302,10 +302,10 @@ communicator.on_creation(_agree_on_creation)
 def runner_of(evaluator: str, transport: str, chunks: int) -> str:
     """The runner a decomposition's program will have: the C++ executor
     where it is asked for ("cpp") and the program has no op it lacks, else
-    the Python evaluator. The C++ executor runs no copy-engine transport and
-    no chunk views (`flat.unsupported_reasons`; a test holds the two
-    together)."""
-    if evaluator != "cpp" or not backends.get(transport).cpp or chunks > 1:
+    the Python evaluator. The C++ executor runs the transports the backend
+    table declares `cpp`, chunk views included (`flat.unsupported_reasons`;
+    a test holds the two together)."""
+    if evaluator != "cpp" or not backends.get(transport).cpp:
         return "python"
     return "cpp"
 
