@@ -14,6 +14,8 @@
 // it is a clear error.
 #include "transport.h"
 
+#include <ATen/ops/from_blob.h>
+
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -78,6 +80,17 @@ int64_t channelOf(const at::Tensor& t, int64_t offset) {
                 "TransportUsageError");
   }
   return offset / piece;
+}
+
+// A tensor over window memory at `addr`, said to be on `device`: a peer's
+// copy is mapped into this device's address space, and naming the device
+// keeps from_blob from asking the driver where the memory lives (a peer's
+// GPU, which would not match).
+at::Tensor windowTensor(uint64_t addr, at::IntArrayRef sizes, at::ScalarType dtype, c10::Device device) {
+  return at::for_blob(reinterpret_cast<void*>(addr), sizes)
+      .options(at::TensorOptions().dtype(dtype).device(device))
+      .target_device(device)
+      .make_tensor();
 }
 
 // A posted push or receive: its Wait enqueues what completes it on the
@@ -164,8 +177,8 @@ class CudaTransport final : public Transport {
     // The peer's copy, viewed as a tensor of this device: its memory is
     // mapped here (peer access or the same GPU), so the copy is one
     // device-to-device copy on the send stream.
-    at::Tensor remote = at::from_blob(
-        reinterpret_cast<void*>(w->bases[peer] + static_cast<uint64_t>(offset)), into.sizes(), into.options());
+    at::Tensor remote =
+        windowTensor(w->bases[peer] + static_cast<uint64_t>(offset), into.sizes(), into.scalar_type(), into.device());
     c10::Stream current = run.currentStream();
     c10::Stream send = run.poolStream(kSendStream);
     run.wait(send, current);
@@ -295,8 +308,7 @@ at::Tensor windowView(Run& run, const Instr& ins) {
   }
   run.allocatedWindows().push_back(w);
   c10::Device device = run.program().device.has_index() ? run.program().device : run.guard().getDevice();
-  return at::from_blob(
-      reinterpret_cast<void*>(w->bases[w->rank]), sizes, at::TensorOptions().dtype(ins.dtype).device(device));
+  return windowTensor(w->bases[w->rank], sizes, ins.dtype, device);
 }
 
 } // namespace hostir
