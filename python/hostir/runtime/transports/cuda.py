@@ -359,6 +359,8 @@ class CudaTransport(Transport):
         self._send = torch.cuda.Stream(self.device, priority=-1)
         self.rendezvous_count = 0
         self.kind = window_kind(comm)
+        # The live windows handed to C++, by this rank's flag address (`provide_windows`).
+        self.cpp_flags: weakref.WeakValueDictionary[int, Window] = weakref.WeakValueDictionary()
 
     # -- buffers
     def allocate(self, frame, tv, shape):
@@ -465,4 +467,14 @@ def provide_windows(executor, program, comm, device, needed: str) -> None:
         for parity in (0, 1):
             window = transport.window(program, ("cpp", instr, nbytes, parity), nbytes)
             bases, flags, flag_bytes = window.addresses()
+            # Stream memory writes cannot wait for a flag to be consumed (as
+            # put_signal does), so two windows sharing flags could merge two
+            # signals into one and hang: refuse that rather than risk it.
+            other = transport.cpp_flags.get(flags[comm.rank])
+            if other is not None and other is not window:
+                raise TransportUsageError(
+                    f"the window of instruction {instr} (call parity {parity}) shares its flags at "
+                    f"{flags[comm.rank]:#x} with another window handed to the C++ executor"
+                )
+            transport.cpp_flags[flags[comm.rank]] = window
             executor.set_window(instr, parity, nbytes, bases, flags, flag_bytes, comm.rank)
