@@ -132,6 +132,9 @@ class CudaTransport final : public Transport {
     checkPeer(*w, peer);
     uint64_t flag = flagAddress(*w, w->rank, channelOf(buf, offset), peer);
     const StreamMemOps& ops = memOps();
+    if (!ops.error().empty()) {
+      throw Error(ops.error(), "TransportUnsupported");  // at the post, not at its Wait
+    }
     Run* waiting = &run;
     return posted(group, c10::make_intrusive<StreamWork>([waiting, flag, &ops]() {
       c10::Stream stream = waiting->currentStream();
