@@ -108,3 +108,11 @@ def test_chunk_views_match_the_python_evaluator(rows):
     got = cpp.CppEvaluator(program).run({program.inputs[0]: x})
     torch.testing.assert_close(got[0], expected[0])
     torch.testing.assert_close(got[0], 2 * x)
+
+
+def test_windows_are_not_made_where_the_transport_cannot_run():
+    from hostir.runtime.transports import cuda
+
+    comm = types.SimpleNamespace(rank=0, world_size=2)
+    with pytest.raises(TransportUnsupported, match="the cuda transport cannot run here: the ranks run on cpu"):
+        cuda.provide_windows(None, _program("ag_ring_cuda"), comm, torch.device("cpu"), "0:96")
