@@ -37,11 +37,11 @@ saved as the shard and gathered again in the backward (where a stream axis
 on the gathered tensor makes it a ring overlapped with the first backward
 matmul), unless `keep_gathered` asks for the gathered tensor itself.
 
-Rules: set; unary relu, gelu (erf and tanh), silu, neg, abs, exp, tanh,
-sigmoid, cast; binary add, sub, mul, div (with broadcasting); sum, max, min
-(ties share the gradient equally, as torch's amax/amin do); matmul; linear
-(bias included); permute, reshape, slice, select, broadcast_in_dim and
-expand. An op without a rule is a
+Rules: set; every unary kind, by the gradient its declaration carries
+(`UnaryKind.grad`, `hostir.kinds`); binary add, sub, mul, div (with
+broadcasting); sum, max, min (ties share the gradient equally, as torch's
+amax/amin do); matmul; linear (bias included); permute, reshape, slice,
+select, broadcast_in_dim and expand. An op without a rule is a
 `NoTransposeRuleError` naming the op's dump line when the backward is first
 derived.
 

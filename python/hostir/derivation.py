@@ -342,13 +342,12 @@ class Deriver:
     def read_anyway(self, t: ir.TensorView) -> bool:
         """Whether a rule saves `t` for its values (a product's operand, the
         input or output of a nonlinearity)."""
-        e = self.producer.get(t)
-        if isinstance(e, ir.UnaryOp) and e.kind in ("relu", "tanh", "sigmoid", "exp"):
+        if _grad_reads(self.producer.get(t), "out"):
             return True
         for c in self.fwd.exprs:
             if isinstance(c, ir.BinaryOp) and c.kind in ("mul", "div") and t in (c.lhs, c.rhs):
                 return True
-            if isinstance(c, ir.UnaryOp) and c.kind in ("gelu", "gelu_tanh", "silu", "abs") and c.input is t:
+            if _grad_reads(c, "input") and c.input is t:
                 return True
         return False
 
@@ -576,6 +575,12 @@ class Deriver:
             grad_inputs=grad_inputs,
             cotangent_layouts=cot_layouts,
         )
+
+
+def _grad_reads(e: ir.Expr | None, field: str) -> bool:
+    """Whether `e` is a unary op whose declared backward reads its `field`
+    ("input" or "out")."""
+    return isinstance(e, ir.UnaryOp) and e.kind.grad is not None and e.kind.grad.reads == field
 
 
 def no_rule(e: ir.Expr, why: str) -> str:

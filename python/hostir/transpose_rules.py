@@ -32,33 +32,19 @@ def _set_rule(d: Deriver, e: ir.Set, needs) -> None:
     d.contribute(e.input, g)
 
 
-_UNARY_GRADS = {
-    "relu": ("relu_grad", "out"),
-    "gelu": ("gelu_grad", "input"),
-    "gelu_tanh": ("gelu_tanh_grad", "input"),
-    "silu": ("silu_grad", "input"),
-    "abs": ("abs_grad", "input"),
-    "tanh": ("tanh_grad", "out"),
-    "sigmoid": ("sigmoid_grad", "out"),
-}
-
-
 @rule(ir.UnaryOp)
 def _unary_rule(d: Deriver, e: ir.UnaryOp, needs) -> None:
+    # Each unary kind declares its backward (`UnaryKind.grad`, kinds.py).
     g = d.cotangent(e.out)
     if not wants(d, e.input, needs):
         return
-    if e.kind == "neg":
-        gx = builders.unary("neg", g)
-    elif e.kind == "cast":
-        gx = builders.unary("cast", g, e.input.dtype)
-    elif e.kind == "exp":
-        gx = builders.binary("mul", g, d.save(e.out))
-    elif e.kind in _UNARY_GRADS:
-        kind, which = _UNARY_GRADS[e.kind]
-        gx = builders.binary(kind, g, d.save(getattr(e, which)))
-    else:
+    grad = e.kind.grad
+    if grad is None:
         raise NoTransposeRuleError(no_rule(e, f"hostir has no backward rule for unary {e.kind}"))
+    if grad.reads is None:
+        gx = builders.unary(grad.kind, g, e.input.dtype if grad.kind == "cast" else None)
+    else:
+        gx = builders.binary(grad.kind, g, d.save(getattr(e, grad.reads)))
     d.contribute(e.input, d.made(gx))
 
 
