@@ -75,10 +75,13 @@ and symm_mem are skipped):
 
 Rank 0 prints the table and writes ``bench_overlap_<tag>.md`` and ``.json``
 under ``--out-dir`` (rewritten after every variant, so a run cut short still
-leaves the variants it finished). After timing each hostir variant, one more
-traced iteration is saved as ``timeline_<tag>_<variant>/`` (a Chrome /
-Perfetto trace per rank) and, where matplotlib is installed,
-``timeline_<tag>_<variant>.png`` (``--no-timeline`` skips it). hostir's rendezvous port is
+leaves the variants it finished). After timing each hostir variant that
+runs eagerly (not the ``_replay`` rows), one more traced iteration is saved
+as ``timeline_<tag>_<variant>/`` (a Chrome / Perfetto trace per rank) and,
+where matplotlib is installed, ``timeline_<tag>_<variant>.png``
+(``--no-timeline`` skips it). ``--variants`` runs only the named rows of the
+table (shell patterns: ``--variants 'sequential,hostir_ring*'``);
+``--sweep-only`` runs the sweep without the table. hostir's rendezvous port is
 ``HOSTIR_MASTER_PORT`` (default: ``MASTER_PORT``, then 29500);
 ``HOSTIR_TIMEOUT`` bounds every collective.
 """
@@ -88,6 +91,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import fnmatch
 import json
 import math
 import os
@@ -425,6 +429,12 @@ def setup_decomposition(sched: str | None, replay: bool) -> Setup:
                 return out[0]
 
         call.note = lambda: schedule_note(fd)  # type: ignore[attr-defined]
+        if not replay:
+            # One traced eager call, drawn as a stream timeline (run_variant).
+            title = f"hostir {'matmul+RS' if ctx.problem == 'rs' else 'AG+matmul'}, {sched or 'auto'}"
+            call.timeline = lambda directory, png: save_timeline(  # type: ignore[attr-defined]
+                fd, inputs, directory, png, title=title, **kwargs
+            )
         return call, expected
 
     return setup
@@ -844,6 +854,12 @@ def parse_args(argv=None):
     ap.add_argument("--cpu", action="store_true", help="smoke test: gloo, float32, CPU timers; no NCCL pipeline, no symm_mem")
     ap.add_argument("--problem", choices=("ag", "rs"), default="ag", help="ag: AG+matmul (default); rs: matmul+reduce-scatter")
     ap.add_argument("--sweep", default="", help="comma list of total rows M: also run the AG+matmul M sweep")
+    ap.add_argument("--sweep-only", action="store_true", help="run the --sweep alone, not the table at --m")
+    ap.add_argument(
+        "--variants", default="",
+        help="comma list of shell patterns (hostir_ring*, symm_mem, ...): only the variants of the table at --m "
+             "that match run (default: all)",
+    )
     args = ap.parse_args(argv)
     for name in ("m", "k", "n", "iters"):
         if getattr(args, name) < 1:
@@ -857,8 +873,18 @@ def parse_args(argv=None):
         args.sweep = [int(v) for v in args.sweep.split(",") if v.strip()]
     except ValueError:
         ap.error(f"--sweep takes a comma list of integers, got {args.sweep!r}")
+    if args.sweep_only and not args.sweep:
+        ap.error("--sweep-only needs --sweep")
+    args.variants = [v for v in args.variants.split(",") if v.strip()]
     args.out_dir = os.path.normpath(args.out_dir)
     return args
+
+
+def selected(args, table: list[Variant]) -> list[Variant]:
+    """The variants of `table` that --variants names (all when it names none)."""
+    if not args.variants:
+        return table
+    return [v for v in table if any(fnmatch.fnmatchcase(v.name, pattern) for pattern in args.variants)]
 
 
 def launcher_name() -> str:
@@ -1017,6 +1043,7 @@ def main(argv=None) -> int:
         table = rs_variants(ctx)
     else:
         table = variants(ctx)
+    table = [] if args.sweep_only else selected(args, table)
 
     # hostir creates the process group on its first execute, so a hostir
     # program runs before anything uses torch.distributed directly. A
@@ -1030,6 +1057,8 @@ def main(argv=None) -> int:
         bootstrap_error = _error_text(exc)
         if not dist.is_initialized():
             raise
+        if rank == 0 and "hostir_1" not in [v.name for v in table]:
+            print(f"the first hostir call failed: {bootstrap_error}", flush=True)
     ctx.ctl = dist.new_group(
         backend="gloo", timeout=timedelta(seconds=float(os.environ.get("HOSTIR_TIMEOUT", 300)))
     )
@@ -1040,7 +1069,7 @@ def main(argv=None) -> int:
     env["problem"] = args.problem
     results = run_table(ctx, table, args, env, args.tag, bootstrap_error)
 
-    if rank == 0:
+    if rank == 0 and table:
         print(
             f"device: {env['device']} ({env['gpu_count']} GPUs visible)  ranks {world}  torch {env['torch']}  "
             f"CUDA {env['cuda']}  NCCL {env['nccl']}  hostir {env['hostir']}"
