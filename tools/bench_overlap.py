@@ -779,8 +779,9 @@ def environment(ctx: Context, args, launcher: str) -> dict:
 
 def markdown_report(results: list[Result], env: dict, done: bool) -> str:
     p = env["params"]
+    what = "matmul+RS" if env.get("problem") == "rs" else "AG+matmul"
     lines = [
-        f"# AG+matmul overlap, {env['world_size']} ranks ({env['backend']}, {env['dtype']})",
+        f"# {what} overlap, {env['world_size']} ranks ({env['backend']}, {env['dtype']})",
         "",
     ]
     if not done:
@@ -788,8 +789,14 @@ def markdown_report(results: list[Result], env: dict, done: bool) -> str:
     lines += [
         markdown_table(results),
         "",
-        f"Per rank: shard M={p['m']} rows, K={p['k']}, N={p['n']}; every rank computes the whole "
-        f"[{env['world_size'] * p['m']}, {p['n']}] product. median ms: per iteration the slowest rank's "
+        (
+            f"Per rank: shard M={p['m']} rows, K={p['k']}, N={p['n']}; every rank computes the whole "
+            f"[{env['world_size'] * p['m']}, {p['n']}] product."
+            if what == "AG+matmul"
+            else f"Total rows M={p['m']}, K={p['k']} per rank, N={p['n']}; each rank ends with its "
+            f"[{p['m'] // env['world_size']}, {p['n']}] rows of the sum."
+        )
+        + " median ms: per iteration the slowest rank's "
         f"time ({'CUDA events' if env['backend'] == 'nccl' else 'time.perf_counter'} around the whole call, "
         f"ranks synchronized and at a barrier before each), median over {p['iters']} iterations after "
         f"{p['warmup']} warm-ups. overlap eff. = (T_allgather_alone + T_gemm_alone - T) / "
@@ -959,6 +966,7 @@ def run_sweep(args, rank, world, device, dtype, ctl, launcher) -> list[Result]:
         ctx.sync()
         table = [v for v in variants(ctx, SWEEP_VARIANTS) if v.name in ("gemm_alone", "sequential", "symm_mem")
                  or v.name.startswith("hostir_") and not v.name[7:].isdigit()]
+        table = selected(args, table)
         env = environment(ctx, sub, launcher)
         results = run_table(ctx, table, sub, env, f"{args.tag}_sweep_M{total}")
         d = derived(results)
