@@ -25,9 +25,10 @@ and the summary says which ran and which did not, and why.
    copy placed in that ignored folder; a missing copy is said and skipped,
    and so is the probe with `--cpu`: it needs CUDA);
 2. `host`: `bench_host_overhead.py --multidevice` (host µs of a steady
-   multi-device call) for this tree and, with `--before DIR`, for that
-   older checkout, alternating (after, before, before, after), so before
-   and after come from one run;
+   multi-device call) and `bench_host_overhead.py` (host µs per op of
+   programs of tiny ops, one GPU) for this tree and, with `--before DIR`,
+   for that older checkout (built beside it), alternating (after, before,
+   before, after), so before and after come from one run;
 3. `training`: `bench_training.py --plans tp,sp` (Llama MLP and attention
    projections, tensor-parallel and sequence-parallel: hostir.parallel,
    torch TP, torch async-TP) at world size 2, and 4 where 4 GPUs are seen;
@@ -44,7 +45,7 @@ own outputs go under `--out`, with `gpu_bench_summary.md`. The results go to
 says), one current file per benchmark and device kind, and the index in its
 README is kept true: `overlap_<machine>.md` (both problems, the probe's
 rows, the sweep's table), `overlap_sweep_<machine>.png`,
-`host_overhead_multidevice_<machine>.md` and `training_<machine>.md`,
+`host_overhead_before_after_<machine>.md` and `training_<machine>.md`,
 `<machine>` being `h100x2`, `h200x2`, ... from the device name. Exit status
 0 when every part that ran passed.
 """
@@ -58,7 +59,9 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
+import signal
 import statistics
 import sys
 
@@ -98,7 +101,7 @@ GPU = Config(
     sweep="2048,4096,8192,16384,32768",
     iters=20,
     warmup=5,
-    limits={"build": 300, "overlap_ag": 150, "overlap_rs": 130, "probe3": 110, "host": 45, "training": 240,
+    limits={"build": 300, "overlap_ag": 150, "overlap_rs": 130, "probe3": 110, "host": 75, "training": 240,
             "sweep": 150, "timelines": 70},
     minimum=30,
 )
@@ -108,7 +111,7 @@ CPU = Config(
     sweep="32,64",
     iters=2,
     warmup=1,
-    limits={"build": 300, "overlap_ag": 45, "overlap_rs": 40, "probe3": 40, "host": 30, "training": 60,
+    limits={"build": 300, "overlap_ag": 45, "overlap_rs": 40, "probe3": 40, "host": 60, "training": 60,
             "sweep": 40, "timelines": 40},
     minimum=15,
 )
@@ -219,11 +222,14 @@ def part_host(b: Bench) -> None:
     for label, tree in order:
         seen[label] = seen.get(label, 0) + 1
         out = b.dir(f"host/{label}_{seen[label]}")
-        program = [sys.executable, str(REPO / "tools" / "bench_host_overhead.py"), "--multidevice",
-                   "--device", "cpu" if b.cpu else "cuda", "--out-dir", str(out)]
-        if b.cpu:
-            program += ["--iters", "50", "--warmup", "5"]
-        b.step(f"host_{label}_{seen[label]}", "host", b.launch(2, program), b.env(tree))
+        script = [sys.executable, str(REPO / "tools" / "bench_host_overhead.py")]
+        common = ["--device", "cpu" if b.cpu else "cuda", "--out-dir", str(out)]
+        common += ["--iters", "50", "--warmup", "5"] if b.cpu else []
+        multi = shlex.join(b.launch(2, [*script, "--multidevice", *common]))
+        # The per-op programs on one device (the first GPU).
+        per_op = shlex.join([*script, *common])
+        command = ["bash", "-c", f"{multi}; a=$?; {per_op}; b=$?; exit $((a | b))"]
+        b.step(f"host_{label}_{seen[label]}", "host", command, b.env(tree))
 
 
 def part_training(b: Bench) -> None:
@@ -283,10 +289,11 @@ def probe_table(path: pathlib.Path) -> str:
         f"NCCL {info.get('nccl', '?')}.\n"
 
 
-def host_table(out: pathlib.Path) -> str | None:
-    """Each variant's median µs per tree over its runs, and after / before."""
+def host_table(out: pathlib.Path, pattern: str, unit: str) -> str | None:
+    """Each variant's median µs per tree over its runs (the files of
+    `pattern` under host/), and after / before."""
     runs: dict[str, list[dict]] = {}
-    for path in sorted(out.glob("host/*/host_overhead_multidevice_*.json")):
+    for path in sorted(out.glob(f"host/*/{pattern}")):
         runs.setdefault(path.parent.name.rsplit("_", 1)[0], []).append(json.loads(path.read_text()))
     if not runs.get("after"):
         return None
@@ -297,7 +304,7 @@ def host_table(out: pathlib.Path) -> str | None:
         for name in names:
             medians[t][name] = statistics.median(r["median_us"] for run in runs[t] for r in run["results"]
                                                  if r["variant"] == name)
-    head = "| variant | " + " | ".join(f"{t} µs/call ({len(runs[t])} runs)" for t in labels)
+    head = "| variant | " + " | ".join(f"{t} µs/{unit} ({len(runs[t])} runs)" for t in labels)
     lines = [head + (" | after / before |" if len(labels) == 2 else " |"),
              "|---|" + "---:|" * (len(labels) + (len(labels) == 2))]
     for name, after in medians["after"].items():
@@ -307,16 +314,14 @@ def host_table(out: pathlib.Path) -> str | None:
             cells += ["—", "—"] if before is None else [f"{before:.1f}", f"{after / before:.2f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     env = runs["after"][0]
-    lines += ["", f"Each tree's median over its runs of each rank-0 median (the runs alternate: after, before, "
-              f"before, after). {env['ranks']} ranks, transport {env['transport']}, communicator "
-              f"{env['communicator']}, steps through {env['steps']}; device {env['device']}, torch {env['torch']}.",
-              "", "## This tree's last run", "", demote(_read_md(out, "host/after_1"))]
+    if "ranks" in env:
+        lines += ["", f"{env['ranks']} ranks, transport {env['transport']}, communicator {env['communicator']}, "
+                  f"steps through {env['steps']}."]
+    lines += ["", f"Device {env['device']}, torch {env['torch']}."]
+    first = sorted((out / "host" / "after_1").glob(pattern.replace(".json", ".md")))
+    if first:
+        lines += ["This tree's first run in full:", "", demote(demote(first[0].read_text()))]
     return "\n".join(lines)
-
-
-def _read_md(out: pathlib.Path, sub: str) -> str:
-    found = sorted((out / sub).glob("*.md"))
-    return found[0].read_text() if found else ""
 
 
 def compose(b: Bench, results: pathlib.Path) -> list[tuple[str, str]]:
@@ -348,12 +353,19 @@ def compose(b: Bench, results: pathlib.Path) -> list[tuple[str, str]]:
         written.insert(0, (f"overlap_{tag}.md", "AG+matmul and matmul+RS: GEMM alone, sequential, torch's fused "
                            "ops, every hostir schedule eager and replayed with host ms; the hand-written rings "
                            "(probe3); the M sweep"))
-    host = host_table(out)
-    if host:
-        (results / f"host_overhead_multidevice_{tag}.md").write_text(
-            f"# Host µs per steady multi-device call, after and before, on {b.machine()}\n\n{stamp}.\n\n{host}")
-        written.append((f"host_overhead_multidevice_{tag}.md", "`bench_host_overhead.py --multidevice` on this "
-                        "tree and an older checkout in alternating runs: host µs per steady multi-device call"))
+    multi = host_table(out, "host_overhead_multidevice_*.json", "call")
+    per_op = host_table(out, "host_overhead_c[pu][ud]*.json", "run")
+    if multi or per_op:
+        body = "".join(f"## {title}\n\n{table}\n" for title, table in (
+            ("A steady multi-device call (`--multidevice`)", multi),
+            ("Programs of tiny ops on one device", per_op)) if table)
+        (results / f"host_overhead_before_after_{tag}.md").write_text(
+            f"# Host µs, this tree and the one before, on {b.machine()}\n\n{stamp}: "
+            "`bench_host_overhead.py` and its `--multidevice` mode on each tree, runs alternating "
+            f"(after, before, before, after); each tree's median over its runs of each run's median.\n\n{body}")
+        written.append((f"host_overhead_before_after_{tag}.md", "`bench_host_overhead.py` (per op, one device) and "
+                        "its `--multidevice` mode on this tree and an older checkout, alternating runs of one "
+                        "gpu_bench run: host µs before and after"))
     training = sorted((out / "training").glob("bench_training_np*.md")) if (out / "training").exists() else []
     if training:
         body = "\n".join(demote(p.read_text()) for p in training)
@@ -435,6 +447,10 @@ def parse_args(argv=None):
     return args
 
 
+def _interrupt(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def gpu_names(cpu: bool) -> list[str]:
     if cpu:
         return []
@@ -455,13 +471,17 @@ def main(argv=None) -> int:
     results.mkdir(parents=True, exist_ok=True)
     print(f"gpu_bench: {b.machine()}, budget {args.budget:.0f} s, parts {', '.join(args.parts)}; logs in "
           f"{b.out / 'logs'}", flush=True)
-    if args.build:
-        part_build(b)
-    for part in PARTS:
-        if part not in args.parts:
-            continue
+    # Ended from outside (the caller's own time limit): the running step's
+    # process group is ended (Runner.step), the results so far written.
+    signal.signal(signal.SIGTERM, _interrupt)
+    interrupted = False
+    for part in (["build"] if args.build else []) + [p for p in PARTS if p in args.parts]:
         try:
             globals()[f"part_{part}"](b)
+        except KeyboardInterrupt as why:
+            b.run.skip(part, f"interrupted ({why or 'Ctrl-C'}); the parts after it did not run")
+            interrupted = True
+            break
         except Exception as exc:  # one part's driver failing leaves the others their turn
             b.run.skip(part, f"its driver failed: {type(exc).__name__}: {exc}")
     written = compose(b, results)
@@ -469,7 +489,8 @@ def main(argv=None) -> int:
     text = summary(b, [name for name, _ in written], results)
     (b.out / "gpu_bench_summary.md").write_text(text)
     print(text, flush=True)
-    return 0 if all(s["status"] == "passed" or s["status"].startswith("skipped") for s in b.run.steps) else 1
+    ok = all(s["status"] == "passed" or s["status"].startswith("skipped") for s in b.run.steps)
+    return 0 if ok and not interrupted else 1
 
 
 if __name__ == "__main__":

@@ -79,6 +79,8 @@ def fake_outputs(out: pathlib.Path) -> None:
                "torch": "2", "results": [{"variant": "multi-device, check_ranks=always", "median_us": us}]}
         (out / "host" / label / "host_overhead_multidevice_cuda_np2.json").write_text(json.dumps(run))
         (out / "host" / label / "host_overhead_multidevice_cuda_np2.md").write_text("# host\n")
+        per_op = {"device": "GPU", "torch": "2", "results": [{"variant": "cpp flat", "median_us": us / 10}]}
+        (out / "host" / label / "host_overhead_cuda.json").write_text(json.dumps(per_op))
     (out / "training").mkdir()
     (out / "training" / "bench_training_np2.md").write_text("# bench_training\n\n| plan | layer |\n")
 
@@ -92,14 +94,15 @@ def test_gpu_bench_writes_one_file_per_benchmark_and_keeps_the_index_true(tmp_pa
     bench = gpu_bench.Bench(args, ["NVIDIA H100 80GB HBM3"] * 2)
     bench.cpu, bench.tag = False, "h100x2"
     written = gpu_bench.compose(bench, results)
-    assert [name for name, _ in written] == ["overlap_h100x2.md", "host_overhead_multidevice_h100x2.md",
+    assert [name for name, _ in written] == ["overlap_h100x2.md", "host_overhead_before_after_h100x2.md",
                                              "training_h100x2.md"]
     overlap = (results / "overlap_h100x2.md").read_text()
     assert "## AG+matmul overlap" in overlap
     # The probe's row with its own ratios: 1.25 / gemm 1.0, sequential 2.0 / 1.25, symm_mem 1.5 / 1.25.
     assert "| g | P2 ce_ring c=1 sm, graph | 1.250 | 1.250 | 1.600 | 1.200 | 0.100 | close |" in overlap
-    host = (results / "host_overhead_multidevice_h100x2.md").read_text()
+    host = (results / "host_overhead_before_after_h100x2.md").read_text()
     assert "| multi-device, check_ranks=always | 105.0 | 210.0 | 0.50 |" in host
+    assert "| cpp flat | 10.5 | 21.0 | 0.50 |" in host
     gpu_bench.index(results, written, "2 × H100")
     readme = (results / "README.md").read_text()
     for name, _ in written:
