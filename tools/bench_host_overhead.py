@@ -71,8 +71,7 @@ process group), with ``$OUT`` set to where the results go:
 It writes ``host_overhead_multidevice_<device-type>_np<N>.md`` and ``.json``.
 On one host the steps of ``always`` go through the communicator's
 shared-memory mailbox; ``HOSTIR_MAILBOX=0`` keeps them on the gloo control
-group, for comparison (``tools/run_bench_step_mailbox.sh`` runs both on one
-GPU).
+group, for comparison.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 from hostir import RankMismatchError, overlap
 
 # HOSTIR_TEST_TRANSPORT=cuda runs the rings over the copy-engine transport
-# (tools/run_overlap_gpu.sh does, on the GPU machines).
+# (tools/gpu_check.py --part suite does, on the GPU machines).
 RING_TRANSPORT = f",transport={os.environ['HOSTIR_TEST_TRANSPORT']}" if os.environ.get("HOSTIR_TEST_TRANSPORT") else ""
 SCHEDULES = [
     "ring:direction=1" + RING_TRANSPORT,
