@@ -809,7 +809,9 @@ def markdown_report(results: list[Result], env: dict, done: bool) -> str:
         f"- date (UTC): {env['date']}",
     ]
     if p["iters"] < MIN_ITERS or p["warmup"] < MIN_WARMUP:
-        lines.append(f"- fewer iterations than PERF.md asks for kept numbers (>= {MIN_ITERS} timed, >= {MIN_WARMUP} warm-up)")
+        lines.append(
+            f"- fewer iterations than PERF.md asks for kept numbers (>= {MIN_ITERS} timed, >= {MIN_WARMUP} warm-up)"
+        )
     lines += ["", "Run: `torchrun --standalone --nproc-per-node 2 tools/bench_overlap.py --tag <tag>`", ""]
     return "\n".join(lines)
 
@@ -850,22 +852,37 @@ def parse_args(argv=None):
     ap.add_argument("--m", "--M", dest="m", type=int, default=16384, help="rows of each rank's shard (default: 16384)")
     ap.add_argument("--k", "--K", dest="k", type=int, default=8192, help="K (default: 8192)")
     ap.add_argument("--n", "--N", dest="n", type=int, default=4096, help="N (default: 4096)")
-    ap.add_argument("--iters", type=int, default=50, help=f"timed iterations per variant (default: 50; keep >= {MIN_ITERS})")
-    ap.add_argument("--warmup", type=int, default=10, help=f"untimed iterations first (default: 10; keep >= {MIN_WARMUP})")
-    ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where rank 0 writes the .md and .json (default: benchmarks/results)")
     ap.add_argument(
-        "--no-timeline", dest="timeline", action="store_false",
+        "--iters", type=int, default=50, help=f"timed iterations per variant (default: 50; keep >= {MIN_ITERS})"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=10, help=f"untimed iterations first (default: 10; keep >= {MIN_WARMUP})"
+    )
+    ap.add_argument(
+        "--out-dir", default=DEFAULT_OUT_DIR, help="where rank 0 writes the .md and .json (default: benchmarks/results)"
+    )
+    ap.add_argument(
+        "--no-timeline",
+        dest="timeline",
+        action="store_false",
         help="do not save one traced iteration per hostir variant (timeline_<tag>_<variant>.png and its traces)",
     )
-    ap.add_argument("--tag", default=None, help="file name suffix: bench_overlap_<tag>.md (default: cuda, or cpu with --cpu)")
-    ap.add_argument("--cpu", action="store_true", help="smoke test: gloo, float32, CPU timers; no NCCL pipeline, no symm_mem")
-    ap.add_argument("--problem", choices=("ag", "rs"), default="ag", help="ag: AG+matmul (default); rs: matmul+reduce-scatter")
+    ap.add_argument(
+        "--tag", default=None, help="file name suffix: bench_overlap_<tag>.md (default: cuda, or cpu with --cpu)"
+    )
+    ap.add_argument(
+        "--cpu", action="store_true", help="smoke test: gloo, float32, CPU timers; no NCCL pipeline, no symm_mem"
+    )
+    ap.add_argument(
+        "--problem", choices=("ag", "rs"), default="ag", help="ag: AG+matmul (default); rs: matmul+reduce-scatter"
+    )
     ap.add_argument("--sweep", default="", help="comma list of total rows M: also run the AG+matmul M sweep")
     ap.add_argument("--sweep-only", action="store_true", help="run the --sweep alone, not the table at --m")
     ap.add_argument(
-        "--variants", default="",
+        "--variants",
+        default="",
         help="comma list of shell patterns (hostir_ring*, symm_mem, ...): only the variants of the table at --m "
-             "that match run (default: all)",
+        "that match run (default: all)",
     )
     args = ap.parse_args(argv)
     for name in ("m", "k", "n", "iters"):
@@ -964,15 +981,28 @@ def run_sweep(args, rank, world, device, dtype, ctl, launcher) -> list[Result]:
         ctx = Context(args.cpu, rank, world, sub.m, args.k, args.n, dtype, device, x_full, shard, w, ctl=ctl)
         ctx.ref = make_sequential(ctx)().clone()
         ctx.sync()
-        table = [v for v in variants(ctx, SWEEP_VARIANTS) if v.name in ("gemm_alone", "sequential", "symm_mem")
-                 or v.name.startswith("hostir_") and not v.name[7:].isdigit()]
+        table = [
+            v
+            for v in variants(ctx, SWEEP_VARIANTS)
+            if v.name in ("gemm_alone", "sequential", "symm_mem")
+            or v.name.startswith("hostir_")
+            and not v.name[7:].isdigit()
+        ]
         table = selected(args, table)
         env = environment(ctx, sub, launcher)
         results = run_table(ctx, table, sub, env, f"{args.tag}_sweep_M{total}")
         d = derived(results)
         for r in results:
-            rows.append({"M": total, "variant": r.name, "median_ms": r.median_ms, "status": r.status,
-                         "match": r.match, **d[r.name]})
+            rows.append(
+                {
+                    "M": total,
+                    "variant": r.name,
+                    "median_ms": r.median_ms,
+                    "status": r.status,
+                    "match": r.match,
+                    **d[r.name],
+                }
+            )
             if not r.optional and (r.status == "failed" or r.match is False):
                 bad.append(f"{r.name}@M={total}")
     if rank == 0:
@@ -987,8 +1017,12 @@ def write_sweep(rows: list[dict], args) -> None:
     variants_ = list(dict.fromkeys(r["variant"] for r in rows))
     Ms = sorted({r["M"] for r in rows})
     by = {(r["M"], r["variant"]): r for r in rows}
-    lines = [f"# AG+matmul M sweep (K={args.k}, N={args.n}): median ms (speedup over sequential)", "",
-             "| variant | " + " | ".join(f"M={m}" for m in Ms) + " |", "|---|" + "---:|" * len(Ms)]
+    lines = [
+        f"# AG+matmul M sweep (K={args.k}, N={args.n}): median ms (speedup over sequential)",
+        "",
+        "| variant | " + " | ".join(f"M={m}" for m in Ms) + " |",
+        "|---|" + "---:|" * len(Ms),
+    ]
     for v in variants_:
         cells = []
         for m in Ms:
@@ -1067,9 +1101,7 @@ def main(argv=None) -> int:
             raise
         if rank == 0 and "hostir_1" not in [v.name for v in table]:
             print(f"the first hostir call failed: {bootstrap_error}", flush=True)
-    ctx.ctl = dist.new_group(
-        backend="gloo", timeout=timedelta(seconds=float(os.environ.get("HOSTIR_TIMEOUT", 300)))
-    )
+    ctx.ctl = dist.new_group(backend="gloo", timeout=timedelta(seconds=float(os.environ.get("HOSTIR_TIMEOUT", 300))))
     ctx.ref = (make_rs_sequential(ctx) if ctx.problem == "rs" else make_sequential(ctx))().clone()
     ctx.sync()
 

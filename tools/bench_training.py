@@ -239,10 +239,7 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh, which="tp"):
         # rowwise output is whole (tp) or this rank's piece of the sequence (sp).
         if world == 1:
             return grads
-        return [
-            (g.chunk(world, 1)[rank] if sp else g) if g.shape[-1] == h else g.chunk(world, -1)[rank]
-            for g in grads
-        ]
+        return [(g.chunk(world, 1)[rank] if sp else g) if g.shape[-1] == h else g.chunk(world, -1)[rank] for g in grads]
 
     prepare("eager", lambda: module_step(base, x, grads))
 
@@ -327,7 +324,9 @@ def profile(step, device) -> str:
     parts = [events.table(sort_by="self_cpu_time_total", row_limit=30)]
     if device.type == "cuda":
         parts.append(events.table(sort_by="self_cuda_time_total", row_limit=30))
-    syncs = [e for e in prof.key_averages() if "ynchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")]
+    syncs = [
+        e for e in prof.key_averages() if "ynchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")
+    ]
     parts.append("synchronizations: " + (", ".join(f"{e.key} x{e.count}" for e in syncs) or "none"))
     return "\n".join(parts)
 
@@ -344,15 +343,19 @@ def main() -> None:
     ap.add_argument("--kinds", default="mlp,attn_proj")
     ap.add_argument("--plans", default="tp", help=f"comma list of {PLANS} (default: tp)")
     ap.add_argument(
-        "--cpu", action="store_true",
+        "--cpu",
+        action="store_true",
         help="the small CPU form: gloo, float32, hidden 256, intermediate 512, tokens 64, 1 warm-up, 3 steps",
     )
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--tag", default=None)
     ap.add_argument("--verbose", action="store_true")
-    ap.add_argument("--profile", action="store_true",
-                    help="profile one step of eager torch and of each hostir row (torch profiler; written to "
-                         "bench_training_<tag>_profile.txt)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one step of eager torch and of each hostir row (torch profiler; written to "
+        "bench_training_<tag>_profile.txt)",
+    )
     args = ap.parse_args()
     plans = [p for p in args.plans.split(",") if p]
     if not plans or set(plans) - set(PLANS):
@@ -371,12 +374,20 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     mesh = hostir.DeviceMesh(range(world)).to_torch(device.type)
     timer = Timer(device)
-    results = {"world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "dtype": args.dtype, "hidden": args.hidden, "intermediate": args.intermediate, "tokens": args.tokens,
-               "torch": torch.__version__, "plans": {}}
+    results = {
+        "world_size": world,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "hidden": args.hidden,
+        "intermediate": args.intermediate,
+        "tokens": args.tokens,
+        "torch": torch.__version__,
+        "plans": {},
+    }
     for which in plans:
         results["plans"][which] = {
-            kind: bench_kind(kind, args, device, dtype, timer, world, rank, mesh, which) for kind in args.kinds.split(",")
+            kind: bench_kind(kind, args, device, dtype, timer, world, rank, mesh, which)
+            for kind in args.kinds.split(",")
         }
     if rank != 0:
         return
@@ -411,8 +422,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     tag = args.tag or f"{device.type}_ws{world}"
     (out / f"bench_training_{tag}.md").write_text(text)
-    profiles = [f"## {which} {kind}, {name}\n{r.pop('profile')}" for which, kinds in results["plans"].items()
-                for kind, rows in kinds.items() for name, r in rows.items() if "profile" in r]
+    profiles = [
+        f"## {which} {kind}, {name}\n{r.pop('profile')}"
+        for which, kinds in results["plans"].items()
+        for kind, rows in kinds.items()
+        for name, r in rows.items()
+        if "profile" in r
+    ]
     if profiles:
         (out / f"bench_training_{tag}_profile.txt").write_text("\n\n".join(profiles) + "\n")
     (out / f"bench_training_{tag}.json").write_text(json.dumps(results, indent=2))

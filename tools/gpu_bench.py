@@ -101,8 +101,16 @@ GPU = Config(
     sweep="2048,4096,8192,16384,32768",
     iters=20,
     warmup=5,
-    limits={"build": 300, "overlap_ag": 150, "overlap_rs": 130, "probe3": 110, "host": 75, "training": 240,
-            "sweep": 150, "timelines": 70},
+    limits={
+        "build": 300,
+        "overlap_ag": 150,
+        "overlap_rs": 130,
+        "probe3": 110,
+        "host": 75,
+        "training": 240,
+        "sweep": 150,
+        "timelines": 70,
+    },
     minimum=30,
 )
 CPU = Config(
@@ -111,8 +119,16 @@ CPU = Config(
     sweep="32,64",
     iters=2,
     warmup=1,
-    limits={"build": 300, "overlap_ag": 45, "overlap_rs": 40, "probe3": 40, "host": 60, "training": 60,
-            "sweep": 40, "timelines": 40},
+    limits={
+        "build": 300,
+        "overlap_ag": 45,
+        "overlap_rs": 40,
+        "probe3": 40,
+        "host": 60,
+        "training": 60,
+        "sweep": 40,
+        "timelines": 40,
+    },
     minimum=15,
 )
 
@@ -155,9 +171,30 @@ class Bench:
 
     def overlap(self, problem: str, extra: list[str], out: pathlib.Path, name: str, part: str) -> bool:
         m, k, n = self.cfg.ag if problem == "ag" else self.cfg.rs
-        program = [sys.executable, "tools/bench_overlap.py", "--problem", problem, "--M", str(m), "--K", str(k),
-                   "--N", str(n), "--iters", str(self.cfg.iters), "--warmup", str(self.cfg.warmup),
-                   "--out-dir", str(out), "--tag", problem] + (["--cpu"] if self.cpu else []) + extra
+        program = (
+            [
+                sys.executable,
+                "tools/bench_overlap.py",
+                "--problem",
+                problem,
+                "--M",
+                str(m),
+                "--K",
+                str(k),
+                "--N",
+                str(n),
+                "--iters",
+                str(self.cfg.iters),
+                "--warmup",
+                str(self.cfg.warmup),
+                "--out-dir",
+                str(out),
+                "--tag",
+                problem,
+            ]
+            + (["--cpu"] if self.cpu else [])
+            + extra
+        )
         return self.step(name, part, self.launch(2, program), self.env())
 
 
@@ -171,15 +208,28 @@ def part_build(b: Bench) -> None:
     script = ["set -u", "pids=()"]
     for i, tree in enumerate(trees):
         log = b.out / "logs" / f"build_{i}.log"
-        script.append(f"(cd '{tree}' && rm -f python/hostir/_C*.so && MAX_JOBS={jobs} "
-                      f"'{sys.executable}' setup.py build_ext --inplace) >'{log}' 2>&1 & pids+=($!)")
-    script.append('rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done; tail -n 2 ' +
-                  " ".join(f"'{b.out / 'logs' / f'build_{i}.log'}'" for i in range(len(trees))) + "; exit $rc")
+        script.append(
+            f"(cd '{tree}' && rm -f python/hostir/_C*.so && MAX_JOBS={jobs} "
+            f"'{sys.executable}' setup.py build_ext --inplace) >'{log}' 2>&1 & pids+=($!)"
+        )
+    script.append(
+        'rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done; tail -n 2 '
+        + " ".join(f"'{b.out / 'logs' / f'build_{i}.log'}'" for i in range(len(trees)))
+        + "; exit $rc"
+    )
     b.run.step("build", b.cfg.limits["build"], ["bash", "-c", "\n".join(script)], env=b.env())
     for label, tree in zip(("this tree", "before"), trees):
-        b.run.step(f"build_loads_{'after' if tree == REPO else 'before'}", 60,
-                   [sys.executable, "-c", f"from hostir import cpp; assert cpp.available(), cpp.reason(); "
-                    f"print('C++ executor of {label} loads')"], env=b.env(tree), minimum=5)
+        b.run.step(
+            f"build_loads_{'after' if tree == REPO else 'before'}",
+            60,
+            [
+                sys.executable,
+                "-c",
+                f"from hostir import cpp; assert cpp.available(), cpp.reason(); print('C++ executor of {label} loads')",
+            ],
+            env=b.env(tree),
+            minimum=5,
+        )
 
 
 def part_overlap_ag(b: Bench) -> None:
@@ -235,24 +285,55 @@ def part_host(b: Bench) -> None:
 def part_training(b: Bench) -> None:
     sizes = [2] + ([4] if len(b.gpus) >= 4 else [])
     for n in sizes:
-        program = [sys.executable, "tools/bench_training.py", "--plans", "tp,sp", "--out-dir",
-                   str(b.dir("training")), "--tag", f"np{n}"] + (["--cpu"] if b.cpu else [])
+        program = [
+            sys.executable,
+            "tools/bench_training.py",
+            "--plans",
+            "tp,sp",
+            "--out-dir",
+            str(b.dir("training")),
+            "--tag",
+            f"np{n}",
+        ] + (["--cpu"] if b.cpu else [])
         b.step(f"training_np{n}", "training", b.launch(n, program), b.env())
 
 
 def part_sweep(b: Bench) -> None:
     _, k, n = b.cfg.ag
-    program = [sys.executable, "tools/bench_overlap.py", "--sweep-only", "--sweep", b.cfg.sweep,
-               "--variants", SWEEP_ROWS, "--K", str(k),
-               "--N", str(n), "--iters", str(b.cfg.iters), "--warmup", str(b.cfg.warmup), "--no-timeline",
-               "--out-dir", str(b.dir("sweep")), "--tag", "ag"] + (["--cpu"] if b.cpu else [])
+    program = [
+        sys.executable,
+        "tools/bench_overlap.py",
+        "--sweep-only",
+        "--sweep",
+        b.cfg.sweep,
+        "--variants",
+        SWEEP_ROWS,
+        "--K",
+        str(k),
+        "--N",
+        str(n),
+        "--iters",
+        str(b.cfg.iters),
+        "--warmup",
+        str(b.cfg.warmup),
+        "--no-timeline",
+        "--out-dir",
+        str(b.dir("sweep")),
+        "--tag",
+        "ag",
+    ] + (["--cpu"] if b.cpu else [])
     b.step("sweep", "sweep", b.launch(2, program), b.env())
 
 
 def part_timelines(b: Bench) -> None:
     for problem in ("ag", "rs"):
-        b.overlap(problem, ["--variants", SCHEDULE_ROWS, "--iters", "1", "--warmup", "1"], b.dir("timelines"),
-                  f"timelines_{problem}", "timelines")
+        b.overlap(
+            problem,
+            ["--variants", SCHEDULE_ROWS, "--iters", "1", "--warmup", "1"],
+            b.dir("timelines"),
+            f"timelines_{problem}",
+            "timelines",
+        )
 
 
 # ---------------------------------------------------------------- results
@@ -269,8 +350,10 @@ def probe_table(path: pathlib.Path) -> str:
     the back-to-back baselines), as the probe prints them."""
     data = json.loads(path.read_text())
     base = data.get("base", {})
-    lines = ["| group | variant | ms | / gemm | × sequential | × symm_mem | host ms | check |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| group | variant | ms | / gemm | × sequential | × symm_mem | host ms | check |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
 
     def fmt(v):
         return "—" if v is None else f"{v:.3f}"
@@ -280,13 +363,20 @@ def probe_table(path: pathlib.Path) -> str:
         suffix = "_b2b" if r.get("mode") == "b2b" else ""
         gemm, seq, symm = (g.get(k + suffix, g.get(k)) for k in ("gemm", "seq", "symm"))
         ms = r.get("ms")
-        cells = [ms / gemm if ms and gemm else None, seq / ms if ms and seq else None,
-                 symm / ms if ms and symm else None]
-        lines.append(f"| {r['group']} | {r['name']} | {fmt(ms)} | {' | '.join(fmt(c) for c in cells)} "
-                     f"| {fmt(r.get('host'))} | {str(r.get('check', '')).replace('|', '/')} |")
+        cells = [
+            ms / gemm if ms and gemm else None,
+            seq / ms if ms and seq else None,
+            symm / ms if ms and symm else None,
+        ]
+        lines.append(
+            f"| {r['group']} | {r['name']} | {fmt(ms)} | {' | '.join(fmt(c) for c in cells)} "
+            f"| {fmt(r.get('host'))} | {str(r.get('check', '')).replace('|', '/')} |"
+        )
     info = data.get("info", {})
-    return "\n".join(lines) + f"\n\nprobe: {info.get('device', '?')}, torch {info.get('torch', '?')}, " \
+    return (
+        "\n".join(lines) + f"\n\nprobe: {info.get('device', '?')}, torch {info.get('torch', '?')}, "
         f"NCCL {info.get('nccl', '?')}.\n"
+    )
 
 
 def host_table(out: pathlib.Path, pattern: str, unit: str) -> str | None:
@@ -302,11 +392,14 @@ def host_table(out: pathlib.Path, pattern: str, unit: str) -> str | None:
     for t in labels:
         names = dict.fromkeys(r["variant"] for run in runs[t] for r in run["results"])
         for name in names:
-            medians[t][name] = statistics.median(r["median_us"] for run in runs[t] for r in run["results"]
-                                                 if r["variant"] == name)
+            medians[t][name] = statistics.median(
+                r["median_us"] for run in runs[t] for r in run["results"] if r["variant"] == name
+            )
     head = "| variant | " + " | ".join(f"{t} µs/{unit} ({len(runs[t])} runs)" for t in labels)
-    lines = [head + (" | after / before |" if len(labels) == 2 else " |"),
-             "|---|" + "---:|" * (len(labels) + (len(labels) == 2))]
+    lines = [
+        head + (" | after / before |" if len(labels) == 2 else " |"),
+        "|---|" + "---:|" * (len(labels) + (len(labels) == 2)),
+    ]
     for name, after in medians["after"].items():
         cells = [f"{after:.1f}"]
         if len(labels) == 2:
@@ -315,8 +408,11 @@ def host_table(out: pathlib.Path, pattern: str, unit: str) -> str | None:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     env = runs["after"][0]
     if "ranks" in env:
-        lines += ["", f"{env['ranks']} ranks, transport {env['transport']}, communicator {env['communicator']}, "
-                  f"steps through {env['steps']}."]
+        lines += [
+            "",
+            f"{env['ranks']} ranks, transport {env['transport']}, communicator {env['communicator']}, "
+            f"steps through {env['steps']}.",
+        ]
     lines += ["", f"Device {env['device']}, torch {env['torch']}."]
     first = sorted((out / "host" / "after_1").glob(pattern.replace(".json", ".md")))
     if first:
@@ -336,43 +432,71 @@ def compose(b: Bench, results: pathlib.Path) -> list[tuple[str, str]]:
             sections.append(demote(path.read_text()))
     probe = out / "probe3" / "probe3_x2_results.json"
     if probe.exists():
-        sections.append("## The hand-written copy-engine rings (`probe3_x2.py`, the same shapes, run after "
-                        "the tables above)\n\n" + probe_table(probe))
+        sections.append(
+            "## The hand-written copy-engine rings (`probe3_x2.py`, the same shapes, run after "
+            "the tables above)\n\n" + probe_table(probe)
+        )
     sweep = out / "sweep" / "bench_overlap_ag_sweep.md"
     if sweep.exists():
         sections.append(demote(sweep.read_text()))
         png = sweep.with_suffix(".png")
         if png.exists():
             shutil.copyfile(png, results / f"overlap_sweep_{tag}.png")
-            written.append((f"overlap_sweep_{tag}.png", "the AG+matmul M sweep of `overlap`, plotted: ms and "
-                            "speedup over sequential per variant"))
+            written.append(
+                (
+                    f"overlap_sweep_{tag}.png",
+                    "the AG+matmul M sweep of `overlap`, plotted: ms and speedup over sequential per variant",
+                )
+            )
             sections[-1] += f"\n![M sweep](overlap_sweep_{tag}.png)\n"
     if sections:
         text = f"# Overlap on {b.machine()}\n\n{stamp}.\n\n" + "\n".join(sections)
         (results / f"overlap_{tag}.md").write_text(text)
-        written.insert(0, (f"overlap_{tag}.md", "AG+matmul and matmul+RS: GEMM alone, sequential, torch's fused "
-                           "ops, every hostir schedule eager and replayed with host ms; the hand-written rings "
-                           "(probe3); the M sweep"))
+        written.insert(
+            0,
+            (
+                f"overlap_{tag}.md",
+                "AG+matmul and matmul+RS: GEMM alone, sequential, torch's fused "
+                "ops, every hostir schedule eager and replayed with host ms; the hand-written rings "
+                "(probe3); the M sweep",
+            ),
+        )
     multi = host_table(out, "host_overhead_multidevice_*.json", "call")
     per_op = host_table(out, "host_overhead_c[pu][ud]*.json", "run")
     if multi or per_op:
-        body = "".join(f"## {title}\n\n{table}\n" for title, table in (
-            ("A steady multi-device call (`--multidevice`)", multi),
-            ("Programs of tiny ops on one device", per_op)) if table)
+        body = "".join(
+            f"## {title}\n\n{table}\n"
+            for title, table in (
+                ("A steady multi-device call (`--multidevice`)", multi),
+                ("Programs of tiny ops on one device", per_op),
+            )
+            if table
+        )
         (results / f"host_overhead_before_after_{tag}.md").write_text(
             f"# Host µs, this tree and the one before, on {b.machine()}\n\n{stamp}: "
             "`bench_host_overhead.py` and its `--multidevice` mode on each tree, runs alternating "
-            f"(after, before, before, after); each tree's median over its runs of each run's median.\n\n{body}")
-        written.append((f"host_overhead_before_after_{tag}.md", "`bench_host_overhead.py` (per op, one device) and "
-                        "its `--multidevice` mode on this tree and an older checkout, alternating runs of one "
-                        "gpu_bench run: host µs before and after"))
+            f"(after, before, before, after); each tree's median over its runs of each run's median.\n\n{body}"
+        )
+        written.append(
+            (
+                f"host_overhead_before_after_{tag}.md",
+                "`bench_host_overhead.py` (per op, one device) and "
+                "its `--multidevice` mode on this tree and an older checkout, alternating runs of one "
+                "gpu_bench run: host µs before and after",
+            )
+        )
     training = sorted((out / "training").glob("bench_training_np*.md")) if (out / "training").exists() else []
     if training:
         body = "\n".join(demote(p.read_text()) for p in training)
         (results / f"training_{tag}.md").write_text(f"# Training steps on {b.machine()}\n\n{stamp}.\n\n{body}")
-        written.append((f"training_{tag}.md", "`bench_training.py --plans tp,sp`: Llama MLP and attention "
-                        "projections fwd+bwd, hostir.parallel, torch TP and async-TP, tensor- and "
-                        "sequence-parallel"))
+        written.append(
+            (
+                f"training_{tag}.md",
+                "`bench_training.py --plans tp,sp`: Llama MLP and attention "
+                "projections fwd+bwd, hostir.parallel, torch TP and async-TP, tensor- and "
+                "sequence-parallel",
+            )
+        )
     return written
 
 
@@ -404,16 +528,25 @@ def summary(b: Bench, written: list[str], results: pathlib.Path) -> str:
     steps = b.run.steps
     ran = [s for s in steps if not s["status"].startswith("skipped")]
     skipped = [s for s in steps if s["status"].startswith("skipped")]
-    lines = [f"# gpu_bench on {b.machine()}", "",
-             f"Budget {b.args.budget:.0f} s, used {b.args.budget - b.run.left():.0f} s; parts asked: "
-             f"{', '.join(b.parts)}.", "",
-             "| step | result | seconds | last line |", "|---|---|---:|---|"]
-    lines += [f"| {s['step']} | {s['status']} | {s['seconds']} | {s.get('detail', '').replace('|', '/')} |"
-              for s in steps]
-    lines += ["", f"Ran: {', '.join(s['step'] for s in ran) or 'nothing'}.",
-              f"Skipped: {'; '.join(s['step'] + ' (' + s['status'] + ')' for s in skipped) or 'nothing'}.",
-              f"Results written to {results}: {', '.join(written) or 'none'}.",
-              f"Logs: {b.out / 'logs'}.", ""]
+    lines = [
+        f"# gpu_bench on {b.machine()}",
+        "",
+        f"Budget {b.args.budget:.0f} s, used {b.args.budget - b.run.left():.0f} s; parts asked: {', '.join(b.parts)}.",
+        "",
+        "| step | result | seconds | last line |",
+        "|---|---|---:|---|",
+    ]
+    lines += [
+        f"| {s['step']} | {s['status']} | {s['seconds']} | {s.get('detail', '').replace('|', '/')} |" for s in steps
+    ]
+    lines += [
+        "",
+        f"Ran: {', '.join(s['step'] for s in ran) or 'nothing'}.",
+        f"Skipped: {'; '.join(s['step'] + ' (' + s['status'] + ')' for s in skipped) or 'nothing'}.",
+        f"Results written to {results}: {', '.join(written) or 'none'}.",
+        f"Logs: {b.out / 'logs'}.",
+        "",
+    ]
     count = len([p for p in results.iterdir() if p.is_file()]) if results.exists() else 0
     if results.resolve() == RESULTS.resolve() and count > 40:
         lines.append(f"**benchmarks/results holds {count} files, more than 40: fold or drop old ones.**")
@@ -426,14 +559,18 @@ def summary(b: Bench, written: list[str], results: pathlib.Path) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run (default: 540)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/hostir-gpu-bench",
-                    help="logs and the tools' own outputs (default: $OUT, else /tmp/hostir-gpu-bench)")
+    ap.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or "/tmp/hostir-gpu-bench",
+        help="logs and the tools' own outputs (default: $OUT, else /tmp/hostir-gpu-bench)",
+    )
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {PARTS}, run in that order")
     ap.add_argument("--before", default=None, help="an older checkout of the repository: host overhead before")
     ap.add_argument("--build", action="store_true", help="build hostir._C in this tree (and --before) first")
     ap.add_argument("--probe", default=".probe/probe3_x2.py", help="the hand-written rings (default: %(default)s)")
-    ap.add_argument("--results", default=None, help="where result files go (default: benchmarks/results; "
-                    "with --cpu, OUT/results)")
+    ap.add_argument(
+        "--results", default=None, help="where result files go (default: benchmarks/results; with --cpu, OUT/results)"
+    )
     ap.add_argument("--cpu", action="store_true", help="the small form: 2 gloo ranks on the CPU, small shapes")
     args = ap.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]
@@ -463,14 +600,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     gpus = gpu_names(args.cpu)
     if not args.cpu and len(gpus) < 2:
-        print(f"gpu_bench: {len(gpus)} CUDA device(s) visible; it needs 2 (or --cpu for the small form)",
-              file=sys.stderr)
+        print(
+            f"gpu_bench: {len(gpus)} CUDA device(s) visible; it needs 2 (or --cpu for the small form)", file=sys.stderr
+        )
         return 2
     b = Bench(args, gpus)
     results = pathlib.Path(args.results) if args.results else (b.out / "results" if args.cpu else RESULTS)
     results.mkdir(parents=True, exist_ok=True)
-    print(f"gpu_bench: {b.machine()}, budget {args.budget:.0f} s, parts {', '.join(args.parts)}; logs in "
-          f"{b.out / 'logs'}", flush=True)
+    print(
+        f"gpu_bench: {b.machine()}, budget {args.budget:.0f} s, parts {', '.join(args.parts)}; logs in "
+        f"{b.out / 'logs'}",
+        flush=True,
+    )
     # Ended from outside (the caller's own time limit): the running step's
     # process group is ended (Runner.step), the results so far written.
     signal.signal(signal.SIGTERM, _interrupt)

@@ -52,7 +52,9 @@ def test_gpu_bench_refuses_unknown_parts_and_a_before_that_is_no_checkout(tmp_pa
 def test_gpu_bench_runs_parts_in_priority_order_and_skips_what_the_budget_leaves_out(tmp_path, monkeypatch):
     # Every part's command sleeps 1 s; a budget of 20.5 s leaves the first part
     # its minimum (15 s, 5 s kept back) and too little to the rest.
-    monkeypatch.setattr(gpu_bench.Bench, "launch", lambda self, n, program: [sys.executable, "-c", "import time; time.sleep(1)"])
+    monkeypatch.setattr(
+        gpu_bench.Bench, "launch", lambda self, n, program: [sys.executable, "-c", "import time; time.sleep(1)"]
+    )
     code = gpu_bench.main(["--cpu", "--budget", "20.5", "--out", str(tmp_path), "--parts", "training,overlap_rs,sweep"])
     assert code == 0
     summary = (tmp_path / "gpu_bench_summary.md").read_text()
@@ -75,8 +77,15 @@ def fake_outputs(out: pathlib.Path) -> None:
     (out / "probe3" / "probe3_x2_results.json").write_text(json.dumps(probe))
     for label, us in (("after_1", 100.0), ("before_1", 200.0), ("before_2", 220.0), ("after_2", 110.0)):
         (out / "host" / label).mkdir(parents=True)
-        run = {"ranks": 2, "transport": "cuda", "communicator": "nccl", "steps": "mailbox", "device": "GPU",
-               "torch": "2", "results": [{"variant": "multi-device, check_ranks=always", "median_us": us}]}
+        run = {
+            "ranks": 2,
+            "transport": "cuda",
+            "communicator": "nccl",
+            "steps": "mailbox",
+            "device": "GPU",
+            "torch": "2",
+            "results": [{"variant": "multi-device, check_ranks=always", "median_us": us}],
+        }
         (out / "host" / label / "host_overhead_multidevice_cuda_np2.json").write_text(json.dumps(run))
         (out / "host" / label / "host_overhead_multidevice_cuda_np2.md").write_text("# host\n")
         per_op = {"device": "GPU", "torch": "2", "results": [{"variant": "cpp flat", "median_us": us / 10}]}
@@ -94,8 +103,11 @@ def test_gpu_bench_writes_one_file_per_benchmark_and_keeps_the_index_true(tmp_pa
     bench = gpu_bench.Bench(args, ["NVIDIA H100 80GB HBM3"] * 2)
     bench.cpu, bench.tag = False, "h100x2"
     written = gpu_bench.compose(bench, results)
-    assert [name for name, _ in written] == ["overlap_h100x2.md", "host_overhead_before_after_h100x2.md",
-                                             "training_h100x2.md"]
+    assert [name for name, _ in written] == [
+        "overlap_h100x2.md",
+        "host_overhead_before_after_h100x2.md",
+        "training_h100x2.md",
+    ]
     overlap = (results / "overlap_h100x2.md").read_text()
     assert "## AG+matmul overlap" in overlap
     # The probe's row with its own ratios: 1.25 / gemm 1.0, sequential 2.0 / 1.25, symm_mem 1.5 / 1.25.
@@ -115,8 +127,17 @@ def test_gpu_bench_writes_one_file_per_benchmark_and_keeps_the_index_true(tmp_pa
 @pytest.mark.timeout(120)
 def test_gpu_bench_cpu_form_runs_a_part_and_writes_its_result(tmp_path):
     out = tmp_path / "out"
-    command = [sys.executable, "tools/gpu_bench.py", "--cpu", "--budget", "55", "--parts", "overlap_rs,probe3",
-               "--out", str(out)]
+    command = [
+        sys.executable,
+        "tools/gpu_bench.py",
+        "--cpu",
+        "--budget",
+        "55",
+        "--parts",
+        "overlap_rs,probe3",
+        "--out",
+        str(out),
+    ]
     returncode, output, elapsed = run_job(command, 90)
     assert returncode == 0, f"exit {returncode} after {elapsed:.0f} s:\n{output[-4000:]}"
     text = (out / "results" / "overlap_cpu.md").read_text()
