@@ -40,14 +40,19 @@ and the summary says which ran and which did not, and why.
 
 Every part runs in a process group of its own under a time limit; a part
 that fails or times out is logged and the rest go on. Logs and every tool's
-own outputs go under `--out`, with `gpu_bench_summary.md`. The results go to
+own outputs go under `--out`, with `gpu_bench_summary.md` and a copy of the
+result files written (`--out`/results). The results go to
 `benchmarks/results/` (with `--cpu`: `--out`/results, unless `--results`
 says), one current file per benchmark and device kind, and the index in its
 README is kept true: `overlap_<machine>.md` (both problems, the probe's
 rows, the sweep's table), `overlap_sweep_<machine>.png`,
 `host_overhead_before_after_<machine>.md` and `training_<machine>.md`,
-`<machine>` being `h100x2`, `h200x2`, ... from the device name. Exit status
-0 when every part that ran passed.
+`<machine>` being `h100x2`, `h200x2`, ... from the device name. The result
+files are made from everything under `--out`, so a set split over two calls
+with the same `--out` (`--parts overlap_ag,overlap_rs,probe3,host`, then
+`--parts training,sweep,timelines`) ends in the same files. Exit status 0
+when every part that ran passed; a SIGTERM ends the running part's process
+group and still writes what the parts before it left.
 """
 
 from __future__ import annotations
@@ -627,6 +632,14 @@ def main(argv=None) -> int:
             b.run.skip(part, f"its driver failed: {type(exc).__name__}: {exc}")
     written = compose(b, results)
     index(results, written, b.machine())
+    copies = b.out / "results"
+    if results.resolve() != copies.resolve():
+        # The files written, and the index, beside the logs: --out is what a
+        # caller takes back from the machine.
+        copies.mkdir(parents=True, exist_ok=True)
+        for name in [name for name, _ in written] + ["README.md"]:
+            if (results / name).exists():
+                shutil.copyfile(results / name, copies / name)
     text = summary(b, [name for name, _ in written], results)
     (b.out / "gpu_bench_summary.md").write_text(text)
     print(text, flush=True)
