@@ -15,12 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hostir
 from hostir import cpp, overlap
 from hostir.runtime import graphs
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuda transport needs CUDA"),
+    pytest.mark.skipif(hostir.world_size() < 2, reason="a ring needs two ranks or more"),
     pytest.mark.skipif(not cpp.available(), reason=f"the C++ executor is not built: {cpp.reason()}"),
 ]
 
