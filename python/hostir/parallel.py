@@ -56,8 +56,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hostir import ir
+from hostir import autograd, ir
 from hostir.errors import HostIrError
+from hostir.executor import ExecutorParams
 
 __all__ = ["ParallelizeError", "parallelize_module"]
 
@@ -476,9 +477,6 @@ def _linear_backward_op(
 ) -> list[torch.Tensor]:
     """The backward program of `hostir::linear` for the gradients of its
     tensor inputs `wrt` (0: x, 1: weight, 2: bias), in that order."""
-    from hostir import autograd
-    from hostir.executor import ExecutorParams
-
     linear = _linear_of(handle)
     inputs = [x, weight] if bias is None else [x, weight, bias]
     try:

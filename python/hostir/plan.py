@@ -71,8 +71,9 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         return None
 
     try:
-        with unittest.mock.patch.object(dist, "init_process_group", kept), unittest.mock.patch.object(
-            dist, "destroy_process_group", kept
+        with (
+            unittest.mock.patch.object(dist, "init_process_group", kept),
+            unittest.mock.patch.object(dist, "destroy_process_group", kept),
         ):
             yield
     finally:
@@ -99,9 +100,12 @@ def capture_first_execute(script: str, args: list[str], world_size: int, rank: i
         HOSTIR_FAKE="1",
     )
     argv = [script] + list(args)
-    with unittest.mock.patch.dict(os.environ, env, clear=True), unittest.mock.patch.object(
-        sys, "argv", argv
-    ), unittest.mock.patch.object(FusionExecutor, "execute", capture), fake_world(rank, world_size):
+    with (
+        unittest.mock.patch.dict(os.environ, env, clear=True),
+        unittest.mock.patch.object(sys, "argv", argv),
+        unittest.mock.patch.object(FusionExecutor, "execute", capture),
+        fake_world(rank, world_size),
+    ):
         try:
             runpy.run_path(script, run_name="__main__")
         except (ScriptStopped, SystemExit, Exception):
