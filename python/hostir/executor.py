@@ -892,6 +892,7 @@ class FusionExecutor:
             )
         lowered = lower(self.fusion, options, dumper)
         container = lowered.program
+        container.label = self.label.strip()
         self.lowerings += 1
         streams = self._streams.get(device)
         if streams is None:
