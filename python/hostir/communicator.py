@@ -723,15 +723,6 @@ class Communicator:
         self._orders: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._created: list[dist.ProcessGroup] = []
         self._closed = False
-        self._fusion_numbers = itertools.count()
-        self._call_numbers = itertools.count()
-        # Held by the thread running a multi-device execute: collectives of
-        # two calls on the same groups would pair with the wrong peers' calls.
-        self.busy = threading.Lock()
-        # The first timeout or lost peer of a collective, as text: after it
-        # the ranks' collectives are out of step and the executor refuses
-        # to post more.
-        self.failure: str | None = None
         # Where every rank shares this host: the shared-memory mailbox of the
         # calls' steps (`exchange_step`); else None, and steps go over gloo.
         self.mailbox: mailbox.Mailbox | None = None
@@ -947,18 +938,6 @@ class Communicator:
         record = torch.cat([torch.tensor([len(data)]), torch.frombuffer(padded, dtype=torch.int64)])
         rows = self.all_gather_words(record)
         return [bytes(row[1:].contiguous().view(torch.uint8).tolist())[: int(row[0])] for row in rows]
-
-    def next_fusion_number(self) -> int:
-        """A number for a fusion that runs on this communicator for the first
-        time: fusions are numbered in the order they first run, the same
-        on every rank that runs them in the same order."""
-        return next(self._fusion_numbers)
-
-    def next_call_number(self) -> int:
-        """The number of a multi-device execute on this communicator (0,
-        1, ...): ranks that make the same executes in the same order number
-        them alike."""
-        return next(self._call_numbers)
 
     def barrier(self) -> None:
         """Block the host until every rank reaches the barrier (control group)."""
