@@ -947,7 +947,9 @@ class FusionExecutor:
             return
         lowered = call.program.lowered if call is not None else None
         given = call.inputs if call is not None else inputs
-        protocol.of(comm).agree(sequence, lowered, given, error, checking, call is not None and call.lowered)
+        seat = self._seat
+        assert seat is not None and seat.comm is comm
+        seat.protocol.agree(seat, sequence, lowered, given, error, checking, call is not None and call.lowered)
 
     # -- 5-7: bind, run, convert back
     def _finish(self, call: _Call) -> list[torch.Tensor | None] | None:

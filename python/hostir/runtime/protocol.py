@@ -18,14 +18,18 @@ call path and the prepared (steady) one alike:
 - full agreement (`agree`, `agree_fully`) and the step of a prepared call
   (`step`).
 
-A call off the critical path: where the ranks agreed, on a signature's
+Calls off the critical path: where the ranks agreed, on a signature's
 first call, that none of them posts any communication in its program (each
 rank's record says whether its own program does), a prepared call of that
-signature exchanges nothing and waits for no rank. Its step is folded into
-a chain (`_pending`) that the next exchanged step carries, so a rank that
-skipped or repeated such a call is named, on every rank, before the next
-call that communicates has any cross-rank effect. Its results are its own
-rank's alone, and right for its inputs whatever the other ranks do.
+signature exchanges nothing and waits for no rank; so does a later call of
+that fusion on the full path (another shape, say) whose program posts no
+communication on this rank either. Its step is folded into a chain
+(`_pending`) that the next exchanged step carries, so a rank that skipped
+or repeated such a call, or made it with other shapes or another program,
+or failed it alone, is named on every rank before the next call that
+communicates has any cross-rank effect. Its results are its own rank's
+alone, right for its inputs whatever the other ranks do; its local error
+is raised on its rank only.
 """
 
 from __future__ import annotations
@@ -61,13 +65,16 @@ class Seat:
     """One fusion's place in a protocol: its number and how many calls it
     made (held by the fusion's executor)."""
 
-    __slots__ = ("protocol", "comm", "fusion", "calls")
+    __slots__ = ("protocol", "comm", "fusion", "calls", "quiet")
 
     def __init__(self, protocol: Protocol, fusion: int):
         self.protocol = protocol
         self.comm = protocol.comm
         self.fusion = fusion
         self.calls = 0
+        # The latest full agreement of this fusion found no rank's program
+        # communicating.
+        self.quiet = False
 
 
 class Protocol:
@@ -160,6 +167,7 @@ class Protocol:
     # -- agreement
     def agree(
         self,
+        seat: Seat,
         sequence: tuple[int, int, int],
         lowered: Any,
         inputs: list,
@@ -173,7 +181,9 @@ class Protocol:
         the program needs. One rank: its own error is the call's.
         check_ranks="first": only a call that lowered agrees. "always": a
         step comes first, which pairs with the steps of ranks whose call is
-        prepared (and carries the chain of quiet calls)."""
+        prepared (and carries the chain of quiet calls). A call of a quiet
+        fusion whose program posts no communication here waits for no rank
+        (its step joins the chain)."""
         comm = self.comm
         teams = lowered.teams if lowered is not None else ()
         if comm.world_size == 1:
@@ -188,10 +198,20 @@ class Protocol:
             if comm.missing_teams(teams):
                 comm.ensure_groups(teams)
             return
+        if checking == "always" and seat.quiet and (lowered is None or quiet(lowered.program)):
+            if lowered is not None and not comm.missing_teams(teams):
+                agreed = 0 if error is not None else token(lowered.digest, input_signature(inputs))
+                self._pending = _fold(self._pending, sequence, agreed)
+                if error is not None:
+                    raise error
+                return
+            if lowered is None and error is not None:
+                self._pending = _fold(self._pending, sequence, 0)
+                raise error
         steps = None
         if checking not in ("first", "every"):
             steps = self._exchange_steps(sequence, 0)
-        self.agree_fully(sequence, lowered, inputs, error, steps)
+        self.agree_fully(sequence, lowered, inputs, error, steps, seat)
 
     def agree_fully(
         self,
@@ -200,6 +220,7 @@ class Protocol:
         inputs: list,
         error: BaseException | None,
         steps: list | None = None,
+        seat: Seat | None = None,
     ) -> None:
         """The full record: every rank's, checked; then the steps (if the
         call sent one) for what the record does not carry; then the
@@ -226,7 +247,10 @@ class Protocol:
             check_steps(steps)
         if needs_groups:
             comm.ensure_groups(teams)
-        if everyone_quiet(records):
+        silent = everyone_quiet(records)
+        if seat is not None:
+            seat.quiet = silent
+        if silent:
             self._quiet.add(token(lowered.digest, signature))
 
     def step(
