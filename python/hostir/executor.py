@@ -36,12 +36,13 @@ for it but whether a preallocated output shares memory with an input, which
 is checked again on every call. For a multi-device fusion the record is per
 communicator; on many ranks it is kept once the ranks agreed on the
 signature (step 4's full record), and with check_ranks="always" a prepared
-call first checks a six-word step with the other ranks (`_steady`; through
-the communicator's shared-memory mailbox where every rank shares one host,
-`hostir.mailbox`): the same call of the same fusion, the same agreed
-signature. A step that
+call first checks a seven-word step with the other ranks (`_steady`,
+`hostir.runtime.protocol`; through the communicator's shared-memory
+mailbox where every rank shares one host, `hostir.mailbox`): the same call
+of the same fusion, the same agreed signature. A step that
 differs on any rank sends every rank to the full record, which raises on
-all of them what differs.
+all of them what differs. A call of a fusion that communicates on no rank
+waits for none: its step is checked by the next call that communicates.
 
 A failure in steps 1-3 on one rank of a multi-device fusion is carried by
 step 4 to every rank, so all raise the same error instead of one raising and
@@ -150,10 +151,14 @@ class ExecutorParams:
         skipped or repeated an execute makes every rank raise), the
         program, the inputs' shapes and dtypes, and any local error; later
         calls of that signature are prepared (they enter at bind) and send
-        only a step of 6 words (the call numbers and the agreed signature's
-        token), and any difference in it sends every rank to the full
-        record, whose error names what differs: the same protections, one
-        small all-gather per call. "every": the full record and the full
+        only a step of 7 words (the call numbers, the agreed signature's
+        token and the chain of calls without communication), and any
+        difference in it sends every rank to the full record, whose error
+        names what differs: the same protections, one small exchange per
+        call; a call of a fusion whose program communicates on no rank
+        sends nothing and waits for no rank: its step joins the chain the
+        next exchanged step carries, so its mistakes raise on every rank at
+        the next call that communicates. "every": the full record and the full
         path on every call (no prepared multi-device call), the cost the
         step saves. "first": agreement only when a rank lowers a program,
         and prepared calls send nothing; it saves the step but turns these

@@ -40,7 +40,6 @@ class CommunicatorArgumentError(HostIrError, ValueError):
     """A bad argument for the communicator (backend, timeout, port, team)."""
 
 
-
 @dataclass(frozen=True)
 class LaunchInfo:
     """Which process this is. `local_size` is None where the launcher does not
@@ -119,9 +118,7 @@ def _read_launcher(env: Mapping[str, str], launcher: _Launcher) -> LaunchInfo:
     if size < 1:
         raise LaunchError(f"{launcher.size}={size} must be at least 1")
     if not 0 <= rank < size:
-        raise LaunchError(
-            f"{launcher.rank}={rank} is out of range for {launcher.size}={size} (ranks 0..{size - 1})"
-        )
+        raise LaunchError(f"{launcher.rank}={rank} is out of range for {launcher.size}={size} (ranks 0..{size - 1})")
     if local is None and launcher.local_rank_defaults_to_rank:
         local, local_size = _local_rank_fallback(env, launcher, rank, size, local_size)
     if local is None and size > 1:
@@ -187,9 +184,7 @@ def _from_arguments(rank: int | None, world_size: int | None, local_rank: int | 
     if world_size < 1:
         raise LaunchError(f"world_size={world_size} must be at least 1")
     if not 0 <= rank < world_size:
-        raise LaunchError(
-            f"rank={rank} is out of range for world_size={world_size} (ranks 0..{world_size - 1})"
-        )
+        raise LaunchError(f"rank={rank} is out of range for world_size={world_size} (ranks 0..{world_size - 1})")
     local = rank if local_rank is None else local_rank
     if local < 0:
         raise LaunchError(f"local_rank={local} is negative")
@@ -232,7 +227,6 @@ def discover(
         for launcher in present[1:]:
             _check_agreement(chosen, env, launcher)
     return chosen
-
 
 
 def _resolve_rendezvous(addr: str | None, port: int | None, launch: LaunchInfo) -> tuple[str, int]:
@@ -464,7 +458,9 @@ def _await_ranks(
         else:
             while not store.check(["verdict"]):
                 if time.monotonic() - start >= timeout:
-                    raise LaunchError(f"rank {launch.rank}: rank 0 did not complete the rendezvous on {where} within {timeout:g} s")
+                    raise LaunchError(
+                        f"rank {launch.rank}: rank 0 did not complete the rendezvous on {where} within {timeout:g} s"
+                    )
                 time.sleep(0.005)
             refused()
     except (dist.DistError, RuntimeError) as exc:
@@ -482,9 +478,7 @@ def _await_ranks(
         ) from exc
 
 
-def _rendezvous_error(
-    exc: Exception, addr: str, port: int, launch: LaunchInfo, timeout: float
-) -> LaunchError:
+def _rendezvous_error(exc: Exception, addr: str, port: int, launch: LaunchInfo, timeout: float) -> LaunchError:
     text = str(exc)
     if launch.rank == 0 and ("EADDRINUSE" in text or "address already in use" in text.lower()):
         return LaunchError(

@@ -259,7 +259,9 @@ def check(records: list[Record], cause: BaseException | None = None) -> bool:
     """Raise `RankMismatchError` unless every rank is at the same call of the
     same fusion, passed its local checks, lowered the same program and holds
     inputs of the same shapes and dtypes; else return whether any rank lacks
-    a process group of the program (then all create them together)."""
+    a process group of the program (then all create them together). Where
+    every rank failed a check of the same kind, nothing is disagreed on:
+    each rank raises its own error (`cause`), as one rank would."""
     ref = records[0]
     for r, rec in enumerate(records):
         if rec.version != VERSION:
@@ -276,12 +278,20 @@ def check(records: list[Record], cause: BaseException | None = None) -> bool:
             f"order they first ran, calls from 0)"
         )
     failed = [r for r, rec in enumerate(records) if rec.error is not None]
+    if failed and cause is not None and len(failed) == len(records) and len(set(_error_types(records))) == 1:
+        # Every rank failed the same check: no disagreement, each rank's
+        # own error, of the type one rank alone would raise.
+        raise cause
     if failed:
         r = failed[0]
         others = f" (ranks {', '.join(map(str, failed))} failed)" if len(failed) > 1 else ""
-        raise RankMismatchError(
-            f"rank {r} failed before the program ran{others}: {records[r].error}"
-        ) from cause
+        failure = f"rank {r} failed before the program ran{others}: {records[r].error}"
+        # Where the inputs differ too, they come first: they are what the
+        # ranks disagree on, and the likely cause of the failure.
+        differing = next((i for i, rec in enumerate(records) if rec.inputs_digest != ref.inputs_digest), None)
+        if differing is not None:
+            failure = f"{_inputs_difference(differing, records[differing], ref)}; and {failure}"
+        raise RankMismatchError(failure) from cause
     # Other shapes lower another program (its schedule is chosen per
     # shape): where inputs differ, they are named first, and the programs
     # too where those differ as well (another definition may be the cause).
@@ -299,6 +309,11 @@ def check(records: list[Record], cause: BaseException | None = None) -> bool:
         if program is not None:
             raise RankMismatchError(program)
     return any(rec.needs_groups for rec in records)
+
+
+def _error_types(records: list[Record]) -> list[str]:
+    """The type name of each rank's local error ("" for none)."""
+    return [(rec.error or "").partition(":")[0] for rec in records]
 
 
 def everyone_quiet(records: list[Record]) -> bool:
@@ -338,9 +353,7 @@ def token(digest: str | None, inputs) -> int:
     return value or 1
 
 
-def exchange_steps(
-    comm, rank: int, fusion: int, call: int, comm_call: int, agreed: int, chain: int = 0
-) -> list[Step]:
+def exchange_steps(comm, rank: int, fusion: int, call: int, comm_call: int, agreed: int, chain: int = 0) -> list[Step]:
     """Every rank's step, in rank order: STEP_WORDS words through the
     communicator's `exchange_step` (the shared-memory mailbox of ranks on
     one host, else one all-gather on the control group). `agreed` is the
