@@ -272,10 +272,16 @@ class Communicator:
         self.interface: GlooInterface | None = None
         if self._owns_default and self.world_size > 1:
             self.interface = _choose_interface(self.master_addr, self.master_port)
+        # The rendezvous store of the default group: exchanges among a team
+        # of the ranks (`gather_among`) go through it.
+        self.store: dist.Store | None = None
+        # The count of each team's exchanges (`gather_among`).
+        self._team_exchanges: dict[tuple[int, ...], int] = {}
         if self._owns_default:
             self._init_default_group()
         else:
             self._check_default_group()
+            self.store = dist.distributed_c10d._get_default_store()
         self._default = dist.group.WORLD
         # A user's default group serves the whole-world team only if it runs
         # our backend; otherwise that team gets a group of its own.
@@ -325,6 +331,7 @@ class Communicator:
             store = dist.PrefixStore(f"{rendezvous.namespace(rendezvous.job_id())}/{next(_generation)}", whole)
             where = "the torchrun agent's store" if _launcher_store() else f"{self.master_addr}:{self.master_port}"
             _await_ranks(store, self.launch, self.timeout, where, whole)
+        self.store = store
         dist.init_process_group(
             backend=_PG_BACKEND[self.backend],
             store=store,
@@ -356,14 +363,32 @@ class Communicator:
         if self._closed:
             raise CommunicatorError("the communicator has been shut down")
 
-    def ensure_groups(self, teams: Iterable[Iterable[int]]) -> None:
+    def ensure_groups(self, teams: Iterable[Iterable[int]], among: tuple[int, ...] | None = None) -> None:
         """Create one process group per team not made yet. Collective: every
         rank passes the same teams (checked on the control group first, so a
         mismatch is an error on every rank rather than a hang). Teams are made
         in sorted order; the whole world, in rank order, is the default group.
-        A team's group numbers its members in the team's order."""
+        A team's group numbers its members in the team's order. With `among`
+        (the ranks of a part of the world, every team inside it), only those
+        ranks make the groups, and the caller has checked that they pass the
+        same teams."""
         self._check_open()
         requested = sorted({tuple(team) for team in teams})
+        if among is not None:
+            for team in requested:
+                self._validate_team(team)
+                if not set(team) <= set(among):
+                    raise CommunicatorArgumentError(f"team {team} is not inside the ranks {among}")
+            extra = {"sort_ranks": False} if _NEW_GROUP_SORTS else {}
+            for team in requested:
+                if team not in self._groups:
+                    group = dist.new_group(
+                        ranks=list(team), timeout=timedelta(seconds=self.timeout), backend=_PG_BACKEND[self.backend],
+                        use_local_synchronization=True, **extra,
+                    )  # fmt: skip
+                    self._created.append(group)
+                    self._groups[team] = group
+            return
         if self.world_size > 1:
             mine = _fingerprint(repr(requested), len(requested))
             everyone = self.all_gather_words(mine).tolist()
@@ -464,6 +489,36 @@ class Communicator:
                 raise CommunicatorError(str(exc)) from exc
         return self.all_gather_words(torch.tensor(words, dtype=torch.int64)).tolist()
 
+    def gather_among(self, team: tuple[int, ...], words: torch.Tensor) -> torch.Tensor:
+        """Every member's int64 tensor `words` (the same size on each), stacked
+        in the team's order, through the rendezvous store: only the team's
+        ranks take part, in the same order of calls on each. A member that
+        does not post within the timeout gives CommunicatorTimeout naming it."""
+        self._check_open()
+        if self.store is None:
+            raise CommunicatorError("exchanges among a team need the rendezvous store")
+        count = self._team_exchanges.get(team, 0)
+        self._team_exchanges[team] = count + 1
+        prefix = f"hostir-team/{'-'.join(map(str, team))}/"
+        data = words.to(torch.int64).contiguous().view(-1).numpy().tobytes()
+        keys = [f"{prefix}{count}/{member}" for member in team]
+        try:
+            self.store.set(f"{prefix}{count}/{self.rank}", data)
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+            rows = [torch.frombuffer(bytearray(self.store.get(key)), dtype=torch.int64) for key in keys]
+            if count:
+                # Every member has read the exchange before this one: it
+                # posted this one after.
+                self.store.delete_key(f"{prefix}{count - 1}/{self.rank}")
+        except Exception as exc:
+            missing = [member for member, key in zip(team, keys) if not _posted(self.store, key)]
+            raise CommunicatorTimeout(
+                f"the exchange among ranks {list(team)} on rank {self.rank} did not complete within "
+                f"{self.timeout:g} s: ranks {missing} did not post (they skipped the call, are stuck, or exited) "
+                f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})"
+            ) from exc
+        return torch.stack(rows)
+
     def all_gather_bytes(self, data: bytes, capacity: int) -> list[bytes]:
         """Every rank's `data` (at most `capacity` bytes), in rank order: a
         length word and the bytes padded to `capacity`, gathered as int64
@@ -519,6 +574,13 @@ class Communicator:
             f"Communicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
             f"device={self.device}, timeout={self.timeout:g}, {state})"
         )
+
+
+def _posted(store: dist.Store, key: str) -> bool:
+    try:
+        return bool(store.check([key]))
+    except Exception:
+        return False
 
 
 # Run by every new communicator, on every rank at the same point of its

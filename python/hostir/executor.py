@@ -358,6 +358,8 @@ class FusionExecutor:
         self._is_multi_device = False
         # This fusion's place in the ranks' protocol of the live communicator.
         self._seat: protocol.Seat | None = None
+        # (fusion version, world size, the team of `_team`)
+        self._team_at: tuple | None = None
         self._warned: set[str] = set()
         self.dry_runs = 0
         self._fake_reports: dict = {}
@@ -516,9 +518,7 @@ class FusionExecutor:
         the shared-memory mailbox on one host, or one all-gather), and
         sends every rank to the full record where anything differs; then
         bind, run and convert back, as every route does."""
-        seat = self._seat
-        if seat is None or seat.comm is not ready.comm:
-            seat = self._seat = protocol.of(ready.comm).seat()
+        seat = self._seat_on(ready.comm)
         ranks = seat.protocol
         ranks.enter()
         try:
@@ -938,10 +938,34 @@ class FusionExecutor:
         """This fusion's number on `comm`, the number of this call of it,
         and the number of this call among all multi-device executes on
         `comm` (the ranks' protocol counts them)."""
-        seat = self._seat
-        if seat is None or seat.comm is not comm:
-            seat = self._seat = protocol.of(comm).seat()
+        seat = self._seat_on(comm)
         return seat.protocol.next_call(seat)
+
+    def _seat_on(self, comm) -> protocol.Seat:
+        """This fusion's seat in the protocol of its team on `comm`."""
+        seat = self._seat
+        team = self._team(comm)
+        if seat is None or seat.comm is not comm or seat.protocol.team != team:
+            seat = self._seat = protocol.of(comm, team).seat()
+        return seat
+
+    def _team(self, comm) -> tuple[int, ...] | None:
+        """The ranks this fusion's meshes name, where they are a part of the
+        world and this rank is one of them (they agree among themselves);
+        this rank alone where it is none of them (it has no part in the
+        call); None for the whole world."""
+        found = self._team_at
+        if found is not None and found[0] == self.fusion.version and found[1] == comm.world_size:
+            return found[2]
+        tvs = list(self.fusion.inputs) + [v for e in self.fusion.exprs for v in e.outputs()]
+        ranks = sorted({int(r) for tv in tvs if getattr(tv, "mesh", None) is not None for r in tv.mesh.devices})
+        team: tuple[int, ...] | None = tuple(ranks)
+        if comm.rank not in ranks:
+            team = (comm.rank,)
+        elif len(ranks) == comm.world_size:
+            team = None
+        self._team_at = (self.fusion.version, comm.world_size, team)
+        return team
 
     def _agree(self, comm, sequence, call: _Call | None, inputs, error, checking: str = "always") -> None:
         """The ranks agree on the call, its program and inputs, and any local
@@ -952,8 +976,7 @@ class FusionExecutor:
             return
         lowered = call.program.lowered if call is not None else None
         given = call.inputs if call is not None else inputs
-        seat = self._seat
-        assert seat is not None and seat.comm is comm
+        seat = self._seat_on(comm)
         seat.protocol.agree(seat, sequence, lowered, given, error, checking, call is not None and call.lowered)
 
     # -- 5-7: bind, run, convert back

@@ -242,16 +242,16 @@ def _describe_input(entry) -> str:
     return f"shape {shape} and dtype {_dtype_name(code)}"
 
 
-def _inputs_difference(r: int, rec: Record, ref: Record) -> str:
+def _inputs_difference(rec: Record, ref: Record) -> str:
     for i, (a, b) in enumerate(zip(rec.inputs, ref.inputs)):
         if a != b:
             return (
-                f"inputs differ across ranks: rank {r} input {i} has {_describe_input(a)}, "
-                f"but rank 0 input {i} has {_describe_input(b)}"
+                f"inputs differ across ranks: rank {rec.rank} input {i} has {_describe_input(a)}, "
+                f"but rank {ref.rank} input {i} has {_describe_input(b)}"
             )
     return (
-        f"inputs differ across ranks: rank {r}'s inputs differ from rank 0's in number, or beyond the "
-        f"first {MAX_INPUTS} inputs or {MAX_DIMS} dims"
+        f"inputs differ across ranks: rank {rec.rank}'s inputs differ from rank {ref.rank}'s in number, or "
+        f"beyond the first {MAX_INPUTS} inputs or {MAX_DIMS} dims"
     )
 
 
@@ -261,49 +261,51 @@ def check(records: list[Record], cause: BaseException | None = None) -> bool:
     inputs of the same shapes and dtypes; else return whether any rank lacks
     a process group of the program (then all create them together). Where
     every rank failed a check of the same kind, nothing is disagreed on:
-    each rank raises its own error (`cause`), as one rank would."""
+    each rank raises its own error (`cause`), as one rank would. The
+    records are those of the ranks that run the program (a team of the
+    world, or all of it), named by their global ranks."""
     ref = records[0]
     for r, rec in enumerate(records):
         if rec.version != VERSION:
             raise RankMismatchError(
-                f"rank {r} sent an agreement record of layout {rec.version if rec.version >= 0 else 'unknown'} "
+                f"rank {rec.rank if rec.version >= 0 else r} sent an agreement record of layout {rec.version if rec.version >= 0 else 'unknown'} "
                 f"but this rank reads layout {VERSION}: every rank must run the same hostir version"
             )
     calls = [(rec.fusion, rec.call) for rec in records]
     if any(c != calls[0] for c in calls):
-        where = ", ".join(f"rank {r} at call {c} of fusion {f}" for r, (f, c) in enumerate(calls))
+        where = ", ".join(f"rank {rec.rank} at call {rec.call} of fusion {rec.fusion}" for rec in records)
         raise RankMismatchError(
             f"the ranks are out of step: {where}. A rank skipped or repeated an execute: every rank "
             f"must call execute on the same fusions in the same order (fusions are numbered in the "
             f"order they first ran, calls from 0)"
         )
-    failed = [r for r, rec in enumerate(records) if rec.error is not None]
+    failed = [rec for rec in records if rec.error is not None]
     if failed and cause is not None and len(failed) == len(records) and len(set(_error_types(records))) == 1:
         # Every rank failed the same check: no disagreement, each rank's
         # own error, of the type one rank alone would raise.
         raise cause
     if failed:
-        r = failed[0]
-        others = f" (ranks {', '.join(map(str, failed))} failed)" if len(failed) > 1 else ""
-        failure = f"rank {r} failed before the program ran{others}: {records[r].error}"
+        first = failed[0]
+        others = f" (ranks {', '.join(str(rec.rank) for rec in failed)} failed)" if len(failed) > 1 else ""
+        failure = f"rank {first.rank} failed before the program ran{others}: {first.error}"
         # Where the inputs differ too, they come first: they are what the
         # ranks disagree on, and the likely cause of the failure.
-        differing = next((i for i, rec in enumerate(records) if rec.inputs_digest != ref.inputs_digest), None)
+        differing = next((rec for rec in records if rec.inputs_digest != ref.inputs_digest), None)
         if differing is not None:
-            failure = f"{_inputs_difference(differing, records[differing], ref)}; and {failure}"
+            failure = f"{_inputs_difference(differing, ref)}; and {failure}"
         raise RankMismatchError(failure) from cause
     # Other shapes lower another program (its schedule is chosen per
     # shape): where inputs differ, they are named first, and the programs
     # too where those differ as well (another definition may be the cause).
-    for r, rec in enumerate(records[1:], start=1):
+    for rec in records[1:]:
         program = None
         if rec.digest != ref.digest:
             program = (
-                f"the host program differs across ranks: rank {r} lowered program {_short(rec.digest)} "
-                f"but rank 0 lowered {_short(ref.digest)}; every rank must define and schedule the same "
+                f"the host program differs across ranks: rank {rec.rank} lowered program {_short(rec.digest)} "
+                f"but rank {ref.rank} lowered {_short(ref.digest)}; every rank must define and schedule the same "
                 f"fusion (print it with HOSTIR_DUMP=host_ir HOSTIR_DUMP_RANKS=all)"
             )
-        inputs = None if rec.inputs_digest == ref.inputs_digest else _inputs_difference(r, rec, ref)
+        inputs = None if rec.inputs_digest == ref.inputs_digest else _inputs_difference(rec, ref)
         if inputs is not None:
             raise RankMismatchError(inputs + (f"; and {program}" if program else ""))
         if program is not None:
@@ -379,12 +381,12 @@ def check_steps(steps: list[Step]) -> None:
     for r, step in enumerate(steps):
         if not step.valid:
             raise RankMismatchError(
-                f"rank {r} sent a call step of another layout: every rank must run the same hostir "
+                f"rank {step.rank if step.rank >= 0 else r} sent a call step of another layout: every rank must run the same hostir "
                 f"version and pass the same check_ranks"
             )
     numbers = [s.comm_call for s in steps]
     if any(n != numbers[0] for n in numbers):
-        where = ", ".join(f"rank {r} at its multi-device execute {n}" for r, n in enumerate(numbers))
+        where = ", ".join(f"rank {s.rank} at its multi-device execute {s.comm_call}" for s in steps)
         raise RankMismatchError(
             f"the ranks are out of step: {where} (counted from 0 on this communicator). A rank skipped or "
             f"repeated an execute of another fusion: every rank must call execute on the same fusions in "
@@ -392,10 +394,10 @@ def check_steps(steps: list[Step]) -> None:
         )
     chains = [s.chain for s in steps]
     if any(c != chains[0] for c in chains):
-        differing = [r for r, c in enumerate(chains) if c != chains[0]]
+        differing = [s.rank for s in steps if s.chain != chains[0]]
         raise RankMismatchError(
             f"the ranks are out of step: since the last call that communicated, ranks {differing} made "
-            f"other calls without communication than rank 0 (another fusion, another signature, or a call "
+            f"other calls without communication than rank {steps[0].rank} (another fusion, another signature, or a call "
             f"that failed on some ranks only); every rank must call execute on the same fusions in the "
             f"same order"
         )

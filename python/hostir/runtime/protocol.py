@@ -41,6 +41,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from hostir import ir
 from hostir.communicator import Communicator, CommunicatorError, CommunicatorTimeout, PeerLostError
 from hostir.runtime.agreement import (
@@ -77,19 +79,49 @@ class Seat:
         self.quiet = False
 
 
-class Protocol:
-    """The ranks' protocol on one communicator (`of(comm)`)."""
+class _State:
+    """What every protocol of one communicator shares: the busy lock and the
+    failure state."""
 
-    def __init__(self, comm: Communicator):
-        self.comm = comm
-        self._fusions = itertools.count()
-        self._calls = itertools.count()
+    def __init__(self) -> None:
         # Held by the thread running a multi-device execute: collectives of
         # two calls on the same groups would pair with the wrong peers' calls.
         self.busy = threading.Lock()
         # The first timeout or lost peer of a collective, as text: after it
         # the ranks' collectives are out of step and every call is refused.
         self.failure: str | None = None
+
+
+class _Among:
+    """The exchanges of a team of the world's ranks: through the rendezvous
+    store, among the team's members only (`Communicator.gather_among`)."""
+
+    def __init__(self, comm: Communicator, team: tuple[int, ...]):
+        self.comm, self.team = comm, team
+
+    def all_gather_words(self, words: torch.Tensor) -> torch.Tensor:
+        return self.comm.gather_among(self.team, words)
+
+    def exchange_step(self, words: list[int]) -> list[list[int]]:
+        return self.comm.gather_among(self.team, torch.tensor(words, dtype=torch.int64)).tolist()
+
+
+class Protocol:
+    """The ranks' protocol on one communicator, among the ranks of a team
+    (`of(comm, team)`; every rank of the world where `team` is None). The
+    ranks of one team number their fusions and calls apart from the
+    others', agree among themselves, and make their own process groups:
+    two teams run their fusions side by side."""
+
+    def __init__(self, comm: Communicator, team: tuple[int, ...] | None = None, state: _State | None = None):
+        self.comm = comm
+        self.team = team
+        self.size = comm.world_size if team is None else len(team)
+        self._state = state if state is not None else _State()
+        self.busy = self._state.busy
+        self._channel: Any = comm if team is None else _Among(comm, team)
+        self._fusions = itertools.count()
+        self._calls = itertools.count()
         # Tokens of agreed signatures whose programs post no communication
         # on any rank: their prepared calls exchange nothing.
         self._quiet: set[int] = set()
@@ -147,10 +179,16 @@ class Protocol:
                 f"every rank and start again)"
             )
 
+    @property
+    def failure(self) -> str | None:
+        """The first timeout or lost peer of a collective on the
+        communicator, as text (None before any)."""
+        return self._state.failure
+
     def fail(self, err: BaseException) -> None:
-        """Mark the protocol failed by a collective's timeout or lost peer."""
-        if self.failure is None:
-            self.failure = f"{type(err).__name__}: {err}"
+        """Mark the communicator failed by a collective's timeout or lost peer."""
+        if self._state.failure is None:
+            self._state.failure = f"{type(err).__name__}: {err}"
 
     @contextlib.contextmanager
     def _control(self) -> Iterator[None]:
@@ -186,17 +224,17 @@ class Protocol:
         (its step joins the chain)."""
         comm = self.comm
         teams = lowered.teams if lowered is not None else ()
-        if comm.world_size == 1:
+        if self.size == 1:
             if error is not None:
                 raise error
             if comm.missing_teams(teams):
-                comm.ensure_groups(teams)
+                comm.ensure_groups(teams, among=self.team)
             return
         if checking == "first" and not lowered_now:
             # No agreement: each rank makes the groups it lacks (a
             # collective of its own, which checks the teams).
             if comm.missing_teams(teams):
-                comm.ensure_groups(teams)
+                comm.ensure_groups(teams, among=self.team)
             return
         if checking == "always" and seat.quiet and (lowered is None or quiet(lowered.program)):
             if lowered is not None and not comm.missing_teams(teams):
@@ -241,12 +279,12 @@ class Protocol:
             quiet=lowered is not None and quiet(lowered.program),
         )
         with self._control():
-            records = exchange(comm, offer)
+            records = exchange(self._channel, offer)
         needs_groups = check(records, cause=error)
         if steps is not None:
             check_steps(steps)
         if needs_groups:
-            comm.ensure_groups(teams)
+            comm.ensure_groups(teams, among=self.team)
         silent = everyone_quiet(records)
         if seat is not None:
             seat.quiet = silent
@@ -279,7 +317,7 @@ class Protocol:
     def _exchange_steps(self, sequence: tuple[int, int, int], agreed: int) -> list:
         pending, self._pending = self._pending, 0
         with self._control():
-            return exchange_steps(self.comm, self.comm.rank, *sequence, agreed, pending)
+            return exchange_steps(self._channel, self.comm.rank, *sequence, agreed, pending)
 
 
 def _fold(chain: int, sequence: tuple[int, int, int], agreed: int) -> int:
@@ -296,18 +334,26 @@ def quiet(program: Any) -> bool:
     return not any(isinstance(e, ir.COMMUNICATION_OPS) for e in program.walk())
 
 
-_protocols: weakref.WeakKeyDictionary[Communicator, Protocol] = weakref.WeakKeyDictionary()
+_protocols: weakref.WeakKeyDictionary[Communicator, dict] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def of(comm: Communicator) -> Protocol:
-    """The protocol of `comm` (made on first use; it lives as long as the
-    communicator)."""
+def of(comm: Communicator, team: tuple[int, ...] | None = None) -> Protocol:
+    """The protocol of `comm` among the ranks of `team` (every rank where
+    None, or where `team` is the whole world), made on first use; it
+    lives as long as the communicator. Every protocol of one communicator
+    shares its busy lock and failure state."""
+    if team is not None and len(team) == comm.world_size:
+        team = None
     found = _protocols.get(comm)
-    if found is not None:
-        return found
+    if found is not None and team in found:
+        return found[team]
     with _lock:
-        found = _protocols.get(comm)
-        if found is None:
-            found = _protocols[comm] = Protocol(comm)
-        return found
+        found = _protocols.setdefault(comm, {})
+        if team not in found:
+            state = found[None]._state if None in found else None
+            if team is not None and None not in found:
+                found[None] = Protocol(comm)
+                state = found[None]._state
+            found[team] = Protocol(comm, team, state)
+        return found[team]
