@@ -10,10 +10,25 @@ global ranks, while the other team's call runs.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 
+import hostir
 from hostir import DeviceMesh, FusionDefinition, ParallelType, RankMismatchError, shard_tensor
+from hostir.parallel import parallelize_module
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 pytestmark = pytest.mark.usefixtures("_even_world")
 
@@ -86,3 +101,45 @@ def test_a_mismatch_in_one_team_raises_on_its_ranks_alone(world, device):
     everyone, ex = allgather_fd(list(range(world.size)))
     torch.manual_seed(11)
     gathered(everyone, ex, torch.randn(world.size, 2, device=device))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim=8, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_tensor_parallel_on_the_tp_groups_of_a_dp_tp_mesh_matches_torch(world, device):
+    """torchtitan's layout: a (dp, tp) mesh, the model parallelized on
+    mesh["tp"]; each tp group trains on its own batch. hostir's
+    `parallelize_module` against torch's own on the same module: outputs,
+    gradients and a few AdamW steps."""
+    hostir.communicator.get()
+    mesh = init_device_mesh(device.type, (world.size // 2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    model = MLP().to(device)
+    ref = copy.deepcopy(model)
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    parallelize_module(model, tp, plan)
+    torch_parallelize_module(ref, tp, plan)
+    # Each tp group's own batch, the same on its ranks.
+    torch.manual_seed(100 + mesh.get_local_rank("dp"))
+    x = torch.randn(4, 8, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for _ in range(3):
+        out, expected = model(x), ref(x)
+        torch.testing.assert_close(full(out), full(expected), **TOL)
+        full(out).pow(2).sum().backward()
+        full(expected).pow(2).sum().backward()
+        ours = dict(model.named_parameters())
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(full(ours[name].grad), full(p.grad), **TOL, msg=lambda m: f"{name}: {m}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
