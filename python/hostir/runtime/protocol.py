@@ -7,7 +7,10 @@ counted, and before a call's first cross-rank effect the ranks check that
 they are at the same call of the same fusion, with the program and the
 input shapes they agreed on (`runtime/agreement.py` holds the records and
 their checks). `Protocol` owns that state and those exchanges, for the full
-call path and the prepared (steady) one alike:
+call path and the prepared (steady) one alike, one per communicator and
+team: a fusion whose meshes name a part of the world is agreed on among
+those ranks alone (through the rendezvous store), so that two teams (the
+tensor-parallel groups of a (dp, tp) mesh) run their fusions side by side:
 
 - the call sequence (`seat`, `next_call`);
 - the busy lock: one multi-device call at a time per communicator, a second
