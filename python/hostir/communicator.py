@@ -375,6 +375,8 @@ class Communicator:
         self._check_open()
         requested = sorted({tuple(team) for team in teams})
         if among is not None:
+            # Only the groups this rank is in: the others' members make them.
+            requested = [team for team in requested if self.rank in team]
             for team in requested:
                 self._validate_team(team)
                 if not set(team) <= set(among):

@@ -11,9 +11,11 @@ global ranks, while the other team's call runs.
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -143,3 +145,25 @@ def test_tensor_parallel_on_the_tp_groups_of_a_dp_tp_mesh_matches_torch(world, d
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
+
+
+def test_a_rank_outside_a_fusions_meshes_does_not_wait_for_its_ranks(world, device):
+    """A fusion of ranks (0, 1) called on every rank: the others have no
+    part in it, return no output, and wait for no one: they call first,
+    and ranks 0 and 1 call only once every other rank's call returned
+    (told through the rendezvous store, with a timeout)."""
+    fd, x = allgather_fd([0, 1])
+    torch.manual_seed(5)
+    full = torch.randn(2, 3, device=device)
+    store = dist.distributed_c10d._get_default_store()
+    outside = [f"outside-returned/{r}" for r in range(2, world.size)]
+    for call in range(3):
+        piece = shard_tensor(full, x) if world.rank < 2 else torch.randn(1, 3, device=device)
+        if world.rank >= 2:
+            (y,) = fd.execute([piece])
+            assert y is None
+            store.set(f"{outside[world.rank - 2]}/{call}", "1")
+            continue
+        store.wait([f"{key}/{call}" for key in outside], timedelta(seconds=20))
+        (y,) = fd.execute([piece])
+        torch.testing.assert_close(y, full)
