@@ -32,6 +32,7 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
+
 pytestmark = pytest.mark.usefixtures("_even_world")
 
 
