@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
@@ -116,9 +117,11 @@ class MLP(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-def test_tensor_parallel_on_the_tp_groups_of_a_dp_tp_mesh_matches_torch(world, device):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["tp", "fsdp_tp"])
+def test_tensor_parallel_on_the_tp_groups_of_a_dp_tp_mesh_matches_torch(world, device, fsdp):
     """torchtitan's layout: a (dp, tp) mesh, the model parallelized on
-    mesh["tp"]; each tp group trains on its own batch. hostir's
+    mesh["tp"] (and, with `fsdp`, sharded on mesh["dp"] by FSDP2's
+    `fully_shard`); each tp group trains on its own batch. hostir's
     `parallelize_module` against torch's own on the same module: outputs,
     gradients and a few AdamW steps."""
     hostir.communicator.get()
@@ -129,6 +132,9 @@ def test_tensor_parallel_on_the_tp_groups_of_a_dp_tp_mesh_matches_torch(world, d
     plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
     parallelize_module(model, tp, plan)
     torch_parallelize_module(ref, tp, plan)
+    if fsdp:
+        fully_shard(model, mesh=mesh["dp"])
+        fully_shard(ref, mesh=mesh["dp"])
     # Each tp group's own batch, the same on its ranks.
     torch.manual_seed(100 + mesh.get_local_rank("dp"))
     x = torch.randn(4, 8, device=device)
