@@ -12,9 +12,14 @@ of a small Allgather fusion with `check_ranks="every"` (the full record and
 the full path on every call), "always" (since prepared multi-device calls:
 a repeated call sends a six-word step; before them, the full record every
 call) and "first" (which skips the agreement): their differences are what
-the agreement costs a call. Medians over --iters calls after --warmup, max over ranks. Rank 0
-appends a row to benchmarks/results/agreement_cpu.json and rewrites the
-markdown table next to it.
+the agreement costs a call. Then (3) the tiny-call ratio: a call of a
+fusion that communicates nowhere (`x + x` on pieces sharded alike), with the
+protections on (check_ranks="always"), and the Allgather with them on,
+each against a single-device prepared call of `x + x` on the same local
+piece (the target is at most 2x). Medians over --iters calls after
+--warmup, max over ranks. Rank 0 appends a row to
+benchmarks/results/agreement_cpu.json and rewrites the markdown table next
+to it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,20 @@ def allgather_fd(d: int):
     for tv in (x, y):
         tv.set_device_mesh(DeviceMesh(range(d)))
     x.axis(0).parallelize(ParallelType.mesh_x)
+    return fd, x
+
+
+def doubled_fd(d: int | None):
+    """x + x: on pieces sharded alike over `d` ranks (no communication), or
+    on one device (`d` None)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[1 if d is None else d, -1])
+        y = fd.ops.add(x, x)
+        fd.add_output(y)
+    if d is not None:
+        for tv in (x, y):
+            tv.set_device_mesh(DeviceMesh(range(d)))
+            tv.axis(0).parallelize(ParallelType.mesh_x)
     return fd, x
 
 
@@ -89,8 +108,21 @@ def main() -> None:
     (out,) = fd.execute(inputs)
     torch.testing.assert_close(out, full)
 
+    quiet, qx = doubled_fd(d)
+    quiet_inputs = [shard_tensor(torch.randn(d, args.rows), qx)]
+    (doubled,) = quiet.execute(quiet_inputs)
+    torch.testing.assert_close(doubled, quiet_inputs[0] * 2)
+    single, _ = doubled_fd(None)
+    piece = quiet_inputs[0].clone()
+    (alone,) = single.execute([piece])
+    torch.testing.assert_close(alone, piece * 2)
+
     layout, step = agreement_step(fd, inputs)
     timings = {
+        "single-device prepared x + x": median_us(lambda: single.execute([piece]), args.iters, args.warmup),
+        "execute without communication, check_ranks=always": median_us(
+            lambda: quiet.execute(quiet_inputs), args.iters, args.warmup
+        ),
         "agreement alone": median_us(step, args.iters, args.warmup),
         "execute, check_ranks=always": median_us(lambda: fd.execute(inputs), args.iters, args.warmup),
         "execute, check_ranks=every": median_us(
@@ -101,21 +133,34 @@ def main() -> None:
         ),
     }
     comm = hostir.communicator.get()
-    worst = comm.all_gather_words(torch.tensor([int(v * 1000) for v in timings.values()])) if hasattr(
-        comm, "all_gather_words"
-    ) else None
+    worst = (
+        comm.all_gather_words(torch.tensor([int(v * 1000) for v in timings.values()]))
+        if hasattr(comm, "all_gather_words")
+        else None
+    )
     if worst is not None:
         maxima = worst.max(0).values.tolist()
     else:
         everyone = comm.all_gather_object(list(timings.values()))
         maxima = [max(r[i] for r in everyone) * 1000 for i in range(len(timings))]
     result = {name: round(v / 1000, 1) for name, v in zip(timings, maxima)}
+    alone_us = result["single-device prepared x + x"]
+    ratios = {
+        "without communication / single-device": round(
+            result["execute without communication, check_ranks=always"] / alone_us, 2
+        ),
+        "allgather, always / single-device": round(result["execute, check_ranks=always"] / alone_us, 2),
+        "allgather, always / first": round(
+            result["execute, check_ranks=always"] / result["execute, check_ranks=first"], 2
+        ),
+    }
     if rank == 0:
         row = {
             "label": args.label,
             "layout": layout,
             "ranks": d,
             "us": result,
+            "ratios": ratios,
             "iters": args.iters,
             "torch": torch.__version__,
             "python": platform.python_version(),
@@ -142,14 +187,22 @@ def write(row: dict) -> None:
         "record on every call; 'always' was the same before prepared multi-device calls, a six-word step",
         "on a repeated call since; 'first' skips it).",
         "",
-        "| label | layout | ranks | agreement alone µs | execute (every) µs | execute (always) µs | execute (first) µs | torch | date |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|",
+        "The last columns: a tiny call of a fusion without communication with the protections on",
+        "('always'), and its ratio to a single-device prepared call of the same op on the same piece.",
+        "",
+        "| label | layout | ranks | agreement alone µs | execute (every) µs | execute (always) µs | execute (first) µs "
+        "| single-device µs | no communication (always) µs | ratio | torch | date |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         us = r["us"]
+        ratio = r.get("ratios", {}).get("without communication / single-device", "–")
         lines.append(
             f"| {r['label']} | {r['layout']} | {r['ranks']} | {us['agreement alone']} | "
-            f"{us.get('execute, check_ranks=every', '–')} | {us['execute, check_ranks=always']} | {us['execute, check_ranks=first']} | {r['torch']} | {r['date']} |"
+            f"{us.get('execute, check_ranks=every', '–')} | {us['execute, check_ranks=always']} | "
+            f"{us['execute, check_ranks=first']} | {us.get('single-device prepared x + x', '–')} | "
+            f"{us.get('execute without communication, check_ranks=always', '–')} | {ratio} | "
+            f"{r['torch']} | {r['date']} |"
         )
     (RESULTS / "agreement_cpu.md").write_text("\n".join(lines) + "\n")
 

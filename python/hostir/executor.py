@@ -36,12 +36,13 @@ for it but whether a preallocated output shares memory with an input, which
 is checked again on every call. For a multi-device fusion the record is per
 communicator; on many ranks it is kept once the ranks agreed on the
 signature (step 4's full record), and with check_ranks="always" a prepared
-call first checks a six-word step with the other ranks (`_steady`; through
-the communicator's shared-memory mailbox where every rank shares one host,
-`hostir.mailbox`): the same call of the same fusion, the same agreed
-signature. A step that
+call first checks a seven-word step with the other ranks (`_steady`,
+`hostir.runtime.protocol`; through the communicator's shared-memory
+mailbox where every rank shares one host, `hostir.mailbox`): the same call
+of the same fusion, the same agreed signature. A step that
 differs on any rank sends every rank to the full record, which raises on
-all of them what differs.
+all of them what differs. A call of a fusion that communicates on no rank
+waits for none: its step is checked by the next call that communicates.
 
 A failure in steps 1-3 on one rank of a multi-device fusion is carried by
 step 4 to every rank, so all raise the same error instead of one raising and
@@ -78,18 +79,8 @@ from hostir.lower.hoist_transfers import forced as forced_hoisting
 from hostir.lower.schedule import Schedule, ScheduleError
 from hostir.lower.schedule import parse as parse_schedule
 from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
-from hostir.runtime import flat, prepared, profiling
-from hostir.runtime.agreement import (
-    Offer,
-    RankMismatchError,
-    check,
-    check_steps,
-    exchange,
-    exchange_steps,
-    in_step,
-    input_signature,
-    token,
-)
+from hostir.runtime import flat, prepared, profiling, protocol
+from hostir.runtime.agreement import RankMismatchError, input_signature, token
 from hostir.runtime.bind import Binding
 from hostir.runtime.checks import (
     ExecuteArgumentError,
@@ -160,10 +151,14 @@ class ExecutorParams:
         skipped or repeated an execute makes every rank raise), the
         program, the inputs' shapes and dtypes, and any local error; later
         calls of that signature are prepared (they enter at bind) and send
-        only a step of 6 words (the call numbers and the agreed signature's
-        token), and any difference in it sends every rank to the full
-        record, whose error names what differs: the same protections, one
-        small all-gather per call. "every": the full record and the full
+        only a step of 7 words (the call numbers, the agreed signature's
+        token and the chain of calls without communication), and any
+        difference in it sends every rank to the full record, whose error
+        names what differs: the same protections, one small exchange per
+        call; a call of a fusion whose program communicates on no rank
+        sends nothing and waits for no rank: its step joins the chain the
+        next exchanged step carries, so its mistakes raise on every rank at
+        the next call that communicates. "every": the full record and the full
         path on every call (no prepared multi-device call), the cost the
         step saves. "first": agreement only when a rank lowers a program,
         and prepared calls send nothing; it saves the step but turns these
@@ -361,8 +356,10 @@ class FusionExecutor:
         self.lowerings = 0
         self._multi_device_at: int | None = None
         self._is_multi_device = False
-        # (communicator, this fusion's number on it, calls made so far)
-        self._sequence: tuple[object, int, int] | None = None
+        # This fusion's place in the ranks' protocol of the live communicator.
+        self._seat: protocol.Seat | None = None
+        # (fusion version, world size, the team of `_team`)
+        self._team_at: tuple | None = None
         self._warned: set[str] = set()
         self.dry_runs = 0
         self._fake_reports: dict = {}
@@ -457,7 +454,7 @@ class FusionExecutor:
             if key is None and error is None:
                 # The first call of the process made the communicator.
                 key = self._multi_device_signature(inputs, outputs, params, kwargs)
-        with _exclusive(comm):
+        with _held(comm):
             sequence = self._next_call(comm) if comm is not None else None
             call = None
             try:
@@ -516,19 +513,16 @@ class FusionExecutor:
 
     def _steady(self, ready: prepared.Prepared, inputs, outputs) -> list[torch.Tensor | None]:
         """A prepared call of many ranks: with check_ranks="always" the
-        ranks check their step (call numbers and the agreed signature's
-        token: a few words, through the communicator's shared-memory
-        mailbox on one host, else one all-gather) and fall back to the full
-        record together where anything differs; then bind, run and convert
-        back, as every route does."""
-        comm = ready.comm
-        # _exclusive and _control, written out: this is every steady call's path.
-        if not comm.busy.acquire(blocking=False):
-            raise _refused(comm)
+        ranks' protocol checks its step (`Protocol.step`: nothing to wait
+        for where no rank's program communicates, else a few words through
+        the shared-memory mailbox on one host, or one all-gather), and
+        sends every rank to the full record where anything differs; then
+        bind, run and convert back, as every route does."""
+        seat = self._seat_on(ready.comm)
+        ranks = seat.protocol
+        ranks.enter()
         try:
-            if comm.failure is not None:
-                _refuse_after_failure(comm)
-            sequence = self._next_call(comm)
+            sequence = ranks.next_call(seat)
             call = error = None
             try:
                 call = self._recall(ready, inputs, outputs)
@@ -537,15 +531,10 @@ class FusionExecutor:
                     raise
                 error = err
             if ready.token:
-                try:
-                    steps = exchange_steps(comm, comm.rank, *sequence, 0 if error is not None else ready.token)
-                except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
-                    raise _control_failed(comm, err) from err
-                if not in_step(steps):
-                    self._agree_fully(comm, sequence, call, inputs, error, steps)
+                ranks.step(sequence, ready.token, ready.program.lowered, inputs, error)
             return self._finish(call)
         finally:
-            comm.busy.release()
+            ranks.leave()
 
     def graph_inputs(
         self,
@@ -943,68 +932,53 @@ class FusionExecutor:
             if comm is None:
                 raise
             error = err
-        _refuse_after_failure(comm)
+        protocol.of(comm).refuse_after_failure()
         return comm, error
 
     def _next_call(self, comm) -> tuple[int, int, int]:
         """This fusion's number on `comm`, the number of this call of it,
         and the number of this call among all multi-device executes on
-        `comm`."""
-        if self._sequence is None or self._sequence[0] is not comm:
-            self._sequence = (comm, comm.next_fusion_number(), 0)
-        _, fusion, calls = self._sequence
-        self._sequence = (comm, fusion, calls + 1)
-        return fusion, calls, comm.next_call_number()
+        `comm` (the ranks' protocol counts them)."""
+        seat = self._seat_on(comm)
+        return seat.protocol.next_call(seat)
+
+    def _seat_on(self, comm) -> protocol.Seat:
+        """This fusion's seat in the protocol of its team on `comm`."""
+        seat = self._seat
+        team = self._team(comm)
+        if seat is None or seat.comm is not comm or seat.protocol.team != team:
+            seat = self._seat = protocol.of(comm, team).seat()
+        return seat
+
+    def _team(self, comm) -> tuple[int, ...] | None:
+        """The ranks this fusion's meshes name, where they are a part of the
+        world and this rank is one of them (they agree among themselves);
+        this rank alone where it is none of them (it has no part in the
+        call); None for the whole world."""
+        found = self._team_at
+        if found is not None and found[0] == self.fusion.version and found[1] == comm.world_size:
+            return found[2]
+        tvs = list(self.fusion.inputs) + [v for e in self.fusion.exprs for v in e.outputs()]
+        ranks = sorted({int(r) for tv in tvs if getattr(tv, "mesh", None) is not None for r in tv.mesh.devices})
+        team: tuple[int, ...] | None = tuple(ranks)
+        if comm.rank not in ranks:
+            team = (comm.rank,)
+        elif len(ranks) == comm.world_size:
+            team = None
+        self._team_at = (self.fusion.version, comm.world_size, team)
+        return team
 
     def _agree(self, comm, sequence, call: _Call | None, inputs, error, checking: str = "always") -> None:
         """The ranks agree on the call, its program and inputs, and any local
-        error, and make the process groups the program needs; nothing to do
-        for one rank (or the fake runner, which makes no group). With
-        check_ranks="always" the full record comes after a step of the full
-        path (token 0), which pairs with the steps of ranks whose call is
-        prepared and sends them on to the full record too."""
+        error, and make the process groups the program needs
+        (`Protocol.agree`); nothing to do without a communicator (the fake
+        runner makes no group)."""
         if comm is None:
             return
-        if comm.world_size == 1:
-            # One rank: no one to disagree with; its own error is the call's.
-            if error is not None:
-                raise error
-            if comm.missing_teams(call.program.lowered.teams):
-                comm.ensure_groups(call.program.lowered.teams)
-            return
-        if checking == "first" and not call.lowered:
-            # No agreement: each rank makes the groups it lacks (a
-            # collective of its own, which checks the teams).
-            if comm.missing_teams(call.program.lowered.teams):
-                comm.ensure_groups(call.program.lowered.teams)
-            return
-        steps = None
-        if checking not in ("first", "every"):
-            with _control(comm):
-                steps = exchange_steps(comm, comm.rank, *sequence, 0)
-        self._agree_fully(comm, sequence, call, inputs, error, steps)
-
-    def _agree_fully(self, comm, sequence, call: _Call | None, inputs, error, steps=None) -> None:
-        """The full record: every rank's, checked; then the steps (if the
-        call sent one) for what the record does not carry; then the
-        process groups any rank lacks."""
-        teams = call.program.lowered.teams if call is not None else ()
-        offer = Offer(
-            fusion=sequence[0],
-            call=sequence[1],
-            digest=call.program.lowered.digest if call is not None else None,
-            inputs=input_signature(call.inputs if call is not None else inputs),
-            error=None if error is None else f"{type(error).__name__}: {error}",
-            needs_groups=bool(comm.missing_teams(teams)),
-            rank=comm.rank,
-        )
-        with _control(comm):
-            records = exchange(comm, offer)
-        needs_groups = check(records, cause=error)
-        if steps is not None:
-            check_steps(steps)
-        if needs_groups:
-            comm.ensure_groups(teams)
+        lowered = call.program.lowered if call is not None else None
+        given = call.inputs if call is not None else inputs
+        seat = self._seat_on(comm)
+        seat.protocol.agree(seat, sequence, lowered, given, error, checking, call is not None and call.lowered)
 
     # -- 5-7: bind, run, convert back
     def _finish(self, call: _Call) -> list[torch.Tensor | None] | None:
@@ -1040,7 +1014,7 @@ class FusionExecutor:
                 return program.evaluator.run_logical(call.inputs, nos)
             except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
                 if call.comm is not None:
-                    call.comm.failure = f"{type(err).__name__}: {err}"
+                    protocol.of(call.comm).fail(err)
                 raise
         inputs, given = bound
         try:
@@ -1070,7 +1044,7 @@ class FusionExecutor:
                 return program.evaluator.run(bindings, number_of_streams=nos)
         except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
             if call.comm is not None:
-                call.comm.failure = f"{type(err).__name__}: {err}"
+                protocol.of(call.comm).fail(err)
             raise
 
     def _convert(self, call: _Call, results, logical: bool = False) -> list[torch.Tensor | None]:
@@ -1123,56 +1097,14 @@ def _check_mode(params, kwargs: dict) -> str:
     return mode if type(mode) is str and mode in CHECK_RANKS else "always"
 
 
-def _refuse_after_failure(comm) -> None:
-    """An earlier collective of this rank timed out or lost a peer: refuse
-    to post more (the ranks' collectives are out of step)."""
-    if comm.failure is not None:
-        raise communicator.CommunicatorError(
-            f"an earlier collective failed on this rank, so the ranks' collectives are out of step: "
-            f"{comm.failure.splitlines()[0]}\nend the job (or call hostir.communicator.shutdown() on "
-            f"every rank and start again)"
-        )
-
-
 @contextlib.contextmanager
-def _control(comm):
-    """An exchange on the control group: a timeout or a lost peer marks the
-    communicator failed and names the check."""
-    try:
-        yield
-    except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
-        raise _control_failed(comm, err) from err
-
-
-def _control_failed(comm, err: BaseException) -> BaseException:
-    """Mark `comm` failed by the timeout or lost peer `err` of an exchange
-    on the control group, and return the error that names the check."""
-    comm.failure = f"{type(err).__name__}: {err}"
-    return type(err)(f"the ranks' check of the program and its inputs, before running it, failed: {err}")
-
-
-@contextlib.contextmanager
-def _exclusive(comm):
-    """Hold `comm` for one multi-device call; a second thread is refused."""
+def _held(comm):
+    """Hold `comm`'s protocol for one multi-device call (`Protocol.held`)."""
     if comm is None:
         yield
         return
-    if not comm.busy.acquire(blocking=False):
-        raise _refused(comm)
-    try:
+    with protocol.of(comm).held():
         yield
-    finally:
-        comm.busy.release()
-
-
-def _refused(comm) -> Exception:
-    """The error of a second thread's multi-device execute on `comm`."""
-    return communicator.CommunicatorError(
-        f"another thread is running a multi-device execute on this process's communicator "
-        f"(thread {threading.current_thread().name} was refused): two calls' collectives on the same "
-        f"process groups would pair with the wrong calls of the other ranks; run multi-device "
-        f"executes from one thread at a time"
-    )
 
 
 def _key_text(key: tuple) -> str:

@@ -71,8 +71,8 @@ WAITER = textwrap.dedent(
     import os, time
     import torch
     import hostir
-    from hostir import communicator
-    communicator.RENDEZVOUS_LOG_SECONDS = 0.5
+    from hostir import communicator, launch
+    launch.RENDEZVOUS_LOG_SECONDS = 0.5
     if hostir.rank() == 1:
         time.sleep(3)  # late at the rendezvous
     comm = communicator.get(backend="gloo")

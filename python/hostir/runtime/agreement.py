@@ -17,7 +17,8 @@ Layout (version 1; every field an int64 word):
     1       sender's rank
     2       fusion number (the order in which fusions first ran multi-device)
     3       call number of that fusion on this rank (0, 1, ...)
-    4       flags: has program, needs groups, failed, message cut, inputs cut
+    4       flags: has program, needs groups, failed, message cut, inputs cut,
+            quiet (this rank's program posts no communication)
     5..8    program digest (SHA-256, 32 bytes)
     9..12   inputs digest (SHA-256 of every input's dtype and shape)
     13      number of inputs
@@ -32,6 +33,10 @@ A call whose exact signature the ranks already agreed on (a prepared call,
 *step*: STEP_WORDS int64 words, exchanged through the communicator's
 shared-memory mailbox where every rank shares one host (`hostir/mailbox.py`:
 a few microseconds), else one all-gather on the same control group —
+except a prepared call of a signature whose program posts no communication
+on any rank (every record said `quiet`): it sends nothing, and its step is
+folded into the chain the next exchanged step carries
+(`runtime/protocol.py`) —
 
     0       magic and layout version (`STEP_MAGIC`)
     1       sender's rank
@@ -41,14 +46,16 @@ a few microseconds), else one all-gather on the same control group —
     5       the agreed signature's token (`token`): a hash of the program's
             digest and the inputs' dtypes and shapes; 0 for a call that
             takes the full path (a new signature, or a local error)
+    6       the chain of the steps of the quiet calls made since the
+            last exchanged step (0: none)
 
-If every rank sends the same words 2-5 and no token is 0 (`in_step`), the
+If every rank sends the same words 2-6 and no token is 0 (`in_step`), the
 ranks are at the same call of the same fusion, with the program and input
 shapes they agreed on when that signature first ran: the call runs. Any
 difference sends every rank on to the full record (all of them decide it
 from the same gathered words), whose `check` names what differs; a
 difference the full record cannot see (the communicator's call numbers)
-is named by `check_steps`. So a steady-state call costs one all-gather of
+or the chains of quiet calls) is named by `check_steps`. So a steady-state call costs one all-gather of
 STEP_WORDS words instead of the full record, its encoding and its decoding,
 and the protections are the full record's.
 """
@@ -63,13 +70,13 @@ import torch
 
 from hostir.errors import HostIrError
 
-VERSION = 1
+VERSION = 2
 MAGIC = 0x4849_5241_0000_0000 | VERSION  # "HIRA" and the layout version
 MAX_INPUTS = 16
 MAX_DIMS = 8
 MESSAGE_BYTES = 1024
 
-_HAS_PROGRAM, _NEEDS_GROUPS, _FAILED, _MESSAGE_CUT, _INPUTS_CUT = 1, 2, 4, 8, 16
+_HAS_PROGRAM, _NEEDS_GROUPS, _FAILED, _MESSAGE_CUT, _INPUTS_CUT, _QUIET = 1, 2, 4, 8, 16, 32
 _INPUT_WORDS = 2 + MAX_DIMS
 _INPUTS_AT = 14
 _MESSAGE_AT = _INPUTS_AT + MAX_INPUTS * _INPUT_WORDS
@@ -104,6 +111,8 @@ class Offer:
     error: str | None = None
     needs_groups: bool = False
     rank: int = 0
+    # This rank's program posts no communication.
+    quiet: bool = False
 
 
 @dataclasses.dataclass
@@ -121,6 +130,7 @@ class Record:
     inputs_cut: bool
     error: str | None
     needs_groups: bool
+    quiet: bool = False
 
 
 def input_signature(inputs) -> list[tuple[torch.dtype | None, list[int] | None]]:
@@ -154,6 +164,8 @@ def encode(offer: Offer) -> torch.Tensor:
         words[5:9] = _digest_words(bytes.fromhex(offer.digest)[:32].ljust(32, b"\0"))
     if offer.needs_groups:
         flags |= _NEEDS_GROUPS
+    if offer.quiet:
+        flags |= _QUIET
     words[9:13] = _digest_words(_inputs_digest(offer.inputs))
     words[13] = len(offer.inputs)
     if len(offer.inputs) > MAX_INPUTS:
@@ -209,6 +221,7 @@ def decode(words: list[int]) -> Record:
         inputs_cut=bool(flags & _INPUTS_CUT) or words[13] > MAX_INPUTS,
         error=error,
         needs_groups=bool(flags & _NEEDS_GROUPS),
+        quiet=bool(flags & _QUIET),
     )
 
 
@@ -229,16 +242,16 @@ def _describe_input(entry) -> str:
     return f"shape {shape} and dtype {_dtype_name(code)}"
 
 
-def _inputs_difference(r: int, rec: Record, ref: Record) -> str:
+def _inputs_difference(rec: Record, ref: Record) -> str:
     for i, (a, b) in enumerate(zip(rec.inputs, ref.inputs)):
         if a != b:
             return (
-                f"inputs differ across ranks: rank {r} input {i} has {_describe_input(a)}, "
-                f"but rank 0 input {i} has {_describe_input(b)}"
+                f"inputs differ across ranks: rank {rec.rank} input {i} has {_describe_input(a)}, "
+                f"but rank {ref.rank} input {i} has {_describe_input(b)}"
             )
     return (
-        f"inputs differ across ranks: rank {r}'s inputs differ from rank 0's in number, or beyond the "
-        f"first {MAX_INPUTS} inputs or {MAX_DIMS} dims"
+        f"inputs differ across ranks: rank {rec.rank}'s inputs differ from rank {ref.rank}'s in number, or "
+        f"beyond the first {MAX_INPUTS} inputs or {MAX_DIMS} dims"
     )
 
 
@@ -246,46 +259,69 @@ def check(records: list[Record], cause: BaseException | None = None) -> bool:
     """Raise `RankMismatchError` unless every rank is at the same call of the
     same fusion, passed its local checks, lowered the same program and holds
     inputs of the same shapes and dtypes; else return whether any rank lacks
-    a process group of the program (then all create them together)."""
+    a process group of the program (then all create them together). Where
+    every rank failed a check of the same kind, nothing is disagreed on:
+    each rank raises its own error (`cause`), as one rank would. The
+    records are those of the ranks that run the program (a team of the
+    world, or all of it), named by their global ranks."""
     ref = records[0]
     for r, rec in enumerate(records):
         if rec.version != VERSION:
             raise RankMismatchError(
-                f"rank {r} sent an agreement record of layout {rec.version if rec.version >= 0 else 'unknown'} "
+                f"rank {rec.rank if rec.version >= 0 else r} sent an agreement record of layout {rec.version if rec.version >= 0 else 'unknown'} "
                 f"but this rank reads layout {VERSION}: every rank must run the same hostir version"
             )
     calls = [(rec.fusion, rec.call) for rec in records]
     if any(c != calls[0] for c in calls):
-        where = ", ".join(f"rank {r} at call {c} of fusion {f}" for r, (f, c) in enumerate(calls))
+        where = ", ".join(f"rank {rec.rank} at call {rec.call} of fusion {rec.fusion}" for rec in records)
         raise RankMismatchError(
             f"the ranks are out of step: {where}. A rank skipped or repeated an execute: every rank "
             f"must call execute on the same fusions in the same order (fusions are numbered in the "
             f"order they first ran, calls from 0)"
         )
-    failed = [r for r, rec in enumerate(records) if rec.error is not None]
+    failed = [rec for rec in records if rec.error is not None]
+    if failed and cause is not None and len(failed) == len(records) and len(set(_error_types(records))) == 1:
+        # Every rank failed the same check: no disagreement, each rank's
+        # own error, of the type one rank alone would raise.
+        raise cause
     if failed:
-        r = failed[0]
-        others = f" (ranks {', '.join(map(str, failed))} failed)" if len(failed) > 1 else ""
-        raise RankMismatchError(
-            f"rank {r} failed before the program ran{others}: {records[r].error}"
-        ) from cause
+        first = failed[0]
+        others = f" (ranks {', '.join(str(rec.rank) for rec in failed)} failed)" if len(failed) > 1 else ""
+        failure = f"rank {first.rank} failed before the program ran{others}: {first.error}"
+        # Where the inputs differ too, they come first: they are what the
+        # ranks disagree on, and the likely cause of the failure.
+        differing = next((rec for rec in records if rec.inputs_digest != ref.inputs_digest), None)
+        if differing is not None:
+            failure = f"{_inputs_difference(differing, ref)}; and {failure}"
+        raise RankMismatchError(failure) from cause
     # Other shapes lower another program (its schedule is chosen per
     # shape): where inputs differ, they are named first, and the programs
     # too where those differ as well (another definition may be the cause).
-    for r, rec in enumerate(records[1:], start=1):
+    for rec in records[1:]:
         program = None
         if rec.digest != ref.digest:
             program = (
-                f"the host program differs across ranks: rank {r} lowered program {_short(rec.digest)} "
-                f"but rank 0 lowered {_short(ref.digest)}; every rank must define and schedule the same "
+                f"the host program differs across ranks: rank {rec.rank} lowered program {_short(rec.digest)} "
+                f"but rank {ref.rank} lowered {_short(ref.digest)}; every rank must define and schedule the same "
                 f"fusion (print it with HOSTIR_DUMP=host_ir HOSTIR_DUMP_RANKS=all)"
             )
-        inputs = None if rec.inputs_digest == ref.inputs_digest else _inputs_difference(r, rec, ref)
+        inputs = None if rec.inputs_digest == ref.inputs_digest else _inputs_difference(rec, ref)
         if inputs is not None:
             raise RankMismatchError(inputs + (f"; and {program}" if program else ""))
         if program is not None:
             raise RankMismatchError(program)
     return any(rec.needs_groups for rec in records)
+
+
+def _error_types(records: list[Record]) -> list[str]:
+    """The type name of each rank's local error ("" for none)."""
+    return [(rec.error or "").partition(":")[0] for rec in records]
+
+
+def everyone_quiet(records: list[Record]) -> bool:
+    """Whether no rank's program posts any communication (checked records:
+    the same program everywhere)."""
+    return all(rec.quiet for rec in records)
 
 
 def _short(digest: bytes | None) -> str:
@@ -295,7 +331,7 @@ def _short(digest: bytes | None) -> str:
 # -- the step of a call whose signature the ranks agreed on
 
 STEP_MAGIC = 0x4849_5243_0000_0000 | VERSION  # "HIRC" and the layout version
-STEP_WORDS = 6
+STEP_WORDS = 7
 
 
 class Step(NamedTuple):
@@ -306,6 +342,7 @@ class Step(NamedTuple):
     call: int
     comm_call: int
     token: int
+    chain: int = 0
     valid: bool = True
 
 
@@ -318,13 +355,14 @@ def token(digest: str | None, inputs) -> int:
     return value or 1
 
 
-def exchange_steps(comm, rank: int, fusion: int, call: int, comm_call: int, agreed: int) -> list[Step]:
+def exchange_steps(comm, rank: int, fusion: int, call: int, comm_call: int, agreed: int, chain: int = 0) -> list[Step]:
     """Every rank's step, in rank order: STEP_WORDS words through the
     communicator's `exchange_step` (the shared-memory mailbox of ranks on
     one host, else one all-gather on the control group). `agreed` is the
-    call's token, 0 on the full path."""
-    rows = comm.exchange_step([STEP_MAGIC, rank, fusion, call, comm_call, agreed])
-    return [Step(row[1], row[2], row[3], row[4], row[5], row[0] == STEP_MAGIC) for row in rows]
+    call's token, 0 on the full path; `chain` that of the quiet calls since
+    the last exchanged step."""
+    rows = comm.exchange_step([STEP_MAGIC, rank, fusion, call, comm_call, agreed, chain])
+    return [Step(row[1], row[2], row[3], row[4], row[5], row[6], row[0] == STEP_MAGIC) for row in rows]
 
 
 def in_step(steps: list[Step]) -> bool:
@@ -332,25 +370,34 @@ def in_step(steps: list[Step]) -> bool:
     first = steps[0]
     if not first.valid or first.token == 0:
         return False
-    where = (first.fusion, first.call, first.comm_call, first.token)
-    return all(s.valid and (s.fusion, s.call, s.comm_call, s.token) == where for s in steps[1:])
+    where = (first.fusion, first.call, first.comm_call, first.token, first.chain)
+    return all(s.valid and (s.fusion, s.call, s.comm_call, s.token, s.chain) == where for s in steps[1:])
 
 
 def check_steps(steps: list[Step]) -> None:
     """After the full record agreed: raise `RankMismatchError` if the steps
     still differ in what the full record does not carry (the layout, the
-    communicator's call numbers)."""
+    communicator's call numbers, the chains of quiet calls)."""
     for r, step in enumerate(steps):
         if not step.valid:
             raise RankMismatchError(
-                f"rank {r} sent a call step of another layout: every rank must run the same hostir "
+                f"rank {step.rank if step.rank >= 0 else r} sent a call step of another layout: every rank must run the same hostir "
                 f"version and pass the same check_ranks"
             )
     numbers = [s.comm_call for s in steps]
     if any(n != numbers[0] for n in numbers):
-        where = ", ".join(f"rank {r} at its multi-device execute {n}" for r, n in enumerate(numbers))
+        where = ", ".join(f"rank {s.rank} at its multi-device execute {s.comm_call}" for s in steps)
         raise RankMismatchError(
             f"the ranks are out of step: {where} (counted from 0 on this communicator). A rank skipped or "
             f"repeated an execute of another fusion: every rank must call execute on the same fusions in "
             f"the same order"
+        )
+    chains = [s.chain for s in steps]
+    if any(c != chains[0] for c in chains):
+        differing = [s.rank for s in steps if s.chain != chains[0]]
+        raise RankMismatchError(
+            f"the ranks are out of step: since the last call that communicated, ranks {differing} made "
+            f"other calls without communication than rank {steps[0].rank} (another fusion, another signature, or a call "
+            f"that failed on some ranks only); every rank must call execute on the same fusions in the "
+            f"same order"
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hostir import DeviceMesh, FusionDefinition, ParallelType, RankMismatchError, shard_tensor
+from hostir import DeviceMesh, FusionDefinition, InputError, ParallelType, RankMismatchError, shard_tensor
 
 ODD = 1  # the rank that passes something different
 
@@ -73,6 +73,40 @@ def test_rank_dependent_shape(world, device):
     assert "rank 1" in message, message
     assert "[1, 6]" in message and "[1, 4]" in message, message
     still_in_step(world, device, fd, x)
+
+
+def test_other_shapes_that_fail_a_check_are_named_first(world, device):
+    """Rank 1's other shape fails its check of a static size: the error
+    names the shapes the ranks disagree on, then the failed check."""
+    fd, x = allgather_fd(world, m=5)
+    full = rand_int([world.size, 5], device)
+    mine = shard_tensor(full, x) if world.rank != ODD else rand_int([1, 7], device)
+    with pytest.raises(RankMismatchError) as info:
+        fd.execute([mine])
+    message = str(info.value)
+    assert message.startswith(
+        f"inputs differ across ranks: rank {ODD} input 0 has shape [1, 7] and dtype float32, "
+        f"but rank 0 input 0 has shape [1, 5]"
+    ), message
+    assert f"rank {ODD} failed before the program ran" in message and "must have size 5, got 7" in message, message
+    out, = fd.execute([shard_tensor(full, x)])
+    exact(out, full)
+
+
+def test_every_rank_failing_the_same_check_raises_its_own_error(world, device):
+    """No rank disagrees: each raises the check's own error type, as a job
+    of one rank would, never a RankMismatchError."""
+    fd, x = allgather_fd(world, m=5)
+    bad = rand_int([1, 7], device)
+    with pytest.raises(InputError, match="must have size 5, got 7") as info:
+        fd.execute([bad])
+    assert not isinstance(info.value, RankMismatchError)
+    full = rand_int([world.size, 5], device)
+    with pytest.raises(InputError, match="[Ww]rong number of inputs") as info:
+        fd.execute([shard_tensor(full, x), shard_tensor(full, x)])
+    assert not isinstance(info.value, RankMismatchError)
+    out, = fd.execute([shard_tensor(full, x)])
+    exact(out, full)
 
 
 def test_rank_dependent_fixed_size(world, device):

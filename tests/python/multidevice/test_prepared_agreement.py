@@ -56,8 +56,8 @@ def _record(monkeypatch, fd) -> list[str]:
 
 
 def _count_exchanges(monkeypatch) -> dict[str, int]:
-    """How many full records and steps the executor exchanges."""
-    from hostir import executor as module
+    """How many full records and steps the ranks' protocol exchanges."""
+    from hostir.runtime import protocol as module
 
     counts = {"full": 0, "steps": 0}
     full, steps = module.exchange, module.exchange_steps

@@ -13,6 +13,7 @@ import torch
 
 import hostir
 from hostir import DeviceMesh, FusionDefinition, ParallelType, RankMismatchError, shard_tensor
+from hostir.runtime import protocol
 
 ODD = 1  # the rank that behaves differently
 
@@ -191,7 +192,7 @@ def test_second_thread_on_the_communicator_is_refused(world, device):
     held, release = threading.Event(), threading.Event()
 
     def hold():
-        with comm.busy:
+        with protocol.of(comm).busy:
             held.set()
             release.wait(30)
 

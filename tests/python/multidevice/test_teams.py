@@ -1,0 +1,176 @@
+"""Teams of ranks agree among themselves.
+
+A fusion whose meshes name a part of the world (a tensor-parallel group of
+a (dp, tp) mesh, say) is agreed on by those ranks alone: its calls are
+numbered, matched and checked among them, and they make their own process
+groups. Two teams run the same fusion on their own ranks side by side, and
+a mismatch inside one team raises on every rank of that team, naming
+global ranks, while the other team's call runs.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
+
+import hostir
+from hostir import DeviceMesh, FusionDefinition, ParallelType, RankMismatchError, shard_tensor
+from hostir.parallel import parallelize_module
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+pytestmark = pytest.mark.usefixtures("_even_world")
+
+
+@pytest.fixture
+def _even_world(world):
+    if world.size < 4 or world.size % 2:
+        pytest.skip("teams of two ranks side by side: needs an even world of at least 4 ranks")
+
+
+def team_of(world) -> list[int]:
+    """This rank's team: ranks (0, 1), (2, 3), ..."""
+    first = world.rank - world.rank % 2
+    return [first, first + 1]
+
+
+def allgather_fd(ranks):
+    """x [len(ranks), n] sharded on axis 0 over `ranks` -> y replicated."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[len(ranks), -1], dtype=torch.float32)
+        y = fd.ops.set(x)
+        fd.add_output(y)
+    for tv in (x, y):
+        tv.set_device_mesh(DeviceMesh(ranks))
+    x.axis(0).parallelize(ParallelType.mesh_x)
+    return fd, x
+
+
+def gathered(fd, x, full):
+    (y,) = fd.execute([shard_tensor(full, x)])
+    torch.testing.assert_close(y, full)
+
+
+def test_two_teams_run_the_same_fusion_side_by_side(world, device):
+    team = team_of(world)
+    fd, x = allgather_fd(team)
+    everyone, ex = allgather_fd(list(range(world.size)))
+    for n in (3, 3, 3, 5, 5):
+        # Each team's own data: the same on its ranks, other than the other team's.
+        torch.manual_seed(1000 * team[0] + n)
+        gathered(fd, x, torch.randn(2, n, device=device))
+    # The teams' calls are numbered apart from the world's: a fusion of
+    # every rank still runs, from its first call to its prepared ones.
+    torch.manual_seed(7)
+    for _ in range(3):
+        gathered(everyone, ex, torch.randn(world.size, 4, device=device))
+
+
+def test_a_mismatch_in_one_team_raises_on_its_ranks_alone(world, device):
+    team = team_of(world)
+    fd, x = allgather_fd(team)
+    torch.manual_seed(1000 * team[0])
+    full = torch.randn(2, 3, device=device)
+    gathered(fd, x, full)
+    gathered(fd, x, full)
+    odd = torch.randn(2, 6, device=device)
+    # The last rank of the last team passes other shapes.
+    last = world.size - 1
+    mine = odd if world.rank == last else full
+    if last in team:
+        with pytest.raises(RankMismatchError) as info:
+            fd.execute([shard_tensor(mine, x)])
+        message = str(info.value)
+        assert f"rank {last} input 0 has shape [1, 6]" in message, message
+        assert f"but rank {last - 1} input 0 has shape [1, 3]" in message, message
+    else:
+        gathered(fd, x, full)
+    # Every team is in step afterwards, and so is the world.
+    gathered(fd, x, full)
+    everyone, ex = allgather_fd(list(range(world.size)))
+    torch.manual_seed(11)
+    gathered(everyone, ex, torch.randn(world.size, 2, device=device))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim=8, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["tp", "fsdp_tp"])
+def test_tensor_parallel_on_the_tp_groups_of_a_dp_tp_mesh_matches_torch(world, device, fsdp):
+    """torchtitan's layout: a (dp, tp) mesh, the model parallelized on
+    mesh["tp"] (and, with `fsdp`, sharded on mesh["dp"] by FSDP2's
+    `fully_shard`); each tp group trains on its own batch. hostir's
+    `parallelize_module` against torch's own on the same module: outputs,
+    gradients and a few AdamW steps."""
+    hostir.communicator.get()
+    mesh = init_device_mesh(device.type, (world.size // 2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    model = MLP().to(device)
+    ref = copy.deepcopy(model)
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    parallelize_module(model, tp, plan)
+    torch_parallelize_module(ref, tp, plan)
+    if fsdp:
+        fully_shard(model, mesh=mesh["dp"])
+        fully_shard(ref, mesh=mesh["dp"])
+    # Each tp group's own batch, the same on its ranks.
+    torch.manual_seed(100 + mesh.get_local_rank("dp"))
+    x = torch.randn(4, 8, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for _ in range(3):
+        out, expected = model(x), ref(x)
+        torch.testing.assert_close(full(out), full(expected), **TOL)
+        full(out).pow(2).sum().backward()
+        full(expected).pow(2).sum().backward()
+        ours = dict(model.named_parameters())
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(full(ours[name].grad), full(p.grad), **TOL, msg=lambda m: f"{name}: {m}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
+def test_a_rank_outside_a_fusions_meshes_does_not_wait_for_its_ranks(world, device):
+    """A fusion of ranks (0, 1) called on every rank: the others have no
+    part in it, return no output, and wait for no one: they call first,
+    and ranks 0 and 1 call only once every other rank's call returned
+    (told through the rendezvous store, with a timeout)."""
+    fd, x = allgather_fd([0, 1])
+    torch.manual_seed(5)
+    full = torch.randn(2, 3, device=device)
+    store = dist.distributed_c10d._get_default_store()
+    outside = [f"outside-returned/{r}" for r in range(2, world.size)]
+    for call in range(3):
+        piece = shard_tensor(full, x) if world.rank < 2 else torch.randn(1, 3, device=device)
+        if world.rank >= 2:
+            (y,) = fd.execute([piece])
+            assert y is None
+            store.set(f"{outside[world.rank - 2]}/{call}", "1")
+            continue
+        store.wait([f"{key}/{call}" for key in outside], timedelta(seconds=20))
+        (y,) = fd.execute([piece])
+        torch.testing.assert_close(y, full)
