@@ -21,7 +21,7 @@ what one steady-state step does beyond the eager step:
 * ``collectives``: collectives handed to ``torch.distributed`` (``c10d``
   ops);
 * ``plans``: calls of the machine model's per-signature choices
-  (`machine.hoisting_for_inputs`, `machine.for_inputs`), which a
+  (`planner.plan`), which a
   steady-state call should not make;
 * ``dtensor``: DTensor conversions (``from_local``, ``to_local``) made by
   the step, forward and backward.
@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_training  # noqa: E402  (the pieces and the plan, shared)
 
 import hostir  # noqa: E402
-from hostir import machine  # noqa: E402
+from hostir import planner  # noqa: E402
 
 _COPIES = ("aten.copy_", "aten.clone", "aten._to_copy", "aten.contiguous")
 
@@ -105,8 +105,7 @@ def _probe() -> _Probe:
     from torch.distributed.tensor import DTensor
 
     targets = [
-        (machine, "hoisting_for_inputs", "plans"),
-        (machine, "for_inputs", "plans"),
+        (planner, "plan", "plans"),
         (DTensor, "from_local", "dtensor"),
         (DTensor, "to_local", "dtensor"),
     ]

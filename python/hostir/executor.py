@@ -58,27 +58,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
-import os
 import threading
 import warnings
 from typing import Sequence
 
 import torch
 
-from hostir import backends, communicator, cpp, ir, machine, printer
+from hostir import backends, communicator, cpp, ir, planner, printer
 from hostir.analysis import dry_run
+from hostir.arguments import CHECK_RANKS, EVALUATORS, ExecutorParams, as_lists, check_mode, device_for, placed
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError, UsageError
 from hostir.log import logger
 from hostir.lower import LoweredProgram, LoweringOptions, lower
-from hostir.lower.insert_reshardings import MODES as RESHARDING_MODES
-from hostir.lower.hoist_transfers import forced as forced_hoisting
-from hostir.lower.schedule import Schedule, ScheduleError
-from hostir.lower.schedule import parse as parse_schedule
-from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
-from hostir.runtime import flat, prepared, profiling
+from hostir.options import Dumper, fake_mode
+from hostir.planner import Runner
+from hostir.runtime import checks, prepared
 from hostir.runtime.agreement import (
     Offer,
     RankMismatchError,
@@ -91,32 +87,11 @@ from hostir.runtime.agreement import (
     token,
 )
 from hostir.runtime.bind import Binding
-from hostir.runtime.checks import (
-    ExecuteArgumentError,
-    InputError,
-    InputTypeError,
-    as_list,
-    check_chunks,
-    check_inputs,
-    check_no_overlap,
-    check_outputs,
-    check_reductions,
-    check_sizes,
-    check_world,
-    equal_input_axes,
-    host_positions,
-    input_key,
-    is_multi_device,
-    ranks_needed,
-    signature,
-)
+from hostir.runtime.checks import ExecuteArgumentError, InputError, InputTypeError
 from hostir.runtime.evaluator import HostIrEvaluator
 from hostir.runtime.graphs import CudaGraphs
 from hostir.runtime.streams import streams_for
 from hostir.runtime.transports import torch_dist
-
-CHECK_RANKS = ("always", "first", "every")
-HOST_INPUTS = ("copy", "stream")
 
 __all__ = [
     "CHECK_RANKS",
@@ -129,166 +104,6 @@ __all__ = [
     "RankMismatchError",
     "Runner",
 ]
-
-
-@dataclasses.dataclass
-class ExecutorParams:
-    """How to run a program.
-
-    number_of_streams: worker streams a stream-parallel loop cycles through
-        (`numberOfStreams` in the dump); at least 1.
-    evaluator: "python" (the reference interpreter), "cpp" (the C++
-        executor, an error if it is not built) or "auto" (C++ when built);
-        by default HOSTIR_EVALUATOR, else "auto".
-    cuda_graph: capture the run as a CUDA graph on first use for each exact
-        input signature (sizes included) and replay it after; CUDA and NCCL
-        only. Outputs of a replay are the graph's own tensors (or the
-        caller's preallocated ones); inputs are copied into the graph's
-        buffers unless the caller passes those buffers.
-    device: where to run; by default, for a multi-device program, the
-        communicator's (cuda:local_rank or cpu), else the device of the
-        first input on a GPU, else that of input 0. CPU inputs of a program
-        that runs on a GPU are copied there (with one warning per fusion).
-    backend: "nccl" or "gloo" for a multi-device program; by default nccl
-        where CUDA is available. Used when the communicator is created.
-    timeout: seconds any collective may wait for a peer (default
-        HOSTIR_TIMEOUT, else 300). Used when the communicator is created.
-    check_ranks: how the ranks of a multi-device program agree before it
-        runs (every rank must pass the same value). "always" (default): the
-        first call of each exact signature exchanges the full record on a
-        control group (`runtime/agreement.py`): the call (a rank that
-        skipped or repeated an execute makes every rank raise), the
-        program, the inputs' shapes and dtypes, and any local error; later
-        calls of that signature are prepared (they enter at bind) and send
-        only a step of 6 words (the call numbers and the agreed signature's
-        token), and any difference in it sends every rank to the full
-        record, whose error names what differs: the same protections, one
-        small all-gather per call. "every": the full record and the full
-        path on every call (no prepared multi-device call), the cost the
-        step saves. "first": agreement only when a rank lowers a program,
-        and prepared calls send nothing; it saves the step but turns these
-        protections off: a rank that alone fails its checks, skips a call or
-        changes its input shapes then meets the others' collectives out of
-        step, and the job ends in a timeout or returns wrong data.
-    resharding: where an op that would both compute and move data between
-        ranks gets its resharding `set` (lower/insert_reshardings.py):
-        "auto" (default) on the side that moves fewer elements, "before"
-        or "after" the op where possible, or "strict", which refuses such
-        an op and asks for an explicit `fd.ops.set`.
-    schedule: how a device axis walked as a stream axis runs: a
-        `hostir.lower.schedule.Schedule` or its text (`ring:chunks=2`,
-        `collective`, `sequential`, ...); by default `HOSTIR_SCHEDULE`, else
-        the machine model's choice for the inputs' shapes.
-    host_inputs: "copy" (default) copies CPU inputs of a program that runs
-        on a GPU there before it starts; "stream" keeps them in host memory
-        and lets the program move each where an op reads it, on a copy
-        stream, as early as the memory budget allows (as inputs defined with
-        `memory="host"` always are).
-    hoist: how far communications and transfers are posted ahead of their
-        use (`lower/hoist_transfers.py`): "auto" (default: `HOSTIR_HOIST`,
-        else the machine model's choice for the inputs' shapes), a
-        `Hoisting` or its text (`hoist`, `hoist:budget=2GiB,lookahead=3,chunks=4`,
-        `sequential`).
-    """
-
-    number_of_streams: int = 4
-    evaluator: str | None = None
-    device: torch.device | str | None = None
-    backend: str | None = None
-    timeout: float | None = None
-    check_ranks: str = "always"
-    resharding: str = "auto"
-    schedule: object = None
-    cuda_graph: bool = False
-    host_inputs: str = "copy"
-    hoist: object = "auto"
-
-    def validate(self) -> None:
-        n = self.number_of_streams
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ExecuteArgumentError(f"number_of_streams must be an integer >= 1, got {n!r}")
-        if self.evaluator is not None and self.evaluator not in EVALUATORS:
-            raise ExecuteArgumentError(f"unknown evaluator {self.evaluator!r}; expected one of {list(EVALUATORS)}")
-        if not isinstance(self.cuda_graph, bool):
-            raise InputTypeError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
-        if self.check_ranks not in CHECK_RANKS:
-            raise ExecuteArgumentError(f"check_ranks must be one of {list(CHECK_RANKS)}, got {self.check_ranks!r}")
-        if self.resharding not in RESHARDING_MODES:
-            raise ExecuteArgumentError(f"resharding must be one of {list(RESHARDING_MODES)}, got {self.resharding!r}")
-        if self.host_inputs not in HOST_INPUTS:
-            raise ExecuteArgumentError(f"host_inputs must be one of {list(HOST_INPUTS)}, got {self.host_inputs!r}")
-        forced_hoisting(self.hoist)
-        # Checked on every call, also where nothing would read them (a
-        # program with no device axis to walk, one rank): a typo is an
-        # error where it is made, never silently ignored.
-        if self.schedule is not None:
-            _checked_schedule(self.schedule, "schedule")
-        if os.environ.get("HOSTIR_SCHEDULE"):
-            _checked_schedule(os.environ["HOSTIR_SCHEDULE"], "HOSTIR_SCHEDULE")
-        if os.environ.get("HOSTIR_TIMEOUT") is not None:
-            communicator.resolve_timeout(None)
-
-    def evaluator_choice(self) -> tuple[str, tuple[str, ...]]:
-        """The evaluator this run uses, "python" or "cpp", and why the C++
-        executor is not used (before the program is known)."""
-        if self.evaluator is not None:
-            choice, given = self.evaluator, f"evaluator={self.evaluator!r} was passed"
-        else:
-            choice, given = evaluator_choice(), f"HOSTIR_EVALUATOR={evaluator_choice()}"
-        if choice == "python":
-            return "python", (given,)
-        if choice == "auto" and profiling.watched():
-            # The profiler's ranges come from the Python evaluator.
-            return "python", ("the profiler is watching (its ranges come from the Python evaluator)",)
-        if cpp.available():
-            return "cpp", ()
-        if choice == "cpp":
-            raise ExecuteArgumentError(
-                f"evaluator='cpp' was requested but the C++ executor is unavailable: {cpp.reason()}"
-            )
-        cpp.warn_unavailable()
-        return "python", (f"it is not built or does not load: {cpp.reason()}",)
-
-    @classmethod
-    def from_arguments(cls, params: ExecutorParams | None, kwargs: dict) -> ExecutorParams:
-        """`params`, or one made of keyword arguments (not both)."""
-        if params is not None and kwargs:
-            raise InputTypeError("pass either params or keyword arguments, not both")
-        if params is not None:
-            if not isinstance(params, ExecutorParams):
-                raise InputTypeError(f"params must be an ExecutorParams, got {type(params).__name__}")
-            return params
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - fields)
-        if unknown:
-            raise InputTypeError(f"unknown execution parameters {unknown}; expected some of {sorted(fields)}")
-        return cls(**kwargs)
-
-
-@dataclasses.dataclass(frozen=True)
-class Runner:
-    """What runs a call: "cpp" (the C++ executor), "python" (the reference
-    evaluator) or "fake" (HOSTIR_FAKE=1: the dry run's meta tensors), and
-    every reason the C++ executor is not used (empty for "cpp").
-    `str(runner)` is the line the `host_ir` dump and the `hostir` log show."""
-
-    name: str
-    reasons: tuple[str, ...] = ()
-
-    @property
-    def reason(self) -> str:
-        """Why this runner: the reasons joined, or why the C++ executor runs."""
-        if not self.reasons:
-            return "the C++ executor is built and runs every op of the program"
-        return "; ".join(self.reasons)
-
-    def __str__(self) -> str:
-        if not self.reasons:
-            return f"runner: {self.name}"
-        return f"runner: {self.name} (the C++ executor is not used: {self.reason})"
-
-
-_FAKE = Runner("fake", ("HOSTIR_FAKE=1: the call returns the dry run's meta tensors and runs nothing",))
 
 
 @dataclasses.dataclass
@@ -395,7 +210,7 @@ class FusionExecutor:
             lowered = self._program_for(inputs, resharding, kwargs).lowered
             assert lowered is not None
             return lowered
-        if is_multi_device(self.fusion):
+        if self._multi_device():
             rank = communicator.rank()
             backend = backends.of_process_group("nccl" if torch.cuda.is_available() else "gloo").name
             return lower(self.fusion, rank=rank, backend=backend, resharding=resharding)
@@ -421,9 +236,9 @@ class FusionExecutor:
                     "call execute first, or leave inputs out for the default program"
                 )
         params = ExecutorParams.from_arguments(None, dict(kwargs, resharding=resharding))
-        inputs, _, device = self._normalize(inputs, None, params, comm, "0")
-        device = self._check(inputs, device, comm, "0", host_positions(self.fusion, inputs, params.host_inputs))
-        program, _ = self._lookup(inputs, device, params, comm)
+        inputs, _, device, host = self._normalize(inputs, None, params, comm, "0")
+        device = self._check(inputs, device, comm, "0", host)
+        program, _ = self._lookup(inputs, device, params.request(host), comm)
         return program
 
     def execute(
@@ -446,7 +261,7 @@ class FusionExecutor:
                 results = self.run_prepared(ready, inputs, outputs)
                 if results is not None:
                     return results
-        checking = _check_mode(params, kwargs)
+        checking = check_mode(params, kwargs)
         mode = fake_mode()
         comm, error = (None, None)
         if mode != "1" and self._multi_device():
@@ -464,9 +279,9 @@ class FusionExecutor:
                 if error is not None:
                     raise error
                 params = ExecutorParams.from_arguments(params, kwargs)
-                inputs, outputs, device = self._normalize(inputs, outputs, params, comm, mode)
-                device = self._check(inputs, device, comm, mode, host_positions(self.fusion, inputs, params.host_inputs))
-                call = self._program(inputs, outputs, device, params, comm, mode)
+                inputs, outputs, device, host = self._normalize(inputs, outputs, params, comm, mode)
+                device = self._check(inputs, device, comm, mode, host)
+                call = self._program(inputs, outputs, device, params.request(host), params.number_of_streams, comm, mode)
             except Exception as err:
                 if comm is None or checking == "first":
                     raise
@@ -474,7 +289,7 @@ class FusionExecutor:
             self._agree(comm, sequence, call, inputs, error, checking)
             results = self._finish(call)
         if key is not None:
-            self._keep(key, call, params, inputs, comm)
+            self._keep(key, call, params.check_ranks, inputs, comm)
         return results
 
     def _signature(self, inputs, outputs, params, kwargs) -> tuple | None:
@@ -509,7 +324,7 @@ class FusionExecutor:
         with; many ranks agree on a signature's first call and check a
         step on every later one (`_steady`)."""
         comm = communicator.live()
-        if comm is None or (comm.world_size > 1 and _check_mode(params, kwargs) == "every"):
+        if comm is None or (comm.world_size > 1 and check_mode(params, kwargs) == "every"):
             return None
         found = prepared.signature(inputs, outputs, params, kwargs)
         return None if found is None else (comm, found)
@@ -590,7 +405,7 @@ class FusionExecutor:
         preallocated output shares memory with an input, is checked again."""
         program = ready.program
         if outputs is not None:
-            check_no_overlap(self.fusion, outputs, inputs, program.binding.output_tvs)
+            checks.check_no_overlap(self.fusion, outputs, inputs, program.binding.output_tvs)
         if ready.comm is not None:
             # Many ranks: a CUDA graph is looked up per call (its key holds
             # the outputs), never skipped to, so that bind always binds.
@@ -600,7 +415,7 @@ class FusionExecutor:
             )  # fmt: skip
         return _Call(program, inputs, outputs, False, ready.number_of_streams, None, ready.graph, ready.grad, True)
 
-    def _keep(self, key: tuple, call: _Call, params: ExecutorParams, inputs, comm=None) -> None:
+    def _keep(self, key: tuple, call: _Call, check_ranks: str, inputs, comm=None) -> None:
         """Keep the record of a call that took the full path and ran, under
         its signature `key`. (Not a call whose CPU inputs were copied to
         the GPU: the full path warns and copies.) The record of a call of
@@ -610,10 +425,10 @@ class FusionExecutor:
             return
         program = call.program
         grad = any(t.requires_grad for t in call.inputs)
-        ready = prepared.Prepared(self.fusion.version, program, params.number_of_streams, grad)
+        ready = prepared.Prepared(self.fusion.version, program, call.number_of_streams, grad)
         if comm is not None and comm.world_size > 1:
             ready.comm, ready.capture = comm, call.capture
-            if params.check_ranks == "always":
+            if check_ranks == "always":
                 ready.token = token(program.lowered.digest, input_signature(call.inputs))
         elif call.graph is not None:
             # The graph the full path just captured or replayed for this call.
@@ -623,22 +438,24 @@ class FusionExecutor:
 
     # -- 1: normalize
     def _normalize(self, inputs, outputs, params: ExecutorParams, comm, mode: str):
-        """The parameters checked, the inputs and outputs as lists, and the
+        """The parameters checked, the inputs and outputs as lists, the
         device to run on (CPU inputs of a GPU program copied there; the
-        fake runner copies nothing)."""
+        fake runner copies nothing), and the positions of the inputs kept
+        in host memory."""
         params.validate()
-        inputs, outputs = self._as_lists(inputs, outputs)
+        inputs, outputs = as_lists(self.fusion, inputs, outputs)
+        host = checks.host_positions(self.fusion, inputs, params.host_inputs)
         if mode == "1":
-            return inputs, outputs, None
-        device = self._device(inputs, params, comm)
-        inputs = self._place(inputs, device, host_positions(self.fusion, inputs, params.host_inputs))
+            return inputs, outputs, None, host
+        device = device_for(inputs, params.device, comm)
+        inputs = placed(self.fusion, inputs, device, host, self._warned)
         if comm is not None:
             # Never hand a strided view to a collective (gloo would read the
             # wrong memory): compact first, which also keeps contiguity out
             # of the program cache's key so that all ranks hit or miss it
             # together.
             inputs = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs]
-        return inputs, outputs, device
+        return inputs, outputs, device, host
 
     # -- 2: check
     def _check(self, inputs, device, comm, mode: str, host: frozenset = frozenset()):
@@ -647,38 +464,34 @@ class FusionExecutor:
         rank's inputs with the same checks, in the program stage.)"""
         if mode == "1":
             return device
-        if comm is not None:
-            check_world(self.fusion, comm.world_size)
-        device = check_inputs(self.fusion, inputs, device, sharded=comm is not None, host=host)
+        device = checks.check_call(self.fusion, inputs, device, None if comm is None else comm.world_size, host)
         self._warn_requires_grad(inputs)
         return device
 
-    # -- 3: program (with the dry run of a new shape)
-    def _program(self, inputs, outputs, device, params: ExecutorParams, comm, mode: str) -> _Call:
-        """The call with its program: the lowered program for the inputs'
-        signature, the checks of sizes and outputs that need it, and the dry
+    # -- 3: program (plan, lower, build the runner; the dry run of a new shape)
+    def _program(self, inputs, outputs, device, request: planner.Request, nos: int, comm, mode: str) -> _Call:
+        """The call with its program: the lowered program of the inputs'
+        plan, the checks of sizes and outputs that need it, and the dry
         run of a new input shape; with HOSTIR_FAKE=1, the fake runner's
         program, which returns the dry run's meta tensors."""
-        nos = params.number_of_streams
         if mode == "1":
-            return _Call(self._fake_program(inputs, params), inputs, outputs, False, nos)
-        program, lowered = self._lookup(inputs, device, params, comm)
-        sizes = check_sizes(self.fusion, inputs, program.equal_axes)
-        check_reductions(self.fusion, sizes)
-        check_chunks(program.lowered.chunking, sizes)
-        if outputs is not None:
-            check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
+            return _Call(self._fake_program(inputs, nos, request.resharding), inputs, outputs, False, nos)
+        program, lowered = self._lookup(inputs, device, request, comm)
+        checks.check_against_program(
+            self.fusion, inputs, outputs, device, program.equal_axes, program.lowered.chunking,
+            program.container.outputs,
+        )  # fmt: skip
         if mode == "auto" and comm is not None:
             # Not for a single-device program: it has no cross-rank error
             # for a dry run to catch, and its real run raises every error
             # the dry run would.
-            self._dry_run(program, inputs, params, comm.world_size)
+            self._dry_run(program, inputs, nos, request.resharding, comm.world_size)
         call = _Call(program, inputs, outputs, lowered, nos, comm)
-        if params.cuda_graph:
+        if request.cuda_graph:
             call.capture = comm.device if comm is not None else _device_of(inputs)
         return call
 
-    def _fake_program(self, inputs, params: ExecutorParams) -> _Program:
+    def _fake_program(self, inputs, nos: int, resharding: str) -> _Program:
         """HOSTIR_FAKE=1: a program whose runner returns this rank's outputs
         as meta tensors, from a dry run of every rank; nothing runs and no
         process group is made. Without a launcher, this process plays rank
@@ -687,103 +500,46 @@ class FusionExecutor:
         if self._multi_device():
             launch = communicator.discover()
             rank, world = launch.rank, launch.world_size
-            needed = ranks_needed(self.fusion)
+            needed = checks.ranks_needed(self.fusion)
             if world == 1 and needed > 1:
                 world = needed
-        key = (self.fusion.version, input_key(inputs), world, params.number_of_streams, params.resharding)
+        key = (self.fusion.version, checks.input_key(inputs), world, nos, resharding)
         with self._lock:
             report = self._fake_reports.get(key)
         if report is None:
-            report = dry_run.dry_run(
-                self.fusion,
-                inputs,
-                world_size=world,
-                number_of_streams=params.number_of_streams,
-                resharding=params.resharding,
-            )
+            report = dry_run.dry_run(self.fusion, inputs, world_size=world, number_of_streams=nos, resharding=resharding)
             self.dry_runs += 1
             with self._lock:
                 if len(self._fake_reports) >= _MAX_REPORTS:
                     self._fake_reports.pop(next(iter(self._fake_reports)))
                 self._fake_reports[key] = report
         shapes = [shape for _, shape, _ in report[rank].outputs]
-        return _Program(None, _FakeRun(self.fusion.outputs, shapes), [], Binding([], []), _FAKE)
+        return _Program(None, _FakeRun(self.fusion.outputs, shapes), [], Binding([], []), planner.FAKE)
 
     # -- the dry run
-    def _dry_run(self, program: _Program, inputs, params: ExecutorParams, world_size: int):
+    def _dry_run(self, program: _Program, inputs, nos: int, resharding: str, world_size: int):
         """Dry-run `program` once per exact input shape; raise its error."""
-        key = (input_key(inputs), params.number_of_streams)
+        key = (checks.input_key(inputs), nos)
         report = program.reports.get(key)
         if report is not None:
             return report
+        lowered = program.lowered
         if world_size == 1 and not self._multi_device():
             # One device: no ranks to match, the program is lowered, and an
             # error is the one the real run would raise.
-            only = dry_run.run_rank(
-                self.fusion,
-                inputs,
-                0,
-                1,
-                params.number_of_streams,
-                multi=False,
-                program=program.lowered,
-                raw_errors=True,
-            )
-            report = dry_run.DryRunReport(1, params.number_of_streams, [only])
+            only = dry_run.run_rank(self.fusion, inputs, 0, 1, nos, multi=False, program=lowered, raw_errors=True)
+            report = dry_run.DryRunReport(1, nos, [only])
         else:
             report = dry_run.dry_run(
-                self.fusion,
-                inputs,
-                world_size=world_size,
-                number_of_streams=params.number_of_streams,
-                backend=program.lowered.backend,
-                schedule=program.lowered.schedule,
-                resharding=params.resharding,
-                hoisting=program.lowered.hoisting,
-            )
+                self.fusion, inputs, world_size=world_size, number_of_streams=nos, backend=lowered.backend,
+                schedule=lowered.schedule, resharding=resharding, hoisting=lowered.hoisting,
+            )  # fmt: skip
         self.dry_runs += 1
         with self._lock:
             if len(program.reports) >= _MAX_REPORTS:
                 program.reports.pop(next(iter(program.reports)))
             program.reports[key] = report
         return report
-
-    def _device(self, inputs: list, params: ExecutorParams, comm) -> torch.device:
-        if params.device is not None:
-            device = torch.device(params.device)
-            if device.type == "cuda" and device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-            return device
-        if comm is not None:
-            return comm.device
-        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-        for t in tensors:
-            if t.device.type == "cuda":
-                return t.device
-        return tensors[0].device if tensors else torch.device("cpu")
-
-    def _place(self, inputs: list, device: torch.device, host: frozenset = frozenset()) -> list:
-        """Copy CPU inputs to `device` if the program runs elsewhere (one
-        warning per fusion names them and the bytes copied), except those in
-        host memory (`host`: their positions), which the program streams."""
-        if device.type != "cuda":
-            return inputs
-        moved = [
-            i for i, t in enumerate(inputs)
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and i not in host
-        ]
-        if not moved:
-            return inputs
-        if "copy" not in self._warned:
-            self._warned.add("copy")
-            names = ", ".join(f"{i} (T{self.fusion.inputs[i].name})" for i in moved if i < len(self.fusion.inputs))
-            size = sum(ir.nbytes(inputs[i]) for i in moved)
-            warnings.warn(
-                f"inputs {names} are on the CPU but the fusion runs on {device}: copied there "
-                f"({size} bytes this call); pass them on {device} to avoid the copy",
-                stacklevel=5,
-            )
-        return [t.to(device) if i in moved else t for i, t in enumerate(inputs)]
 
     def _warn_requires_grad(self, inputs: list) -> None:
         # Under no_grad nothing is asked of autograd; with grad mode on, only
@@ -803,46 +559,13 @@ class FusionExecutor:
         """`is_multi_device(fusion)`, computed once per fusion version."""
         if self._multi_device_at != self.fusion.version:
             self._multi_device_at = self.fusion.version
-            self._is_multi_device = is_multi_device(self.fusion)
+            self._is_multi_device = checks.is_multi_device(self.fusion)
         return self._is_multi_device
 
-    def _as_lists(self, inputs, outputs) -> tuple[list, list | None]:
-        inputs = as_list(inputs, "inputs")
-        if outputs is not None:
-            outputs = as_list(outputs, "outputs")
-            if all(t is None for t in outputs) and len(outputs) == len(self.fusion.outputs):
-                outputs = None
-        return inputs, outputs
-
-    def _lookup(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> tuple[_Program, bool]:
-        """The cached program for the inputs' signature, lowered on a miss,
-        and whether it was lowered now."""
-        static = tuple(
-            (i, axis, inputs[i].shape[axis])
-            for i, tv in enumerate(self.fusion.inputs)
-            for axis in getattr(tv, "static_dims", ())
-        )
-        evaluator, reasons = params.evaluator_choice()
-        chosen = machine.for_inputs(
-            self.fusion, inputs, comm, params.schedule, device, evaluator, bool(params.cuda_graph)
-        )
-        host = host_positions(self.fusion, inputs, params.host_inputs)
-        hoisting = machine.hoisting_for_inputs(
-            self.fusion, inputs, device, comm, host, params.hoist, cpp_posts=evaluator == "cpp"
-        )
-        key = (
-            tuple(
-                (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else "scalar"
-                for t in inputs
-            ),
-            device,
-            evaluator,
-            params.resharding,
-            static,
-            None if chosen is None else chosen.key(),
-            host,
-            None if hoisting is None else hoisting.key(),
-        )
+    def _lookup(self, inputs, device: torch.device, request: planner.Request, comm=None) -> tuple[_Program, bool]:
+        """The cached program for the inputs' plan, lowered on a miss, and
+        whether it was lowered now."""
+        plan = planner.plan(self.fusion, inputs, device, comm, request)
         with self._lock:
             # A program holds the communicator it was lowered for: after a
             # shutdown and a new communicator, lower again.
@@ -850,65 +573,39 @@ class FusionExecutor:
                 self._programs.clear()
                 self._version = self.fusion.version
                 self._comm = comm
-            program = self._programs.get(key)
-            debug = logger.isEnabledFor(logging.DEBUG)
-            if program is not None:
-                if debug:
-                    logger.debug("program cache hit for %s on %s", _key_text(key), device)
-                return program, False
+            program = self._programs.get(plan.key)
+        debug = logger.isEnabledFor(logging.DEBUG)
+        if program is not None:
             if debug:
-                logger.debug("program cache miss for %s on %s: lowering", _key_text(key), device)
-            strict = (params.evaluator or evaluator_choice()) == "cpp"
-            program = self._programs[key] = self._lower(
-                device, evaluator, reasons, comm, chosen, params.resharding, strict, host, hoisting
-            )
-            return program, True
+                logger.debug("program cache hit for %s on %s", planner.key_text(plan.key), device)
+            return program, False
+        if debug:
+            logger.debug("program cache miss for %s on %s: lowering", planner.key_text(plan.key), device)
+        program = self._programs[plan.key] = self._lower(plan, device, comm)
+        return program, True
 
-    def _lower(
-        self,
-        device: torch.device,
-        evaluator: str,
-        reasons: tuple[str, ...],
-        comm=None,
-        chosen=None,
-        resharding: str = "auto",
-        strict=False,
-        host: frozenset = frozenset(),
-        hoisting=None,
-    ) -> _Program:
+    def _lower(self, plan: planner.Plan, device: torch.device, comm=None) -> _Program:
+        """Lower the fusion as `plan` says and build the plan's runner."""
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
-        if comm is None:
-            options = LoweringOptions(resharding=resharding, host_inputs=host, hoisting=hoisting)
-        else:
-            options = LoweringOptions(
-                rank=comm.rank,
-                backend=backends.of_process_group(comm.backend).name,
-                schedule=chosen,
-                resharding=resharding,
-                host_inputs=host,
-                hoisting=hoisting,
-            )
+        options = LoweringOptions(resharding=plan.resharding, host_inputs=plan.host, hoisting=plan.hoisting)
+        if comm is not None:
+            backend = backends.of_process_group(comm.backend).name
+            options = dataclasses.replace(options, rank=comm.rank, backend=backend, schedule=plan.schedule)
         lowered = lower(self.fusion, options, dumper)
         container = lowered.program
         self.lowerings += 1
-        streams = self._streams.get(device)
-        if streams is None:
-            streams = self._streams[device] = streams_for(device)
-        if evaluator == "cpp" and not strict:
-            # "auto": a program with ops the C++ executor lacks (a copy-engine
-            # transport, chunked views, transfers) runs on the Python evaluator.
-            reasons = tuple(flat.unsupported_reasons(container))
-            if reasons:
-                evaluator = "python"
-        runner = Runner(evaluator, reasons)
+        runner = plan.runner_for(container)
         if dumper.enabled("host_ir"):
             # The program's dump ends with a newline; the runner is its last line.
             dumper.emit("host_ir", f"Host program{self.label}:", f"{container}{runner}\n")
         logger.info("%s", runner)
         torch_dist.check_backends(container, device, comm.backend if comm is not None else None)
-        make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
+        streams = self._streams.get(device)
+        if streams is None:
+            streams = self._streams[device] = streams_for(device)
+        make = cpp.CppEvaluator if runner.name == "cpp" else HostIrEvaluator
         run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper, rank=lowered.rank)
         if logger.isEnabledFor(logging.INFO):
             exprs = list(container.walk())
@@ -916,11 +613,11 @@ class FusionExecutor:
             logger.info(
                 "lowered fusion %s%s to a host program of %d ops (%d communications), digest %s; "
                 "evaluator %s on %s with %s",
-                signature(self.fusion), self.label, len(exprs), comms, (lowered.digest or "")[:12],
+                checks.signature(self.fusion), self.label, len(exprs), comms, (lowered.digest or "")[:12],
                 type(run).__name__, device, type(streams).__name__,
-            )
+            )  # fmt: skip
         binding = Binding.of(container)
-        program = _Program(container, run, equal_input_axes(self.fusion), binding, runner, lowered=lowered)
+        program = _Program(container, run, checks.equal_input_axes(self.fusion), binding, runner, lowered=lowered)
         if isinstance(run, cpp.CppEvaluator) and not any(not isinstance(v, ir.TensorView) for v in container.inputs):
             run.take_views(binding.views())
             program.logical = True
@@ -1092,34 +789,9 @@ class _FakeRun:
         ]
 
 
-@functools.lru_cache(maxsize=64)
-def _parsed_schedule(text: str) -> Schedule:
-    return parse_schedule(text)
-
-
-def _checked_schedule(value: object, where: str) -> None:
-    """Raise the schedule's own error (naming `where`) unless `value` is a
-    Schedule or its valid text."""
-    if isinstance(value, Schedule):
-        return
-    if not isinstance(value, str):
-        raise InputTypeError(f"{where} must be a Schedule or its text (ring:chunks=2, ...), got {type(value).__name__}")
-    try:
-        _parsed_schedule(value)
-    except ScheduleError as err:
-        raise ScheduleError(f"{where}={value!r}: {err}") from None
-
-
 def _device_of(inputs: list) -> torch.device:
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     return tensors[0].device if tensors else torch.device("cpu")
-
-
-def _check_mode(params, kwargs: dict) -> str:
-    """The call's check_ranks where it is a valid one, else "always" (the
-    full path then raises the parameter's error on every rank)."""
-    mode = params.check_ranks if isinstance(params, ExecutorParams) else kwargs.get("check_ranks", "always")
-    return mode if type(mode) is str and mode in CHECK_RANKS else "always"
 
 
 def _refuse_after_failure(comm) -> None:
@@ -1172,22 +844,3 @@ def _refused(comm) -> Exception:
         f"process groups would pair with the wrong calls of the other ranks; run multi-device "
         f"executes from one thread at a time"
     )
-
-
-def _key_text(key: tuple) -> str:
-    inputs, _, evaluator, resharding, static, chosen, host, hoisting = key
-    parts = ", ".join(
-        f"{str(dtype).removeprefix('torch.')}/{ndim}d{'' if contiguous else ' strided'}"
-        for dtype, ndim, contiguous in inputs
-    )
-    text = f"inputs ({parts}), evaluator {evaluator}, resharding {resharding}"
-    if static:
-        text += ", static sizes " + ", ".join(f"input {i} axis {axis} = {size}" for i, axis, size in static)
-    if host:
-        text += ", streamed inputs " + ", ".join(map(str, sorted(host)))
-    text += "" if hoisting is None else f", hoisting {hoisting}"
-    return text + ("" if chosen is None else f", schedule {chosen}")
-
-
-
-

@@ -307,3 +307,26 @@ def _overlaps(a: torch.Tensor, b) -> bool:
     (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
     return a0 < b1 and b0 < a1
 
+
+
+def check_call(fusion: ir.Fusion, inputs: list, device, world_size: int | None, host: frozenset) -> torch.device:
+    """Every check of a call's inputs that needs no program, before any
+    work: the number of ranks (`world_size`; None for one device) and the
+    inputs against the fusion (`check_inputs`); the device to run on."""
+    if world_size is not None:
+        check_world(fusion, world_size)
+    return check_inputs(fusion, inputs, device, sharded=world_size is not None, host=host)
+
+
+def check_against_program(
+    fusion: ir.Fusion, inputs: list, outputs: list | None, device, equal_axes, chunking, output_tvs
+) -> None:
+    """Every check of a call that needs its program: the sizes of the axes
+    ops iterate together (`equal_axes`), the reductions, the axes the
+    program cut into chunks (`chunking`), and the preallocated outputs
+    against the program's outputs (`output_tvs`)."""
+    sizes = check_sizes(fusion, inputs, equal_axes)
+    check_reductions(fusion, sizes)
+    check_chunks(chunking, sizes)
+    if outputs is not None:
+        check_outputs(fusion, outputs, inputs, sizes, device, output_tvs)

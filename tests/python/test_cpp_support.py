@@ -1,0 +1,82 @@
+"""The declared table of what the C++ core runs (`hostir.runtime.support`)
+is what the flat compiler compiles and what `hostir._C` binds, and both
+the lowered program's reasons and the planner's read it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import hostir.cpp
+from hostir import FusionDefinition, backends, ir, planner
+from hostir.kinds import BinaryKind, UnaryKind
+from hostir.runtime import flat, support
+
+
+def test_the_table_names_the_op_classes_the_flat_compiler_compiles():
+    assert support.OPS == frozenset(flat._COMPILERS)
+
+
+def test_the_table_names_the_communication_types_and_backends_the_core_posts():
+    assert flat.COMMUNICATION_TYPES == support.COMMUNICATION_TYPES
+    assert support.BACKENDS == {b.name for b in backends.BACKENDS.values() if b.cpp}
+
+
+@pytest.mark.skipif(not hostir.cpp.available(), reason="the C++ executor is not built")
+def test_the_table_says_what_the_extension_binds():
+    from hostir import _C
+
+    assert set(support.UNARY_KINDS) == set(_C.UNARY_KINDS) and set(support.BINARY_KINDS) == set(_C.BINARY_KINDS)
+    assert set(support.BACKENDS) == set(_C.TRANSPORTS)
+    assert _C.OPCODE_COUNT == len(flat.OPCODES)
+    assert {k.value for k in UnaryKind} <= set(support.UNARY_KINDS)
+    assert {k.value for k in BinaryKind} <= set(support.BINARY_KINDS)
+
+
+def test_a_feature_flipped_on_is_no_longer_a_reason(monkeypatch):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        s = fd.define_scalar(dtype=torch.float64)
+        fd.add_output(fd.ops.mul(x, s))
+    assert any("floating type" in r for r in support.fusion_reasons(fd.fusion))
+    monkeypatch.setattr(support, "FEATURES", dataclasses.replace(support.FEATURES, float_scalars=True))
+    assert support.fusion_reasons(fd.fusion) == []
+
+
+def test_the_fusions_reasons_are_the_lowered_programs_for_its_own_ops():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[4, 6])
+        y = fd.ops.reshape(fd.ops.relu(x), [6, 4])
+        fd.add_output(fd.ops.slice(y, [0, 0], [3, 4]))
+    from hostir.lower import lower
+
+    lowered = flat.unsupported_reasons(lower(fd.fusion).program)
+    assert support.fusion_reasons(fd.fusion) == lowered
+    assert [r.split(" ")[-1] for r in lowered] == ["ReshapeOp", "SliceOp"]
+
+
+def test_a_schedule_on_a_transport_the_core_lacks_is_a_reason():
+    for b in backends.BACKENDS.values():
+        reasons = support.schedule_reasons(b.name, 1)
+        assert (reasons == []) == b.cpp, (b.name, reasons)
+    assert support.schedule_reasons("NCCL", 2) == ["it walks chunks of a split axis"]
+    assert support.schedule_reasons(None, 1, weight_pieces=4) == ["it walks chunks of a split axis"]
+
+
+def test_the_plans_runner_is_the_one_that_runs():
+    """The planner's runner, said before lowering, is the runner that runs:
+    a program with an op the core lacks is planned for Python."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1])
+        fd.add_output(fd.ops.reshape(fd.ops.relu(x), [-1]))
+    x_in = torch.randn(3, 4)
+    plan = planner.plan(fd.fusion, [x_in], torch.device("cpu"), None, planner.Request())
+    (out,) = fd.execute([x_in])
+    torch.testing.assert_close(out, torch.relu(x_in).reshape(-1))
+    assert fd.last_runner.name == plan.runner.name
+    if hostir.cpp.available():
+        assert plan.runner.name == "python"
+        assert plan.runner.reasons == ("it has no instruction for ReshapeOp",)
+    assert isinstance(plan, planner.Plan) and ir.Fusion is type(fd.fusion)
