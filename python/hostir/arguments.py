@@ -26,7 +26,16 @@ from hostir.runtime.checks import ExecuteArgumentError, InputTypeError, as_list
 CHECK_RANKS = ("always", "first", "every")
 HOST_INPUTS = ("copy", "stream")
 
-__all__ = ["CHECK_RANKS", "EVALUATORS", "HOST_INPUTS", "ExecutorParams", "as_lists", "check_mode", "device_for", "placed"]
+__all__ = [
+    "CHECK_RANKS",
+    "EVALUATORS",
+    "HOST_INPUTS",
+    "ExecutorParams",
+    "as_lists",
+    "check_mode",
+    "device_for",
+    "placed",
+]
 
 
 @dataclasses.dataclass

@@ -171,7 +171,13 @@ def plan(fusion: ir.Fusion, inputs: list, device: torch.device, comm, request: R
     transport = _transport(schedule, comm)
     chunks = schedule.chunks if schedule is not None and schedule.decomposition == "ring" else 1
     hoisting = hoisting_for_inputs(
-        fusion, inputs, device, comm, request.host, request.hoist, cpp_posts=runs_on(transport or "NCCL", chunks) == "cpp"
+        fusion,
+        inputs,
+        device,
+        comm,
+        request.host,
+        request.hoist,
+        cpp_posts=runs_on(transport or "NCCL", chunks) == "cpp",
     )
     if asked != "cpp":
         runner = Runner("python", given)
@@ -184,7 +190,9 @@ def plan(fusion: ir.Fusion, inputs: list, device: torch.device, comm, request: R
             reasons.append("its root is chosen at run time")
         runner = Runner("python", tuple(reasons)) if reasons else Runner("cpp")
     static = tuple(
-        (i, axis, inputs[i].shape[axis]) for i, tv in enumerate(fusion.inputs) for axis in getattr(tv, "static_dims", ())
+        (i, axis, inputs[i].shape[axis])
+        for i, tv in enumerate(fusion.inputs)
+        for axis in getattr(tv, "static_dims", ())
     )
     key = (
         tuple((t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else "scalar" for t in inputs),
@@ -317,8 +325,18 @@ def _forced(asked, comm, device) -> Schedule:
     return schedule
 
 
-def choose(model: machine.MachineModel, D: int, rows: int, k: int, n: int, itemsize: int, p2p: str | None,
-           backend: str, runs_on: Callable[[str, int], str] | None = None, replay: bool = False) -> Schedule:
+def choose(
+    model: machine.MachineModel,
+    D: int,
+    rows: int,
+    k: int,
+    n: int,
+    itemsize: int,
+    p2p: str | None,
+    backend: str,
+    runs_on: Callable[[str, int], str] | None = None,
+    replay: bool = False,
+) -> Schedule:
     """The schedule for a gather or reduce side of `rows` x `k` shards per
     rank (times an n-wide weight), on D ranks: the fastest predicted of the
     sequential program and rings of 1, 2 and 4 chunks per peer on the copy
