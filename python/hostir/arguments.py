@@ -144,7 +144,9 @@ class ExecutorParams:
     def request(self, host: frozenset[int]) -> planner.Request:
         """What a call with these parameters asks of the plan; `host`: the
         positions of the inputs kept in host memory."""
-        return planner.Request(self.evaluator, self.schedule, self.hoist, host, self.resharding, self.cuda_graph)
+        return planner.Request(
+            self.evaluator, self.schedule, self.hoist, host, self.resharding, self.cuda_graph, self.number_of_streams
+        )
 
     @classmethod
     def from_arguments(cls, params: ExecutorParams | None, kwargs: dict) -> ExecutorParams:
@@ -235,6 +237,40 @@ def placed(fusion: ir.Fusion, inputs: list, device: torch.device, host: frozense
         warnings.warn(
             f"inputs {names} are on the CPU but the fusion runs on {device}: copied there "
             f"({size} bytes this call); pass them on {device} to avoid the copy",
-            stacklevel=5,
+            stacklevel=6,
         )
     return [t.to(device) if i in moved else t for i, t in enumerate(inputs)]
+
+
+def normalized(fusion: ir.Fusion, inputs, outputs, params: ExecutorParams, comm, fake: bool, warned: set):
+    """Stage 1 of a call: `params` checked, the inputs and outputs as
+    lists, the device to run on (None for the fake runner), the inputs
+    placed there (`placed`; compacted for a multi-device program, `comm`),
+    and the call's request to the planner (`ExecutorParams.request`, with
+    the positions of the inputs kept in host memory)."""
+    params.validate()
+    inputs, outputs = as_lists(fusion, inputs, outputs)
+    request = params.request(host_positions(fusion, inputs, params.host_inputs))
+    if fake:
+        return inputs, outputs, None, request
+    device = device_for(inputs, params.device, comm)
+    inputs = placed(fusion, inputs, device, request.host, warned)
+    if comm is not None:
+        # Never hand a strided view to a collective (gloo would read the
+        # wrong memory): compact first, which also keeps contiguity out of
+        # the program cache's key so that all ranks hit or miss it together.
+        inputs = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs]
+    return inputs, outputs, device, request
+
+
+def host_positions(fusion: ir.Fusion, inputs: list, host_inputs: str = "copy") -> frozenset:
+    """Positions of the inputs a call passes in host memory: those defined
+    with `memory="host"`, and with `host_inputs="stream"` every CPU tensor
+    input too. The program streams them; nothing copies them before it."""
+    defined = {i for i, tv in enumerate(fusion.inputs) if ir.in_host_memory(tv)}
+    if host_inputs != "stream":
+        return frozenset(defined)
+    return frozenset(defined) | frozenset(
+        i for i, (tv, t) in enumerate(zip(fusion.inputs, inputs))
+        if isinstance(tv, ir.TensorView) and isinstance(t, torch.Tensor) and t.device.type == "cpu"
+    )

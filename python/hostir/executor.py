@@ -67,7 +67,7 @@ import torch
 
 from hostir import backends, communicator, cpp, ir, planner, printer
 from hostir.analysis import dry_run
-from hostir.arguments import CHECK_RANKS, EVALUATORS, ExecutorParams, as_lists, check_mode, device_for, placed
+from hostir.arguments import CHECK_RANKS, EVALUATORS, ExecutorParams, check_mode, normalized
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError, UsageError
 from hostir.log import logger
@@ -236,9 +236,9 @@ class FusionExecutor:
                     "call execute first, or leave inputs out for the default program"
                 )
         params = ExecutorParams.from_arguments(None, dict(kwargs, resharding=resharding))
-        inputs, _, device, host = self._normalize(inputs, None, params, comm, "0")
-        device = self._check(inputs, device, comm, "0", host)
-        program, _ = self._lookup(inputs, device, params.request(host), comm)
+        inputs, _, device, request = self._normalize(inputs, None, params, comm, "0")
+        device = self._check(inputs, device, comm, "0", request.host)
+        program, _ = self._lookup(self._plan(inputs, device, request, comm, "0"), device, comm)
         return program
 
     def execute(
@@ -254,24 +254,25 @@ class FusionExecutor:
         Every call goes through the stages of `STAGES`, in order; a prepared
         call (a memo of the first four for its exact signature) enters at
         bind, and `HOSTIR_FAKE=1` is a runner, chosen in the program stage."""
-        key = self._signature(inputs, outputs, params, kwargs)
+        checking = check_mode(params, kwargs)
+        key = self._signature(inputs, outputs, params, kwargs, checking)
         if key is not None:
             ready = self._prepared.get(key, self.fusion.version)
             if ready is not None:
                 results = self.run_prepared(ready, inputs, outputs)
                 if results is not None:
                     return results
-        checking = check_mode(params, kwargs)
         mode = fake_mode()
         comm, error = (None, None)
         if mode != "1" and self._multi_device():
             if mode == "auto":
                 # The dry run comes after the rendezvous: load its imports meanwhile.
                 dry_run.warm_up()
-            comm, error = self._communicator(params, kwargs)
+            error = self._communicator(params, kwargs)
+            comm = communicator.live()
             if key is None and error is None:
                 # The first call of the process made the communicator.
-                key = self._multi_device_signature(inputs, outputs, params, kwargs)
+                key = self._multi_device_signature(inputs, outputs, params, kwargs, checking)
         with _exclusive(comm):
             sequence = self._next_call(comm) if comm is not None else None
             call = None
@@ -279,9 +280,9 @@ class FusionExecutor:
                 if error is not None:
                     raise error
                 params = ExecutorParams.from_arguments(params, kwargs)
-                inputs, outputs, device, host = self._normalize(inputs, outputs, params, comm, mode)
-                device = self._check(inputs, device, comm, mode, host)
-                call = self._program(inputs, outputs, device, params.request(host), params.number_of_streams, comm, mode)
+                inputs, outputs, device, request = self._normalize(inputs, outputs, params, comm, mode)
+                device = self._check(inputs, device, comm, mode, request.host)
+                call = self._program(inputs, outputs, device, request, comm, mode)
             except Exception as err:
                 if comm is None or checking == "first":
                     raise
@@ -292,11 +293,11 @@ class FusionExecutor:
             self._keep(key, call, params.check_ranks, inputs, comm)
         return results
 
-    def _signature(self, inputs, outputs, params, kwargs) -> tuple | None:
+    def _signature(self, inputs, outputs, params, kwargs, checking: str) -> tuple | None:
         """The prepared-call signature of a call (None: the full path)."""
         if not self._multi_device():
             return prepared.signature(inputs, outputs, params, kwargs)
-        return self._multi_device_signature(inputs, outputs, params, kwargs)
+        return self._multi_device_signature(inputs, outputs, params, kwargs, checking)
 
     def recall(self, inputs, params: ExecutorParams) -> prepared.Prepared | None:
         """The record a call `execute(inputs, None, params)` would run from
@@ -305,7 +306,7 @@ class FusionExecutor:
         out each time (`hostir.autograd`), runs them with `run_prepared`
         and checks before each that `prepared.environment()` and
         `communicator.live()` are still what they were when it recalled."""
-        key = self._signature(inputs, None, params, {})
+        key = self._signature(inputs, None, params, {}, check_mode(params, {}))
         return None if key is None else self._prepared.get(key, self.fusion.version)
 
     def run_prepared(self, ready: prepared.Prepared, inputs, outputs=None) -> list[torch.Tensor | None] | None:
@@ -316,7 +317,7 @@ class FusionExecutor:
             return self._steady(ready, inputs, outputs)
         return self._finish(self._recall(ready, inputs, outputs))
 
-    def _multi_device_signature(self, inputs, outputs, params, kwargs) -> tuple | None:
+    def _multi_device_signature(self, inputs, outputs, params, kwargs, checking: str) -> tuple | None:
         """The prepared-call signature of a multi-device fusion's call on the
         live communicator, or None (no communicator yet, or
         check_ranks="every"). Records are kept per communicator: a new one
@@ -324,7 +325,7 @@ class FusionExecutor:
         with; many ranks agree on a signature's first call and check a
         step on every later one (`_steady`)."""
         comm = communicator.live()
-        if comm is None or (comm.world_size > 1 and check_mode(params, kwargs) == "every"):
+        if comm is None or (comm.world_size > 1 and checking == "every"):
             return None
         found = prepared.signature(inputs, outputs, params, kwargs)
         return None if found is None else (comm, found)
@@ -440,22 +441,9 @@ class FusionExecutor:
     def _normalize(self, inputs, outputs, params: ExecutorParams, comm, mode: str):
         """The parameters checked, the inputs and outputs as lists, the
         device to run on (CPU inputs of a GPU program copied there; the
-        fake runner copies nothing), and the positions of the inputs kept
-        in host memory."""
-        params.validate()
-        inputs, outputs = as_lists(self.fusion, inputs, outputs)
-        host = checks.host_positions(self.fusion, inputs, params.host_inputs)
-        if mode == "1":
-            return inputs, outputs, None, host
-        device = device_for(inputs, params.device, comm)
-        inputs = placed(self.fusion, inputs, device, host, self._warned)
-        if comm is not None:
-            # Never hand a strided view to a collective (gloo would read the
-            # wrong memory): compact first, which also keeps contiguity out
-            # of the program cache's key so that all ranks hit or miss it
-            # together.
-            inputs = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs]
-        return inputs, outputs, device, host
+        fake runner copies nothing), and what the call asks of its plan
+        (`arguments.normalized`)."""
+        return normalized(self.fusion, inputs, outputs, params, comm, mode == "1", self._warned)
 
     # -- 2: check
     def _check(self, inputs, device, comm, mode: str, host: frozenset = frozenset()):
@@ -469,14 +457,15 @@ class FusionExecutor:
         return device
 
     # -- 3: program (plan, lower, build the runner; the dry run of a new shape)
-    def _program(self, inputs, outputs, device, request: planner.Request, nos: int, comm, mode: str) -> _Call:
-        """The call with its program: the lowered program of the inputs'
-        plan, the checks of sizes and outputs that need it, and the dry
-        run of a new input shape; with HOSTIR_FAKE=1, the fake runner's
+    def _program(self, inputs, outputs, device, request: planner.Request, comm, mode: str) -> _Call:
+        """The call with its program: the inputs' plan, its lowered program
+        and runner, the checks of sizes and outputs that need it, and the
+        dry run of a new input shape; with HOSTIR_FAKE=1, the fake runner's
         program, which returns the dry run's meta tensors."""
-        if mode == "1":
-            return _Call(self._fake_program(inputs, nos, request.resharding), inputs, outputs, False, nos)
-        program, lowered = self._lookup(inputs, device, request, comm)
+        plan = self._plan(inputs, device, request, comm, mode)
+        if plan.runner is planner.FAKE:
+            return _Call(self._fake_program(inputs, plan), inputs, outputs, False, plan.number_of_streams)
+        program, lowered = self._lookup(plan, device, comm)
         checks.check_against_program(
             self.fusion, inputs, outputs, device, program.equal_axes, program.lowered.chunking,
             program.container.outputs,
@@ -485,13 +474,19 @@ class FusionExecutor:
             # Not for a single-device program: it has no cross-rank error
             # for a dry run to catch, and its real run raises every error
             # the dry run would.
-            self._dry_run(program, inputs, nos, request.resharding, comm.world_size)
-        call = _Call(program, inputs, outputs, lowered, nos, comm)
-        if request.cuda_graph:
+            self._dry_run(program, inputs, plan.number_of_streams, comm.world_size)
+        call = _Call(program, inputs, outputs, lowered, plan.number_of_streams, comm)
+        if plan.replay:
             call.capture = comm.device if comm is not None else _device_of(inputs)
         return call
 
-    def _fake_program(self, inputs, nos: int, resharding: str) -> _Program:
+    def _plan(self, inputs, device, request: planner.Request, comm, mode: str) -> planner.Plan:
+        """The call's plan, made once: every decision about its program."""
+        if mode == "1":
+            return planner.fake(request)
+        return planner.plan(self.fusion, inputs, device, comm, request)
+
+    def _fake_program(self, inputs, plan: planner.Plan) -> _Program:
         """HOSTIR_FAKE=1: a program whose runner returns this rank's outputs
         as meta tensors, from a dry run of every rank; nothing runs and no
         process group is made. Without a launcher, this process plays rank
@@ -503,6 +498,7 @@ class FusionExecutor:
             needed = checks.ranks_needed(self.fusion)
             if world == 1 and needed > 1:
                 world = needed
+        nos, resharding = plan.number_of_streams, plan.resharding
         key = (self.fusion.version, checks.input_key(inputs), world, nos, resharding)
         with self._lock:
             report = self._fake_reports.get(key)
@@ -517,8 +513,10 @@ class FusionExecutor:
         return _Program(None, _FakeRun(self.fusion.outputs, shapes), [], Binding([], []), planner.FAKE)
 
     # -- the dry run
-    def _dry_run(self, program: _Program, inputs, nos: int, resharding: str, world_size: int):
-        """Dry-run `program` once per exact input shape; raise its error."""
+    def _dry_run(self, program: _Program, inputs, nos: int, world_size: int):
+        """Dry-run `program` once per exact input shape (and number of
+        streams `nos`), lowering the other ranks' programs with its
+        options; raise its error."""
         key = (checks.input_key(inputs), nos)
         report = program.reports.get(key)
         if report is not None:
@@ -532,7 +530,7 @@ class FusionExecutor:
         else:
             report = dry_run.dry_run(
                 self.fusion, inputs, world_size=world_size, number_of_streams=nos, backend=lowered.backend,
-                schedule=lowered.schedule, resharding=resharding, hoisting=lowered.hoisting,
+                schedule=lowered.schedule, resharding=lowered.options.resharding, hoisting=lowered.hoisting,
             )  # fmt: skip
         self.dry_runs += 1
         with self._lock:
@@ -562,10 +560,9 @@ class FusionExecutor:
             self._is_multi_device = checks.is_multi_device(self.fusion)
         return self._is_multi_device
 
-    def _lookup(self, inputs, device: torch.device, request: planner.Request, comm=None) -> tuple[_Program, bool]:
-        """The cached program for the inputs' plan, lowered on a miss, and
-        whether it was lowered now."""
-        plan = planner.plan(self.fusion, inputs, device, comm, request)
+    def _lookup(self, plan: planner.Plan, device: torch.device, comm=None) -> tuple[_Program, bool]:
+        """The cached program of `plan`, lowered on a miss, and whether it
+        was lowered now."""
         with self._lock:
             # A program holds the communicator it was lowered for: after a
             # shutdown and a new communicator, lower again.
@@ -624,11 +621,13 @@ class FusionExecutor:
         return program
 
     # -- 4: agree and make groups
-    def _communicator(self, params, kwargs):
-        """The process-wide communicator, and the error of asking for it
-        with parameters that differ from the live one's (shared with the
-        other ranks like any local error); with no live communicator, its
-        creation error is raised here (the launch is broken on this rank)."""
+    def _communicator(self, params, kwargs) -> HostIrError | None:
+        """Make the process-wide communicator (`communicator.live()` after
+        this) with the call's backend and timeout where there is none; the
+        error of asking for it with parameters that differ from the live
+        one's (shared with the other ranks like any local error); with no
+        live communicator, its creation error is raised here (the launch
+        is broken on this rank)."""
         backend = kwargs.get("backend", getattr(params, "backend", None))
         timeout = kwargs.get("timeout", getattr(params, "timeout", None))
         error = None
@@ -640,7 +639,7 @@ class FusionExecutor:
                 raise
             error = err
         _refuse_after_failure(comm)
-        return comm, error
+        return error
 
     def _next_call(self, comm) -> tuple[int, int, int]:
         """This fusion's number on `comm`, the number of this call of it,

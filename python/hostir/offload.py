@@ -37,11 +37,11 @@ from torch import nn
 
 from hostir import planner
 from hostir.errors import UsageError
+from hostir.arguments import host_positions
 from hostir.executor import ExecutorParams
 from hostir.frontend import FusionDefinition
 from hostir.lower.hoist_transfers import ENV
 from hostir.runtime import prepared
-from hostir.runtime.checks import host_positions
 
 __all__ = ["OffloadedStack", "offload"]
 

@@ -77,7 +77,8 @@ class Request:
     (`evaluator`: "python", "cpp", "auto" or None for HOSTIR_EVALUATOR), a
     forced schedule and hoisting (None and "auto": the model's), the
     positions of the inputs kept in host memory, the resharding mode, and
-    whether the call is replayed from a CUDA graph."""
+    whether the call is replayed from a CUDA graph, and the worker streams
+    a stream-parallel loop cycles through (`number_of_streams`)."""
 
     evaluator: str | None = None
     schedule: object = None
@@ -85,13 +86,15 @@ class Request:
     host: frozenset[int] = frozenset()
     resharding: str = "auto"
     cuda_graph: bool = False
+    number_of_streams: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Every decision about one input signature's program. `strict`: the
-    C++ executor was asked for by name (its program must run there).
-    `key`: the program cache's key."""
+    """Every decision about one call's program. `strict`: the C++ executor
+    was asked for by name (its program must run there). `key`: the program
+    cache's key (the number of streams and the replay are the call's: one
+    program serves them all)."""
 
     schedule: Schedule | None
     hoisting: Hoisting | None
@@ -100,6 +103,8 @@ class Plan:
     runner: Runner
     strict: bool
     key: tuple
+    number_of_streams: int = 4
+    replay: bool = False
 
     @property
     def transport(self) -> str | None:
@@ -204,7 +209,16 @@ def plan(fusion: ir.Fusion, inputs: list, device: torch.device, comm, request: R
         request.host,
         None if hoisting is None else hoisting.key(),
     )
-    return Plan(schedule, hoisting, request.host, request.resharding, runner, strict, key)
+    return Plan(
+        schedule, hoisting, request.host, request.resharding, runner, strict, key, request.number_of_streams,
+        request.cuda_graph,
+    )  # fmt: skip
+
+
+def fake(request: Request) -> Plan:
+    """The plan of a call with HOSTIR_FAKE=1: the fake runner, which runs
+    nothing (its dry run lowers every rank's program itself)."""
+    return Plan(None, None, request.host, request.resharding, FAKE, False, (), request.number_of_streams)
 
 
 def key_text(key: tuple) -> str:

@@ -12,7 +12,7 @@ import torch
 
 from hostir import FusionDefinition, ParallelType, cpp
 from hostir.kinds import UnaryKind
-from hostir.runtime import flat, support
+from hostir.runtime import support
 
 needs_cpp = pytest.mark.skipif(not cpp.available(), reason=f"the C++ executor is not built: {cpp.reason()}")
 pytestmark = needs_cpp

@@ -141,19 +141,6 @@ def check_inputs(
 _PYTHON_TYPES = {torch.float64: "float (or int)", torch.int64: "int", torch.bool: "bool"}
 
 
-def host_positions(fusion: ir.Fusion, inputs: list, host_inputs: str = "copy") -> frozenset:
-    """Positions of the inputs a call passes in host memory: those defined
-    with `memory="host"`, and with `host_inputs="stream"` every CPU tensor
-    input too. The program streams them; nothing copies them before it."""
-    defined = {i for i, tv in enumerate(fusion.inputs) if ir.in_host_memory(tv)}
-    if host_inputs != "stream":
-        return frozenset(defined)
-    return frozenset(defined) | frozenset(
-        i for i, (tv, t) in enumerate(zip(fusion.inputs, inputs))
-        if isinstance(tv, ir.TensorView) and isinstance(t, torch.Tensor) and t.device.type == "cpu"
-    )
-
-
 def is_multi_device(fusion: ir.Fusion) -> bool:
     tvs = fusion.tensor_inputs() + list(fusion.outputs) + [v for e in fusion.exprs for v in e.outputs()]
     return any(tv.mesh is not None or tv.device_axes() for tv in tvs)
