@@ -1,57 +1,27 @@
 """Run a fusion: one path for one rank or many.
 
 `FusionExecutor.execute` takes every call through the same stages
-(`FusionExecutor.STAGES`, each a method):
+(`FusionExecutor.STAGES`, each a method; `docs/architecture.md`, "One
+call"): 1. normalize (`arguments.normalized`: the parameters checked, the
+inputs placed, the plan's request); 2. check (`runtime/checks.py`); 3.
+program: the plan (`hostir.planner`), its lowered program for the inputs'
+signature (lowered on a miss, kept per plan key) with the plan's runner,
+the checks that need it, and, for a multi-device program with
+`HOSTIR_FAKE=auto` (the default), a dry run of each new input shape on
+every rank, so that a cross-rank error comes before any data moves; 4.
+agree and make groups (for many ranks: one fixed-size record, or a
+six-word step of a prepared call, `runtime/agreement.py`; every rank
+raises together if they differ, so a failure in stages 1-3 on one rank
+reaches all); 5. bind; 6. run with the plan's runner (the C++ executor,
+the Python evaluator, or the replay of a captured CUDA graph); 7. convert
+the results back to the fusion's logical axes.
 
-1. normalize: the parameters, the inputs and outputs as lists, the device
-   to run on (a CPU input of a program that runs on a GPU is copied there);
-2. check: every input and preallocated output against the fusion, before
-   any work starts;
-3. program: the lowered program for the inputs' signature (dtypes, ranks,
-   device, contiguity, and the sizes of the axes marked static — no other
-   sizes: extents are symbolic, so one program serves every shape), lowered
-   on a miss; with `HOSTIR_FAKE=auto` (the default) each new input shape of
-   a multi-device program is dry-run once (every rank, on meta tensors), so
-   that a cross-rank error comes before any data moves (a single-device
-   program has none to catch: its real run raises what a dry run would);
-4. agree and make groups: for a multi-device fusion, the ranks exchange a
-   fixed-size record (`agreement.py`) — the call, the program, the inputs'
-   shapes and any local error — and every rank raises together if they
-   differ; then they create the process groups the program needs (with
-   check_ranks="always" a step of the full path comes first: it pairs with
-   the steps of ranks whose call is prepared). Nothing to do for one rank;
-5. bind the inputs and outputs (a rank's pieces viewed with loop axes);
-6. run with the evaluator, in a frame of its own, without autograd: the
-   Python reference (`HostIrEvaluator`) or the C++ executor (`hostir.cpp`),
-   both built from the same lowered container; with `cuda_graph=True` the
-   run is captured once per exact input signature and replayed
-   (`hostir.runtime.graphs`);
-7. convert the results back to the fusion's logical axes.
-
-A call whose exact signature (every tensor's type, shape, strides, dtype,
-device and requires_grad; the parameters; the variables that pick the
-evaluator and the dry run) already ran enters at step 5 with its record
-(`hostir.runtime.prepared`), a memo of steps 1-4: they decided nothing else
-for it but whether a preallocated output shares memory with an input, which
-is checked again on every call. For a multi-device fusion the record is per
-communicator; on many ranks it is kept once the ranks agreed on the
-signature (step 4's full record), and with check_ranks="always" a prepared
-call first checks a six-word step with the other ranks (`_steady`; through
-the communicator's shared-memory mailbox where every rank shares one host,
-`hostir.mailbox`): the same call of the same fusion, the same agreed
-signature. A step that
-differs on any rank sends every rank to the full record, which raises on
-all of them what differs.
-
-A failure in steps 1-3 on one rank of a multi-device fusion is carried by
-step 4 to every rank, so all raise the same error instead of one raising and
-the others waiting in a collective.
-
-With `HOSTIR_FAKE=1` the runner is the fake one: step 3 dry-runs every rank
-(the dry run checks each rank's inputs, so steps 1-2 leave the checks to
-it) and step 6 returns this rank's outputs as the dry run's meta tensors;
-nothing runs and no process group is made. A dry-run report depends on
-every size, so it is kept per exact input shape.
+A call whose exact signature already ran enters at bind with its record
+(`hostir.runtime.prepared`), a memo of stages 1-4; on many ranks, once the
+ranks agreed on the signature, with the step first (`_steady`). With
+`HOSTIR_FAKE=1` the runner is the fake one: stage 3 dry-runs every rank
+and stage 6 returns this rank's outputs as meta tensors; nothing runs and
+no process group is made.
 """
 
 from __future__ import annotations
@@ -510,7 +480,7 @@ class FusionExecutor:
                     self._fake_reports.pop(next(iter(self._fake_reports)))
                 self._fake_reports[key] = report
         shapes = [shape for _, shape, _ in report[rank].outputs]
-        return _Program(None, _FakeRun(self.fusion.outputs, shapes), [], Binding([], []), planner.FAKE)
+        return _Program(None, dry_run.FakeRun(self.fusion.outputs, shapes), [], Binding([], []), planner.FAKE)
 
     # -- the dry run
     def _dry_run(self, program: _Program, inputs, nos: int, world_size: int):
@@ -521,17 +491,7 @@ class FusionExecutor:
         report = program.reports.get(key)
         if report is not None:
             return report
-        lowered = program.lowered
-        if world_size == 1 and not self._multi_device():
-            # One device: no ranks to match, the program is lowered, and an
-            # error is the one the real run would raise.
-            only = dry_run.run_rank(self.fusion, inputs, 0, 1, nos, multi=False, program=lowered, raw_errors=True)
-            report = dry_run.DryRunReport(1, nos, [only])
-        else:
-            report = dry_run.dry_run(
-                self.fusion, inputs, world_size=world_size, number_of_streams=nos, backend=lowered.backend,
-                schedule=lowered.schedule, resharding=lowered.options.resharding, hoisting=lowered.hoisting,
-            )  # fmt: skip
+        report = dry_run.dry_run_program(self.fusion, program.lowered, inputs, nos, world_size, self._multi_device())
         self.dry_runs += 1
         with self._lock:
             if len(program.reports) >= _MAX_REPORTS:
@@ -772,20 +732,6 @@ class FusionExecutor:
         """The results with the fusion's logical axes (`logical`: the runner
         gave them so)."""
         return results if logical else list(call.program.binding.unbind(results))
-
-
-class _FakeRun:
-    """The fake runner (HOSTIR_FAKE=1): the dry run's outputs of this rank
-    as meta tensors."""
-
-    def __init__(self, outputs, shapes):
-        self._outputs = list(zip(outputs, shapes))
-
-    def run(self, bindings, number_of_streams: int) -> list:
-        return [
-            None if shape is None else torch.empty(shape, dtype=tv.dtype, device="meta")
-            for tv, shape in self._outputs
-        ]
 
 
 def _device_of(inputs: list) -> torch.device:

@@ -54,8 +54,8 @@ from hostir.runtime.checks import signature
 from hostir.runtime.evaluator import HostIrEvaluator
 from hostir.analysis.dry_run_report import (  # noqa: F401 - the report types are the dry run's API
     Buffer,
-    DryRunReport,
-    RankReport,
+    DryRunReport as DryRunReport,
+    RankReport as RankReport,
     Transfer,
     _bytes,
     _dtype,
@@ -567,3 +567,32 @@ def _elsewhere(mine, theirs, rank: int, verb: str) -> str:
     if not lines:
         return ""
     return f"; rank {rank} {verb}:\n  " + "\n  ".join(lines[:3]) + "\n and the unpaired one is"
+
+
+def dry_run_program(fusion: ir.Fusion, program: LoweredProgram, inputs, number_of_streams: int, world_size: int,
+                    multi: bool) -> DryRunReport:
+    """The dry run of a call about to run `program` (this rank's, lowered):
+    on one rank of a single-device fusion, that program alone, its error
+    the one the real run would raise; else every rank's program, lowered
+    with `program`'s options."""
+    if world_size == 1 and not multi:
+        only = run_rank(fusion, inputs, 0, 1, number_of_streams, multi=False, program=program, raw_errors=True)
+        return DryRunReport(1, number_of_streams, [only])
+    return dry_run(
+        fusion, inputs, world_size=world_size, number_of_streams=number_of_streams, backend=program.backend,
+        schedule=program.schedule, resharding=program.options.resharding, hoisting=program.hoisting,
+    )  # fmt: skip
+
+
+class FakeRun:
+    """The fake runner (HOSTIR_FAKE=1): a dry run's outputs of one rank
+    (their `shapes`) as meta tensors."""
+
+    def __init__(self, outputs, shapes):
+        self._outputs = list(zip(outputs, shapes))
+
+    def run(self, bindings, number_of_streams: int) -> list:
+        return [
+            None if shape is None else torch.empty(shape, dtype=tv.dtype, device="meta")
+            for tv, shape in self._outputs
+        ]
