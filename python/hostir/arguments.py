@@ -271,6 +271,7 @@ def host_positions(fusion: ir.Fusion, inputs: list, host_inputs: str = "copy") -
     if host_inputs != "stream":
         return frozenset(defined)
     return frozenset(defined) | frozenset(
-        i for i, (tv, t) in enumerate(zip(fusion.inputs, inputs))
+        i
+        for i, (tv, t) in enumerate(zip(fusion.inputs, inputs))
         if isinstance(tv, ir.TensorView) and isinstance(t, torch.Tensor) and t.device.type == "cpu"
     )
