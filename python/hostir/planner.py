@@ -165,7 +165,7 @@ def plan(fusion: ir.Fusion, inputs: list, device: torch.device, comm, request: R
     `device`, with `comm` for a multi-device fusion (None: one device)."""
     asked, given = asked_runner(request.evaluator)
     strict = asked == "cpp" and (request.evaluator or evaluator_choice()) == "cpp"
-    fixed = _fusion_facts(fusion, request.host) if asked == "cpp" else []
+    fixed = _fusion_reasons(fusion) if asked == "cpp" else []
 
     def runs_on(transport: str, chunks: int) -> str:
         if asked != "cpp" or fixed:
@@ -249,7 +249,19 @@ def runner_of(evaluator: str, transport: str, chunks: int) -> str:
     return "cpp"
 
 
-def _fusion_facts(fusion: ir.Fusion, host: frozenset) -> list[str]:
+def _fusion_reasons(fusion: ir.Fusion) -> list[str]:
+    """`_fusion_facts(fusion)`, worked out once per fusion version (a call
+    that takes the full path plans again: it must not walk the fusion)."""
+    kept = _FACTS.get(fusion)
+    if kept is None or kept[0] != fusion.version:
+        kept = _FACTS[fusion] = (fusion.version, tuple(_fusion_facts(fusion)))
+    return list(kept[1])
+
+
+_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fusion_facts(fusion: ir.Fusion) -> list[str]:
     """What, in the fusion itself, the C++ core has no path for: its ops and
     scalar inputs (`support.fusion_reasons`), a tensor written to host
     memory, a communication over a 2-D mesh, a stream loop over chunks."""
