@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from hostir import axis_graph, backends, cpp, ir, layout, machine
+from hostir.layout import LayoutError
 from hostir.errors import HostIrError
 from hostir.lower.decompose_device_axis import scattered_operand, walks_device_axis
 from hostir.lower.hoist_transfers import Hoisting, forced
@@ -92,9 +93,11 @@ class Request:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Every decision about one call's program. `strict`: the C++ executor
-    was asked for by name (its program must run there). `key`: the program
-    cache's key (the number of streams and the replay are the call's: one
-    program serves them all)."""
+    was asked for by name (its program must run there). `predicted`: the
+    runner is the Python evaluator because the support table has no path
+    for something the program will hold (not because the call asked).
+    `key`: the program cache's key (the number of streams and the replay
+    are the call's: one program serves them all)."""
 
     schedule: Schedule | None
     hoisting: Hoisting | None
@@ -105,6 +108,7 @@ class Plan:
     key: tuple
     number_of_streams: int = 4
     replay: bool = False
+    predicted: bool = False
 
     @property
     def transport(self) -> str | None:
@@ -121,9 +125,9 @@ class Plan:
         """The plan's runner with each reason naming its first op in the
         lowered `container`; a `PlanError` where the container holds what
         the plan's runner cannot run."""
+        if self.predicted:
+            return Runner("python", tuple(flat.unsupported_reasons(container)) or self.runner.reasons)
         if self.runner.name != "cpp" or self.strict:
-            if self.runner.name == "python" and self.runner.reasons and _derived(self.runner.reasons[0]):
-                return Runner("python", tuple(flat.unsupported_reasons(container)) or self.runner.reasons)
             return self.runner
         missed = flat.unsupported_reasons(container)
         if missed:
@@ -132,11 +136,6 @@ class Plan:
                 f"(hostir.runtime.support) has no path for: {'; '.join(missed)}"
             )
         return self.runner
-
-
-def _derived(reason: str) -> bool:
-    """Whether `reason` comes from the program (not from the call's asking)."""
-    return not reason.startswith(("evaluator=", "HOSTIR_EVALUATOR=", "the profiler", "it is not built"))
 
 
 def asked_runner(evaluator: str | None) -> tuple[str, tuple[str, ...]]:
@@ -211,7 +210,7 @@ def plan(fusion: ir.Fusion, inputs: list, device: torch.device, comm, request: R
     )
     return Plan(
         schedule, hoisting, request.host, request.resharding, runner, strict, key, request.number_of_streams,
-        request.cuda_graph,
+        request.cuda_graph, predicted=asked == "cpp" and runner.name == "python",
     )  # fmt: skip
 
 
@@ -286,7 +285,8 @@ def _walks_chunks(tv: ir.TensorView) -> bool:
         try:
             if layout.select_kind(tv, axis) == "chunk":
                 return True
-        except (HostIrError, IndexError, ValueError):
+        except LayoutError:
+            # An inner piece: the lowering refuses such a loop itself.
             continue
     return False
 
