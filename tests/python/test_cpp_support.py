@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hostir.cpp
-from hostir import FusionDefinition, backends, ir, planner
+from hostir import FusionDefinition, backends, planner
 from hostir.kinds import BinaryKind, UnaryKind
 from hostir.runtime import flat, support
 
@@ -79,4 +79,20 @@ def test_the_plans_runner_is_the_one_that_runs():
     if hostir.cpp.available():
         assert plan.runner.name == "python"
         assert plan.runner.reasons == ("it has no instruction for ReshapeOp",)
-    assert isinstance(plan, planner.Plan) and ir.Fusion is type(fd.fusion)
+
+
+def test_a_program_the_plans_cpp_runner_cannot_run_is_an_error_not_a_move():
+    """Nothing chooses again after the plan: a lowered program holding what
+    the table says the core cannot run, under a plan for the C++ executor,
+    raises and names the reason."""
+    from hostir.lower import lower
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[4, 6])
+        fd.add_output(fd.ops.reshape(x, [6, 4]))
+    container = lower(fd.fusion).program
+    cpp_plan = planner.Plan(None, None, frozenset(), "auto", planner.Runner("cpp"), False, ())
+    with pytest.raises(planner.PlanError, match="it has no instruction for ReshapeOp"):
+        cpp_plan.runner_for(container)
+    predicted = dataclasses.replace(cpp_plan, runner=planner.Runner("python", ("x",)), predicted=True)
+    assert predicted.runner_for(container) == planner.Runner("python", ("it has no instruction for ReshapeOp",))
