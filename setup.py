@@ -34,6 +34,9 @@ def _extension():
         sources=sources,
         # No debug info: it doubles the compile and link time of torch's headers.
         extra_compile_args=["-O2", "-g0"],
+        # The copy-engine transport opens libcuda with dlopen (older glibc
+        # keeps it in libdl).
+        libraries=["dl"],
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

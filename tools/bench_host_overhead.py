@@ -71,8 +71,7 @@ process group), with ``$OUT`` set to where the results go:
 It writes ``host_overhead_multidevice_<device-type>_np<N>.md`` and ``.json``.
 On one host the steps of ``always`` go through the communicator's
 shared-memory mailbox; ``HOSTIR_MAILBOX=0`` keeps them on the gloo control
-group, for comparison (``tools/run_bench_step_mailbox.sh`` runs both on one
-GPU).
+group, for comparison.
 """
 
 from __future__ import annotations
@@ -331,7 +330,9 @@ def run_benchmark(p: Params) -> list[Result]:
     results = []
     for shape, stream_parallel, compute_ops in (("stream loop", True, chunked_ops), ("flat", False, flat_ops)):
         runs = [
-            bench_hostir(f"python {shape}", build_chain(p.length, stream_parallel), x, compute_ops, p, expected, "python"),
+            bench_hostir(
+                f"python {shape}", build_chain(p.length, stream_parallel), x, compute_ops, p, expected, "python"
+            ),
         ]
         if hostir.cpp.available():
             runs.append(
@@ -366,7 +367,9 @@ def run_benchmark(p: Params) -> list[Result]:
                     )
                 )
         if stream_parallel:
-            runs.append(bench_eager("eager chunked", lambda: eager_chunked(x, p.length, streams), compute_ops, p, device))
+            runs.append(
+                bench_eager("eager chunked", lambda: eager_chunked(x, p.length, streams), compute_ops, p, device)
+            )
         else:
             runs.append(bench_eager("eager flat", lambda: eager_flat(x, p.length), compute_ops, p, device))
         results += runs
@@ -402,7 +405,10 @@ def ratios(results: list[Result]) -> list[str]:
         if cc.core_us is not None:
             line += f"; per run {cc.core_us:.1f} µs in the C++ run and {cc.around_us:.1f} in Python around it"
         lines.append(line)
-        for row, how in ((graph, "the caller's input, copied in"), (by.get(f"cuda graph, own inputs {shape}"), "the graph's own input buffer (fd.graph_inputs)")):
+        for row, how in (
+            (graph, "the caller's input, copied in"),
+            (by.get(f"cuda graph, own inputs {shape}"), "the graph's own input buffer (fd.graph_inputs)"),
+        ):
             if row is None:
                 continue
             line = f"- {shape}: CUDA-graph replay with {how}: {row.median_us:.1f} µs per run"
@@ -599,7 +605,9 @@ def run_multidevice(args) -> int:
     rows = {
         "single-device prepared call (the same program, no mesh)": lambda: twin.execute([X, W], device=device),
         **{
-            f"multi-device, check_ranks={mode}": (lambda fd=fd, mode=mode: fd.execute([x, w], check_ranks=mode, **kwargs))
+            f"multi-device, check_ranks={mode}": (
+                lambda fd=fd, mode=mode: fd.execute([x, w], check_ranks=mode, **kwargs)
+            )
             for mode, fd in layers.items()
         },
         "eager torch matmul (single device)": lambda: X @ W,
@@ -719,10 +727,16 @@ def parse_args(argv=None) -> tuple[Params, str]:
         default=os.environ.get("OUT") or DEFAULT_OUT_DIR,
         help="where to write the .md and .json (default: $OUT, else benchmarks/results)",
     )
-    ap.add_argument("--multidevice", action="store_true", help="time steady-state multi-device executes (under a launcher)")
-    ap.add_argument("--schedule", default=None, help="--multidevice: the layer's schedule (default: ring:transport=cuda on CUDA)")
     ap.add_argument(
-        "--backend", choices=("nccl", "gloo"), default=None,
+        "--multidevice", action="store_true", help="time steady-state multi-device executes (under a launcher)"
+    )
+    ap.add_argument(
+        "--schedule", default=None, help="--multidevice: the layer's schedule (default: ring:transport=cuda on CUDA)"
+    )
+    ap.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default=None,
         help="--multidevice: the communicator's backend (default: nccl where each rank has a GPU, else gloo)",
     )
     ap.add_argument("--m", type=int, default=4, help="--multidevice: rows of a rank's piece (default: 4)")

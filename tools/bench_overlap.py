@@ -75,10 +75,13 @@ and symm_mem are skipped):
 
 Rank 0 prints the table and writes ``bench_overlap_<tag>.md`` and ``.json``
 under ``--out-dir`` (rewritten after every variant, so a run cut short still
-leaves the variants it finished). After timing each hostir variant, one more
-traced iteration is saved as ``timeline_<tag>_<variant>/`` (a Chrome /
-Perfetto trace per rank) and, where matplotlib is installed,
-``timeline_<tag>_<variant>.png`` (``--no-timeline`` skips it). hostir's rendezvous port is
+leaves the variants it finished). After timing each hostir variant that
+runs eagerly (not the ``_replay`` rows), one more traced iteration is saved
+as ``timeline_<tag>_<variant>/`` (a Chrome / Perfetto trace per rank) and,
+where matplotlib is installed, ``timeline_<tag>_<variant>.png``
+(``--no-timeline`` skips it). ``--variants`` runs only the named rows of the
+table (shell patterns: ``--variants 'sequential,hostir_ring*'``);
+``--sweep-only`` runs the sweep without the table. hostir's rendezvous port is
 ``HOSTIR_MASTER_PORT`` (default: ``MASTER_PORT``, then 29500);
 ``HOSTIR_TIMEOUT`` bounds every collective.
 """
@@ -88,6 +91,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import fnmatch
 import json
 import math
 import os
@@ -425,6 +429,12 @@ def setup_decomposition(sched: str | None, replay: bool) -> Setup:
                 return out[0]
 
         call.note = lambda: schedule_note(fd)  # type: ignore[attr-defined]
+        if not replay:
+            # One traced eager call, drawn as a stream timeline (run_variant).
+            title = f"hostir {'matmul+RS' if ctx.problem == 'rs' else 'AG+matmul'}, {sched or 'auto'}"
+            call.timeline = lambda directory, png: save_timeline(  # type: ignore[attr-defined]
+                fd, inputs, directory, png, title=title, **kwargs
+            )
         return call, expected
 
     return setup
@@ -769,8 +779,9 @@ def environment(ctx: Context, args, launcher: str) -> dict:
 
 def markdown_report(results: list[Result], env: dict, done: bool) -> str:
     p = env["params"]
+    what = "matmul+RS" if env.get("problem") == "rs" else "AG+matmul"
     lines = [
-        f"# AG+matmul overlap, {env['world_size']} ranks ({env['backend']}, {env['dtype']})",
+        f"# {what} overlap, {env['world_size']} ranks ({env['backend']}, {env['dtype']})",
         "",
     ]
     if not done:
@@ -778,8 +789,14 @@ def markdown_report(results: list[Result], env: dict, done: bool) -> str:
     lines += [
         markdown_table(results),
         "",
-        f"Per rank: shard M={p['m']} rows, K={p['k']}, N={p['n']}; every rank computes the whole "
-        f"[{env['world_size'] * p['m']}, {p['n']}] product. median ms: per iteration the slowest rank's "
+        (
+            f"Per rank: shard M={p['m']} rows, K={p['k']}, N={p['n']}; every rank computes the whole "
+            f"[{env['world_size'] * p['m']}, {p['n']}] product."
+            if what == "AG+matmul"
+            else f"Total rows M={p['m']}, K={p['k']} per rank, N={p['n']}; each rank ends with its "
+            f"[{p['m'] // env['world_size']}, {p['n']}] rows of the sum."
+        )
+        + " median ms: per iteration the slowest rank's "
         f"time ({'CUDA events' if env['backend'] == 'nccl' else 'time.perf_counter'} around the whole call, "
         f"ranks synchronized and at a barrier before each), median over {p['iters']} iterations after "
         f"{p['warmup']} warm-ups. overlap eff. = (T_allgather_alone + T_gemm_alone - T) / "
@@ -792,7 +809,9 @@ def markdown_report(results: list[Result], env: dict, done: bool) -> str:
         f"- date (UTC): {env['date']}",
     ]
     if p["iters"] < MIN_ITERS or p["warmup"] < MIN_WARMUP:
-        lines.append(f"- fewer iterations than PERF.md asks for kept numbers (>= {MIN_ITERS} timed, >= {MIN_WARMUP} warm-up)")
+        lines.append(
+            f"- fewer iterations than PERF.md asks for kept numbers (>= {MIN_ITERS} timed, >= {MIN_WARMUP} warm-up)"
+        )
     lines += ["", "Run: `torchrun --standalone --nproc-per-node 2 tools/bench_overlap.py --tag <tag>`", ""]
     return "\n".join(lines)
 
@@ -833,17 +852,38 @@ def parse_args(argv=None):
     ap.add_argument("--m", "--M", dest="m", type=int, default=16384, help="rows of each rank's shard (default: 16384)")
     ap.add_argument("--k", "--K", dest="k", type=int, default=8192, help="K (default: 8192)")
     ap.add_argument("--n", "--N", dest="n", type=int, default=4096, help="N (default: 4096)")
-    ap.add_argument("--iters", type=int, default=50, help=f"timed iterations per variant (default: 50; keep >= {MIN_ITERS})")
-    ap.add_argument("--warmup", type=int, default=10, help=f"untimed iterations first (default: 10; keep >= {MIN_WARMUP})")
-    ap.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where rank 0 writes the .md and .json (default: benchmarks/results)")
     ap.add_argument(
-        "--no-timeline", dest="timeline", action="store_false",
+        "--iters", type=int, default=50, help=f"timed iterations per variant (default: 50; keep >= {MIN_ITERS})"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=10, help=f"untimed iterations first (default: 10; keep >= {MIN_WARMUP})"
+    )
+    ap.add_argument(
+        "--out-dir", default=DEFAULT_OUT_DIR, help="where rank 0 writes the .md and .json (default: benchmarks/results)"
+    )
+    ap.add_argument(
+        "--no-timeline",
+        dest="timeline",
+        action="store_false",
         help="do not save one traced iteration per hostir variant (timeline_<tag>_<variant>.png and its traces)",
     )
-    ap.add_argument("--tag", default=None, help="file name suffix: bench_overlap_<tag>.md (default: cuda, or cpu with --cpu)")
-    ap.add_argument("--cpu", action="store_true", help="smoke test: gloo, float32, CPU timers; no NCCL pipeline, no symm_mem")
-    ap.add_argument("--problem", choices=("ag", "rs"), default="ag", help="ag: AG+matmul (default); rs: matmul+reduce-scatter")
+    ap.add_argument(
+        "--tag", default=None, help="file name suffix: bench_overlap_<tag>.md (default: cuda, or cpu with --cpu)"
+    )
+    ap.add_argument(
+        "--cpu", action="store_true", help="smoke test: gloo, float32, CPU timers; no NCCL pipeline, no symm_mem"
+    )
+    ap.add_argument(
+        "--problem", choices=("ag", "rs"), default="ag", help="ag: AG+matmul (default); rs: matmul+reduce-scatter"
+    )
     ap.add_argument("--sweep", default="", help="comma list of total rows M: also run the AG+matmul M sweep")
+    ap.add_argument("--sweep-only", action="store_true", help="run the --sweep alone, not the table at --m")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="comma list of shell patterns (hostir_ring*, symm_mem, ...): only the variants of the table at --m "
+        "that match run (default: all)",
+    )
     args = ap.parse_args(argv)
     for name in ("m", "k", "n", "iters"):
         if getattr(args, name) < 1:
@@ -857,8 +897,18 @@ def parse_args(argv=None):
         args.sweep = [int(v) for v in args.sweep.split(",") if v.strip()]
     except ValueError:
         ap.error(f"--sweep takes a comma list of integers, got {args.sweep!r}")
+    if args.sweep_only and not args.sweep:
+        ap.error("--sweep-only needs --sweep")
+    args.variants = [v for v in args.variants.split(",") if v.strip()]
     args.out_dir = os.path.normpath(args.out_dir)
     return args
+
+
+def selected(args, table: list[Variant]) -> list[Variant]:
+    """The variants of `table` that --variants names (all when it names none)."""
+    if not args.variants:
+        return table
+    return [v for v in table if any(fnmatch.fnmatchcase(v.name, pattern) for pattern in args.variants)]
 
 
 def launcher_name() -> str:
@@ -931,14 +981,28 @@ def run_sweep(args, rank, world, device, dtype, ctl, launcher) -> list[Result]:
         ctx = Context(args.cpu, rank, world, sub.m, args.k, args.n, dtype, device, x_full, shard, w, ctl=ctl)
         ctx.ref = make_sequential(ctx)().clone()
         ctx.sync()
-        table = [v for v in variants(ctx, SWEEP_VARIANTS) if v.name in ("gemm_alone", "sequential", "symm_mem")
-                 or v.name.startswith("hostir_") and not v.name[7:].isdigit()]
+        table = [
+            v
+            for v in variants(ctx, SWEEP_VARIANTS)
+            if v.name in ("gemm_alone", "sequential", "symm_mem")
+            or v.name.startswith("hostir_")
+            and not v.name[7:].isdigit()
+        ]
+        table = selected(args, table)
         env = environment(ctx, sub, launcher)
         results = run_table(ctx, table, sub, env, f"{args.tag}_sweep_M{total}")
         d = derived(results)
         for r in results:
-            rows.append({"M": total, "variant": r.name, "median_ms": r.median_ms, "status": r.status,
-                         "match": r.match, **d[r.name]})
+            rows.append(
+                {
+                    "M": total,
+                    "variant": r.name,
+                    "median_ms": r.median_ms,
+                    "status": r.status,
+                    "match": r.match,
+                    **d[r.name],
+                }
+            )
             if not r.optional and (r.status == "failed" or r.match is False):
                 bad.append(f"{r.name}@M={total}")
     if rank == 0:
@@ -953,8 +1017,12 @@ def write_sweep(rows: list[dict], args) -> None:
     variants_ = list(dict.fromkeys(r["variant"] for r in rows))
     Ms = sorted({r["M"] for r in rows})
     by = {(r["M"], r["variant"]): r for r in rows}
-    lines = [f"# AG+matmul M sweep (K={args.k}, N={args.n}): median ms (speedup over sequential)", "",
-             "| variant | " + " | ".join(f"M={m}" for m in Ms) + " |", "|---|" + "---:|" * len(Ms)]
+    lines = [
+        f"# AG+matmul M sweep (K={args.k}, N={args.n}): median ms (speedup over sequential)",
+        "",
+        "| variant | " + " | ".join(f"M={m}" for m in Ms) + " |",
+        "|---|" + "---:|" * len(Ms),
+    ]
     for v in variants_:
         cells = []
         for m in Ms:
@@ -1017,6 +1085,7 @@ def main(argv=None) -> int:
         table = rs_variants(ctx)
     else:
         table = variants(ctx)
+    table = [] if args.sweep_only else selected(args, table)
 
     # hostir creates the process group on its first execute, so a hostir
     # program runs before anything uses torch.distributed directly. A
@@ -1030,9 +1099,9 @@ def main(argv=None) -> int:
         bootstrap_error = _error_text(exc)
         if not dist.is_initialized():
             raise
-    ctx.ctl = dist.new_group(
-        backend="gloo", timeout=timedelta(seconds=float(os.environ.get("HOSTIR_TIMEOUT", 300)))
-    )
+        if rank == 0 and "hostir_1" not in [v.name for v in table]:
+            print(f"the first hostir call failed: {bootstrap_error}", flush=True)
+    ctx.ctl = dist.new_group(backend="gloo", timeout=timedelta(seconds=float(os.environ.get("HOSTIR_TIMEOUT", 300))))
     ctx.ref = (make_rs_sequential(ctx) if ctx.problem == "rs" else make_sequential(ctx))().clone()
     ctx.sync()
 
@@ -1040,7 +1109,7 @@ def main(argv=None) -> int:
     env["problem"] = args.problem
     results = run_table(ctx, table, args, env, args.tag, bootstrap_error)
 
-    if rank == 0:
+    if rank == 0 and table:
         print(
             f"device: {env['device']} ({env['gpu_count']} GPUs visible)  ranks {world}  torch {env['torch']}  "
             f"CUDA {env['cuda']}  NCCL {env['nccl']}  hostir {env['hostir']}"

@@ -18,7 +18,24 @@ Rows, each where it runs:
   down/o): every Linear a hostir program;
 * ``torch TP``: the same plan through torch's ``parallelize_module`` (DTensor);
 * ``torch async-TP``: torch's plan under ``torch.compile`` with symmetric
-  memory's micro-pipelined TP, which needs at least 2 ranks and CUDA.
+  memory's micro-pipelined TP (``torch._inductor.config._micro_pipeline_tp``
+  and symmetric memory enabled for the group, as torch's docs set it up),
+  which needs at least 2 ranks and CUDA; elsewhere the row is skipped and
+  says why.
+
+Two plans (``--plans``), each row above where it applies:
+
+* ``tp``: the layers take the whole activation ``[tokens, H]``, colwise
+  gate/up/q/k/v and rowwise down/o with torch's default layouts (an
+  Allreduce completes the rowwise output);
+* ``sp``: sequence parallelism as torchtitan plans it: the activation
+  ``[1, tokens, H]`` sharded on the sequence, an RMSNorm before the layer
+  under ``SequenceParallel``, gate/up/q/k/v ``ColwiseParallel(input_layouts=
+  Shard(1))`` and down/o ``RowwiseParallel(output_layouts=Shard(1))``: the
+  all-gather before each colwise GEMM and the reduce-scatter after the
+  rowwise one are where torch's async-TP fuses AG+matmul and matmul+RS and
+  where ``hostir.parallel`` runs its rings. The ``eager`` row is the whole
+  layer, norm included, on one GPU; there is no ``hostir fusion`` row.
 
 At world size 1 (plain ``python3``), the target is hostir ≤ 1.05× eager.
 Under ``torchrun`` with more ranks, the TP rows shard over them (eager and
@@ -26,6 +43,8 @@ the fusion row stay single-GPU references on each rank).
 
     PYTHONPATH=python python3 tools/bench_training.py                 # H100/H200, bf16, H=8192
     PYTHONPATH=python python3 tools/bench_training.py --device cpu --hidden 256 --intermediate 512 --tokens 64 --dtype float32
+    torchrun --standalone --nproc-per-node 2 tools/bench_training.py --plans tp,sp      # 2 GPUs
+    mpirun -np 2 python3 tools/bench_training.py --cpu                                # 2 gloo ranks, small shapes
 
 Each timing is the median over ``--iters`` steps after ``--warmup`` (CUDA
 events on a GPU, wall clock on the CPU), the rows timed in interleaved
@@ -54,32 +73,58 @@ import hostir
 from hostir import FusionDefinition
 
 
+PLANS = ("tp", "sp")
+
+
 class MLP(nn.Module):
-    def __init__(self, h, i, dtype, device):
+    def __init__(self, h, i, dtype, device, norm=False):
         super().__init__()
         kw = {"bias": False, "dtype": dtype, "device": device}
+        self.norm = nn.RMSNorm(h, dtype=dtype, device=device) if norm else None
         self.gate, self.up, self.down = nn.Linear(h, i, **kw), nn.Linear(h, i, **kw), nn.Linear(i, h, **kw)
 
     def forward(self, x):
+        if self.norm is not None:
+            x = self.norm(x)
         return (self.down(nn.functional.silu(self.gate(x)) * self.up(x)),)
 
 
 class AttnProj(nn.Module):
-    def __init__(self, h, kv, dtype, device):
+    def __init__(self, h, kv, dtype, device, norm=False):
         super().__init__()
         kw = {"bias": False, "dtype": dtype, "device": device}
-        self.q, self.k, self.v, self.o = (nn.Linear(h, h, **kw), nn.Linear(h, kv, **kw), nn.Linear(h, kv, **kw), nn.Linear(h, h, **kw))
+        self.norm = nn.RMSNorm(h, dtype=dtype, device=device) if norm else None
+        self.q, self.k, self.v, self.o = (
+            nn.Linear(h, h, **kw),
+            nn.Linear(h, kv, **kw),
+            nn.Linear(h, kv, **kw),
+            nn.Linear(h, h, **kw),
+        )
 
     def forward(self, x):
+        if self.norm is not None:
+            x = self.norm(x)
         return self.o(self.q(x)), self.k(x), self.v(x)
 
 
-def plan(kind):
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def plan(kind, which="tp"):
+    """torch's plan for `kind` ("mlp", "attn_proj"): `tp`, the default
+    layouts; `sp`, torchtitan's sequence parallelism."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+    if which == "sp":
+        col, row = (lambda: ColwiseParallel(input_layouts=Shard(1))), (lambda: RowwiseParallel(output_layouts=Shard(1)))
+        first = {"norm": SequenceParallel()}
+    else:
+        col, row, first = ColwiseParallel, RowwiseParallel, {}
     if kind == "mlp":
-        return {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
-    return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+        return {**first, "gate": col(), "up": col(), "down": row()}
+    return {**first, "q": col(), "k": col(), "v": col(), "o": row()}
+
+
+class Skipped(Exception):
+    """A row that cannot run here; its message says why."""
 
 
 def fusion_of(kind, dtype):
@@ -153,15 +198,20 @@ def module_step(module, x, grads):
     return step
 
 
-def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
+def bench_kind(kind, args, device, dtype, timer, world, rank, mesh, which="tp"):
     torch.manual_seed(0)
     h, i, t = args.hidden, args.intermediate, args.tokens
     kv = max(h // 8, 1)
-    make = (lambda: MLP(h, i, dtype, device)) if kind == "mlp" else (lambda: AttnProj(h, kv, dtype, device))
-    x = (torch.randn(t, h, device=device, dtype=dtype) / h**0.5).requires_grad_()
-    base = make()
-    for p in base.parameters():
-        nn.init.normal_(p, std=h**-0.5)
+    sp = which == "sp"
+    if kind == "mlp":
+        base = MLP(h, i, dtype, device, norm=sp)
+    else:
+        base = AttnProj(h, kv, dtype, device, norm=sp)
+    # sp: [batch 1, sequence, H], sharded on the sequence.
+    x = (torch.randn(*((1,) if sp else ()), t, h, device=device, dtype=dtype) / h**0.5).requires_grad_()
+    for m in base.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=h**-0.5)
     outs = base(x)
     grads = [torch.randn_like(o) for o in outs]
     rows = {}
@@ -170,10 +220,26 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
     def prepare(name, make_step):
         try:
             steps[name] = make_step()
+        except Skipped as why:
+            rows[name] = {"ms": None, "skipped": str(why)}
+            if rank == 0:
+                print(f"{which} {kind}, {name}: skipped: {why}", flush=True)
         except Exception as err:  # a row that cannot run says why
             rows[name] = {"ms": None, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
             if args.verbose:
                 traceback.print_exc()
+
+    def local_input():
+        if not sp or world == 1:
+            return x
+        return x.detach().chunk(world, 1)[rank].contiguous().requires_grad_()
+
+    def local_grads():
+        # Colwise outputs (k, v) are local shards of the features; the
+        # rowwise output is whole (tp) or this rank's piece of the sequence (sp).
+        if world == 1:
+            return grads
+        return [(g.chunk(world, 1)[rank] if sp else g) if g.shape[-1] == h else g.chunk(world, -1)[rank] for g in grads]
 
     prepare("eager", lambda: module_step(base, x, grads))
 
@@ -192,18 +258,15 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
         step()  # a row whose first step fails is reported, not timed
         return step
 
-    prepare("hostir fusion", fused)
+    if not sp:
+        prepare("hostir fusion", fused)
 
     def parallel(style_module):
         import copy
 
         m = copy.deepcopy(base)
-        style_module(m, mesh, plan(kind))
-        local_grads = grads
-        if world > 1:
-            # Colwise outputs (k, v) are local shards; the rowwise output is replicated.
-            local_grads = [g if g.shape[-1] == h else g.chunk(world, -1)[rank].contiguous() for g in grads]
-        step = module_step(m, x, local_grads)
+        style_module(m, mesh, plan(kind, which))
+        step = module_step(m, local_input(), [g.contiguous() for g in local_grads()])
         step()
         return step
 
@@ -215,7 +278,7 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
 
     def async_tp():
         if world < 2 or device.type != "cuda":
-            raise RuntimeError("torch async-TP needs at least 2 ranks on CUDA")
+            raise Skipped(f"torch async-TP needs at least 2 ranks on CUDA (here {world} on {device.type})")
         import copy
 
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
@@ -223,10 +286,9 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh):
         torch._inductor.config._micro_pipeline_tp = True
         enable_symm_mem_for_group(mesh.get_group().group_name)
         m = copy.deepcopy(base)
-        torch_parallelize(m, mesh, plan(kind))
+        torch_parallelize(m, mesh, plan(kind, which))
         compiled = torch.compile(m)
-        local_grads = [g if g.shape[-1] == h else g.chunk(world, -1)[rank].contiguous() for g in grads]
-        step = module_step(compiled, x, local_grads)
+        step = module_step(compiled, local_input(), [g.contiguous() for g in local_grads()])
         step()
         return step
 
@@ -262,7 +324,9 @@ def profile(step, device) -> str:
     parts = [events.table(sort_by="self_cpu_time_total", row_limit=30)]
     if device.type == "cuda":
         parts.append(events.table(sort_by="self_cuda_time_total", row_limit=30))
-    syncs = [e for e in prof.key_averages() if "ynchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")]
+    syncs = [
+        e for e in prof.key_averages() if "ynchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")
+    ]
     parts.append("synchronizations: " + (", ".join(f"{e.key} x{e.count}" for e in syncs) or "none"))
     return "\n".join(parts)
 
@@ -277,15 +341,32 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--kinds", default="mlp,attn_proj")
+    ap.add_argument("--plans", default="tp", help=f"comma list of {PLANS} (default: tp)")
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="the small CPU form: gloo, float32, hidden 256, intermediate 512, tokens 64, 1 warm-up, 3 steps",
+    )
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--tag", default=None)
     ap.add_argument("--verbose", action="store_true")
-    ap.add_argument("--profile", action="store_true",
-                    help="profile one step of eager torch and of each hostir row (torch profiler; written to "
-                         "bench_training_<tag>_profile.txt)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one step of eager torch and of each hostir row (torch profiler; written to "
+        "bench_training_<tag>_profile.txt)",
+    )
     args = ap.parse_args()
+    plans = [p for p in args.plans.split(",") if p]
+    if not plans or set(plans) - set(PLANS):
+        ap.error(f"--plans takes a comma list of {PLANS}, got {args.plans!r}")
+    if args.cpu:
+        args.device, args.dtype, args.hidden, args.intermediate, args.tokens = "cpu", "float32", 256, 512, 64
+        args.warmup, args.iters = 1, 3
 
     world, rank, local = hostir.world_size(), hostir.rank(), hostir.local_rank()
+    if any(args.tokens % world for p in plans if p == "sp"):
+        ap.error(f"--plans sp: --tokens {args.tokens} must divide by the {world} ranks")
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", local if world > 1 else torch.cuda.current_device())
@@ -293,41 +374,61 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     mesh = hostir.DeviceMesh(range(world)).to_torch(device.type)
     timer = Timer(device)
-    results = {"world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "dtype": args.dtype, "hidden": args.hidden, "intermediate": args.intermediate, "tokens": args.tokens,
-               "torch": torch.__version__, "kinds": {}}
-    for kind in args.kinds.split(","):
-        results["kinds"][kind] = bench_kind(kind, args, device, dtype, timer, world, rank, mesh)
+    results = {
+        "world_size": world,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "hidden": args.hidden,
+        "intermediate": args.intermediate,
+        "tokens": args.tokens,
+        "torch": torch.__version__,
+        "plans": {},
+    }
+    for which in plans:
+        results["plans"][which] = {
+            kind: bench_kind(kind, args, device, dtype, timer, world, rank, mesh, which)
+            for kind in args.kinds.split(",")
+        }
     if rank != 0:
         return
     lines = [
         f"# bench_training: {results['device']}, world size {world}, {args.dtype}, tokens {args.tokens}, "
         f"hidden {args.hidden}, intermediate {args.intermediate}",
         "",
-        "| layer | variant | fwd+bwd ms | × eager | host ms | note |",
-        "|---|---|---:|---:|---:|---|",
+        "| plan | layer | variant | fwd+bwd ms | × eager | host ms | × torch TP | note |",
+        "|---|---|---|---:|---:|---:|---:|---|",
     ]
-    for kind, rows in results["kinds"].items():
-        for name, r in rows.items():
-            ms = "—" if r["ms"] is None else f"{r['ms']:.3f}"
-            ratio = f"{r['x_eager']:.3f}" if "x_eager" in r else "—"
-            host = "—" if r.get("host_ms") is None else f"{r['host_ms']:.3f}"
-            lines.append(f"| {kind} | {name} | {ms} | {ratio} | {host} | {r.get('error', '')} |")
+    for which, kinds in results["plans"].items():
+        for kind, rows in kinds.items():
+            tp = rows.get("torch TP", {}).get("ms")
+            for name, r in rows.items():
+                ms = "—" if r["ms"] is None else f"{r['ms']:.3f}"
+                ratio = f"{r['x_eager']:.3f}" if "x_eager" in r else "—"
+                host = "—" if r.get("host_ms") is None else f"{r['host_ms']:.3f}"
+                x_tp = f"{r['ms'] / tp:.3f}" if r["ms"] and tp else "—"
+                note = r.get("error") or (f"skipped: {r['skipped']}" if "skipped" in r else "")
+                lines.append(f"| {which} | {kind} | {name} | {ms} | {ratio} | {host} | {x_tp} | {note} |")
     lines.append("")
-    for kind, rows in results["kinds"].items():
-        for name in ("hostir fusion", "hostir.parallel"):
-            r = rows.get(name, {})
-            if "x_eager" in r and world == 1:
-                verdict = "meets" if r["x_eager"] <= 1.05 else "misses"
-                lines.append(f"- {kind}, {name}: {r['x_eager']:.3f}× eager, {verdict} the 1.05× target")
+    for which, kinds in results["plans"].items():
+        for kind, rows in kinds.items():
+            for name in ("hostir fusion", "hostir.parallel"):
+                r = rows.get(name, {})
+                if "x_eager" in r and world == 1:
+                    verdict = "meets" if r["x_eager"] <= 1.05 else "misses"
+                    lines.append(f"- {which} {kind}, {name}: {r['x_eager']:.3f}× eager, {verdict} the 1.05× target")
     text = "\n".join(lines) + "\n"
     print(text)
     out = pathlib.Path(args.out_dir or os.environ.get("OUT") or "benchmarks/results")
     out.mkdir(parents=True, exist_ok=True)
     tag = args.tag or f"{device.type}_ws{world}"
     (out / f"bench_training_{tag}.md").write_text(text)
-    profiles = [f"## {kind}, {name}\n{r.pop('profile')}" for kind, rows in results["kinds"].items()
-                for name, r in rows.items() if "profile" in r]
+    profiles = [
+        f"## {which} {kind}, {name}\n{r.pop('profile')}"
+        for which, kinds in results["plans"].items()
+        for kind, rows in kinds.items()
+        for name, r in rows.items()
+        if "profile" in r
+    ]
     if profiles:
         (out / f"bench_training_{tag}_profile.txt").write_text("\n\n".join(profiles) + "\n")
     (out / f"bench_training_{tag}.json").write_text(json.dumps(results, indent=2))

@@ -13,6 +13,16 @@ ranks may share one GPU (`--share-gpu`, the default when there are fewer
 GPUs than ranks): NCCL refuses that, symmetric memory need not. It also
 measures this machine's model (`hostir.machine.measure`). Rank 0 prints a
 table and writes check_cuda_transport.json under --out.
+
+Then the C++ executor's copy-engine transport (csrc/host_ir/transports/
+cuda.cpp), step by step, each step printed as it passes: the windows Python
+makes and hands over (addresses per rank and parity), one call of a 2-rank
+ring (one push and its wait per rank: the rows that came from the peer
+checked apart from the rank's own), 20 calls back to back, one CUDA graph
+per call parity replayed, and fd.execute(evaluator="cpp") with
+hostir.runtime.graphs.capture. Every wait on the GPU has a deadline: a step
+whose GPU work never ends (a flag wait no push met) is named and the
+process exits. `--only cpp` or `--only python` runs one half.
 """
 
 from __future__ import annotations
@@ -25,8 +35,11 @@ import traceback
 
 import torch
 
-from hostir import DeviceMesh, FusionDefinition, ParallelType, communicator, machine, planner
+import time
+
+from hostir import DeviceMesh, FusionDefinition, ParallelType, communicator, cpp, machine, planner
 from hostir.lower.schedule import parse
+from hostir.runtime import flat
 from hostir.runtime import graphs as hostir_graphs
 from hostir.runtime.evaluator import HostIrEvaluator
 from hostir.lower import lower
@@ -94,10 +107,122 @@ def schedule_line(fd) -> str:
     return "no ring in the program"
 
 
+def gpu_done(label: str, rank: int, seconds: float = 60.0) -> None:
+    """Wait for the GPU's work so far, at most `seconds`: past that, name
+    the step that never finished and exit (a hung flag wait never returns)."""
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + seconds
+    while not done.query():
+        if time.monotonic() > deadline:
+            print(f"rank {rank}: TIMEOUT after {seconds:.0f} s in step '{label}': the GPU never finished "
+                  f"(a flag wait that no push met, or a push that never ran)", flush=True)
+            os._exit(3)
+        time.sleep(0.001)
+
+
+def _mismatch(out, ref) -> str:
+    got = out.reshape(ref.shape).float()
+    bad = (got - ref.float()).abs() > 0
+    if not bad.any():
+        return ""
+    rows = sorted({int(i) for i in bad.nonzero()[:, -2].tolist()})
+    return f"rows {rows[:12]} differ, max err {(got - ref.float()).abs().max():.3g}"
+
+
+def check_cpp(comm, dev, m, K, N, record) -> None:
+    """The C++ executor's copy-engine transport, one step at a time."""
+    D, rank = comm.world_size, comm.rank
+    record("C++ executor loads", cpp.available(), f"{cpp.reason() or ''}")
+    if not cpp.available():
+        return
+    for name, fd, inputs, ref in cases(D, rank, dev, m, K, N):
+        for sched in ("ring:transport=cuda", "ring:transport=cuda,chunks=2", "ring:transport=cuda,direction=-1,chunks=2"):
+            label = f"C++ {name} {sched}"
+            step = "lower and compile"
+            try:
+                lowered = lower(fd.fusion, rank=rank, backend="gloo", schedule=parse(sched))
+                program = lowered.program
+                ev = cpp.CppEvaluator(program, device=dev, communicator=comm, rank=lowered.rank)
+                reasons = flat.unsupported_reasons(program)
+                record(f"{label}: runs in C++", not reasons, "; ".join(reasons))
+                opcodes = sorted({i.op for i in ev.flat.instrs})
+                record(f"{label}: flat program", "chunk" in opcodes or "chunks" not in sched, " ".join(opcodes))
+                bind = dict(zip(program.inputs, inputs))
+                step = "first call: windows made and handed over, one push and its wait per peer"
+                with torch.no_grad():
+                    (out,) = ev.run(bind)
+                gpu_done(f"{label}: {step}", rank)
+                t = cuda_transport.for_communicator(comm, dev)
+                made = [(k, w) for per in t._windows.values() for k, w in per.items() if k and k[0] == "cpp"]
+                notes = []
+                for key, w in made:
+                    bases, flags, flag_bytes = w.addresses()
+                    notes.append(f"instr {key[1]} parity {key[3]}: {w.nbytes} B, bases {[hex(b) for b in bases]}, "
+                                 f"flags {[hex(f) for f in flags]} ({flag_bytes} B)")
+                parities = {k[3] for k, _ in made}
+                record(f"{label}: windows for both parities", parities == {0, 1}, " | ".join(notes))
+                # The rank's own rows are computed locally; every other block
+                # came through a push (AG) or was pushed away and summed (RS).
+                record(f"{label}: first call", not _mismatch(out, ref), _mismatch(out, ref))
+                step = "20 calls back to back"
+                outs = []
+                with torch.no_grad():
+                    for _ in range(20):
+                        outs.append(ev.run(bind)[0])
+                gpu_done(f"{label}: {step}", rank)
+                bad = [i for i, o in enumerate(outs) if _mismatch(o, ref)]
+                record(f"{label}: {step}", not bad, f"calls {bad} wrong: {_mismatch(outs[bad[0]], ref)}" if bad else "")
+                step = "CUDA graphs, one per call parity, replayed"
+                comm.barrier()
+                preset = [torch.empty_like(outs[0]) for _ in range(2)]
+                graphs_ = []
+                for p in range(2):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.no_grad(), torch.cuda.graph(g):
+                        ev.run({**bind, program.outputs[0]: preset[p]})
+                    graphs_.append(g)
+                gpu_done(f"{label}: capture", rank)
+                comm.barrier()
+                bad = []
+                for i in range(10):
+                    preset[i % 2].fill_(float("nan"))
+                    graphs_[i % 2].replay()
+                    gpu_done(f"{label}: replay {i} (parity {i % 2})", rank)
+                    if _mismatch(preset[i % 2], ref):
+                        bad.append(i)
+                record(f"{label}: {step}", not bad, f"replays {bad} wrong" if bad else "")
+            except Exception as err:  # noqa: BLE001
+                traceback.print_exc()
+                record(f"{label}: {step}", False, f"{type(err).__name__}: {str(err)[:300]}")
+            comm.barrier()
+    for name, fd, inputs, ref in cases(D, rank, dev, m, K, N):
+        label = f"C++ {name} fd.execute(schedule='ring:transport=cuda,chunks=2', evaluator='cpp')"
+        try:
+            kwargs = {"schedule": "ring:transport=cuda,chunks=2", "backend": "gloo", "evaluator": "cpp"}
+            (out,) = fd.execute(inputs, **kwargs)
+            gpu_done(f"{label}: eager", rank)
+            record(f"{label}: eager on {fd.last_runner.name}", fd.last_runner.name == "cpp" and not _mismatch(out, ref),
+                   _mismatch(out, ref) or str(fd.last_runner.reasons))
+            replay = hostir_graphs.capture(fd, inputs, **kwargs)
+            bad = []
+            for i in range(6):
+                (got,) = replay()
+                gpu_done(f"{label}: capture replay {i}", rank)
+                if _mismatch(got, ref):
+                    bad.append(i)
+            record(f"{label}: hostir.runtime.graphs.capture, 6 replays", not bad, f"replays {bad} wrong" if bad else "")
+        except Exception as err:  # noqa: BLE001
+            traceback.print_exc()
+            record(label, False, f"{type(err).__name__}: {str(err)[:300]}")
+        comm.barrier()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--only", choices=("all", "python", "cpp"), default="all")
     args = parser.parse_args()
     comm = communicator.get(backend="gloo", timeout=60)
     D, rank = comm.world_size, comm.rank
@@ -132,7 +257,9 @@ def main() -> int:
         record("machine model measured", False, repr(err)[:200])
 
     m, K, N = args.rows, 128, 256
-    for name, fd, inputs, ref in cases(D, rank, dev, m, K, N):
+    if args.only in ("all", "cpp"):
+        check_cpp(comm, dev, m, K, N, record)
+    for name, fd, inputs, ref in cases(D, rank, dev, m, K, N) if args.only != "cpp" else []:
         for sched in ("ring:transport=cuda", "ring:transport=cuda,chunks=2", "ring:transport=cuda,direction=-1,chunks=2"):
             label = f"{name} {sched}"
             try:
@@ -188,10 +315,10 @@ def main() -> int:
             comm.barrier()
     # The user's path: fd.execute with the schedule forced, then the same
     # calls captured in CUDA graphs by hostir.runtime.graphs and replayed.
-    for name, fd, inputs, ref in cases(D, rank, dev, m, K, N):
+    for name, fd, inputs, ref in cases(D, rank, dev, m, K, N) if args.only != "cpp" else []:
         label = f"{name} fd.execute(schedule='ring:transport=cuda,chunks=2')"
         try:
-            kwargs = {"schedule": "ring:transport=cuda,chunks=2", "backend": "gloo"}
+            kwargs = {"schedule": "ring:transport=cuda,chunks=2", "backend": "gloo", "evaluator": "python"}
             (out,) = fd.execute(inputs, **kwargs)
             torch.cuda.synchronize()
             record(f"{label}: eager", torch.equal(out.reshape(ref.shape), ref), schedule_line(fd))

@@ -42,122 +42,15 @@ import pathlib
 import platform
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tarfile
-import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from benchlib import REPO, Runner, job_env, machine_tag, pytest_results
+
 STATE = REPO / ".gpu_check"
 PARTS = ("build", "single", "suite", "examples")
 MULTIDEVICE = "tests/python/multidevice"
-_SUMMARY_LINE = re.compile(
-    r"^(?:=+ )?(?P<body>\d+ (?:passed|failed|errors?|skipped|deselected|xfailed)[^\n]*?) in [\d.]+s", re.M
-)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Runner:
-    """Runs steps under limits, records their outcome, keeps the budget."""
-
-    def __init__(self, out: pathlib.Path, budget: float) -> None:
-        self.out = out
-        self.logs = STATE / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self.start = time.monotonic()
-        self.budget = budget
-        self.steps: list[dict] = []
-
-    def left(self) -> float:
-        return self.budget - (time.monotonic() - self.start)
-
-    def step(self, name: str, limit: float, command: list[str], env: dict[str, str] | None = None,
-             check=None, ranks: int = 0) -> bool:
-        """Run `command` with at most `limit` seconds (less if the budget is
-        short); its output goes to logs/NAME.log. `check(log_text)` may
-        return an error string that fails a command that exited 0."""
-        log = self.logs / f"{name}.log"
-        limit = min(limit, self.left() - 5)
-        record = {"step": name, "command": " ".join(command), "log": log.name}
-        if limit < 10:
-            record.update(status="skipped: no time left", seconds=0.0)
-            self.steps.append(record)
-            print(f"--- {name}: skipped, no time left", flush=True)
-            return False
-        print(f"=== {name} (limit {limit:.0f} s): {record['command'][:200]}", flush=True)
-        t0 = time.monotonic()
-        with open(log, "w") as f:
-            f.write(f"$ {record['command']}\n")
-            f.flush()
-            proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                    env=env or os.environ.copy(), start_new_session=True)
-            try:
-                rc = proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                rc = None
-            finally:
-                _kill_session(proc)
-        seconds = time.monotonic() - t0
-        text = log.read_text(errors="replace")
-        if rc is None:
-            status = f"TIMEOUT after {limit:.0f} s"
-        elif rc != 0:
-            status = f"FAILED (exit {rc})"
-        else:
-            problem = check(text) if check else None
-            status = f"FAILED ({problem})" if problem else "passed"
-        detail = _outcome(text)
-        if ranks:
-            # Each rank's own outcome, from its own log.
-            per_rank = [_outcome(_read(self.logs / f"{name}.rank{r}.log")) or "no output" for r in range(ranks)]
-            detail = "; ".join(f"rank {r}: {d}" for r, d in enumerate(per_rank))
-        record.update(status=status, seconds=round(seconds, 1), detail=detail)
-        self.steps.append(record)
-        print(f"--- {name}: {status} in {seconds:.1f} s {detail}", flush=True)
-        if status != "passed":
-            print("\n".join("    " + line for line in text.splitlines()[-25:]), flush=True)
-        return status == "passed"
-
-
-def _kill_session(proc: subprocess.Popen) -> None:
-    """End the step's process group: ranks outliving a killed launcher would
-    hold the GPUs and ports of the next step."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            continue
-    # The group leader is gone; stragglers of the group may remain.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _read(path: pathlib.Path) -> str:
-    return path.read_text(errors="replace") if path.exists() else ""
-
-
-def _outcome(text: str) -> str:
-    """A step's pytest summary, else its last line of output."""
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("$ ")]
-    return _pytest_results(text) or (lines[-1][:160] if lines else "")
-
-
-def _pytest_results(text: str) -> str:
-    found = [m.group("body") for m in _SUMMARY_LINE.finditer(text)]
-    return "; ".join(dict.fromkeys(found))
 
 
 def versions() -> dict:
@@ -180,40 +73,43 @@ def versions() -> dict:
     return info
 
 
-def machine_tag(gpus: list[str]) -> str:
-    if not gpus:
-        return "cpu"
-    name = gpus[0]
-    model = next((m for m in ("H200", "H100", "A100", "L40S", "L4", "B200", "GB200") if m in name), None)
-    model = model or re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
-    return f"{model.lower()}x{len(gpus)}"
-
-
-def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = os.environ.copy()
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["PYTHONUNBUFFERED"] = "1"
-    env["HOSTIR_MASTER_ADDR"] = "127.0.0.1"
-    env["HOSTIR_MASTER_PORT"] = str(free_port())
-    env.setdefault("HOSTIR_TIMEOUT", "60")
-    env.update(extra or {})
-    return env
-
-
 def launch(launcher: str, nprocs: int, program: list[str], log_prefix: pathlib.Path, env: dict[str, str]) -> list[str]:
     """The command that runs `program` on `nprocs` ranks, each rank's output
     in `log_prefix.rankN.log` (tools/gpu_check.py --rank-log)."""
     ranked = [sys.executable, str(REPO / "tools" / "gpu_check.py"), "--rank-log", str(log_prefix), "--", *program]
     if launcher == "torchrun":
-        return [shutil.which("torchrun") or "torchrun", "--standalone", f"--nproc-per-node={nprocs}",
-                "--no-python", *ranked]
+        return [
+            shutil.which("torchrun") or "torchrun",
+            "--standalone",
+            f"--nproc-per-node={nprocs}",
+            "--no-python",
+            *ranked,
+        ]
     exports = []
-    for name in ("PYTHONPATH", "PYTHONUNBUFFERED", "HOSTIR_MASTER_ADDR", "HOSTIR_MASTER_PORT", "HOSTIR_TIMEOUT",
-                 "HOSTIR_TEST_TRANSPORT", "PATH", "VIRTUAL_ENV", "TORCH_DISTRIBUTED_DEBUG"):
+    for name in (
+        "PYTHONPATH",
+        "PYTHONUNBUFFERED",
+        "HOSTIR_MASTER_ADDR",
+        "HOSTIR_MASTER_PORT",
+        "HOSTIR_TIMEOUT",
+        "HOSTIR_TEST_TRANSPORT",
+        "PATH",
+        "VIRTUAL_ENV",
+        "TORCH_DISTRIBUTED_DEBUG",
+    ):
         if name in env:
             exports += ["-x", name]
-    return [shutil.which("mpirun") or "mpirun", "--allow-run-as-root", "-np", str(nprocs), "--oversubscribe",
-            "--bind-to", "none", *exports, *ranked]
+    return [
+        shutil.which("mpirun") or "mpirun",
+        "--allow-run-as-root",
+        "-np",
+        str(nprocs),
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        *exports,
+        *ranked,
+    ]
 
 
 def rank_log(prefix: str, command: list[str]) -> int:
@@ -224,12 +120,13 @@ def rank_log(prefix: str, command: list[str]) -> int:
     with open(path, "w") as f:
         rc = subprocess.call(command, stdout=f, stderr=subprocess.STDOUT)
     text = path.read_text(errors="replace")
-    print(f"rank {rank}: exit {rc}; {_pytest_results(text) or text.strip().splitlines()[-1:] }", flush=True)
+    print(f"rank {rank}: exit {rc}; {pytest_results(text) or text.strip().splitlines()[-1:]}", flush=True)
     return rc
 
 
 def ranks_passed(nprocs: int, prefix: pathlib.Path):
     """A check that every rank's pytest reported passes and no failure."""
+
     def check(_text: str) -> str | None:
         problems = []
         for rank in range(nprocs):
@@ -237,10 +134,11 @@ def ranks_passed(nprocs: int, prefix: pathlib.Path):
             if not path.exists():
                 problems.append(f"rank {rank} wrote no log")
                 continue
-            body = _pytest_results(path.read_text(errors="replace"))
+            body = pytest_results(path.read_text(errors="replace"))
             if "passed" not in body or re.search(r"\d+ (failed|errors?)", body):
                 problems.append(f"rank {rank}: {body or 'no pytest summary'}")
         return "; ".join(problems) or None
+
     return check
 
 
@@ -248,18 +146,39 @@ def part_build(run: Runner) -> None:
     for stale in list((REPO / "python" / "hostir").glob("_C*.so")):
         stale.unlink()
     jobs = str(max(1, min(16, os.cpu_count() or 1)))
-    run.step("build", 400, [sys.executable, "setup.py", "build_ext", "--inplace"],
-             env=job_env({"MAX_JOBS": jobs}))
-    run.step("build_loads", 60, [sys.executable, "-c",
-                                 "from hostir import cpp; assert cpp.available(), cpp.reason(); print('C++ executor loads')"],
-             env=job_env())
+    run.step("build", 400, [sys.executable, "setup.py", "build_ext", "--inplace"], env=job_env({"MAX_JOBS": jobs}))
+    run.step(
+        "build_loads",
+        60,
+        [
+            sys.executable,
+            "-c",
+            "from hostir import cpp; assert cpp.available(), cpp.reason(); print('C++ executor loads')",
+        ],
+        env=job_env(),
+    )
 
 
 def part_single(run: Runner) -> None:
-    run.step("single_gpu_cuda_tests", 300,
-             [sys.executable, "-m", "pytest", "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider", "-m", "cuda",
-              "tests/python", "--timeout=240"],
-             env=job_env({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0") or "0"}))
+    run.step(
+        "single_gpu_cuda_tests",
+        300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rfEs",
+            "--tb=short",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "cuda",
+            "tests/python",
+            "--timeout=240",
+        ],
+        env=job_env({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0") or "0"}),
+    )
 
 
 def part_suite(run: Runner, world_sizes: list[int], launchers: list[str], transports: list[str]) -> None:
@@ -278,10 +197,27 @@ def part_suite(run: Runner, world_sizes: list[int], launchers: list[str], transp
                 env.pop("HOSTIR_TEST_TRANSPORT", None)
                 if transport != "nccl":
                     env["HOSTIR_TEST_TRANSPORT"] = transport
-                program = [sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-p", "no:cacheprovider",
-                           "--color=no", MULTIDEVICE, "--timeout=120"]
-                run.step(name, 240, launch(launcher, n, program, prefix, env), env=env,
-                         check=ranks_passed(n, prefix), ranks=n)
+                program = [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-v",
+                    "-rfE",
+                    "--tb=short",
+                    "-p",
+                    "no:cacheprovider",
+                    "--color=no",
+                    MULTIDEVICE,
+                    "--timeout=120",
+                ]
+                run.step(
+                    name,
+                    240,
+                    launch(launcher, n, program, prefix, env),
+                    env=env,
+                    check=ranks_passed(n, prefix),
+                    ranks=n,
+                )
 
 
 def part_examples(run: Runner, world_sizes: list[int]) -> None:
@@ -293,12 +229,21 @@ def part_examples(run: Runner, world_sizes: list[int]) -> None:
             env = job_env()
 
             def matched(_text, n=n, prefix=prefix):
-                missing = [r for r in range(n)
-                           if "matches eager torch" not in pathlib.Path(f"{prefix}.rank{r}.log").read_text(errors="replace")]
+                missing = [
+                    r
+                    for r in range(n)
+                    if "matches eager torch" not in pathlib.Path(f"{prefix}.rank{r}.log").read_text(errors="replace")
+                ]
                 return f"ranks {missing} did not match" if missing else None
 
-            run.step(name, 120, launch(launcher, n, [sys.executable, "examples/sequence_parallel_matmul.py"], prefix, env),
-                     env=env, check=matched, ranks=n)
+            run.step(
+                name,
+                120,
+                launch(launcher, n, [sys.executable, "examples/sequence_parallel_matmul.py"], prefix, env),
+                env=env,
+                check=matched,
+                ranks=n,
+            )
 
 
 def write_summary(run: Runner, info: dict, tag: str, out: pathlib.Path) -> pathlib.Path:
@@ -339,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank-log"]:
         sep = argv.index("--")
-        return rank_log(argv[1], argv[sep + 1:])
+        return rank_log(argv[1], argv[sep + 1 :])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
     p.add_argument("--world-sizes", default=None, help="comma-separated; default 2, 4, 8 up to the GPU count")
@@ -362,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if too_many:
         p.error(f"world sizes {too_many} need more than the {count} GPUs visible")
     print(json.dumps(info, indent=1), flush=True)
-    run = Runner(pathlib.Path(args.out), args.budget)
+    run = Runner(STATE / "logs", args.budget)
     if "build" in parts:
         part_build(run)
     if "single" in parts:

@@ -132,6 +132,9 @@ Instr instr(int opcode, const py::dict& f) {
   i.dim = field(f, "dim", 0);
   i.shape = field(f, "shape", std::vector<int>{});
   i.zero_init = field(f, "zero_init", false);
+  i.symmetric = field(f, "symmetric", false);
+  i.parts = field(f, "parts", -1);
+  i.equal = field(f, "equal", false);
   i.kind = field(f, "kind", std::string());
   i.dims = field(f, "dims", std::vector<int64_t>{});
   if (f.contains("dtype")) {
@@ -193,6 +196,7 @@ Instr instr(int opcode, const py::dict& f) {
     i.send = f["send"].cast<bool>();
     i.peer = f["peer"].cast<int64_t>();
     i.world_size = f["world_size"].cast<int64_t>();
+    i.into = field(f, "into", -1);
   }
   i.posted = field(f, "posted", -1);
   i.text = field(f, "text", std::string());
@@ -308,6 +312,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &hostir::runExecutor, py::arg("inputs"), py::arg("outputs"), py::arg("number_of_streams"))
       .def("run_logical", &hostir::runLogical, py::arg("inputs"), py::arg("number_of_streams"))
       .def("set_views", &hostir::Executor::setViews, py::arg("inputs"), py::arg("outputs"))
+      .def(
+          "set_window",
+          [](hostir::Executor& executor, int instr, int parity, int64_t nbytes, std::vector<uint64_t> bases,
+             std::vector<uint64_t> flags, int64_t flag_bytes, int rank) {
+            executor.setWindow(
+                instr, parity, hostir::Window{nbytes, std::move(bases), std::move(flags), flag_bytes, rank});
+          },
+          py::arg("instr"),
+          py::arg("parity"),
+          py::arg("nbytes"),
+          py::arg("bases"),
+          py::arg("flags"),
+          py::arg("flag_bytes"),
+          py::arg("rank"))
       .def("set_tracing", &hostir::Executor::setTracing, py::arg("on"))
       .def(
           "take_trace",
@@ -327,7 +345,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return runs;
           })
       .def_property_readonly("ops_executed", &hostir::Executor::opsExecuted);
-  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kTransfer) + 1;
+  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kChunk) + 1;
   m.attr("UNARY_KINDS") = py::tuple(py::cast(hostir::unaryKindNames()));
   m.attr("BINARY_KINDS") = py::tuple(py::cast(hostir::binaryKindNames()));
   m.attr("TRANSPORTS") = py::tuple(py::cast(hostir::transportNames()));

@@ -2,9 +2,12 @@
 // evaluator.py's: binary, unary, reduction, matmul, linear and permute, with
 // ATen's out= variants where an op writes into a bound output, and the
 // layouts that read an operand with its logical axes (`_operand`) and put
-// a result into its output (`_store`).
+// a result into its output (`_store`); the chunk views of a stream loop,
+// and what a communication sends of its input.
 #include "run.h"
+#include "transports/transport.h"
 
+#include <algorithm>
 #include <optional>
 #include <utility>
 
@@ -436,6 +439,35 @@ void compute(Run& run, const Instr& ins) {
     default:
       throw Error(text("instruction ", run.indexOf(ins), " is no compute op"), "ProgramError");
   }
+}
+
+at::Tensor reducedInput(Run& run, const Instr& ins) {
+  const at::Tensor& src = run.tensor(ins.input);
+  if (ins.local_reduce.empty()) {
+    return src;
+  }
+  if (ins.red_op == "sum") {
+    return at::sum(src, ins.local_reduce, true);
+  }
+  return ins.red_op == "max" ? at::amax(src, ins.local_reduce, true) : at::amin(src, ins.local_reduce, true);
+}
+
+void chunkView(Run& run, const Instr& ins) {
+  const at::Tensor& src = run.tensor(ins.input);
+  int64_t size = src.size(ins.dim);
+  int64_t parts = run.get(ins.parts);
+  int64_t index = run.get(ins.index);
+  if (parts < 1) {
+    throw Error(text("cannot cut an axis into ", parts, " chunks"), "BindingError");
+  }
+  if (ins.equal && size % parts != 0) {
+    throw Error(text("axis ", ins.dim, " of size ", size, " does not split into ", parts, " equal pieces"), "BindingError");
+  }
+  // layout.chunk_bounds: ceilDiv(size, parts) rows per chunk, the last ones
+  // shorter or empty.
+  int64_t step = (size + parts - 1) / parts;
+  int64_t start = std::min(index * step, size);
+  run.bind(ins.out, src.narrow(ins.dim, start, std::max<int64_t>(0, std::min(step, size - start))));
 }
 
 std::vector<std::string> binaryKindNames() {

@@ -9,6 +9,7 @@
 
 #include <ATen/core/LegacyTypeDispatch.h>
 
+#include <algorithm>
 #include <utility>
 
 namespace hostir {
@@ -94,7 +95,30 @@ Executor::Executor(Program program)
   for (size_t i = 0; i < program_.instrs.size(); ++i) {
     prepareCompute(program_.instrs[i]);
     chooseTransport(program_.instrs[i], i);
+    if (program_.instrs[i].op == Opcode::kAllocate && program_.instrs[i].symmetric) {
+      program_.symmetric_allocs.push_back(static_cast<int>(i));
+    }
   }
+}
+
+void Executor::setWindow(int instr, int parity, Window window) {
+  const auto& allocs = program_.symmetric_allocs;
+  if (std::find(allocs.begin(), allocs.end(), instr) == allocs.end()) {
+    throw Error(text("instruction ", instr, " is no symmetric Allocate: it has no window"), "ProgramError");
+  }
+  if (parity != 0 && parity != 1) {
+    throw Error(text("a call parity is 0 or 1, got ", parity), "ProgramError");
+  }
+  auto world = static_cast<int64_t>(window.bases.size());
+  if (window.rank < 0 || window.rank >= world || static_cast<int64_t>(window.flags.size()) != world) {
+    throw Error(
+        text("a window needs a base and a flag address per rank and this rank among them (", window.bases.size(),
+             " bases, ", window.flags.size(), " flags, rank ", window.rank, ")"),
+        "ProgramError");
+  }
+  std::lock_guard<std::mutex> lock(windows_.mutex);
+  auto key = std::make_tuple(instr, parity, window.nbytes);
+  windows_.entries.insert_or_assign(key, std::move(window));
 }
 
 RunResult Executor::run(
@@ -111,7 +135,7 @@ RunResult Executor::run(
   // caller's stream) comes back the same way, never as an exception.
   try {
     bool tracing = tracing_.load(std::memory_order_relaxed);
-    Run run(program_, uses_streams_, events_, staging_, tracing);
+    Run run(program_, uses_streams_, events_, staging_, windows_, tracing);
     RunResult result = run.go(inputs, outputs, number_of_streams);
     ops_executed_.fetch_add(run.executed(), std::memory_order_relaxed);
     if (tracing) {

@@ -112,6 +112,7 @@ enum class Opcode : int {
   kUnary,
   kPermute,
   kTransfer,
+  kChunk,
 };
 
 // Shared with ir.CommunicationType (in declaration order).
@@ -248,10 +249,15 @@ struct Instr {
   int stream_slot = -1;
   int stream_index = -1;  // scalar node of an indexed stream
   int64_t stream_key = 0;
-  // Select.
+  // Select and chunk: the dim cut; a chunk's count of pieces (a scalar
+  // node) and whether they must be equal (HirAliasChunk) or are a split
+  // axis's ceilDiv-sized chunks (HirAliasSelect of its outer piece).
   int dim = 0;
-  // Allocate.
+  int parts = -1;
+  bool equal = false;
+  // Allocate; `symmetric`: a window of the copy-engine transport.
   std::vector<int> shape;
+  bool symmetric = false;
   at::ScalarType dtype = at::kFloat;
   bool zero_init = false;
   // Binary and reductions: "add", "sub", "mul", "div" or "sum", "max",
@@ -296,6 +302,7 @@ struct Instr {
   bool view_out = false;
   bool out_may_be_given = false;  // ... unless it is a program output the caller gave
   bool send = false;
+  int into = -1;  // P2P send: its place in the peer's window (a tensor slot)
   bool h2d = false;  // Transfer: host to device (else device to host)
   // Transfer: posted on the copy stream of its direction and completed by
   // its Wait (else a copy on the current stream).
@@ -320,6 +327,7 @@ struct Program {
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups;
   int world_group = -1;
   c10::Device device = c10::Device(c10::kCPU);
+  std::vector<int> symmetric_allocs;  // the instructions of symmetric Allocates (the Executor's)
 };
 
 // Where a run failed: the instruction (-1: before any, binding the caller's
@@ -400,6 +408,28 @@ struct Staging {
   std::map<int64_t, Staged> entries;
 };
 
+// One window of the copy-engine transport (transports/cuda.cpp): an
+// allocation every rank maps, made and exchanged once by Python
+// (python/hostir/runtime/transports/cuda.py) and handed over as addresses:
+// per rank the first byte of its copy and of its uint32 flags, flag
+// [channel * world + src] on rank r being where rank src signals r.
+struct Window {
+  int64_t nbytes = 0;
+  std::vector<uint64_t> bases;
+  std::vector<uint64_t> flags;
+  int64_t flag_bytes = 0;
+  int rank = -1;
+};
+
+// The windows of one program, per (symmetric Allocate, call parity,
+// bytes), and its calls so far (a run's parity is its number's, as the
+// Python evaluator's frame.call_parity).
+struct Windows {
+  std::mutex mutex;
+  std::map<std::tuple<int, int, int64_t>, Window> entries;
+  std::atomic<int64_t> calls{0};
+};
+
 class Executor {
  public:
   // Checks and prepares `program` once (operation kinds from their text,
@@ -445,6 +475,10 @@ class Executor {
   }
   std::vector<std::vector<TraceRecord>> takeTrace() const;
 
+  // Registers the window of symmetric Allocate `instr` for calls of
+  // `parity` (ProgramError if `instr` is no symmetric Allocate).
+  void setWindow(int instr, int parity, Window window);
+
  private:
   Program program_;
   bool uses_streams_;
@@ -456,6 +490,7 @@ class Executor {
   mutable std::vector<std::vector<TraceRecord>> traces_;
   mutable EventPool events_;
   mutable Staging staging_;
+  mutable Windows windows_;
 };
 
 // The process-wide pool of worker streams.

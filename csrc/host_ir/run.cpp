@@ -54,16 +54,17 @@ std::string kindOf(const c10::Error& e) {
 
 } // namespace
 
-Run::Run(const Program& program, bool uses_streams, EventPool& events, Staging& staging, bool tracing)
-    : p_(program),
+Run::Run(const Program& p, bool uses_streams, EventPool& events, Staging& staging, Windows& windows, bool tracing)
+    : p_(p),
       uses_streams_(uses_streams),
       tracing_(tracing),
       events_(events),
       staging_(staging),
-      tensors_(program.num_tensors),
-      ints_(program.num_ints),
-      bound_(program.num_ints, 0),
-      streams_(program.num_streams) {}
+      windows_(windows),
+      tensors_(p.num_tensors),
+      ints_(p.num_ints),
+      bound_(p.num_ints, 0),
+      streams_(p.num_streams) {}
 
 Run::~Run() {
   if (event_) {
@@ -81,9 +82,12 @@ RunResult Run::go(
   RunResult result;
   // Binding comes first and touches no stream; a bad binding is a Failure
   // with no instruction (-1), returned like an instruction's failure, so no
-  // C++ exception ever leaves the executor.
+  // C++ exception ever leaves the executor. So is a missing window (Python
+  // makes it and runs again); only a call past both counts a call parity.
   try {
     bindAll(inputs, outputs, number_of_streams);
+    checkWindows(*this);
+    parity_ = static_cast<int>(windows_.calls.fetch_add(1) % 2);
   } catch (const Error& e) {
     result.failure = Failure{-1, {}, e.kind(), e.what()};
     return result;
@@ -503,14 +507,18 @@ void Run::exec(const Instr& ins) {
       }
       wait(currentStream(), stream(ins));
       break;
-    case Opcode::kSelect: {
-      const at::Tensor& src = tensor(ins.input);
-      int64_t index = ins.index < 0 ? 0 : get(ins.index);
-      bind(ins.out, src.select(ins.dim, index));
+    case Opcode::kSelect:
+      bind(ins.out, tensor(ins.input).select(ins.dim, ins.index < 0 ? 0 : get(ins.index)));
       break;
-    }
+    case Opcode::kChunk:
+      chunkView(*this, ins);
+      break;
     case Opcode::kAllocate: {
       if (maybeTensor(ins.out) != nullptr) {
+        break;
+      }
+      if (ins.symmetric) {
+        bind(ins.out, windowView(*this, ins));
         break;
       }
       auto options = at::TensorOptions().dtype(ins.dtype).device(p_.device);
@@ -577,17 +585,6 @@ void Run::exec(const Instr& ins) {
 const c10::intrusive_ptr<c10d::ProcessGroup>& Run::worldGroup() {
   HOSTIR_CHECK(p_.world_group >= 0, "the program has no default process group");
   return p_.groups[p_.world_group];
-}
-
-at::Tensor reducedInput(Run& run, const Instr& ins) {
-  const at::Tensor& src = run.tensor(ins.input);
-  if (ins.local_reduce.empty()) {
-    return src;
-  }
-  if (ins.red_op == "sum") {
-    return at::sum(src, ins.local_reduce, true);
-  }
-  return ins.red_op == "max" ? at::amax(src, ins.local_reduce, true) : at::amin(src, ins.local_reduce, true);
 }
 
 Posted Run::communication(const Instr& ins) {

@@ -39,7 +39,13 @@ struct Posted {
 
 class Run {
  public:
-  Run(const Program& program, bool uses_streams, EventPool& events, Staging& staging, bool tracing = false);
+  Run(
+      const Program& program,
+      bool uses_streams,
+      EventPool& events,
+      Staging& staging,
+      Windows& windows,
+      bool tracing = false);
   ~Run();
 
   RunResult go(
@@ -93,6 +99,17 @@ class Run {
   c10::Event* heldEvent();
   Staging& staging() {
     return staging_;
+  }
+  // The program's windows; this run's call parity; the windows this run
+  // allocated (where its copy-engine transfers look their buffers up).
+  Windows& windows() {
+    return windows_;
+  }
+  int parity() const {
+    return parity_;
+  }
+  std::vector<const Window*>& allocatedWindows() {
+    return allocated_windows_;
   }
   // The index of `ins` in the program.
   int64_t indexOf(const Instr& ins) const {
@@ -156,6 +173,9 @@ class Run {
   std::vector<TraceRecord> trace_;
   EventPool& events_;
   Staging& staging_;
+  Windows& windows_;
+  int parity_ = 0;
+  std::vector<const Window*> allocated_windows_;
   std::unique_ptr<c10::Event> event_;  // taken from events_ at the first wait
   // Events held to the run's end: one per posted transfer, each recorded on
   // the copy stream after its copy.
@@ -186,6 +206,10 @@ void prepareCompute(Instr& ins);
 
 // Runs a binary, unary, reduction, matmul, linear or permute op.
 void compute(Run& run, const Instr& ins);
+
+// Binds a chunk of the input's rows (HirAliasChunk, or HirAliasSelect of
+// a split axis's outer piece): a narrow, no copy.
+void chunkView(Run& run, const Instr& ins);
 
 // `t` read through `v`: its logical axes, cut to this rank's slice (the
 // evaluator's `_operand`).

@@ -68,7 +68,7 @@ BACKENDS: dict[str, Backend] = {
             Capabilities(one_sided=True, needs_symmetric_buffers=True, uses_no_sms=True),
             None,
             p2p_memory="symmetric",
-            cpp=False,
+            cpp=True,
             bandwidth="copy",
         ),
     )

@@ -4,8 +4,8 @@
 Each checks its operands when the op is defined (so a bad axis, size or
 dtype is an error naming the op, before anything runs), infers the output's
 axes and dtype, and appends the op to the operands' fusion. The ops
-themselves are data in `ir.py`; the builders of the shape ops are in
-`shape_ops.py` and `broadcast_ops.py`.
+themselves are data in the IR (`exprs.py`); the builders of the shape
+ops are in `shape_ops.py` and `broadcast_ops.py`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ def set_(x: TensorView, memory_type: MemoryType = MemoryType.local) -> TensorVie
     fusion = _owner(x)
     out = TensorView(fusion, [d.clone(fusion) for d in x.logical_runtime()], x.dtype, memory_type)
     return _emit(fusion, Set(out, x))
-
 
 
 def _as_operand(v) -> TensorView | Scalar:
@@ -141,10 +140,7 @@ def reduction(kind: str, x: TensorView, dims) -> TensorView:
     dtype = x.dtype
     if kind is ReductionKind.sum and not (dtype.is_floating_point or dtype.is_complex):
         dtype = torch.int64
-    domain = [
-        d.clone(fusion, IterType.reduction if i in reduced else None)
-        for i, d in enumerate(x.logical_runtime())
-    ]
+    domain = [d.clone(fusion, IterType.reduction if i in reduced else None) for i, d in enumerate(x.logical_runtime())]
     out = TensorView(fusion, domain, dtype)
     return _emit(fusion, ReductionOp(out, kind, x))
 

@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hostir import ir, mailbox, rendezvous
+from hostir import mailbox, mesh, rendezvous
 from hostir.errors import HostIrError
 from hostir.network import GLOO_IFNAME, GlooInterface, InterfaceError, choose_gloo_interface
 from hostir import log
@@ -1140,4 +1140,4 @@ def torch_mesh(devices, shape, device_type: str | None = None):
 
 # The IR converts its meshes to torch's through this layer (it imports no
 # process code itself).
-ir._torch_mesh = torch_mesh
+mesh._torch_mesh = torch_mesh

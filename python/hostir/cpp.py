@@ -30,7 +30,8 @@ from hostir.errors import HostIrError
 from hostir.runtime.evaluator import BindingError, HostIrRuntimeError
 from hostir.runtime import profiling
 from hostir.runtime.flat import OPCODES, FlatProgram, compile_program
-from hostir.runtime.transports.base import TransportUnsupported
+from hostir.runtime.transports import cuda
+from hostir.runtime.transports.base import TransportUnsupported, TransportUsageError
 
 try:
     from hostir import _C
@@ -163,6 +164,9 @@ class CppEvaluator:
             values, failure = self._traced(executor, lambda: executor.run(inputs, outputs, number_of_streams))
         else:
             values, failure = executor.run(inputs, outputs, number_of_streams)
+        if failure is not None and failure[2] == "WindowsNeeded":
+            self._provide_windows(failure[3])
+            values, failure = executor.run(inputs, outputs, number_of_streams)
         if failure is not None:
             raise self._error(*failure)
         for tv, slot, value in zip(self.container.outputs, self._flat.outputs, values):
@@ -181,12 +185,21 @@ class CppEvaluator:
             values, failure = self._traced(executor, lambda: executor.run_logical(inputs, number_of_streams))
         else:
             values, failure = executor.run_logical(inputs, number_of_streams)
+        if failure is not None and failure[2] == "WindowsNeeded":
+            self._provide_windows(failure[3])
+            values, failure = executor.run_logical(inputs, number_of_streams)
         if failure is not None:
             raise self._error(*failure)
         for tv, slot, value in zip(self.container.outputs, self._flat.outputs, values):
             if value is None and slot >= 0:
                 raise HostIrRuntimeError(f"output {printer.format_tv(tv)} is not bound at the end of the program")
         return values
+
+    def _provide_windows(self, needed: str) -> None:
+        """The copy-engine windows a run found missing before its first
+        instruction (a program's first call, or a new size): made and handed
+        over by the cuda transport, after which the run goes again."""
+        cuda.provide_windows(self._executor, self.container, self.communicator, self.device, needed)
 
     def _watched(self) -> bool:
         """Whether a trace or the `communication` dump watches a run now."""
@@ -228,7 +241,10 @@ class CppEvaluator:
 
     def _error(self, instr: int, loops: list, kind: str, message: str) -> Exception:
         if instr < 0:
-            # Before the first op: binding the caller's values.
+            # Before the first op: binding the caller's values, or the
+            # copy-engine windows on a device without CUDA.
+            if kind == "TransportUnsupported":
+                return TransportUnsupported(message)
             return BindingError(message) if kind == "BindingError" else HostIrRuntimeError(f"{kind}: {message}")
         flat = self._flat
         expr = flat.instrs[instr].expr
@@ -246,6 +262,8 @@ class CppEvaluator:
                 return type(err)(f"{err}\nWhile executing:\n{where}")
         if kind == "TransportUnsupported":
             return TransportUnsupported(f"{printer.format_expr_head(expr)}: {message}")
+        if kind == "TransportUsageError":
+            return TransportUsageError(f"{message}\nWhile executing:\n{where}")
         if kind in _HOSTIR_KINDS:
             return HostIrRuntimeError(f"{kind}: {message}\nWhile executing:\n{where}")
         # torch's own error keeps its type; a note names the op (PEP 678).

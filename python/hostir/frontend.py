@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from hostir.analysis.dry_run import dry_run
 from hostir.dtensor import Adapter, has_dtensors, is_dtensor
 from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
 from hostir.executor import ExecutorParams, FusionExecutor
+from hostir.kinds import UnaryKind
 from hostir.runtime import profiling
 from hostir.runtime.checks import InputError, InputTypeError
 
@@ -73,8 +74,13 @@ class Ops:
         self._check(x)
         return builders.unary(kind, x)
 
-    def relu(self, x: ir.TensorView) -> ir.TensorView:
-        return self._unary("relu", x)
+    # The elementwise unary ops are methods made from their declarations
+    # (`UnaryKind.in_ops`, below the class): relu, silu, neg, abs, exp,
+    # tanh, sigmoid, and any kind declared since. gelu and cast take
+    # parameters of their own and are written here.
+    if TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Callable[[ir.TensorView], ir.TensorView]: ...
 
     def gelu(self, x: ir.TensorView, approximate: str = "none") -> ir.TensorView:
         """torch.nn.functional.gelu: the exact (erf) form, or with
@@ -82,24 +88,6 @@ class Ops:
         if approximate not in ("none", "tanh"):
             raise DefinitionError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
         return self._unary("gelu" if approximate == "none" else "gelu_tanh", x)
-
-    def silu(self, x: ir.TensorView) -> ir.TensorView:
-        return self._unary("silu", x)
-
-    def neg(self, x: ir.TensorView) -> ir.TensorView:
-        return self._unary("neg", x)
-
-    def abs(self, x: ir.TensorView) -> ir.TensorView:
-        return self._unary("abs", x)
-
-    def exp(self, x: ir.TensorView) -> ir.TensorView:
-        return self._unary("exp", x)
-
-    def tanh(self, x: ir.TensorView) -> ir.TensorView:
-        return self._unary("tanh", x)
-
-    def sigmoid(self, x: ir.TensorView) -> ir.TensorView:
-        return self._unary("sigmoid", x)
 
     def cast(self, x: ir.TensorView, dtype: torch.dtype) -> ir.TensorView:
         """`x` converted to `dtype`, as Tensor.to(dtype)."""
@@ -128,7 +116,6 @@ class Ops:
         """x @ weight.T (+ bias), weight [N, K], bias [N]."""
         self._check(x, weight, bias)
         return builders.linear(x, weight, bias)
-
 
     def broadcast_in_dim(self, x: ir.TensorView, shape, broadcast_dims) -> ir.TensorView:
         """`x` with its axis i at output axis `broadcast_dims[i]`, new axes
@@ -174,6 +161,21 @@ class Ops:
         scalar input (`fd.define_scalar(dtype=torch.int64)`)."""
         self._check(x, index)
         return shape_ops.select(x, dim, index)
+
+
+def _unary_method(kind: UnaryKind) -> Callable[[Ops, ir.TensorView], ir.TensorView]:
+    def method(self: Ops, x: ir.TensorView) -> ir.TensorView:
+        return self._unary(kind, x)
+
+    method.__name__ = kind.value
+    method.__qualname__ = f"Ops.{kind.value}"
+    method.__doc__ = f"`{kind.value}` of each element of `x` (`hostir.kinds.UnaryKind.{kind.value}`)."
+    return method
+
+
+for _kind in UnaryKind:
+    if _kind.in_ops and _kind.value not in vars(Ops):
+        setattr(Ops, _kind.value, _unary_method(_kind))
 
 
 class FusionDefinition:

@@ -5,47 +5,84 @@ and the identity a reduction over no values starts from.
 
 Each kind is a `StrEnum`: it compares and hashes as its name ("relu",
 "sum"), so an op made with a plain string and one made with the kind are
-alike, and the dump prints the name. A new unary op is one line here and
-its builder in the frontend; the evaluator, the printer and the checks read
-the facts from here.
+alike, and the dump prints the name. A new unary op that trains is one
+line here (its torch function and its gradient, `UnaryGrad`), and, to run
+in C++, its ATen call in `csrc/host_ir/compute.cpp` with its `OpKind` in
+`csrc/host_ir/program.h`; `fd.ops`, the evaluator, the printer, the
+checks and the backward read the facts from here
+(`docs/architecture.md`, "What a new op, collective or transport costs").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["BinaryKind", "ReductionKind", "UnaryKind"]
+__all__ = ["BinaryKind", "ReductionKind", "UnaryGrad", "UnaryKind"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UnaryGrad:
+    """How the backward of a unary op makes its input's cotangent from its
+    output's, `g`: `binary(kind, g, saved)`, where `saved` is the op's
+    forward `input` or `out` (`reads`), kept for the backward; or, where
+    `reads` is None, `unary(kind, g)` (a cast: back to the input's dtype).
+    `kind` names a `BinaryKind` (torch's backward kernels are declared
+    there) or, without `reads`, a `UnaryKind`."""
+
+    kind: str
+    reads: str | None = None
 
 
 class UnaryKind(enum.StrEnum):
     """`out = <kind>(input)`. `torch_fn` computes it (None for `cast`,
     which converts to the output's dtype); `floating`: defined for
-    floating-point inputs only."""
+    floating-point inputs only; `grad`: its backward (`UnaryGrad`);
+    `in_ops`: `fd.ops` has a method of its name taking one tensor (false
+    for a variant reached through another method's parameter)."""
 
     torch_fn: Callable | None
     floating: bool
+    grad: UnaryGrad | None
+    in_ops: bool
 
-    def __new__(cls, name: str, torch_fn: Callable | None, floating: bool = False):
+    def __new__(
+        cls,
+        name: str,
+        torch_fn: Callable | None,
+        floating: bool = False,
+        grad: UnaryGrad | None = None,
+        in_ops: bool = True,
+    ):
         member = str.__new__(cls, name)
         member._value_ = name
         member.torch_fn = torch_fn
         member.floating = floating
+        member.grad = grad
+        member.in_ops = in_ops
         return member
 
-    relu = "relu", torch.relu
-    neg = "neg", torch.neg
-    abs = "abs", torch.abs
-    cast = "cast", None
-    gelu = "gelu", torch.nn.functional.gelu, True  # the exact (erf) form
-    gelu_tanh = "gelu_tanh", lambda x: torch.nn.functional.gelu(x, approximate="tanh"), True
-    silu = "silu", torch.nn.functional.silu, True
-    exp = "exp", torch.exp, True
-    tanh = "tanh", torch.tanh, True
-    sigmoid = "sigmoid", torch.sigmoid, True
+    relu = "relu", torch.relu, False, UnaryGrad("relu_grad", "out")
+    neg = "neg", torch.neg, False, UnaryGrad("neg")
+    abs = "abs", torch.abs, False, UnaryGrad("abs_grad", "input")
+    cast = "cast", None, False, UnaryGrad("cast")
+    # The exact (erf) form; gelu_tanh is `fd.ops.gelu(x, approximate="tanh")`.
+    gelu = "gelu", torch.nn.functional.gelu, True, UnaryGrad("gelu_grad", "input")
+    gelu_tanh = (
+        "gelu_tanh",
+        lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+        True,
+        UnaryGrad("gelu_tanh_grad", "input"),
+        False,
+    )
+    silu = "silu", torch.nn.functional.silu, True, UnaryGrad("silu_grad", "input")
+    exp = "exp", torch.exp, True, UnaryGrad("mul", "out")
+    tanh = "tanh", torch.tanh, True, UnaryGrad("tanh_grad", "out")
+    sigmoid = "sigmoid", torch.sigmoid, True, UnaryGrad("sigmoid_grad", "out")
 
 
 def _into(fn: Callable) -> Callable:
@@ -67,7 +104,8 @@ class BinaryKind(enum.StrEnum):
     derivatives backward programs use (`hostir.autodiff`), torch's own
     backward kernels: `kind(grad, saved)` on operands of one shape, in the
     grad's dtype (`eq`: the 0/1 mask of lhs == rhs in lhs's dtype); the
-    dump prints them as calls, and only the Python evaluator runs them."""
+    dump prints them as calls. A unary kind's gradient (`UnaryGrad`) names
+    the one it is made with."""
 
     symbol: str | None
     torch_fn: Callable
@@ -145,5 +183,3 @@ class ReductionKind(enum.StrEnum):
             return 0 if self is ReductionKind.max else 1
         info = torch.iinfo(dtype)
         return info.min if self is ReductionKind.max else info.max
-
-

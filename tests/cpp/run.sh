@@ -50,5 +50,5 @@ echo "tests/cpp: core from ${core[*]}"
 g++ $std -O1 -fPIC $torch_flags $gtest_flags \
   "${core[@]}" tests/cpp/test_executor.cpp \
   -o "$out/test_executor" \
-  $torch_libs -ltorch -ltorch_cpu -lc10 -lgtest -lgtest_main -pthread
+  $torch_libs -ltorch -ltorch_cpu -lc10 -lgtest -lgtest_main -pthread -ldl
 "$out/test_executor"

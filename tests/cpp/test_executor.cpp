@@ -499,16 +499,149 @@ TEST(Transports, UnknownBackendIsRejectedWhenMade) {
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), "ProgramError");
     EXPECT_STREQ(
-        e.what(), "instruction 1 names the backend 'mpi', which the C++ executor has no transport for (it has NCCL, gloo)");
+        e.what(), "instruction 1 names the backend 'mpi', which the C++ executor has no transport for (it has NCCL, gloo, cuda)");
   }
 }
 
-TEST(Transports, RegistryHasOneC10dTransportAndNoCopyEngineYet) {
-  EXPECT_EQ(transportNames(), (std::vector<std::string>{"NCCL", "gloo"}));
+TEST(Transports, RegistryHasTheC10dTransportAndTheCopyEngine) {
+  EXPECT_EQ(transportNames(), (std::vector<std::string>{"NCCL", "gloo", "cuda"}));
   EXPECT_EQ(findTransport("NCCL"), &c10dTransport());
   EXPECT_EQ(findTransport("gloo"), &c10dTransport());
-  EXPECT_EQ(findTransport("cuda"), nullptr);
+  EXPECT_EQ(findTransport("cuda"), &cudaTransport());
+  EXPECT_NE(&cudaTransport(), &c10dTransport());
   EXPECT_EQ(findTransport("nccl"), nullptr);  // ir.backend_name's spelling only
+}
+
+// -- the copy engine's windows and chunk views (what runs without CUDA)
+
+// %t1 = chunk `index` of `parts` of input %t0's rows ($0 rows, $1 cols).
+Program chunkOfRows(int64_t parts, int64_t index, bool equal) {
+  Program p;
+  p.num_tensors = 2;
+  p.num_ints = 2;
+  p.inputs = {0};
+  p.outputs = {1};
+  p.tensor_names = {"T0", "T1"};
+  p.int_names = {"i0", "i1"};
+  Instr chunk;
+  chunk.op = Opcode::kChunk;
+  chunk.out = 1;
+  chunk.input = 0;
+  chunk.dim = 0;
+  chunk.index = constNode(p, index);
+  chunk.parts = constNode(p, parts);
+  chunk.equal = equal;
+  p.instrs.push_back(chunk);
+  return p;
+}
+
+TEST(Chunks, ChunkOfASplitAxisHasCeilDivRowsAndTheLastIsShorter) {
+  at::Tensor x = at::randn({7, 3});
+  for (int64_t index = 0; index < 3; ++index) {
+    Executor executor(chunkOfRows(3, index, false));
+    RunResult r = executor.run({x}, {}, 1);
+    ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+    int64_t start = index * 3;
+    int64_t length = std::min<int64_t>(3, 7 - start);
+    EXPECT_TRUE(at::equal(r.outputs[0], x.narrow(0, start, length))) << "chunk " << index;
+    EXPECT_EQ(r.outputs[0].data_ptr(), x[start].data_ptr()) << "a chunk is a view, not a copy";
+  }
+}
+
+TEST(Chunks, EqualPiecesThatDoNotDivideAreABindingError) {
+  Executor executor(chunkOfRows(2, 0, true));
+  RunResult r = executor.run({at::randn({5, 3})}, {}, 1);
+  ASSERT_TRUE(r.failure.has_value());
+  EXPECT_EQ(r.failure->kind, "BindingError");
+  EXPECT_EQ(r.failure->message, "axis 0 of size 5 does not split into 2 equal pieces");
+  EXPECT_EQ(r.failure->instr, 0);
+}
+
+Window twoRankWindow() {
+  return Window{64, {0x10000, 0x20000}, {0x1000, 0x2000}, 64, 0};
+}
+
+TEST(Windows, FlagOfChannelAndSourceSitsOnTheReceiver) {
+  Window w = twoRankWindow();
+  // Flag [channel * world + src], uint32 each, on the rank it is asked for.
+  EXPECT_EQ(flagAddress(w, 1, 0, 0), 0x2000u);
+  EXPECT_EQ(flagAddress(w, 1, 0, 1), 0x2004u);
+  EXPECT_EQ(flagAddress(w, 0, 3, 1), 0x1000u + 4 * (3 * 2 + 1));
+}
+
+TEST(Windows, AChannelBeyondTheFlagsIsAnError) {
+  Window w = twoRankWindow();  // 64 bytes: 16 flags, 8 channels of 2 ranks
+  EXPECT_EQ(flagAddress(w, 0, 7, 1), 0x1000u + 60);
+  try {
+    flagAddress(w, 0, 8, 0);
+    FAIL() << "a channel beyond the flags was given an address";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), "TransportUsageError");
+    EXPECT_STREQ(e.what(), "signal channel 8 is beyond the window's 8 (64 bytes of flags for 2 ranks)");
+  }
+}
+
+TEST(Windows, MissingLibcudaIsAClearErrorOnlyWhenUsed) {
+  StreamMemOps ops("libhostir-no-such-library.so.1");  // loading never throws
+  EXPECT_NE(ops.error().find("libhostir-no-such-library.so.1 does not load"), std::string::npos) << ops.error();
+  try {
+    ops.write(c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU)), 0x1000, 1);
+    FAIL() << "a stream memory write without libcuda ran";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), "TransportUnsupported");
+    EXPECT_EQ(std::string(e.what()), ops.error());
+  }
+}
+
+// A program with one symmetric Allocate of $0 x 4 floats, its output.
+Program oneWindow() {
+  Program p;
+  p.num_tensors = 2;
+  p.num_ints = 1;
+  p.inputs = {0};
+  p.outputs = {1};
+  p.tensor_names = {"T0", "T1"};
+  p.int_names = {"i0"};
+  std::vector<ExtentRule> rules(1);
+  rules[0].extent = slotNode(p, 0);
+  rules[0].bind_slot = 0;
+  rules[0].text = "i0";
+  p.extent_rules.emplace_back(0, rules);
+  Instr alloc;
+  alloc.op = Opcode::kAllocate;
+  alloc.out = 1;
+  alloc.shape = {slotNode(p, 0), constNode(p, 4)};
+  alloc.symmetric = true;
+  p.instrs.push_back(alloc);
+  return p;
+}
+
+TEST(Windows, OnlyASymmetricAllocateTakesAWindow) {
+  Executor executor(oneWindow());
+  executor.setWindow(0, 1, twoRankWindow());  // accepted
+  for (auto [instr, parity, why] : {std::tuple<int, int, const char*>{1, 0, "instruction 1 is no symmetric Allocate"},
+                                    {0, 2, "a call parity is 0 or 1, got 2"}}) {
+    try {
+      executor.setWindow(instr, parity, twoRankWindow());
+      FAIL() << why;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), "ProgramError");
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  }
+  Window lonely = twoRankWindow();
+  lonely.flags.pop_back();
+  EXPECT_THROW(executor.setWindow(0, 0, lonely), Error);
+}
+
+TEST(Windows, AWindowOnTheCpuIsAClearErrorBeforeAnyInstruction) {
+  Executor executor(oneWindow());
+  RunResult r = executor.run({at::randn({3})}, {}, 1);
+  ASSERT_TRUE(r.failure.has_value());
+  EXPECT_EQ(r.failure->instr, -1);
+  EXPECT_EQ(r.failure->kind, "TransportUnsupported");
+  EXPECT_EQ(r.failure->message, "the cuda transport moves data between CUDA devices, but this program runs on cpu");
+  EXPECT_EQ(executor.opsExecuted(), 0);
 }
 
 TEST(Transports, TeamOfOneKeepsItsInputOnEveryTransport) {

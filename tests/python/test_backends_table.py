@@ -45,12 +45,18 @@ def test_spellings_are_checked_against_the_table():
 
 
 def test_the_flat_compiler_sends_a_backend_the_table_marks_python_only_to_python(monkeypatch):
-    # The copy-engine transport is not the C++ executor's: its program
-    # runs on the Python evaluator, and the runner says why.
+    # The table alone decides: the copy-engine transport runs in C++, and
+    # marked Python-only its program runs on the Python evaluator, saying why.
+    import dataclasses
+
     from hostir import overlap
     from hostir.lower import lower
     from hostir.lower.schedule import Schedule
 
-    program = lower(overlap.allgather_matmul(2).fusion, rank=0, backend="gloo", schedule=Schedule(transport="cuda")).program
+    program = lower(
+        overlap.allgather_matmul(2).fusion, rank=0, backend="gloo", schedule=Schedule(transport="cuda")
+    ).program
+    assert list(flat.unsupported_reasons(program)) == []
+    monkeypatch.setitem(backends.BACKENDS, "cuda", dataclasses.replace(backends.BACKENDS["cuda"], cpp=False))
     reasons = list(flat.unsupported_reasons(program))
     assert any("the cuda transport runs in Python" in r for r in reasons), reasons

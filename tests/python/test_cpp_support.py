@@ -12,7 +12,7 @@ import torch
 import hostir.cpp
 from hostir import FusionDefinition, backends, planner
 from hostir.kinds import BinaryKind, UnaryKind
-from hostir.runtime import flat, support
+from hostir.runtime import flat, flat_communications, support
 
 
 def test_the_table_names_the_op_classes_the_flat_compiler_compiles():
@@ -20,8 +20,8 @@ def test_the_table_names_the_op_classes_the_flat_compiler_compiles():
 
 
 def test_the_table_names_the_communication_types_and_backends_the_core_posts():
-    assert flat.COMMUNICATION_TYPES == support.COMMUNICATION_TYPES
-    assert support.BACKENDS == {b.name for b in backends.BACKENDS.values() if b.cpp}
+    assert flat_communications.COMMUNICATION_TYPES == support.COMMUNICATION_TYPES
+    assert all(support.runs_backend(b.name) == b.cpp for b in backends.BACKENDS.values())
 
 
 @pytest.mark.skipif(not hostir.cpp.available(), reason="the C++ executor is not built")
@@ -29,7 +29,7 @@ def test_the_table_says_what_the_extension_binds():
     from hostir import _C
 
     assert set(support.UNARY_KINDS) == set(_C.UNARY_KINDS) and set(support.BINARY_KINDS) == set(_C.BINARY_KINDS)
-    assert set(support.BACKENDS) == set(_C.TRANSPORTS)
+    assert {b.name for b in backends.BACKENDS.values() if support.runs_backend(b.name)} == set(_C.TRANSPORTS)
     assert _C.OPCODE_COUNT == len(flat.OPCODES)
     assert {k.value for k in UnaryKind} <= set(support.UNARY_KINDS)
     assert {k.value for k in BinaryKind} <= set(support.BINARY_KINDS)
@@ -57,10 +57,13 @@ def test_the_fusions_reasons_are_the_lowered_programs_for_its_own_ops():
     assert [r.split(" ")[-1] for r in lowered] == ["ReshapeOp", "SliceOp"]
 
 
-def test_a_schedule_on_a_transport_the_core_lacks_is_a_reason():
+def test_a_schedule_on_a_transport_the_core_lacks_is_a_reason(monkeypatch):
     for b in backends.BACKENDS.values():
         reasons = support.schedule_reasons(b.name, 1)
         assert (reasons == []) == b.cpp, (b.name, reasons)
+    chunked = [] if support.FEATURES.chunk_views else ["it walks chunks of a split axis"]
+    assert support.schedule_reasons("NCCL", 2) == chunked
+    monkeypatch.setattr(support, "FEATURES", dataclasses.replace(support.FEATURES, chunk_views=False))
     assert support.schedule_reasons("NCCL", 2) == ["it walks chunks of a split axis"]
     assert support.schedule_reasons(None, 1, weight_pieces=4) == ["it walks chunks of a split axis"]
 

@@ -14,19 +14,6 @@ namespace {
 // index, or -1 - slot).
 constexpr int64_t kH2DCopyStream = int64_t{1} << 40;
 
-// Makes `to` the current stream until the end of the scope, then `back`.
-struct StreamSwitch {
-  StreamSwitch(c10::impl::VirtualGuardImpl impl, const c10::Stream& to, const c10::Stream& back)
-      : impl_(impl), back_(back) {
-    impl_.exchangeStream(to);
-  }
-  ~StreamSwitch() {
-    impl_.exchangeStream(back_);
-  }
-  c10::impl::VirtualGuardImpl impl_;
-  c10::Stream back_;
-};
-
 // `entry`'s buffer holding `src`'s bytes: copied again only if `src` is
 // another tensor than the one last copied, or was written since.
 void refresh(Staged& entry, const at::Tensor& src) {

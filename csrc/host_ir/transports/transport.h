@@ -5,7 +5,8 @@
 // splits post_communication.cpp from cuda_p2p.cpp: c10d.cpp posts NCCL's and
 // gloo's communications on the c10d::ProcessGroup objects the Python
 // communicator created; host.cpp copies between host and device memory
-// (ir.Transfer, which names no backend). A new transport is one file that
+// (ir.Transfer, which names no backend); cuda.cpp pushes with the copy
+// engine into windows the peers map. A new transport is one file that
 // implements Transport and one entry in `transportRegistry`.
 #pragma once
 
@@ -36,8 +37,22 @@ class Transport {
   virtual Posted endCoalescing(Run& run, Works& group) const = 0;
 };
 
+// Makes `to` the current stream until the end of the scope, then `back`.
+struct StreamSwitch {
+  StreamSwitch(c10::impl::VirtualGuardImpl impl, const c10::Stream& to, const c10::Stream& back)
+      : impl_(impl), back_(back) {
+    impl_.exchangeStream(to);
+  }
+  ~StreamSwitch() {
+    impl_.exchangeStream(back_);
+  }
+  c10::impl::VirtualGuardImpl impl_;
+  c10::Stream back_;
+};
+
 // The transports of transports/*.cpp, one object each, shared by every run.
 const Transport& c10dTransport();
+const Transport& cudaTransport();
 
 struct TransportEntry {
   const char* backend;  // as an op names it (ir.backend_name's spelling)
@@ -50,12 +65,11 @@ inline const std::vector<TransportEntry>& transportRegistry() {
       // NCCL and gloo both post on c10d process groups: one translation.
       {"NCCL", &c10dTransport()},
       {"gloo", &c10dTransport()},
-      // The copy-engine transport goes here: {"cuda", &cudaTransport()},
-      // with transports/cuda.cpp (one-sided pushes into memory the peers
-      // map, as python/hostir/runtime/transports/cuda.py does), and
-      // cpp=True in its entry of python/hostir/backends.py (a test holds the
-      // table to this registry). Until then a program on it runs on the
-      // Python evaluator (flat.unsupported_reasons reads the table).
+      // The copy engine: one-sided pushes into windows the peers map, as
+      // python/hostir/runtime/transports/cuda.py does (cpp=True in its
+      // entry of python/hostir/backends.py; a test holds the table to this
+      // registry).
+      {"cuda", &cudaTransport()},
   };
   return registry;
 }
@@ -71,8 +85,47 @@ inline const Transport* findTransport(const std::string& backend) {
 }
 
 // What a communication sends of its input: the rows this rank holds of a
-// reduced axis reduced (`local_reduce`), else the input (executor.cpp).
+// reduced axis reduced (`local_reduce`), else the input (compute.cpp).
 at::Tensor reducedInput(Run& run, const Instr& ins);
+
+// -- the copy engine's windows (cuda.cpp)
+
+// Before a run's first instruction: every symmetric Allocate whose size the
+// bound values give has a window of that size for both call parities, else
+// an Error of kind WindowsNeeded listing "instr:nbytes" pairs (Python makes
+// them, hands them over with Executor::setWindow and runs again); a
+// program with windows on a device other than CUDA is an Error.
+void checkWindows(Run& run);
+
+// The view of this rank's copy of the window of symmetric Allocate `ins`
+// for the run's call parity.
+at::Tensor windowView(Run& run, const Instr& ins);
+
+// The address of flag [channel * world + src] on rank `on_rank` of `w`;
+// an Error beyond its flags.
+uint64_t flagAddress(const Window& w, int on_rank, int64_t channel, int src);
+
+// libcuda's stream memory operations, looked up in `library` (libcuda.so.1)
+// when first used: a 32-bit write, and a wait for a value, enqueued on a
+// stream, run by the GPU's front end (no SM, no host round trip, capturable
+// in CUDA graphs). Loading never fails: `error` says why they cannot run,
+// and `write` and `wait` raise it. A wait has no timeout: the mechanism
+// offers none.
+class StreamMemOps {
+ public:
+  explicit StreamMemOps(const char* library);
+  void write(const c10::Stream& stream, uint64_t addr, uint32_t value) const;
+  void wait(const c10::Stream& stream, uint64_t addr, uint32_t value) const;
+  const std::string& error() const {
+    return error_;
+  }
+
+ private:
+  using Fn = int (*)(void*, uint64_t, uint32_t, unsigned int);
+  Fn write_ = nullptr;
+  Fn wait_ = nullptr;
+  std::string error_;
+};
 
 // -- host<->device transfers (host.cpp)
 

@@ -24,10 +24,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hostir import ir, layout, printer, unannotated
+from hostir import ir, layout, printer
 from hostir.container import HostIrContainer
-from hostir.runtime import support
-from hostir.runtime.evaluator import BindingError, MissingHandlerError, ProgramError, _local_slices, local_views
+from hostir.runtime import flat_communications, flat_dump, support
+from hostir.runtime.flat_communications import (
+    local_shape,
+    logical_groups,
+)
+from hostir.runtime.evaluator import BindingError, MissingHandlerError, _local_slices, local_views
 
 # Opcodes shared with csrc/host_ir/program.h (enum class Opcode).
 OPCODES = (
@@ -52,13 +56,10 @@ OPCODES = (
     "unary",
     "permute",
     "transfer",
+    "chunk",
 )
 _CODE = {name: i for i, name in enumerate(OPCODES)}
-# Shared with csrc/host_ir/program.h (enum class CommType), in this order
-# (`hostir.runtime.support` declares them).
-COMMUNICATION_TYPES = support.COMMUNICATION_TYPES
-
-_DTYPES = {dtype: i for i, dtype in enumerate(ir.SUPPORTED_DTYPES)}
+_DTYPES = flat_communications.DTYPES
 
 
 
@@ -94,7 +95,7 @@ class FlatProgram:
     container: HostIrContainer
 
     def dump(self) -> str:
-        return _dump(self)
+        return flat_dump.dump(self)
 
 
 class _Compiler:
@@ -113,7 +114,17 @@ class _Compiler:
         self.streams: dict[ir.Stream, int] = {}
         self.groups: list = []
         self.group_index: dict[tuple, int] = {}
-        self.slice_dim = {e.out: layout.position(e.input, e.axis) for e in container.walk() if isinstance(e, ir.HirAliasSelect)}
+        # Where a select removed a dim, as the evaluator's `slice_dim`: a
+        # chunk of a split axis removes none, a chunk of a selected slice
+        # lacks the same dim.
+        self.slice_dim = {
+            e.out: layout.position(e.input, e.axis)
+            for e in container.walk()
+            if isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "select"
+        }
+        for e in container.walk():
+            if isinstance(e, ir.HirAliasChunk) and e.input in self.slice_dim:
+                self.slice_dim[e.out] = self.slice_dim[e.input]
         # For each compute op of a multi-device program, the operand axes it
         # reads this rank's slice of (as the evaluator finds them).
         source = {e.out: e.input for e in container.walk() if isinstance(e, (ir.HirAliasSelect, ir.HirAliasChunk))}
@@ -195,7 +206,8 @@ class _Compiler:
         needs = [
             e
             for e in c.walk()
-            if isinstance(e, ir.COMMUNICATION_OPS) and not (isinstance(e, ir.Wait) and isinstance(e.communication, ir.Transfer))
+            if isinstance(e, ir.COMMUNICATION_OPS)
+            and not (isinstance(e, ir.Wait) and isinstance(e.communication, ir.Transfer))
         ]
         if needs and self.comm is None:
             raise BindingError(
@@ -211,7 +223,9 @@ class _Compiler:
         self.body_locals = self._find_body_locals()
         self.scope(c.exprs)
         rules = {}
-        for tv in [t for t in c.inputs if isinstance(t, ir.TensorView)] + [t for t in c.outputs if t.held_by(self.rank)]:
+        for tv in [t for t in c.inputs if isinstance(t, ir.TensorView)] + [
+            t for t in c.outputs if t.held_by(self.rank)
+        ]:
             rules[self.tensor(tv)] = self.extent_rules(tv)
         world = -1
         if self.comm is not None and any(isinstance(e, ir.P2PCommunication) for e in c.walk()):
@@ -311,7 +325,7 @@ class _Compiler:
             if not full_rank:
                 cuts = [(pos - (pos > removed), o, i) for pos, o, i in cuts if pos != removed]
         else:
-            logical = _logical_groups(tv)
+            logical = logical_groups(tv)
         compiled = []
         for pos, o, i in cuts:
             mesh = e.out.mesh
@@ -337,7 +351,7 @@ class _Compiler:
         if any(v["logical"] or v["cuts"] for v in views):
             fields["views"] = views
         partial = getattr(e, "partial", None) is not None
-        runtime, logical = _runtime_order(e.out), _logical_groups(e.out)
+        runtime, logical = _runtime_order(e.out), logical_groups(e.out)
         if partial or runtime or logical:
             fields["store"] = {
                 "partial": partial,
@@ -346,15 +360,6 @@ class _Compiler:
                 "logical": logical,
             }
         return fields
-
-
-def _logical_groups(tv: ir.TensorView) -> list[list[int]]:
-    """For each logical axis of `tv`, the runtime dims it merges (empty:
-    the runtime shape is the logical one), as `layout.to_logical`."""
-    runtime = layout.dims(tv)
-    if len(runtime) == tv.logical_ndim:
-        return []
-    return [[i for i, dim in enumerate(runtime) if layout.logical_axis(dim[0]) is axis] for axis in tv.logical_runtime()]
 
 
 def _runtime_order(tv: ir.TensorView) -> list[int]:
@@ -427,6 +432,20 @@ def _synchronize(cc, e) -> None:
 
 @_compiles(ir.HirAliasSelect)
 def _select(cc, e) -> None:
+    if layout.select_kind(e.input, e.axis) == "chunk":
+        # The outer piece of a split axis: chunk `index` of `extent` chunks
+        # of ceilDiv-sized rows (`layout.chunk_bounds`).
+        cc.emit(
+            "chunk",
+            e,
+            out=cc.tensor(e.out),
+            input=cc.tensor(e.input),
+            dim=layout.position(e.input, e.axis),
+            index=cc.scalar(e.index),
+            parts=cc.scalar(e.axis.extent),
+            equal=False,
+        )
+        return
     cc.emit(
         "select",
         e,
@@ -437,46 +456,35 @@ def _select(cc, e) -> None:
     )
 
 
-def _local_shape(cc: _Compiler, tv: ir.TensorView) -> list[int]:
-    """Scalar nodes of `tv`'s local runtime shape (a constant 1 on mesh_x),
-    as `layout.local_shape`."""
-    return [cc.scalar(_dim_size(dim, local=True)) for dim in layout.dims(tv)]
-
-
-def _full_shape(cc: _Compiler, tv: ir.TensorView) -> list[int]:
-    """Scalar nodes of `tv`'s runtime shape across all ranks, as
-    `layout.full_shape`."""
-    return [cc.scalar(_dim_size(dim, local=False)) for dim in layout.dims(tv)]
-
-
-def _dim_size(dim: list, local: bool) -> ir.Scalar:
-    """The size of one runtime dim as a scalar (`layout._dim_size`): a
-    mesh_x piece 1 (or its extent across ranks), an unsplit axis its
-    extent, the other pieces of a split axis the rows a rank holds."""
-    first = dim[0]
-    if first.is_device_parallel:
-        return ir.Scalar.constant(1) if local else first.extent
-    if first.parent is None:
-        return first.extent
-    parent = first.parent
-    factor = None
-    for leaf in parent.loop_leaves():
-        if leaf.is_device_parallel and leaf is not parent:
-            factor = leaf.extent if factor is None else ir.ScalarExpr("*", factor, leaf.extent)
-    return parent.extent if factor is None else ir.ScalarExpr("/", parent.extent, factor)
+@_compiles(ir.HirAliasChunk)
+def _chunk(cc, e) -> None:
+    cc.emit(
+        "chunk",
+        e,
+        out=cc.tensor(e.out),
+        input=cc.tensor(e.input),
+        dim=layout.position(e.input, e.axis),
+        index=cc.scalar(e.index),
+        parts=cc.scalar(ir.Scalar.constant(e.parts)),
+        equal=True,
+    )
 
 
 @_compiles(ir.Allocate)
 def _allocate(cc, e) -> None:
     if e.buffer in cc.local_views:
         return
+    # A symmetric buffer is a window of the copy-engine transport: the C++
+    # executor views the window Python made for it (runtime/transports/cuda.py).
+    fields = {"symmetric": True} if e.memory_type is ir.MemoryType.symmetric else {}
     cc.emit(
         "allocate",
         e,
         out=cc.tensor(e.buffer),
-        shape=_local_shape(cc, e.buffer),
+        shape=local_shape(cc, e.buffer),
         dtype=_DTYPES[e.buffer.dtype],
         zero_init=bool(e.zero_init),
+        **fields,
     )
 
 
@@ -554,7 +562,7 @@ def _permute(cc, e) -> None:
     fields = {}
     if e.input.device_axes() or e.out.device_axes():
         # This rank's piece, permuted with its logical axes, bound fresh.
-        fields["views"] = [{"logical": _logical_groups(e.input), "cuts": []}]
+        fields["views"] = [{"logical": logical_groups(e.input), "cuts": []}]
         fields["store"] = {"partial": False, "slice": False, "runtime": _runtime_order(e.out), "logical": []}
     cc.emit(
         "permute",
@@ -600,141 +608,15 @@ def _linear(cc, e) -> None:
     )
 
 
-# ---------------------------------------------------------------- communications
-
-
-def _mesh_axis(tv: ir.TensorView) -> int:
-    (axis,) = tv.device_axes()
-    return layout.position(tv, axis)
-
-
-@_compiles(ir.Communication)
-def _communication(cc: _Compiler, e: ir.Communication) -> None:
-    rank = cc.rank if cc.rank is not None else cc.comm.rank
-    if rank not in e.team:
-        return
-    order = tuple(cc.comm.group_order(e.team))
-    holds_in = e.input.mesh is None or rank in e.input.mesh
-    holds_out = e.out.mesh is None or rank in e.out.mesh
-    t = e.type
-    f = {
-        "type": COMMUNICATION_TYPES.index(t.value),
-        "group": cc.group(e.team),
-        "team_size": len(e.team),
-        "is_root": e.root is not None and rank == e.root,
-        "root": -1 if e.root is None else order.index(e.root),
-        "red_op": e.red_op or "",
-        "local_reduce": list(e.local_reduce),
-        "input": cc.tensor(e.input) if holds_in else -1,
-        "out": cc.tensor(e.out) if holds_out else -1,
-        "in_shape": _local_shape(cc, e.input),
-        "out_shape": _local_shape(cc, e.out),
-        "in_full": _full_shape(cc, e.input),
-        "out_full": _out_full(cc, e),
-        "dtype_in": _DTYPES[e.input.dtype],
-        "dtype_out": _DTYPES[e.out.dtype],
-        "in_axis": _mesh_axis(e.input) if e.input.device_axes() else (0 if unannotated.inferred(e) else -1),
-        "out_axis": _mesh_axis(e.out) if e.out.device_axes() else (0 if unannotated.inferred(e) else -1),
-        "in_order": order == tuple(e.team),
-        "perm": [],
-        "identity": float(e.red_op.identity(e.out.dtype)) if e.red_op else 0.0,
-        "peer": -1,
-        "self_copy": False,
-        "view_out": e.out in cc.local_views,
-        "out_may_be_given": e.out in cc.container.outputs,
-        "backend": e.backend,
+_COMPILERS.update(
+    {
+        ir.Communication: flat_communications.communication,
+        ir.P2PCommunication: flat_communications.p2p,
+        ir.StartCoalescing: flat_communications.start_coalescing,
+        ir.EndCoalescing: flat_communications.end_coalescing,
+        ir.Wait: flat_communications.wait,
     }
-    if t is ir.CommunicationType.Allgather:
-        f["perm"] = [order.index(r) for r in e.team]
-    elif t is ir.CommunicationType.ReduceScatter:
-        f["perm"] = [e.team.index(r) for r in order]
-    elif t is ir.CommunicationType.Gather:
-        f["perm"] = [order.index(r) for r in e.team if r in e.input.mesh]
-    elif t is ir.CommunicationType.Scatter:
-        devices = list(e.out.mesh.devices)
-        f["perm"] = [devices.index(r) if r in devices else 0 for r in order]
-        f["chunks"] = len(devices)
-    elif t is ir.CommunicationType.AllToAll:
-        # Group rank j is sent the piece of team position perm[j]; the piece
-        # for team position k comes from group rank recv_perm[k]. The axes
-        # are the logical ones the transport chunks and concatenates.
-        f["perm"] = [e.team.index(r) for r in order]
-        f["recv_perm"] = [order.index(r) for r in e.team]
-        f["in_view"] = {"logical": _logical_groups(e.input), "cuts": []}
-        f["in_axis"] = _logical_mesh_axis(e.input, e.parallel_type)
-        f["out_axis"] = _logical_mesh_axis(e.out, e.parallel_type)
-    elif t is ir.CommunicationType.SendRecv:
-        # The receiver is the team's other rank, whichever order the team lists.
-        others = [r for r in e.team if r != e.root]
-        receiver = others[0] if others else e.root
-        f["self_copy"] = receiver == e.root
-        f["peer"] = order.index(receiver) if rank == e.root else order.index(e.root)
-    cc.emit("communication", e, **f)
-
-
-def _logical_mesh_axis(tv: ir.TensorView, parallel_type) -> int:
-    found = layout.sharded_axis(tv, parallel_type)
-    if found is None:
-        raise MissingHandlerError(f"{printer.format_tv(tv)} has no {parallel_type.name} axis")
-    return found[0]
-
-
-def _out_full(cc: _Compiler, e: ir.Communication) -> list[int]:
-    """The whole output's runtime sizes; for a ReduceScatter without
-    annotations, the team's pieces along its outermost axis."""
-    extents = [_dim_size(dim, local=False) for dim in layout.dims(e.out)]
-    if e.type is ir.CommunicationType.ReduceScatter and unannotated.inferred(e):
-        extents[0] = ir.ScalarExpr("*", extents[0], ir.Scalar.constant(len(e.team)))
-    return [cc.scalar(x) for x in extents]
-
-
-@_compiles(ir.P2PCommunication)
-def _p2p(cc, e) -> None:
-    cc.emit(
-        "p2p",
-        e,
-        send=e.type == "send",
-        buffer=cc.tensor(e.buffer),
-        peer=cc.scalar(e.peer),
-        world_size=cc.comm.world_size,
-        backend=e.backend,
-    )
-
-
-@_compiles(ir.StartCoalescing)
-def _start(cc, e) -> None:
-    # Its backend is its group's, known at its EndCoalescing.
-    cc.coalescing = cc.emit("start_coalescing", e, backend="")
-
-
-@_compiles(ir.EndCoalescing)
-def _end(cc, e) -> None:
-    """Both ends of a coalescing group name the backend of its first P2P,
-    as the evaluator takes it, so that the group opens and closes on the
-    transport its members post on; an empty group names none and posts
-    nothing."""
-    start, cc.coalescing = cc.coalescing, None
-    backend = ""
-    if start is not None:
-        opened = next(k for k, instr in enumerate(cc.instrs) if instr is start)
-        members = [instr.fields["backend"] for instr in cc.instrs[opened + 1 :] if instr.op == "p2p"]
-        backend = start.fields["backend"] = members[0] if members else ""
-    cc.emit("end_coalescing", e, backend=backend)
-
-
-@_compiles(ir.Wait)
-def _wait(cc, e) -> None:
-    target = e.communication
-    if isinstance(target, ir.Communication):
-        rank = cc.rank if cc.rank is not None else cc.comm.rank
-        if rank not in target.team:
-            return
-    # The posting instruction of the target: the last one emitted for it
-    # (it precedes its Wait in program order).
-    posted = [i for i, instr in enumerate(cc.instrs) if instr.expr is target]
-    if not posted:
-        raise ProgramError(f"Wait before its communication is posted: {printer.format_expr_head(target)}")
-    cc.emit("wait", e, posted=posted[-1], text=printer.format_expr_head(target))
+)
 
 
 def unsupported(container: HostIrContainer) -> str | None:
@@ -766,125 +648,3 @@ def compile_program(container: HostIrContainer, communicator=None, rank: int | N
     communicator's rank, with its process groups, which must exist);
     `rank`: the rank the program was pruned for, if it was."""
     return _Compiler(container, communicator, rank).compile()
-
-
-# ---------------------------------------------------------------- dump
-
-
-def _scalar_text(p: FlatProgram, node: int) -> str:
-    kind = p.scalars[node]
-    if kind[0] == "const":
-        return str(kind[1])
-    if kind[0] == "slot":
-        return f"${kind[1]}"
-    return f"( {_scalar_text(p, kind[1])} {kind[0]} {_scalar_text(p, kind[2])} )"
-
-
-def _field_text(p: FlatProgram, name: str, value) -> str:
-    if name in ("start", "stop", "index", "peer", "stream_index", "cond") and isinstance(value, int):
-        return "-" if value < 0 else _scalar_text(p, value)
-    if name in ("shape", "in_shape", "out_shape", "in_full", "out_full"):
-        return "(" + ", ".join(_scalar_text(p, n) for n in value) + ")"
-    if name in ("out", "input", "a", "b", "bias", "buffer") and isinstance(value, int):
-        return "-" if value < 0 else f"%t{value}"
-    if name == "locals":
-        return "(" + " ".join(f"%t{v}" for v in value) + ")"
-    if name == "group":
-        return f"g{value}"
-    if name == "backend":
-        return value or "-"
-    if name == "slot":
-        return f"%s{value}"
-    if name in ("dtype", "dtype_in", "dtype_out"):
-        return ir.dtype_name(ir.SUPPORTED_DTYPES[value])
-    if name == "type":
-        return COMMUNICATION_TYPES[value]
-    if name == "views":
-        return "(" + " ".join(_view_text(v) for v in value) + ")"
-    if name == "in_view":
-        return _view_text(value)
-    if name == "store":
-        flags = [f for f in ("partial", "slice") if value[f]]
-        runtime = "[" + " ".join("1" if k < 0 else f"a{k}" for k in value["runtime"]) + "]" if value["runtime"] else ""
-        logical = _groups_text(value["logical"])
-        return "{" + " ".join(flags + [x for x in (runtime and f"runtime={runtime}", logical and f"logical={logical}") if x]) + "}"
-    if isinstance(value, dict):
-        if "tensor" in value:
-            return f"%t{value['tensor']}"
-        if "scalar" in value:
-            return _scalar_text(p, value["scalar"])
-        return f"{value['kind']}({value['number']!r})"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        return "(" + " ".join(map(str, value)) + ")"
-    return str(value)
-
-
-def _groups_text(groups: list) -> str:
-    return "".join("[" + " ".join(map(str, g)) + "]" for g in groups)
-
-
-def _view_text(v: dict) -> str:
-    """An operand's view: its logical axes as groups of runtime dims, then
-    each cut as pos:sizes@(dim index ...)."""
-    parts = [_groups_text(v["logical"]) or "="]
-    for c in v["cuts"]:
-        sizes = ",".join("?" if x < 0 else str(x) for x in c["sizes"])
-        narrows = ",".join(f"{c['narrows'][k]}={c['narrows'][k + 1]}" for k in range(0, len(c["narrows"]), 2))
-        parts.append(f"cut{c['pos']}:{sizes}@{narrows}")
-    return "{" + " ".join(parts) + "}"
-
-
-_HIDDEN = {"stream_index", "stream_slot", "stream_key", "text"}
-
-
-def _stream_text(fields: dict) -> str:
-    if fields["stream_index"] >= 0:
-        return None
-    return f"%s{fields['stream_slot']} or pool[{fields['stream_key']}]"
-
-
-def _dump(p: FlatProgram) -> str:
-    head = (
-        f"%FlatProgram {{ ({', '.join(f'%t{i}' if i >= 0 else f'${-2 - i}' for i in p.inputs)}) -> "
-        f"({', '.join('-' if o < 0 else f'%t{o}' for o in p.outputs)}) :"
-    )
-    lines = [head]
-    slots = ", ".join(f"%t{i}={name.split('[')[0]}" for i, name in enumerate(p.tensor_names))
-    lines.append(f"  tensors: {slots}")
-    lines.append("  ints: " + ", ".join(f"${i}={name}" for i, name in enumerate(p.int_names)))
-    for slot, rules in p.extent_rules.items():
-        parts = []
-        for r in rules:
-            if r["mesh_size"]:
-                parts.append(f"1 (mesh {r['mesh_size']})")
-            elif r["bind_slot"] >= 0:
-                parts.append(f"${r['bind_slot']}" + (f" * {r['factor']}" if r["factor"] != 1 else ""))
-            elif r["extent"] < 0:
-                parts.append("1")
-            else:
-                parts.append(f"= {_scalar_text(p, r['extent'])}")
-            if r["scale"] != 1:
-                parts[-1] += f" (size * {r['scale']})"
-        lines.append(f"  bind %t{slot}: [{', '.join(parts)}]")
-    depth_end: list[int] = []
-    for i, instr in enumerate(p.instrs):
-        while depth_end and depth_end[-1] <= i:
-            depth_end.pop()
-        pad = "  " * (len(depth_end) + 1)
-        fields = []
-        for name, value in instr.fields.items():
-            if name in _HIDDEN:
-                continue
-            fields.append(f"{name}={_field_text(p, name, value)}")
-        if "stream_index" in instr.fields:
-            stream = _stream_text(instr.fields) or f"pool[{_scalar_text(p, instr.fields['stream_index'])}]"
-            fields.insert(0, f"stream={stream}")
-        lines.append(f"{pad}{i}: {instr.op} " + " ".join(fields))
-        if instr.op == "for":
-            depth_end.append(instr.fields["end"])
-        elif instr.op == "if":
-            depth_end.append(instr.fields["else_end"])
-    lines.append("} // %FlatProgram")
-    return "\n".join(lines) + "\n"

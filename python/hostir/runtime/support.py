@@ -2,7 +2,8 @@
 
 One table: the op classes the flat compiler has an instruction for, the
 unary and binary kinds the core has an ATen call for, the communication
-types and backends it posts, and the program features it has a path for
+types it posts, the backends it has a transport for (the backend table's
+`cpp` column, `hostir.backends`), and the program features it has a path for
 (`FEATURES`). `flat.unsupported_reasons` reads it to say why a lowered
 program runs on the Python evaluator, and the planner reads it to say so
 before lowering (`fusion_reasons`, `schedule_reasons`), so that the
@@ -20,7 +21,6 @@ import torch
 from hostir import backends, ir, printer
 
 __all__ = [
-    "BACKENDS",
     "BINARY_KINDS",
     "COMMUNICATION_TYPES",
     "FEATURES",
@@ -29,6 +29,7 @@ __all__ = [
     "Features",
     "expr_reasons",
     "fusion_reasons",
+    "runs_backend",
     "schedule_reasons",
 ]
 
@@ -37,7 +38,7 @@ __all__ = [
 OPS: frozenset[type] = frozenset(
     {
         ir.ForLoop, ir.IfThenElse, ir.GetCurrentStream, ir.SetCurrentStream, ir.Synchronize,
-        ir.HirAliasSelect, ir.Allocate, ir.Deallocate, ir.Set, ir.UnaryOp, ir.BinaryOp,
+        ir.HirAliasSelect, ir.HirAliasChunk, ir.Allocate, ir.Deallocate, ir.Set, ir.UnaryOp, ir.BinaryOp,
         ir.ReductionOp, ir.MatmulOp, ir.LinearOp, ir.PermuteOp, ir.Transfer, ir.Communication,
         ir.P2PCommunication, ir.StartCoalescing, ir.EndCoalescing, ir.Wait,
     }
@@ -53,8 +54,11 @@ except Exception:  # noqa: BLE001 - any failure to load means "not built"
 # The communication types with a C++ opcode, in the core's order.
 COMMUNICATION_TYPES: tuple[str, ...] = tuple(t.value for t in ir.CommunicationType if t.in_cpp)
 
-# The backends with a C++ transport.
-BACKENDS: frozenset[str] = frozenset(b.name for b in backends.BACKENDS.values() if b.cpp)
+
+def runs_backend(name: str) -> bool:
+    """Whether the C++ core has a transport for backend `name`: the backend
+    table's `cpp` column (`hostir.backends`), read where it is declared."""
+    return backends.get(name).cpp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +79,11 @@ class Features:
 
     float_scalars: bool = False
     bool_scalar_compute: bool = False
-    chunk_views: bool = False
+    chunk_views: bool = True
     posted_d2h: bool = False
-    into_pushes: bool = False
+    into_pushes: bool = True
     host_allocations: bool = False
-    symmetric_allocations: bool = False
+    symmetric_allocations: bool = True
     meshes_2d: bool = False
     runtime_roots: bool = False
 
@@ -131,7 +135,7 @@ def expr_reasons(e: ir.Expr, chunk: bool = False) -> dict[str, str]:
         found[f"kind {e.kind}"] = f"it has no instruction for {e.kind}: {_head(e)}"
     if isinstance(e, ir.BinaryOp) and e.kind.value not in BINARY_KINDS:
         found[f"kind {e.kind}"] = f"it has no instruction for {e.kind}: {_head(e)}"
-    if isinstance(e, (ir.Communication, ir.P2PCommunication)) and e.backend not in BACKENDS:
+    if isinstance(e, (ir.Communication, ir.P2PCommunication)) and not runs_backend(e.backend):
         found[f"transport {e.backend}"] = f"the {e.backend} transport runs in Python: {_head(e)}"
     if isinstance(e, ir.Communication):
         if e.type.value not in COMMUNICATION_TYPES:
@@ -171,7 +175,7 @@ def schedule_reasons(transport: str | None, chunks: int, weight_pieces: int = 1)
     found: list[str] = []
     if transport is not None:
         declared = backends.get(transport)
-        if declared.name not in BACKENDS:
+        if not declared.cpp:
             found.append(f"the {declared.name} transport runs in Python")
         elif declared.capabilities.one_sided and not FEATURES.into_pushes:
             found.append(f"the {declared.name} transport pushes into a peer's buffer")

@@ -17,7 +17,7 @@ import torch
 from hostir import RankMismatchError, overlap
 
 # HOSTIR_TEST_TRANSPORT=cuda runs the rings over the copy-engine transport
-# (tools/run_overlap_gpu.sh does, on the GPU machines).
+# (tools/gpu_check.py --part suite does, on the GPU machines).
 RING_TRANSPORT = f",transport={os.environ['HOSTIR_TEST_TRANSPORT']}" if os.environ.get("HOSTIR_TEST_TRANSPORT") else ""
 SCHEDULES = [
     "ring:direction=1" + RING_TRANSPORT,
@@ -50,11 +50,13 @@ def head_of(dump: str) -> str:
 def test_allgather_matmul(world, device, sched):
     D, m, K, N = world.size, 4, 6, 5
     fd = overlap.allgather_matmul(D)
-    inputs, expected = overlap.allgather_matmul_inputs(rand_int([D, m, K], device), rand_int([K, N], device), world.rank)
-    out, = fd.execute(inputs, schedule=sched, number_of_streams=2)
+    inputs, expected = overlap.allgather_matmul_inputs(
+        rand_int([D, m, K], device), rand_int([K, N], device), world.rank
+    )
+    (out,) = fd.execute(inputs, schedule=sched, number_of_streams=2)
     exact(out, expected)
     # Back to back: the second call reuses every buffer.
-    out, = fd.execute(inputs, schedule=sched, number_of_streams=2)
+    (out,) = fd.execute(inputs, schedule=sched, number_of_streams=2)
     exact(out, expected)
 
 
@@ -72,7 +74,7 @@ def test_gather_alone(world, device, sched):
     x.axis(0).parallelize(ParallelType.mesh_x)
     y.axis(0).parallelize(ParallelType.stream)
     full = rand_int([D, 4], device)
-    out, = fd.execute([full[world.rank : world.rank + 1]], schedule=sched)
+    (out,) = fd.execute([full[world.rank : world.rank + 1]], schedule=sched)
     exact(out, full)
 
 
@@ -82,14 +84,16 @@ def test_matmul_reduce_scatter(world, device, sched):
     fd = overlap.matmul_reduce_scatter(D)
     A, B = rand_int([D * m, D * k], device), rand_int([D * k, N], device)
     inputs, expected = overlap.matmul_reduce_scatter_inputs(A, B, D, world.rank)
-    out, = fd.execute(inputs, schedule=sched, number_of_streams=2)
+    (out,) = fd.execute(inputs, schedule=sched, number_of_streams=2)
     exact(out.reshape(expected.shape), expected)
 
 
 def test_preallocated_output_is_written_by_the_ring(world, device):
     D, m, K, N = world.size, 2, 3, 4
     fd = overlap.allgather_matmul(D)
-    inputs, expected = overlap.allgather_matmul_inputs(rand_int([D, m, K], device), rand_int([K, N], device), world.rank)
+    inputs, expected = overlap.allgather_matmul_inputs(
+        rand_int([D, m, K], device), rand_int([K, N], device), world.rank
+    )
     out = torch.full_like(expected, float("nan"))
     fd.execute(inputs, [out], schedule="ring:chunks=2")
     exact(out, expected)
@@ -102,14 +106,18 @@ def test_rows_that_do_not_split_into_the_chunks_are_rejected_on_every_rank(world
     with pytest.raises(RankMismatchError, match=r"extent 3 does not split into 2 chunks per peer"):
         fd.execute(inputs, schedule="ring:chunks=2")
     # The ranks are still in step: the next call runs.
-    inputs, expected = overlap.allgather_matmul_inputs(rand_int([D, 2, K], device), rand_int([K, N], device), world.rank)
-    out, = fd.execute(inputs, schedule="ring:chunks=2")
+    inputs, expected = overlap.allgather_matmul_inputs(
+        rand_int([D, 2, K], device), rand_int([K, N], device), world.rank
+    )
+    (out,) = fd.execute(inputs, schedule="ring:chunks=2")
     exact(out, expected)
 
 
 def test_a_bad_schedule_is_rejected_on_every_rank(world, device):
     fd = overlap.allgather_matmul(world.size)
-    inputs, _ = overlap.allgather_matmul_inputs(rand_int([world.size, 2, 2], device), rand_int([2, 2], device), world.rank)
+    inputs, _ = overlap.allgather_matmul_inputs(
+        rand_int([world.size, 2, 2], device), rand_int([2, 2], device), world.rank
+    )
     with pytest.raises(RankMismatchError, match="unknown decomposition 'spiral'"):
         fd.execute(inputs, schedule="spiral")
 
@@ -118,8 +126,10 @@ def test_the_models_choice_runs_and_shows_in_the_dump(world, device, monkeypatch
     monkeypatch.delenv("HOSTIR_SCHEDULE", raising=False)
     D, m, K, N = world.size, 2, 3, 4
     fd = overlap.allgather_matmul(D)
-    inputs, expected = overlap.allgather_matmul_inputs(rand_int([D, m, K], device), rand_int([K, N], device), world.rank)
-    out, = fd.execute(inputs)
+    inputs, expected = overlap.allgather_matmul_inputs(
+        rand_int([D, m, K], device), rand_int([K, N], device), world.rank
+    )
+    (out,) = fd.execute(inputs)
     exact(out, expected)
     program = next(iter(fd.executor._programs.values())).container
     head = head_of(str(program))
@@ -134,8 +144,10 @@ def test_forced_schedule_from_the_environment(world, device, monkeypatch):
     monkeypatch.setenv("HOSTIR_SCHEDULE", "ring:chunks=2,direction=-1" + RING_TRANSPORT)
     D, m, K, N = world.size, 2, 3, 4
     fd = overlap.allgather_matmul(D)
-    inputs, expected = overlap.allgather_matmul_inputs(rand_int([D, m, K], device), rand_int([K, N], device), world.rank)
-    out, = fd.execute(inputs)
+    inputs, expected = overlap.allgather_matmul_inputs(
+        rand_int([D, m, K], device), rand_int([K, N], device), world.rank
+    )
+    (out,) = fd.execute(inputs)
     exact(out, expected)
     program = next(iter(fd.executor._programs.values())).container
     assert "(ring, chunks=2, direction=-1, transport=" in head_of(str(program))
@@ -148,8 +160,14 @@ def test_every_rank_plans_with_rank_0s_machine_model(world, monkeypatch):
     from hostir import communicator, machine, planner
 
     comm = communicator.live() or communicator.get()
-    mine = machine.MachineModel("gpu", gemm_tflops=100.0 + world.rank, copy_gbps=300.0, collective_gbps=150.0,
-                                step_us=10.0, host_ms=machine.HOST_MS)
+    mine = machine.MachineModel(
+        "gpu",
+        gemm_tflops=100.0 + world.rank,
+        copy_gbps=300.0,
+        collective_gbps=150.0,
+        step_us=10.0,
+        host_ms=machine.HOST_MS,
+    )
     monkeypatch.setattr(machine, "machine_model", lambda device: mine)
     saved = getattr(comm, "_machine_model", None)
     try:

@@ -22,6 +22,13 @@ double-buffered by call parity: call n+2 writes the window of call n only
 after the peer has passed call n+1, which it entered after its reads of
 call n were enqueued ahead of its own pushes.
 
+The C++ executor runs the same protocol (csrc/host_ir/transports/cuda.cpp):
+`provide_windows` makes the windows of its program's symmetric Allocates
+here, both call parities at once, and hands their addresses over (each
+rank's copy and flags); C++ then pushes and signals with stream memory
+operations on the same flags (symm_mem's signal pads, or the IPC block's
+head), and calls no Python.
+
 Importing this module needs neither CUDA nor symmetric memory; `probe`
 says whether the transport can run.
 """
@@ -184,6 +191,9 @@ class Window:
     nbytes: int
     base: int
 
+    def addresses(self) -> tuple[list[int], list[int], int]:
+        raise TransportUnsupported("a window without addresses")
+
     def view(self, rank: int, shape, dtype: torch.dtype, byte_off: int) -> torch.Tensor:
         raise TransportUnsupported("a window without views")
 
@@ -204,6 +214,14 @@ class SymmetricWindow(Window):
         self.buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buf, group_name)
         self.base = self.buf.data_ptr()
+
+    def addresses(self) -> tuple[list[int], list[int], int]:
+        """Per rank the first byte of its copy and of its signal pad, and
+        the pad's bytes (flag [channel * world + src], as put_signal and
+        wait_signal address it)."""
+        world = self.handle.world_size
+        bases = [self.handle.get_buffer(r, (1,), torch.uint8, 0).data_ptr() for r in range(world)]
+        return bases, [int(p) for p in self.handle.signal_pad_ptrs], int(self.handle.signal_pad_size)
 
     def view(self, rank: int, shape, dtype: torch.dtype, byte_off: int) -> torch.Tensor:
         size = torch.empty((), dtype=dtype).element_size()
@@ -260,9 +278,17 @@ class IpcWindow(Window):
         self.buf = torch.zeros(self.FLAG_BYTES + nbytes, dtype=torch.uint8, device=device)
         torch.cuda.synchronize(device)
         shared = comm.all_gather_bytes(_pack_ipc_handle(self.buf), _IPC_RECORD_BYTES)
-        self.peers = [self.buf if r == self.rank else _open_ipc_handle(h, self.buf.numel()) for r, h in enumerate(shared)]
+        self.peers = [
+            self.buf if r == self.rank else _open_ipc_handle(h, self.buf.numel()) for r, h in enumerate(shared)
+        ]
         self.base = self.buf.data_ptr() + self.FLAG_BYTES
         self.ops = memops()
+
+    def addresses(self) -> tuple[list[int], list[int], int]:
+        """Per rank the first byte of its copy and of its flags, and the
+        flags' bytes."""
+        flags = [p.data_ptr() for p in self.peers]
+        return [f + self.FLAG_BYTES for f in flags], flags, self.FLAG_BYTES
 
     def view(self, rank: int, shape, dtype: torch.dtype, byte_off: int) -> torch.Tensor:
         size = torch.empty((), dtype=dtype).element_size()
@@ -273,7 +299,9 @@ class IpcWindow(Window):
     def _flag(self, on_rank: int, channel: int, src: int) -> int:
         offset = 4 * (channel * self.world + src)
         if offset + 4 > self.FLAG_BYTES:
-            raise TransportUsageError(f"signal channel {channel} is beyond the window's {self.FLAG_BYTES // 4 // self.world}")
+            raise TransportUsageError(
+                f"signal channel {channel} is beyond the window's {self.FLAG_BYTES // 4 // self.world}"
+            )
         return self.peers[on_rank].data_ptr() + offset
 
     def signal(self, peer: int, channel: int, timeout_ms: int) -> None:
@@ -331,27 +359,35 @@ class CudaTransport(Transport):
         self._send = torch.cuda.Stream(self.device, priority=-1)
         self.rendezvous_count = 0
         self.kind = window_kind(comm)
+        # The live windows handed to C++, by this rank's flag address (`provide_windows`).
+        self.cpp_flags: weakref.WeakValueDictionary[int, Window] = weakref.WeakValueDictionary()
 
     # -- buffers
     def allocate(self, frame, tv, shape):
         # Per program: two programs never share a window, so each one's
         # parity alone orders the writes into it.
         parity = frame.call_parity
-        windows = self._windows.get(frame.evaluator.container)
+        size = torch.empty((), dtype=tv.dtype).element_size()
+        window = self.window(
+            frame.evaluator.container, (tv.name, tuple(shape), tv.dtype, parity), max(size, size * layout.numel(shape))
+        )
+        return window.view(self.comm.rank, shape, tv.dtype, 0)
+
+    def window(self, program, key: tuple, nbytes: int) -> Window:
+        """`program`'s window under `key`, made (a rendezvous of every
+        rank) on first use."""
+        windows = self._windows.get(program)
         if windows is None:
-            windows = self._windows[frame.evaluator.container] = {}
-        key = (tv.name, tuple(shape), tv.dtype, parity)
+            windows = self._windows[program] = {}
         window = windows.get(key)
         if window is None:
-            size = torch.empty((), dtype=tv.dtype).element_size()
-            nbytes = max(size, size * layout.numel(shape))
             if self.kind == "ipc":
                 window = IpcWindow(nbytes, self.device, self.comm)
             else:
                 window = SymmetricWindow(nbytes, self.device, self.group_name)
             windows[key] = window
             self.rendezvous_count += 1
-        return window.view(self.comm.rank, shape, tv.dtype, 0)
+        return window
 
     def _locate(self, t: torch.Tensor) -> tuple[Window, int]:
         ptr = t.data_ptr()
@@ -360,8 +396,7 @@ class CudaTransport(Transport):
                 if window.base <= ptr < window.base + window.nbytes:
                     return window, ptr - window.base
         raise TransportUsageError(
-            "a cuda-transport buffer must be a view of a symmetric allocation (Allocate with "
-            "mem_type=symmetric)"
+            "a cuda-transport buffer must be a view of a symmetric allocation (Allocate with mem_type=symmetric)"
         )
 
     @staticmethod
@@ -413,3 +448,33 @@ class CudaTransport(Transport):
 
     def end_coalescing(self, frame, ops: list) -> Posted:
         return Posted(list(ops) or [NoWork()])
+
+
+def provide_windows(executor, program, comm, device, needed: str) -> None:
+    """Make the windows the C++ executor asked for (`needed`: its
+    "instr:nbytes" pairs, one per symmetric Allocate it lacks) for both
+    call parities and hand over their addresses. Every rank runs the same
+    program on the same agreed shapes, so every rank asks on the same call,
+    for the same windows in the same order, and the rendezvous pair up."""
+    if comm is None:
+        raise TransportUsageError("the cuda transport's windows need a communicator")
+    reason = probe(comm, device)
+    if reason is not None:
+        raise TransportUnsupported(f"the cuda transport cannot run here: {reason}")
+    transport = for_communicator(comm, device)
+    for pair in needed.split():
+        instr, nbytes = (int(x) for x in pair.split(":"))
+        for parity in (0, 1):
+            window = transport.window(program, ("cpp", instr, nbytes, parity), nbytes)
+            bases, flags, flag_bytes = window.addresses()
+            # Stream memory writes cannot wait for a flag to be consumed (as
+            # put_signal does), so two windows sharing flags could merge two
+            # signals into one and hang: refuse that rather than risk it.
+            other = transport.cpp_flags.get(flags[comm.rank])
+            if other is not None and other is not window:
+                raise TransportUsageError(
+                    f"the window of instruction {instr} (call parity {parity}) shares its flags at "
+                    f"{flags[comm.rank]:#x} with another window handed to the C++ executor"
+                )
+            transport.cpp_flags[flags[comm.rank]] = window
+            executor.set_window(instr, parity, nbytes, bases, flags, flag_bytes, comm.rank)

@@ -1,0 +1,369 @@
+"""The evaluator's handlers of the fusion ops (`ir.FUSION_OPS`): a copy,
+the elementwise, reduction and product ops, broadcasts, and the shape ops,
+each run with torch on this rank's piece of its tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from hostir import ir, layout
+from hostir.runtime.frame import BindingError, Frame, ShapeError, impl
+
+
+# ---------------------------------------------------------------- local layouts
+#
+# A rank holds each tensor in its loop layout (a split axis as its pieces,
+# a sharded piece with size 1). Compute ops run torch on the logical layout
+# (one dim per logical axis, of this rank's size) and put the result back
+# in the output's loop layout; both are views of the same memory. An
+# operand axis replicated where the output is sharded is first cut to this
+# rank's slice.
+
+
+def _local_slices(e: ir.Expr, source: dict) -> dict[int, list]:
+    """operand id -> [(position, output axis, operand axis)] to slice. In
+    a loop body the op's slices are read as the whole tensors they come
+    from (`source`: slice -> what it slices), so positions count the axis
+    a select removed."""
+    if isinstance(e, ir.Set):
+        return {}
+    back: dict[int, ir.TensorView] = {}
+    fields = {}
+    for f in e.INPUTS + e.OUTPUTS:
+        v = getattr(e, f)
+        if not isinstance(v, ir.TensorView):
+            continue
+        w = v
+        while w in source:
+            w = source[w]
+        if w is not v:
+            fields[f] = w
+        back.setdefault(id(w), v)
+    partial = getattr(e, "partial", None)
+    if fields and partial is not None:
+        # A chunk of partial sums: the decomposition already cut its operands.
+        return {}
+    whole = e.replace(**fields) if fields else e
+    found: dict[int, list] = {}
+    for o, i in whole.id_pairs():
+        if o.is_reduction and partial is None:
+            continue
+        missing = layout.device_types(o) - layout.device_types(i)
+        if not missing or i.is_broadcast:
+            # A broadcast operand axis is the same size-1 dim on every rank.
+            continue
+        for v in whole.inputs():
+            if isinstance(v, ir.TensorView) and i in v.logical:
+                found.setdefault(id(back[id(v)]), []).append((v.logical_runtime().index(i), o, i))
+    return found
+
+
+def _operand(frame: Frame, e, tv, full_rank: bool = False):
+    """Operand `tv` of `e` in logical layout, cut to this rank's slice
+    where `e`'s output is sharded and `tv` is not."""
+    t = frame.get(tv)
+    if not isinstance(tv, ir.TensorView):
+        return t
+    cuts = frame.evaluator.local_slices.get(id(e), {}).get(id(tv), ())
+    removed = frame.evaluator.slice_dim.get(tv)
+    if removed is not None:
+        # A slice a stream loop selected: at full rank its dims are the
+        # whole tensor's; without, the selected one is gone.
+        if full_rank:
+            t = frame.full_rank(tv, t)
+        else:
+            cuts = [(pos - (pos > removed), o, i) for pos, o, i in cuts if pos != removed]
+    else:
+        t = frame.evaluator.layouts.to_logical(tv, t)
+    for pos, o, i in cuts:
+        mesh = e.out.mesh
+        missing = layout.device_types(o) - layout.device_types(i)
+        sizes = layout.leaf_sizes(o.loop_leaves(), t.shape[pos], mesh, missing)
+        pieces = t.reshape(list(t.shape[:pos]) + sizes + list(t.shape[pos + 1 :]))
+        for j, x in enumerate(o.loop_leaves()):
+            if x.parallel_type in missing:
+                pieces = pieces.narrow(pos + j, mesh.index_along(frame.communicator.rank, x.parallel_type), 1)
+        t = pieces.reshape(list(t.shape[:pos]) + [-1] + list(t.shape[pos + 1 :]))
+    return t
+
+
+def _store(
+    frame: Frame, e, fresh: Callable[[], torch.Tensor], into: Callable[[torch.Tensor], Any], full_rank=False
+) -> None:
+    """Bind `fresh()`'s result to `e.out` in its loop layout, or, if `e.out`
+    is bound, run `into(view)` on its logical view."""
+    tv = e.out
+    partial = getattr(e, "partial", None)
+    if tv in frame.evaluator.slice_dim:
+        out, bind_fresh = _full_rank_out(frame, e) if full_rank else (frame.get(tv, None), lambda r: frame.bind(tv, r))
+        if out is None:
+            bind_fresh(fresh())
+        elif partial is None:
+            into(out)
+        else:
+            # A chunk of partial sums: the slice keeps the partial and the
+            # sharded pieces as size-1 dims where the operands put them.
+            _copy_same_sizes(out, fresh())
+        return
+    out = frame.get(tv, None)
+    if out is None:
+        result = fresh()
+        if partial is not None:
+            result = result.unsqueeze(0)
+        frame.bind(tv, frame.evaluator.layouts.to_runtime(tv, result))
+        return
+    view = frame.evaluator.layouts.to_logical(tv, out)
+    into(view.squeeze(0) if partial is not None else view)
+
+
+def _copy_same_sizes(out: torch.Tensor, result: torch.Tensor) -> None:
+    """Copy `result` into `out`, which holds the same sizes but for dims of
+    size 1."""
+    if [s for s in out.shape if s != 1] != [s for s in result.shape if s != 1]:
+        raise BindingError(f"a result of shape {list(result.shape)} does not fit its buffer of shape {list(out.shape)}")
+    out.copy_(result.reshape(out.shape))
+
+
+@impl(ir.Set)
+def _set(frame: Frame, e: ir.Set) -> None:
+    src = frame.get(e.input)
+    out = frame.get(e.out, None)
+    if out is None:
+        frame.bind(e.out, src.clone(memory_format=torch.contiguous_format))
+    else:
+        out.copy_(src)
+
+
+@impl(ir.UnaryOp)
+def _unary(frame: Frame, e: ir.UnaryOp) -> None:
+    x = _operand(frame, e, e.input)
+    fn = e.kind.torch_fn
+    if fn is None:  # cast
+        _store(frame, e, lambda: x.to(e.out.dtype), lambda out: out.copy_(x))
+        return
+    _store(frame, e, lambda: fn(x), lambda out: out.copy_(fn(x)))
+
+
+@impl(ir.BinaryOp)
+def _binary(frame: Frame, e: ir.BinaryOp) -> None:
+    fn = e.kind.torch_fn
+    lhs, rhs = _operand(frame, e, e.lhs), _operand(frame, e, e.rhs)
+    if not isinstance(lhs, torch.Tensor):
+        # torch takes a number only on the right; a 0-d tensor of the
+        # number's default dtype promotes the same way. (A meta operand, in a
+        # dry run, cannot mix with a CPU tensor.)
+        lhs = torch.tensor(lhs, device="meta" if rhs.device.type == "meta" else None)
+    _store(frame, e, lambda: fn(lhs, rhs), lambda out: fn(lhs, rhs, out=out))
+
+
+@impl(ir.ReductionOp)
+def _reduction(frame: Frame, e: ir.ReductionOp) -> None:
+    src = _operand(frame, e, e.input)
+    dims = [i for i, d in enumerate(e.out.logical) if d.is_reduction]
+
+    fn, dtype = e.kind.torch_fn, e.out.dtype
+
+    def run(**out):
+        return fn(src, dims, dtype=dtype, **out)
+
+    _store(frame, e, run, lambda out: run(out=out))
+
+
+def _full_rank_out(frame: Frame, e) -> tuple[torch.Tensor | None, Callable]:
+    """The bound output at full rank (or None) and how to bind a fresh one."""
+    out = frame.get(e.out, None)
+    dim = frame.evaluator.slice_dim.get(e.out)
+
+    def bind_fresh(result: torch.Tensor) -> None:
+        frame.bind(e.out, result if dim is None else result.squeeze(dim))
+
+    return (None if out is None else frame.full_rank(e.out, out)), bind_fresh
+
+
+@impl(ir.MatmulOp)
+def _matmul(frame: Frame, e: ir.MatmulOp) -> None:
+    a = _operand(frame, e, e.a, full_rank=True)
+    b = _operand(frame, e, e.b, full_rank=True)
+    _store(frame, e, lambda: torch.matmul(a, b), lambda out: torch.matmul(a, b, out=out), full_rank=True)
+
+
+@impl(ir.LinearOp)
+def _linear(frame: Frame, e: ir.LinearOp) -> None:
+    x = _operand(frame, e, e.input, full_rank=True)
+    w = _operand(frame, e, e.weight, full_rank=True)
+    bias = None if e.bias is None else _operand(frame, e, e.bias, full_rank=True)
+    if w.dim() > 2:
+        # A weight [*W, N, K]: torch's linear on [W*N, K], unflattened.
+        fresh = lambda: linear_nd(x, w, bias)  # noqa: E731
+        _store(frame, e, fresh, lambda out: out.copy_(fresh()), full_rank=True)
+        return
+    _store(
+        frame,
+        e,
+        lambda: torch.nn.functional.linear(x, w, bias),
+        lambda out: torch.ops.aten.linear.out(x, w, bias, out=out),
+        full_rank=True,
+    )
+
+
+def linear_nd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` with a weight [*W, N, K]: out [..., *W, N]; the bias is
+    [*W, N] or any trailing part of it."""
+    lead = w.shape[:-1]
+    if bias is not None:
+        bias = bias.expand(lead).reshape(-1)
+    return torch.nn.functional.linear(x, w.reshape(-1, w.shape[-1]), bias).unflatten(-1, lead)
+
+
+def _copy_out(frame: Frame, e, result: torch.Tensor, source: torch.Tensor) -> None:
+    """Write `result` (full rank) into the bound output, or bind a copy of
+    it that shares no memory with `source`."""
+    out, bind_fresh = _full_rank_out(frame, e)
+    if out is not None:
+        out.copy_(result)
+        return
+    if result.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        result = result.clone(memory_format=torch.contiguous_format)
+    bind_fresh(result)
+
+
+@impl(ir.BroadcastInDimOp)
+def _broadcast_in_dim(frame: Frame, e: ir.BroadcastInDimOp) -> None:
+    src = _operand(frame, e, e.input, full_rank=True)
+    axes = e.out.logical_runtime()
+    # In a stream loop `out` is a slice without the walked axis; `dims`
+    # count it.
+    sliced = e.out in frame.evaluator.slice_dim
+    placed = [1] * (len(axes) + sliced)
+    for i, d in enumerate(e.dims):
+        placed[d] = src.shape[i]
+    if not sliced:
+        _check_kept_sizes(e, src)
+    view = src.reshape(placed)
+    out, bind_fresh = _full_rank_out(frame, e)
+    if out is not None:
+        # The bound output (a chunk in a stream loop) takes the broadcast.
+        out.copy_(view)
+        return
+    sizes = []
+    for j, (d, size) in enumerate(zip(axes, placed)):
+        grows = size == 1 and not d.is_broadcast
+        sizes.append(layout.local_extent(d) if grows else size)
+        if sizes[-1] is None:
+            raise ShapeError(f"axis {j} of T{e.out.name} has no fixed size to grow to")
+    bind_fresh(view.expand(sizes).clone(memory_format=torch.contiguous_format))
+
+
+def _check_kept_sizes(e: ir.BroadcastInDimOp, src: torch.Tensor) -> None:
+    """A kept axis given a fixed size must have it (across ranks)."""
+    out = e.out.logical_runtime()
+    for i, (d, j) in enumerate(zip(e.input.logical_runtime(), e.dims)):
+        o = out[j]
+        if d.is_broadcast or o.is_broadcast or not o.extent.is_constant or src.shape[i] == 0:
+            continue
+        whole = src.shape[i] * layout.shard_count(e.input.mesh, d)
+        if whole != o.extent.value:
+            raise ShapeError(
+                f"broadcast_in_dim: axis {i} of T{e.input.name} has size {whole}, but output axis {j} "
+                f"is {o.extent.value}; only a size-1 axis grows"
+            )
+
+
+def _view_out(frame: Frame, e, result: torch.Tensor) -> None:
+    """Write `result` into the bound output, or bind it as it is: a view
+    of the operand where torch made one (permute always, reshape where the
+    strides allow), as torch's own ops return."""
+    out, bind_fresh = _full_rank_out(frame, e)
+    if out is not None:
+        out.copy_(result)
+        return
+    bind_fresh(result)
+
+
+@impl(ir.PermuteOp)
+def _permute(frame: Frame, e: ir.PermuteOp) -> None:
+    if e.input.device_axes() or e.out.device_axes():
+        # This rank's piece, permuted: its sharded axes move with it. A
+        # view, as without device axes: its runtime dims only add size-1
+        # dims (the rank's index of a sharded axis) and split a dim, which
+        # any strides allow.
+        layouts = frame.evaluator.layouts
+        src = layouts.to_logical(e.input, frame.get(e.input))
+        result = layouts.to_runtime(e.out, src.permute(e.dims))
+        out = frame.get(e.out, None)
+        if out is None:
+            frame.bind(e.out, result)
+        else:
+            out.copy_(result)
+        return
+    src = frame.full_rank(e.input, frame.get(e.input))
+    _view_out(frame, e, src.permute(e.dims))
+
+
+@impl(ir.ExpandOp)
+def _expand(frame: Frame, e: ir.ExpandOp) -> None:
+    # At full rank: inside a stream loop the dims `dims` counts are those of
+    # the whole tensors, a selected slice's dim put back as size 1.
+    src = _operand(frame, e, e.input, full_rank=True)
+    like = _operand(frame, e, e.like, full_rank=True)
+    for d in sorted(e.dims):
+        src = src.unsqueeze(d)
+
+    def run():
+        return src.expand(like.shape).contiguous()
+
+    _store(frame, e, run, lambda out: out.copy_(src.expand(like.shape)), full_rank=True)
+
+
+@impl(ir.InsertOp)
+def _insert(frame: Frame, e: ir.InsertOp) -> None:
+    src = _operand(frame, e, e.input, full_rank=True)
+    like = _operand(frame, e, e.like, full_rank=True)
+
+    def run():
+        out = torch.zeros(like.shape, dtype=e.out.dtype, device=like.device)
+        fill(out)
+        return out
+
+    def fill(out):
+        if e.ranges is not None:
+            out[tuple(slice(start, stop, step) for start, stop, step in e.ranges)] = src
+        else:
+            out.select(e.dim, int(frame.get(e.index))).copy_(src)
+
+    def into(out):
+        out.zero_()
+        fill(out)
+
+    _store(frame, e, run, into, full_rank=True)
+
+
+@impl(ir.ReshapeOp)
+def _reshape(frame: Frame, e: ir.ReshapeOp) -> None:
+    src = frame.get(e.input)
+    if src.numel() != layout.reshape_numel(e.shape, src.numel()):
+        raise ShapeError(f"cannot reshape T{e.input.name} of shape {list(src.shape)} to {list(e.shape)}")
+    _view_out(frame, e, src.reshape(e.shape))
+
+
+@impl(ir.SliceOp)
+def _slice(frame: Frame, e: ir.SliceOp) -> None:
+    src = frame.full_rank(e.input, frame.get(e.input))
+    index = []
+    for k, ((start, stop, step), size) in enumerate(zip(e.ranges, src.shape)):
+        if start > size or (stop is not None and stop > size):
+            raise ShapeError(f"axis {k} of T{e.input.name} has size {size}; the slice [{start}:{stop}] is out of range")
+        index.append(slice(start, stop, step))
+    _copy_out(frame, e, src[tuple(index)], src)
+
+
+@impl(ir.SelectOp)
+def _select_op(frame: Frame, e: ir.SelectOp) -> None:
+    src = frame.full_rank(e.input, frame.get(e.input))
+    index, size = int(frame.get(e.index)), src.shape[e.dim]
+    if not -size <= index < size:
+        raise ShapeError(f"index {index} is out of range for axis {e.dim} of T{e.input.name} (size {size})")
+    _copy_out(frame, e, src.select(e.dim, index), src)

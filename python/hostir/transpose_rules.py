@@ -1,0 +1,264 @@
+"""The transpose rule of each fusion op, keyed by op class (`RULES`,
+filled by `@rule`): given the cotangent of an op's output, a rule builds
+the cotangents of its inputs in the backward fusion, through the
+`Deriver` of `derivation.py` (which places, saves and gathers what the
+rule reads). `hostir.autodiff.derive` walks a fusion with this table.
+"""
+
+from __future__ import annotations
+
+from hostir import builders, ir, shape_ops
+from hostir.derivation import Deriver, NoTransposeRuleError, no_rule, wants
+
+
+RULES: dict = {}
+
+
+def rule(op_class):
+    def wrap(fn):
+        RULES[op_class] = fn
+        return fn
+
+    return wrap
+
+
+@rule(ir.Set)
+def _set_rule(d: Deriver, e: ir.Set, needs) -> None:
+    if not wants(d, e.input, needs):
+        d.contribs.pop(e.out, None)
+        return
+    # The same values in the input's sharding: the lowering moves them.
+    g = d.cotangent(e.out, d.layout(e.input))
+    d.contribute(e.input, g)
+
+
+@rule(ir.UnaryOp)
+def _unary_rule(d: Deriver, e: ir.UnaryOp, needs) -> None:
+    # Each unary kind declares its backward (`UnaryKind.grad`, kinds.py).
+    g = d.cotangent(e.out)
+    if not wants(d, e.input, needs):
+        return
+    grad = e.kind.grad
+    if grad is None:
+        raise NoTransposeRuleError(no_rule(e, f"hostir has no backward rule for unary {e.kind}"))
+    if grad.reads is None:
+        gx = builders.unary(grad.kind, g, e.input.dtype if grad.kind == "cast" else None)
+    else:
+        gx = builders.binary(grad.kind, g, d.save(getattr(e, grad.reads)))
+    d.contribute(e.input, d.made(gx))
+
+
+def _unbroadcast(d: Deriver, g: ir.TensorView, operand: ir.TensorView) -> ir.TensorView:
+    """`g` (shaped as an op's output) summed over the axes where `operand`
+    is broadcast, shaped as `operand`."""
+    out_axes = g.logical_runtime()
+    op_axes = operand.logical_runtime()
+    offset = len(out_axes) - len(op_axes)
+    dims = [k for k in range(offset)] + [
+        offset + k for k, a in enumerate(op_axes) if a.is_broadcast and not out_axes[offset + k].is_broadcast
+    ]
+    if not dims:
+        return g
+    s = builders.reduction("sum", g, dims)
+    if offset == 0:
+        return _emit_expand(s, d.shaped_like(operand), dims)
+    raise NoTransposeRuleError(f"an operand with fewer axes than its op's output: T{operand.name}")
+
+
+def _emit_expand(x: ir.TensorView, like: ir.TensorView, dims) -> ir.TensorView:
+    fusion = x.owner
+    out = ir.TensorView(fusion, [a.clone(fusion) for a in like.logical_runtime()], x.dtype)
+    fusion.add_expr(ir.ExpandOp(out, x, like, tuple(dims)))
+    return out
+
+
+@rule(ir.BinaryOp)
+def _binary_rule(d: Deriver, e: ir.BinaryOp, needs) -> None:
+    g = d.cotangent(e.out)
+    lhs, rhs = e.lhs, e.rhs
+    if e.kind not in ("add", "sub", "mul", "div"):
+        raise NoTransposeRuleError(no_rule(e, f"hostir has no backward rule for {e.kind}"))
+    if wants(d, lhs, needs):
+        if e.kind in ("add", "sub"):
+            gl = g
+        elif e.kind == "mul":
+            gl = builders.binary("mul", g, d.save(rhs))
+        else:
+            gl = builders.binary("div", g, d.save(rhs))
+        d.contribute(lhs, d.made(_unbroadcast(d, gl, lhs)))
+    if wants(d, rhs, needs):
+        if e.kind == "add":
+            gr = g
+        elif e.kind == "sub":
+            gr = builders.unary("neg", g)
+        elif e.kind == "mul":
+            gr = builders.binary("mul", g, d.save(lhs))
+        else:
+            # torch: -grad * self / (other * other)
+            r = d.save(rhs)
+            gr = builders.unary(
+                "neg", builders.binary("div", builders.binary("mul", g, d.save(lhs)), builders.binary("mul", r, r))
+            )
+        d.contribute(rhs, d.made(_unbroadcast(d, gr, rhs)))
+
+
+@rule(ir.ReductionOp)
+def _reduction_rule(d: Deriver, e: ir.ReductionOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not wants(d, e.input, needs):
+        return
+    dims = [k for k, a in enumerate(e.out.logical) if a.is_reduction]
+    if e.kind == "sum":
+        d.contribute(e.input, d.made(_emit_expand(g, d.shaped_like(e.input), dims)))
+        return
+    x = d.save(e.input)
+    # amax / amin: the gradient shared equally by the elements equal to the
+    # result, as torch computes it.
+    y = _emit_expand(d.save(e.out), x, dims)
+    mask = builders.binary("eq", x, y)
+    count = builders.reduction("sum", mask, dims)
+    share = _emit_expand(builders.binary("div", g, count), x, dims)
+    d.contribute(e.input, d.made(builders.binary("mul", share, mask)))
+
+
+def _swap_last(n: int) -> list[int]:
+    return list(range(n - 2)) + [n - 1, n - 2]
+
+
+@rule(ir.MatmulOp)
+def _matmul_rule(d: Deriver, e: ir.MatmulOp, needs) -> None:
+    g = d.cotangent(e.out)
+    a, b = e.a, e.b
+    na, nb, ng = a.logical_ndim, b.logical_ndim, e.out.logical_ndim
+    if wants(d, a, needs):
+        bs = d.save(b)
+        if nb == 2:
+            gg, bs = d.contraction_ready(g, [ng - 1], bs, [1])
+            ga = builders.linear(gg, bs)
+        else:
+            bt = d.permute(bs, _swap_last(nb))
+            gg, bt = d.contraction_ready(g, [ng - 1], bt, [nb - 2])
+            ga = builders.matmul(gg, bt)
+        d.contribute(a, d.made(_unbroadcast(d, ga, a)))
+    if wants(d, b, needs):
+        at = d.save_permuted(a, _swap_last(na))
+        at, gg = d.contraction_ready(at, [na - 1], g, [ng - 2])
+        gb = builders.matmul(at, gg)
+        if nb == 2 and ng > 2:
+            gb = builders.reduction("sum", gb, list(range(ng - 2)))
+        else:
+            gb = _unbroadcast(d, gb, b)
+        d.contribute(b, d.made(gb))
+
+
+@rule(ir.LinearOp)
+def _linear_rule(d: Deriver, e: ir.LinearOp, needs) -> None:
+    g = d.cotangent(e.out)
+    x, w, bias = e.input, e.weight, e.bias
+    n = x.logical_ndim
+    if n < 2:
+        raise NoTransposeRuleError(no_rule(e, "the backward of a linear needs an input of at least 2 axes"))
+    lead = list(range(n - 1))
+    # A gradient sharded on the rows where the weight is sharded on K (the
+    # backward of a GEMM+ReduceScatter layer) is gathered once, for both
+    # products; walking the rows where the forward walked them.
+    walked = None
+    lg = d.known.get(g)
+    if lg is not None:
+        rows = set().union(*(lg.device_types(i) for i in lead))
+        if rows & (d.layout(w).device_types(1) | d.layout(x).device_types(n - 1)):
+            g, walked = d.gathered_walking(g, lead, x)
+    xs = None
+    if wants(d, x, needs):
+        ws = d.save(w)
+        gx = d.walking(g, e.out, x, [(k, k) for k in lead])
+        if gx is not g and wants(d, w, needs):
+            # The weight gradient's operand first: a re-gather is then
+            # posted before the input gradient's ring and runs under it.
+            xs = d.save(x, contracted=[n - 2])
+        gg, ws = d.contraction_ready(gx, [n - 1], ws, [0])
+        gx = d.made(builders.matmul(gg, ws))
+        if walked is not None:
+            gx = d.place(gx, walked)
+        d.contribute(x, gx)
+    if wants(d, w, needs):
+        if xs is None:
+            xs = d.save(x, contracted=[n - 2])
+        gt = d.permute(g, list(range(1, n)) + [0]) if n == 2 else d.permute(g, _swap_last(n))
+        if n == 2:
+            gt, xs = d.contraction_ready(gt, [1], xs, [0])
+            gw = builders.matmul(gt, xs)
+        else:
+            gt, xs = d.contraction_ready(gt, [n - 1], xs, [n - 2])
+            gw = builders.reduction("sum", builders.matmul(gt, xs), list(range(n - 2)))
+        d.contribute(w, d.made(gw))
+    if bias is not None and wants(d, bias, needs):
+        d.contribute(bias, d.made(builders.reduction("sum", g, lead)))
+
+
+@rule(ir.BroadcastInDimOp)
+def _broadcast_in_dim_rule(d: Deriver, e: ir.BroadcastInDimOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not wants(d, e.input, needs):
+        return
+    out_axes = e.out.logical_runtime()
+    x_axes = e.input.logical_runtime()
+    new = [k for k in range(len(out_axes)) if k not in e.dims]
+    # Input axes of size 1 that the op grew: summed, and kept as size 1.
+    grown = [i for i, a in enumerate(x_axes) if a.is_broadcast and not out_axes[e.dims[i]].is_broadcast]
+    summed = sorted(new + [e.dims[i] for i in grown])
+    gx = builders.reduction("sum", g, summed) if summed else builders.set_(g)
+    if grown:
+        gx = _emit_expand(gx, d.shaped_like(e.input), grown)
+    d.contribute(e.input, d.made(gx))
+
+
+@rule(ir.PermuteOp)
+def _permute_rule(d: Deriver, e: ir.PermuteOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not wants(d, e.input, needs):
+        return
+    inverse = [0] * len(e.dims)
+    for i, p in enumerate(e.dims):
+        inverse[p] = i
+    d.contribute(e.input, d.made(shape_ops.permute(g, inverse)))
+
+
+@rule(ir.ReshapeOp)
+def _reshape_rule(d: Deriver, e: ir.ReshapeOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not wants(d, e.input, needs):
+        return
+    extents = [a.extent for a in e.input.logical_runtime()]
+    symbolic = [k for k, x in enumerate(extents) if not x.is_constant]
+    if len(symbolic) > 1:
+        raise NoTransposeRuleError(
+            no_rule(e, f"T{e.input.name} has {len(symbolic)} symbolic sizes; reshaping back names all but one")
+        )
+    shape = [-1 if not x.is_constant else x.value for x in extents]
+    d.contribute(e.input, d.made(shape_ops.reshape(g, shape)))
+
+
+@rule(ir.SliceOp)
+def _slice_rule(d: Deriver, e: ir.SliceOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not wants(d, e.input, needs):
+        return
+    like = d.shaped_like(e.input)
+    out = ir.TensorView(d.bwd, [a.clone(d.bwd) for a in like.logical_runtime()], g.dtype)
+    d.bwd.add_expr(ir.InsertOp(out, g, like, ranges=e.ranges))
+    d.contribute(e.input, d.made(out))
+
+
+@rule(ir.SelectOp)
+def _select_rule(d: Deriver, e: ir.SelectOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not wants(d, e.input, needs):
+        return
+    like = d.shaped_like(e.input)
+    index = d.scalar(e.index)
+    if not isinstance(index, ir.Scalar):
+        index = ir.Scalar.constant(index)
+    out = ir.TensorView(d.bwd, [a.clone(d.bwd) for a in like.logical_runtime()], g.dtype)
+    d.bwd.add_expr(ir.InsertOp(out, g, like, dim=e.dim, index=index))
+    d.contribute(e.input, d.made(out))
