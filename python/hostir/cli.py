@@ -3,7 +3,9 @@
     hostir dump SCRIPT [--rank R --world-size D] [--pass NAME] [-- ARGS]
         run SCRIPT as rank R of D up to its first `fd.execute`, and print the
         host program that fusion lowers to for that rank, without running it
-        (with --pass, the program after that lowering pass)
+        (with --pass, the program after that lowering pass); a torch mesh
+        the script builds has fake peers (`hostir.plan.fake_world`), so no
+        rendezvous waits for ranks
     hostir run [-n N] [--launcher auto|mpirun|torchrun|srun] SCRIPT [ARGS]
         start SCRIPT on N processes with a launcher (inside a Slurm
         allocation srun, else mpirun if it is on PATH, else torchrun) and a
@@ -32,11 +34,11 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from hostir import communicator, lower
+from hostir import communicator, lower, plan
 from hostir._version import __version__
 from hostir.communicator import LAUNCHER_VARIABLES
 from hostir.errors import HostIrError
-from hostir.frontend import FusionDefinition
+from hostir.executor import FusionExecutor
 from hostir.runtime.checks import is_multi_device
 
 __all__ = ["main"]
@@ -90,17 +92,21 @@ def _dump(args: argparse.Namespace) -> int:
     if args.pass_name is not None and args.pass_name not in names:
         raise CommandLineError(f"hostir dump: unknown pass {args.pass_name!r}; passes in order: {', '.join(names)}")
     found: list[Any] = []
-    original = FusionDefinition.execute
+    original = FusionExecutor.execute
 
-    def capture(fd: FusionDefinition, *a: Any, **k: Any) -> Any:
-        found.append(fd.fusion)
+    # Caught where the executor takes the call: after DTensor inputs
+    # placed the fusion's inputs, and for a call under autograd (a
+    # hostir.parallel Linear's) the training forward's fusion.
+    def capture(executor: FusionExecutor, *a: Any, **k: Any) -> Any:
+        found.append(executor.fusion)
         raise _Stop
 
-    FusionDefinition.execute = capture  # type: ignore[method-assign,assignment]
+    FusionExecutor.execute = capture  # type: ignore[method-assign,assignment]
     argv = sys.argv
     sys.argv = [args.script, *args.script_args]
     try:
-        with _as_rank(rank, world):
+        # A script that builds a torch mesh meets fake peers, not a rendezvous.
+        with _as_rank(rank, world), plan.fake_world(rank, world):
             runpy.run_path(args.script, run_name="__main__")
     except _Stop:
         pass
@@ -109,7 +115,7 @@ def _dump(args: argparse.Namespace) -> int:
         if not found:
             raise
     finally:
-        FusionDefinition.execute = original  # type: ignore[method-assign]
+        FusionExecutor.execute = original  # type: ignore[method-assign]
         sys.argv = argv
     if not found:
         raise CommandLineError(f"hostir dump: {args.script} ran to its end without calling fd.execute")
@@ -253,15 +259,10 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    argv = sys.argv
-    sys.argv = ["hostir plan", *args.plan_args]
     try:
-        runpy.run_module("hostir.plan", run_name="__main__", alter_sys=True)
+        return plan.main(list(args.plan_args))
     except SystemExit as exit_:
         return int(exit_.code or 0) if not isinstance(exit_.code, str) else 1
-    finally:
-        sys.argv = argv
-    return 0
 
 
 # ---------------------------------------------------------------- main

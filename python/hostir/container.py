@@ -86,6 +86,10 @@ class HostIrContainer(ir.IrContainer):
         self.exprs: list[ir.Expr] = []
         self.aliases = AliasMap()
         self._named: dict[str, ir.Scalar] = {}
+        # What the program runs, for its trace events: set by the executor
+        # that lowered it from its label ("(q, colwise nn.Linear)" for a
+        # hostir.parallel Linear), empty for a plain fusion.
+        self.label = ""
 
     def derive(self) -> HostIrContainer:
         """An empty program with this one's inputs, outputs, aliases, named

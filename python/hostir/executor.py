@@ -552,6 +552,7 @@ class FusionExecutor:
             options = dataclasses.replace(options, rank=comm.rank, backend=backend, schedule=plan.schedule)
         lowered = lower(self.fusion, options, dumper)
         container = lowered.program
+        container.label = self.label.strip()
         self.lowerings += 1
         runner = plan.runner_for(container)
         if dumper.enabled("host_ir"):

@@ -29,7 +29,12 @@ Hugging Face plans (`"colwise"`, `"rowwise"`, `"colwise_rep"`,
   the saved shard running under it) and the rowwise gather of the output
   gradient (AG+GEMM, computing the input gradient as it goes);
   `use_local_output`
-  returns the local tensor or the DTensor as torch does;
+  returns the local tensor or the DTensor as torch does. Under
+  `torch.compile` such a Linear is one opaque operator,
+  `torch.ops.hostir.linear` (its backward `torch.ops.hostir.linear_backward`),
+  with a fake implementation that gives this rank's output shape: dynamo
+  traces no hostir code, so a model of these Linears compiles without a
+  graph break, with `fullgraph=True` too (`docs/compile.md`);
 - `nn.Embedding` under those styles, `SequenceParallel`,
   `PrepareModuleInput`, `PrepareModuleOutput` and any other style run as
   torch runs them (they redistribute activations between the layers);
@@ -44,13 +49,16 @@ parameters torch's TP makes.
 from __future__ import annotations
 
 import fnmatch
+import itertools
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
-from hostir import ir
+from hostir import autograd, ir
 from hostir.errors import HostIrError
+from hostir.executor import ExecutorParams
 
 __all__ = ["ParallelizeError", "parallelize_module"]
 
@@ -125,7 +133,9 @@ def _converted(plan, key: str):
     if isinstance(plan, (s.ColwiseParallel, s.RowwiseParallel)):
         return _HostirLinearStyle(plan)
     if not isinstance(plan, s.ParallelStyle):
-        raise ParallelizeError(f"plan entry {key!r}: expected a ParallelStyle or a dict of them, got {type(plan).__name__}")
+        raise ParallelizeError(
+            f"plan entry {key!r}: expected a ParallelStyle or a dict of them, got {type(plan).__name__}"
+        )
     return plan
 
 
@@ -178,14 +188,14 @@ class _HostirLinearStyle(_styles().ParallelStyle):
         # Parameters placed exactly as torch places them.
         self.inner._partition_linear_fn("", module, device_mesh)
         rowwise = isinstance(self.inner, s.RowwiseParallel)
-        module._hostir_linear = _Linear(
+        module._hostir_linear = linear = _Linear(
             device_mesh,
             self.inner.input_layouts[0],
             self.inner.output_layouts[0],
             self.inner.use_local_output,
             "rowwise" if rowwise else "colwise",
         )
-        module.forward = module._hostir_linear.bind(module)
+        module.forward = linear.bind(module)
         return module
 
     def __repr__(self) -> str:
@@ -210,12 +220,72 @@ class _Linear:
         self.return_dtensors = not use_local_output
         # The module's fully qualified name (set by parallelize_module).
         self.name = "(a Linear)"
+        # Its number in the custom ops' table (`torch.ops.hostir.linear`).
+        self.handle = next(_HANDLES)
+        _LINEARS[self.handle] = self
 
     def bind(self, module: nn.Linear):
         def forward(x):
+            if torch.compiler.is_compiling():
+                return self.compiled(module, x)
             return self(module, x)
 
         return forward
+
+    def compiled(self, module: nn.Linear, x):
+        """The forward as torch.compile traces it: one opaque op,
+        `torch.ops.hostir.linear`, on the local tensors (the DTensor
+        parameters' `to_local()`, whose backward places their gradients as
+        the parameters), so that no hostir code is traced."""
+        local = not _is_dtensor(x)
+        placement = self.input_layout if local else x.placements[0]
+        if not (placement.is_shard() or placement.is_replicate()):
+            raise ParallelizeError(
+                f"input layout {placement!r} of a {self.kind} linear: hostir takes Shard(d) or Replicate()"
+            )
+        shard = placement.dim % x.dim() if placement.is_shard() else -1
+        weight = module.weight.to_local() if _is_dtensor(module.weight) else module.weight
+        bias = module.bias
+        if bias is not None and _is_dtensor(bias):
+            bias = bias.to_local()
+        y = torch.ops.hostir.linear(self.handle, x if local else x.to_local(), weight, bias, shard)
+        if not self.return_dtensors:
+            return y
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(y, self.mesh, [self.output_layout], run_check=False)
+
+    def fusion(self, shard: int, ndim: int, dtype: torch.dtype, bias: bool):
+        """The fusion of a local input sharded on axis `shard` (-1:
+        replicated) with `ndim` axes, and of the parameters' local shards:
+        the eager forward's fusion, with the weight and bias placed as the
+        DTensor parameters place them there."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        placement = Replicate() if shard < 0 else Shard(shard)
+        key = (placement, ndim, dtype, bias, "local parameters")
+        fd = self.fusions.get(key)
+        if fd is None:
+            fd = self._define(ndim, dtype, bias, _placement_key(placement, ndim), placement, local_parameters=True)
+            fd.executor.label = f" ({self.name}, {self.kind} nn.Linear)"
+            self.fusions[key] = fd
+        return fd
+
+    def local_output_shape(self, x_shape, weight_shape, shard: int) -> list:
+        """The shape of this rank's output for a local input of `x_shape`
+        sharded on axis `shard` (-1: replicated) and a local weight of
+        `weight_shape` (symbolic sizes too: torch.compile's fake tensors)."""
+        D = self.mesh.size()
+        whole = list(x_shape)
+        if shard >= 0:
+            whole[shard] = whole[shard] * D
+        # The weight's rows are the output features: sharded for colwise.
+        features = weight_shape[0] * D if self.kind == "colwise" else weight_shape[0]
+        shape = whole[:-1] + [features]
+        if self.output_layout.is_shard():
+            out = self.output_layout.dim % len(shape)
+            shape[out] = shape[out] // D
+        return shape
 
     def __call__(self, module: nn.Linear, x):
         # A plain input is the local piece `input_layout` places (as torch's
@@ -248,7 +318,15 @@ class _Linear:
         parts = [f"input {i} is {names[i]} {_shape_of(t)}" for i, t in enumerate(inputs)]
         return f"in module {self.name!r} ({self.kind} nn.Linear, hostir.parallel): " + "; ".join(parts)
 
-    def _define(self, ndim: int, dtype: torch.dtype, bias: bool, placement: tuple = ("replicate",), input_placement=None):
+    def _define(
+        self,
+        ndim: int,
+        dtype: torch.dtype,
+        bias: bool,
+        placement: tuple = ("replicate",),
+        input_placement=None,
+        local_parameters: bool = False,
+    ):
         from hostir.frontend import FusionDefinition
         from hostir.ir import DeviceMesh, ParallelType
 
@@ -302,7 +380,19 @@ class _Linear:
             y.outer_split(out_dim, D)
             y.axis(out_dim).parallelize(ParallelType.mesh_x)
         elif not layout.is_replicate():
-            raise ParallelizeError(f"output layout {layout!r} of a {self.kind} linear: hostir makes Shard(d) or Replicate()")
+            raise ParallelizeError(
+                f"output layout {layout!r} of a {self.kind} linear: hostir makes Shard(d) or Replicate()"
+            )
+        if local_parameters:
+            # Placed as torch's styles place the parameters: the weight's
+            # rows (colwise) or columns (rowwise) sharded, the bias sharded
+            # with the rows or replicated.
+            sharded = [(w, 0)] + ([(b, 0)] if b is not None else []) if self.kind == "colwise" else [(w, 1)]
+            for tv in (w, b) if b is not None else (w,):
+                tv.set_device_mesh(mesh)
+            for tv, d in sharded:
+                tv.outer_split(d, D)
+                tv.axis(d).parallelize(ParallelType.mesh_x)
         if walked is not None:
             xg.set_device_mesh(mesh)
             for tv in (xg, y):
@@ -328,3 +418,111 @@ def _placement_key(p, ndim: int):
     if p.is_shard():
         return ("shard", p.dim % ndim)
     return ("replicate",) if p.is_replicate() else (repr(p),)
+
+
+# The parallelized Linears, by handle, for the custom ops below (a module
+# dropped drops its entry).
+_LINEARS: weakref.WeakValueDictionary[int, _Linear] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+def _linear_of(handle: int) -> _Linear:
+    linear = _LINEARS.get(handle)
+    if linear is None:
+        raise ParallelizeError(f"hostir.parallel Linear {handle} no longer exists (its module was dropped)")
+    return linear
+
+
+def _own(t: torch.Tensor, inputs) -> torch.Tensor:
+    """`t` contiguous and sharing no memory with `inputs`, as a custom op's
+    output must be (a team of one rank may hand back a view)."""
+    shared = any(i is not None and i.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for i in inputs)
+    return t.clone(memory_format=torch.contiguous_format) if shared else t.contiguous()
+
+
+@torch.library.custom_op("hostir::linear", mutates_args=())
+def _linear_op(
+    handle: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard: int
+) -> torch.Tensor:
+    """A hostir.parallel Linear's forward program on local tensors: `x`
+    sharded on axis `shard` (-1: replicated), `weight` and `bias` this
+    rank's shards; its output this rank's piece of the module's output."""
+    linear = _linear_of(handle)
+    inputs = [x, weight] if bias is None else [x, weight, bias]
+    try:
+        fd = linear.fusion(shard, x.dim(), x.dtype, bias is not None)
+        with torch.no_grad():
+            (y,) = fd.execute(inputs, **linear.backend)
+    except HostIrError as err:
+        err.add_note(linear._where(inputs))
+        raise
+    return _own(y, inputs)
+
+
+@_linear_op.register_fake
+def _(handle: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard: int) -> torch.Tensor:
+    linear = _linear_of(handle)
+    return x.new_empty(linear.local_output_shape(x.shape, weight.shape, shard))
+
+
+@torch.library.custom_op("hostir::linear_backward", mutates_args=())
+def _linear_backward_op(
+    handle: int,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    shard: int,
+    wrt: list[int],
+) -> list[torch.Tensor]:
+    """The backward program of `hostir::linear` for the gradients of its
+    tensor inputs `wrt` (0: x, 1: weight, 2: bias), in that order."""
+    linear = _linear_of(handle)
+    inputs = [x, weight] if bias is None else [x, weight, bias]
+    try:
+        fd = linear.fusion(shard, x.dim(), x.dtype, bias is not None)
+        training = autograd.training_of(fd, tuple(wrt))
+        d = training.derivation
+        saved = []
+        for kind, i in d.saved:
+            if kind == "output":
+                # The derivation of a Linear saves its inputs only; a
+                # program that also saved an intermediate would need it
+                # returned by the forward op.
+                raise ParallelizeError(
+                    f"{linear.name}: the backward reads a forward output, which the op does not keep"
+                )
+            saved.append(inputs[i] if kind == "input" else grad)
+        params = ExecutorParams.from_arguments(None, dict(linear.backend))
+        with torch.no_grad():
+            results = training.backward.execute([grad.contiguous(), *saved], None, params)
+    except HostIrError as err:
+        err.add_note(linear._where(inputs))
+        raise
+    by_input = dict(zip(d.grad_inputs, results))
+    return [_own(by_input[i], inputs) for i in wrt]
+
+
+@_linear_backward_op.register_fake
+def _(handle, grad, x, weight, bias, shard, wrt):
+    inputs = [x, weight, bias]
+    return [inputs[i].new_empty(inputs[i].shape) for i in wrt]
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    handle, x, weight, bias, shard = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.handle, ctx.shard = handle, shard
+
+
+def _linear_backward(ctx, grad):
+    x, weight, bias = ctx.saved_tensors
+    wrt = [i for i, needed in enumerate(ctx.needs_input_grad[1:4]) if needed]
+    grads: list[torch.Tensor | None] = [None, None, None]
+    if wrt:
+        for i, g in zip(wrt, torch.ops.hostir.linear_backward(ctx.handle, grad, x, weight, bias, ctx.shard, wrt)):
+            grads[i] = g
+    return None, *grads, None
+
+
+_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)

@@ -9,16 +9,24 @@ that call (result checks on real data) does not run: the call raises
 `ScriptStopped`. Arguments after `--` go to the script. Exit status 1 when
 the dry run finds an error (it is printed), 2 for a script that never
 executes a fusion.
+
+A script that builds a torch mesh (`DeviceMesh.to_torch()`,
+`init_device_mesh`, `parallelize_module`) runs in a world of fake peers
+(`fake_world`): torch.distributed's default group is torch's `fake`
+backend, whose collectives return at once, so no rendezvous waits for
+ranks that are not there.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import runpy
 import sys
 import unittest.mock
+from collections.abc import Iterator
 
 from hostir.communicator import LAUNCHER_VARIABLES
 from hostir.errors import HostIrError
@@ -42,6 +50,36 @@ class ScriptStopped(HostIrError, RuntimeError):
     captured, and the script is not to run further."""
 
 
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """torch.distributed as rank `rank` of `world_size` with no peer to wait
+    for: a default group on torch's `fake` backend (its collectives return
+    at once and move nothing), which torch meshes, `init_device_mesh` and
+    `parallelize_module` use as they would a real one. A script's own
+    `init_process_group` and `destroy_process_group` do nothing inside;
+    the group is destroyed at the end. Where torch.distributed is already
+    initialized (a launched job), it is left as it is."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+    def kept(*args, **kwargs) -> None:
+        return None
+
+    try:
+        with (
+            unittest.mock.patch.object(dist, "init_process_group", kept),
+            unittest.mock.patch.object(dist, "destroy_process_group", kept),
+        ):
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
 def capture_first_execute(script: str, args: list[str], world_size: int, rank: int) -> Captured | None:
     """Run `script` as rank `rank` of `world_size` until its first execute,
     which raises `ScriptStopped` (so do later ones, should the script catch
@@ -62,9 +100,12 @@ def capture_first_execute(script: str, args: list[str], world_size: int, rank: i
         HOSTIR_FAKE="1",
     )
     argv = [script] + list(args)
-    with unittest.mock.patch.dict(os.environ, env, clear=True), unittest.mock.patch.object(
-        sys, "argv", argv
-    ), unittest.mock.patch.object(FusionExecutor, "execute", capture):
+    with (
+        unittest.mock.patch.dict(os.environ, env, clear=True),
+        unittest.mock.patch.object(sys, "argv", argv),
+        unittest.mock.patch.object(FusionExecutor, "execute", capture),
+        fake_world(rank, world_size),
+    ):
         try:
             runpy.run_path(script, run_name="__main__")
         except (ScriptStopped, SystemExit, Exception):

@@ -55,6 +55,48 @@ def test_dump_prints_a_ranks_program_without_running_it(capsys):
     assert "RANK" not in os.environ
 
 
+# A script every rank of a job runs: it makes the default group itself,
+# builds a torch mesh and parallelizes a block with hostir.parallel.
+TORCH_MESH_SCRIPT = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import hostir
+from hostir.parallel import parallelize_module
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (hostir.world_size(),))
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+print("ran past its execute", model(torch.randn(4, 16)).shape)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize(
+    "command, expected",
+    [
+        # The colwise Linear, its weight sharded on the mesh.
+        (["dump"], "= linear( T0_g_float[iS0{i0}, iS1{i1}] (DeviceMesh{0 1}), T1_g_float[ideviceIdx.x10{2}"),
+        # Each rank's half of the colwise weight and of its output.
+        (["plan"], "T1 float32[16, 16], T2 float32[16]\nranks 0-1:\n  outputs: T3 float32[4, 16]\n"),
+    ],
+)
+def test_dump_and_plan_of_a_script_with_a_torch_mesh_start_no_rendezvous(tmp_path, command, expected):
+    # The script's mesh has fake peers: the commands print at once, where
+    # a rendezvous would wait for a rank 1 that never comes.
+    script = tmp_path / "torch_mesh.py"
+    script.write_text(TORCH_MESH_SCRIPT)
+    env = dict(mpirun_env(), HOSTIR_TIMEOUT="600", PYTHONPATH=str(REPO / "python"))
+    result = hostir_cli(*command, str(script), "--world-size", "2", env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert expected in result.stdout, result.stdout
+    assert "ran past its execute" not in result.stdout
+
+
 def test_dump_after_a_pass(capsys):
     assert cli.main(["dump", EXAMPLE, "--world-size", "2", "--pass", "parallelize_streams"]) == 0
     out = capsys.readouterr().out

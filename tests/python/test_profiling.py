@@ -172,6 +172,39 @@ def test_a_graph_replay_is_one_event_of_the_trace(tmp_path, cuda_device):
     assert events[0]["dur"] > 0
 
 
+@pytest.mark.parametrize(
+    "evaluator",
+    ["python", pytest.param("cpp", marks=pytest.mark.skipif(not hostir.cpp.available(), reason="no C++ executor"))],
+)
+def test_a_parallel_linears_events_name_its_module(tmp_path, plain_process, monkeypatch, evaluator):
+    # Every event of a hostir.parallel Linear's programs, forward and
+    # backward, names the module as its dumps do; a plain fusion's name none.
+    from compiled_blocks import HIDDEN, Block, parallel_block
+    from one_rank_linears import MESH
+
+    monkeypatch.setenv("HOSTIR_EVALUATOR", evaluator)
+    torch.manual_seed(0)
+    model = parallel_block(Block(), MESH.to_torch("cpu"))
+    x = torch.randn(4, HIDDEN, requires_grad=True)
+    with profiling.tracing(tmp_path, 0):
+        model(x).backward(torch.randn(4, HIDDEN))
+        stream_matmul().execute(inputs())
+    trace = json.loads(profiling.trace_path(tmp_path, 0).read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    programs = {e["args"].get("program") for e in events}
+    assert programs == {
+        f"({name}, {kind} nn.Linear) ({part})"
+        for name, kind in (("up", "colwise"), ("down", "rowwise"))
+        for part in ("training forward", "backward")
+    } | {None}
+    linear = [e for e in events if e["name"].startswith("linear")]
+    assert {e["args"]["program"] for e in linear} == {
+        "(up, colwise nn.Linear) (training forward)",
+        "(down, rowwise nn.Linear) (training forward)",
+    }
+    assert {e["args"].get("runner", "python") for e in linear} == {evaluator}
+
+
 def test_env_trace_written_at_exit(tmp_path):
     code = (
         "import torch, sys; sys.path.insert(0, 'tests/python');"

@@ -13,7 +13,10 @@ communication spans from its posting to the end of its `Wait`, on the track
 of the stream it was posted on. On CUDA the times come from CUDA events on
 the streams, so an event shows when the device ran the op; on the CPU they
 are host times. Each event says its kind (compute, communication, copy,
-sync, host), which `tools/plot_timeline.py` colours.
+sync, host), which `tools/plot_timeline.py` colours, and the program it
+belongs to where that program has a label (`args.program`: the module of a
+`hostir.parallel` Linear, as its dumps and log lines name it, such as
+`(layers.0.mlp.up_proj, colwise nn.Linear) (backward)`).
 
 With none of this on, the evaluator pays one `is None` test per op: the
 observer that does the work is made only for runs that need it.
@@ -242,6 +245,7 @@ class Observer:
         self.ranges = ranges
         self.nvtx = nvtx
         self.trace = trace
+        self.program = getattr(container, "label", "")
         self.track = TRACK_CALLER
         self.cuda = bool(getattr(streams, "is_cuda", False)) and trace is not None
         # Open communications: id(expr) -> (track, start).
@@ -306,6 +310,8 @@ class Observer:
     def _record(self, name: str, kind: str, track: str, start: Any, end: Any, args: dict[str, Any]) -> None:
         assert self.trace is not None
         args["run"] = self._run
+        if self.program:
+            args["program"] = self.program
         if self.cuda:
             self._pending.append((name, kind, track, start, end, args))
             return
@@ -346,6 +352,8 @@ def add_recorded_run(
     to the end of its `Wait`, on the track it was posted on."""
     names = _names_of(container)
     run = trace.next_run()
+    program = getattr(container, "label", "")
+    labelled = {"program": program} if program else {}
     posted: dict[int, tuple[str, float]] = {}
     for instr, track, waited, start, end in records:
         e = exprs[instr]
@@ -357,9 +365,9 @@ def add_recorded_run(
         if began is not None:
             comm = exprs[waited]
             trace.add(names.get(id(comm)) or op_name(comm), "communication", began[0], origin_us + began[1],
-                      origin_us + end, posted_to_wait=True, run=run, runner="cpp")
+                      origin_us + end, posted_to_wait=True, run=run, runner="cpp", **labelled)
         trace.add(names.get(id(e)) or op_name(e), op_kind(e), label, origin_us + start, origin_us + end,
-                  run=run, runner="cpp")
+                  run=run, runner="cpp", **labelled)
 
 
 _GRAPH_NOTE = (
