@@ -37,7 +37,7 @@ import torch
 
 import time
 
-from hostir import DeviceMesh, FusionDefinition, ParallelType, communicator, cpp, machine
+from hostir import DeviceMesh, FusionDefinition, ParallelType, communicator, cpp, machine, planner
 from hostir.lower.schedule import parse
 from hostir.runtime import flat
 from hostir.runtime import graphs as hostir_graphs
@@ -246,7 +246,7 @@ def main() -> int:
         if rank == 0:
             print(f"{'PASS' if ok else 'FAIL'}  {name}  {note}", flush=True)
 
-    info["probe"] = machine.p2p_reason(comm)
+    info["probe"] = planner.p2p_reason(comm)
     info["windows"] = cuda_transport.window_kind(comm)
     record("cuda transport probe", True, f"reason={info['probe']!r}, windows={info['windows']}")
     try:

@@ -1,113 +1,60 @@
 """Run a fusion: one path for one rank or many.
 
 `FusionExecutor.execute` takes every call through the same stages
-(`FusionExecutor.STAGES`, each a method):
+(`FusionExecutor.STAGES`, each a method; `docs/architecture.md`, "One
+call"): 1. normalize (`arguments.normalized`: the parameters checked, the
+inputs placed, the plan's request); 2. check (`runtime/checks.py`); 3.
+program: the plan (`hostir.planner`), its lowered program for the inputs'
+signature (lowered on a miss, kept per plan key) with the plan's runner,
+the checks that need it, and, for a multi-device program with
+`HOSTIR_FAKE=auto` (the default), a dry run of each new input shape on
+every rank, so that a cross-rank error comes before any data moves; 4.
+agree and make groups (for many ranks: one fixed-size record, or a
+six-word step of a prepared call, `runtime/agreement.py`; every rank
+raises together if they differ, so a failure in stages 1-3 on one rank
+reaches all); 5. bind; 6. run with the plan's runner (the C++ executor,
+the Python evaluator, or the replay of a captured CUDA graph); 7. convert
+the results back to the fusion's logical axes.
 
-1. normalize: the parameters, the inputs and outputs as lists, the device
-   to run on (a CPU input of a program that runs on a GPU is copied there);
-2. check: every input and preallocated output against the fusion, before
-   any work starts;
-3. program: the lowered program for the inputs' signature (dtypes, ranks,
-   device, contiguity, and the sizes of the axes marked static — no other
-   sizes: extents are symbolic, so one program serves every shape), lowered
-   on a miss; with `HOSTIR_FAKE=auto` (the default) each new input shape of
-   a multi-device program is dry-run once (every rank, on meta tensors), so
-   that a cross-rank error comes before any data moves (a single-device
-   program has none to catch: its real run raises what a dry run would);
-4. agree and make groups: for a multi-device fusion, the ranks exchange a
-   fixed-size record (`agreement.py`) — the call, the program, the inputs'
-   shapes and any local error — and every rank raises together if they
-   differ; then they create the process groups the program needs (with
-   check_ranks="always" a step of the full path comes first: it pairs with
-   the steps of ranks whose call is prepared). Nothing to do for one rank;
-5. bind the inputs and outputs (a rank's pieces viewed with loop axes);
-6. run with the evaluator, in a frame of its own, without autograd: the
-   Python reference (`HostIrEvaluator`) or the C++ executor (`hostir.cpp`),
-   both built from the same lowered container; with `cuda_graph=True` the
-   run is captured once per exact input signature and replayed
-   (`hostir.runtime.graphs`);
-7. convert the results back to the fusion's logical axes.
-
-A call whose exact signature (every tensor's type, shape, strides, dtype,
-device and requires_grad; the parameters; the variables that pick the
-evaluator and the dry run) already ran enters at step 5 with its record
-(`hostir.runtime.prepared`), a memo of steps 1-4: they decided nothing else
-for it but whether a preallocated output shares memory with an input, which
-is checked again on every call. For a multi-device fusion the record is per
-communicator; on many ranks it is kept once the ranks agreed on the
-signature (step 4's full record), and with check_ranks="always" a prepared
-call first checks a seven-word step with the other ranks (`_steady`,
-`hostir.runtime.protocol`; through the communicator's shared-memory
-mailbox where every rank shares one host, `hostir.mailbox`): the same call
-of the same fusion, the same agreed signature. A step that
-differs on any rank sends every rank to the full record, which raises on
-all of them what differs. A call of a fusion that communicates on no rank
-waits for none: its step is checked by the next call that communicates.
-
-A failure in steps 1-3 on one rank of a multi-device fusion is carried by
-step 4 to every rank, so all raise the same error instead of one raising and
-the others waiting in a collective.
-
-With `HOSTIR_FAKE=1` the runner is the fake one: step 3 dry-runs every rank
-(the dry run checks each rank's inputs, so steps 1-2 leave the checks to
-it) and step 6 returns this rank's outputs as the dry run's meta tensors;
-nothing runs and no process group is made. A dry-run report depends on
-every size, so it is kept per exact input shape.
+A call whose exact signature already ran enters at bind with its record
+(`hostir.runtime.prepared`), a memo of stages 1-4; on many ranks, once the
+ranks agreed on the signature, with the step first (`_steady`,
+`hostir.runtime.protocol`); a call of a fusion that communicates on no
+rank waits for none: its step is checked by the next call that
+communicates. With
+`HOSTIR_FAKE=1` the runner is the fake one: stage 3 dry-runs every rank
+and stage 6 returns this rank's outputs as meta tensors; nothing runs and
+no process group is made.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
-import os
 import threading
 import warnings
 from typing import Sequence
 
 import torch
 
-from hostir import backends, communicator, cpp, ir, machine, printer
+from hostir import backends, communicator, cpp, ir, planner, printer
 from hostir.analysis import dry_run
+from hostir.arguments import CHECK_RANKS, EVALUATORS, ExecutorParams, check_mode, normalized
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError, UsageError
 from hostir.log import logger
 from hostir.lower import LoweredProgram, LoweringOptions, lower
-from hostir.lower.insert_reshardings import MODES as RESHARDING_MODES
-from hostir.lower.hoist_transfers import forced as forced_hoisting
-from hostir.lower.schedule import Schedule, ScheduleError
-from hostir.lower.schedule import parse as parse_schedule
-from hostir.options import EVALUATORS, Dumper, evaluator_choice, fake_mode
-from hostir.runtime import flat, prepared, profiling, protocol
+from hostir.options import Dumper, fake_mode
+from hostir.planner import Runner
+from hostir.runtime import checks, prepared, protocol
 from hostir.runtime.agreement import RankMismatchError, input_signature, token
 from hostir.runtime.bind import Binding
-from hostir.runtime.checks import (
-    ExecuteArgumentError,
-    InputError,
-    InputTypeError,
-    as_list,
-    check_chunks,
-    check_inputs,
-    check_no_overlap,
-    check_outputs,
-    check_reductions,
-    check_sizes,
-    check_world,
-    equal_input_axes,
-    host_positions,
-    input_key,
-    is_multi_device,
-    ranks_needed,
-    signature,
-)
+from hostir.runtime.checks import ExecuteArgumentError, InputError, InputTypeError
 from hostir.runtime.evaluator import HostIrEvaluator
 from hostir.runtime.graphs import CudaGraphs
 from hostir.runtime.streams import streams_for
 from hostir.runtime.transports import torch_dist
-
-CHECK_RANKS = ("always", "first", "every")
-HOST_INPUTS = ("copy", "stream")
 
 __all__ = [
     "CHECK_RANKS",
@@ -120,170 +67,6 @@ __all__ = [
     "RankMismatchError",
     "Runner",
 ]
-
-
-@dataclasses.dataclass
-class ExecutorParams:
-    """How to run a program.
-
-    number_of_streams: worker streams a stream-parallel loop cycles through
-        (`numberOfStreams` in the dump); at least 1.
-    evaluator: "python" (the reference interpreter), "cpp" (the C++
-        executor, an error if it is not built) or "auto" (C++ when built);
-        by default HOSTIR_EVALUATOR, else "auto".
-    cuda_graph: capture the run as a CUDA graph on first use for each exact
-        input signature (sizes included) and replay it after; CUDA and NCCL
-        only. Outputs of a replay are the graph's own tensors (or the
-        caller's preallocated ones); inputs are copied into the graph's
-        buffers unless the caller passes those buffers.
-    device: where to run; by default, for a multi-device program, the
-        communicator's (cuda:local_rank or cpu), else the device of the
-        first input on a GPU, else that of input 0. CPU inputs of a program
-        that runs on a GPU are copied there (with one warning per fusion).
-    backend: "nccl" or "gloo" for a multi-device program; by default nccl
-        where CUDA is available. Used when the communicator is created.
-    timeout: seconds any collective may wait for a peer (default
-        HOSTIR_TIMEOUT, else 300). Used when the communicator is created.
-    check_ranks: how the ranks of a multi-device program agree before it
-        runs (every rank must pass the same value). "always" (default): the
-        first call of each exact signature exchanges the full record on a
-        control group (`runtime/agreement.py`): the call (a rank that
-        skipped or repeated an execute makes every rank raise), the
-        program, the inputs' shapes and dtypes, and any local error; later
-        calls of that signature are prepared (they enter at bind) and send
-        only a step of 7 words (the call numbers, the agreed signature's
-        token and the chain of calls without communication), and any
-        difference in it sends every rank to the full record, whose error
-        names what differs: the same protections, one small exchange per
-        call; a call of a fusion whose program communicates on no rank
-        sends nothing and waits for no rank: its step joins the chain the
-        next exchanged step carries, so its mistakes raise on every rank at
-        the next call that communicates. "every": the full record and the full
-        path on every call (no prepared multi-device call), the cost the
-        step saves. "first": agreement only when a rank lowers a program,
-        and prepared calls send nothing; it saves the step but turns these
-        protections off: a rank that alone fails its checks, skips a call or
-        changes its input shapes then meets the others' collectives out of
-        step, and the job ends in a timeout or returns wrong data.
-    resharding: where an op that would both compute and move data between
-        ranks gets its resharding `set` (lower/insert_reshardings.py):
-        "auto" (default) on the side that moves fewer elements, "before"
-        or "after" the op where possible, or "strict", which refuses such
-        an op and asks for an explicit `fd.ops.set`.
-    schedule: how a device axis walked as a stream axis runs: a
-        `hostir.lower.schedule.Schedule` or its text (`ring:chunks=2`,
-        `collective`, `sequential`, ...); by default `HOSTIR_SCHEDULE`, else
-        the machine model's choice for the inputs' shapes.
-    host_inputs: "copy" (default) copies CPU inputs of a program that runs
-        on a GPU there before it starts; "stream" keeps them in host memory
-        and lets the program move each where an op reads it, on a copy
-        stream, as early as the memory budget allows (as inputs defined with
-        `memory="host"` always are).
-    hoist: how far communications and transfers are posted ahead of their
-        use (`lower/hoist_transfers.py`): "auto" (default: `HOSTIR_HOIST`,
-        else the machine model's choice for the inputs' shapes), a
-        `Hoisting` or its text (`hoist`, `hoist:budget=2GiB,lookahead=3,chunks=4`,
-        `sequential`).
-    """
-
-    number_of_streams: int = 4
-    evaluator: str | None = None
-    device: torch.device | str | None = None
-    backend: str | None = None
-    timeout: float | None = None
-    check_ranks: str = "always"
-    resharding: str = "auto"
-    schedule: object = None
-    cuda_graph: bool = False
-    host_inputs: str = "copy"
-    hoist: object = "auto"
-
-    def validate(self) -> None:
-        n = self.number_of_streams
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ExecuteArgumentError(f"number_of_streams must be an integer >= 1, got {n!r}")
-        if self.evaluator is not None and self.evaluator not in EVALUATORS:
-            raise ExecuteArgumentError(f"unknown evaluator {self.evaluator!r}; expected one of {list(EVALUATORS)}")
-        if not isinstance(self.cuda_graph, bool):
-            raise InputTypeError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
-        if self.check_ranks not in CHECK_RANKS:
-            raise ExecuteArgumentError(f"check_ranks must be one of {list(CHECK_RANKS)}, got {self.check_ranks!r}")
-        if self.resharding not in RESHARDING_MODES:
-            raise ExecuteArgumentError(f"resharding must be one of {list(RESHARDING_MODES)}, got {self.resharding!r}")
-        if self.host_inputs not in HOST_INPUTS:
-            raise ExecuteArgumentError(f"host_inputs must be one of {list(HOST_INPUTS)}, got {self.host_inputs!r}")
-        forced_hoisting(self.hoist)
-        # Checked on every call, also where nothing would read them (a
-        # program with no device axis to walk, one rank): a typo is an
-        # error where it is made, never silently ignored.
-        if self.schedule is not None:
-            _checked_schedule(self.schedule, "schedule")
-        if os.environ.get("HOSTIR_SCHEDULE"):
-            _checked_schedule(os.environ["HOSTIR_SCHEDULE"], "HOSTIR_SCHEDULE")
-        if os.environ.get("HOSTIR_TIMEOUT") is not None:
-            communicator.resolve_timeout(None)
-
-    def evaluator_choice(self) -> tuple[str, tuple[str, ...]]:
-        """The evaluator this run uses, "python" or "cpp", and why the C++
-        executor is not used (before the program is known)."""
-        if self.evaluator is not None:
-            choice, given = self.evaluator, f"evaluator={self.evaluator!r} was passed"
-        else:
-            choice, given = evaluator_choice(), f"HOSTIR_EVALUATOR={evaluator_choice()}"
-        if choice == "python":
-            return "python", (given,)
-        if choice == "auto" and profiling.watched():
-            # The profiler's ranges come from the Python evaluator.
-            return "python", ("the profiler is watching (its ranges come from the Python evaluator)",)
-        if cpp.available():
-            return "cpp", ()
-        if choice == "cpp":
-            raise ExecuteArgumentError(
-                f"evaluator='cpp' was requested but the C++ executor is unavailable: {cpp.reason()}"
-            )
-        cpp.warn_unavailable()
-        return "python", (f"it is not built or does not load: {cpp.reason()}",)
-
-    @classmethod
-    def from_arguments(cls, params: ExecutorParams | None, kwargs: dict) -> ExecutorParams:
-        """`params`, or one made of keyword arguments (not both)."""
-        if params is not None and kwargs:
-            raise InputTypeError("pass either params or keyword arguments, not both")
-        if params is not None:
-            if not isinstance(params, ExecutorParams):
-                raise InputTypeError(f"params must be an ExecutorParams, got {type(params).__name__}")
-            return params
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - fields)
-        if unknown:
-            raise InputTypeError(f"unknown execution parameters {unknown}; expected some of {sorted(fields)}")
-        return cls(**kwargs)
-
-
-@dataclasses.dataclass(frozen=True)
-class Runner:
-    """What runs a call: "cpp" (the C++ executor), "python" (the reference
-    evaluator) or "fake" (HOSTIR_FAKE=1: the dry run's meta tensors), and
-    every reason the C++ executor is not used (empty for "cpp").
-    `str(runner)` is the line the `host_ir` dump and the `hostir` log show."""
-
-    name: str
-    reasons: tuple[str, ...] = ()
-
-    @property
-    def reason(self) -> str:
-        """Why this runner: the reasons joined, or why the C++ executor runs."""
-        if not self.reasons:
-            return "the C++ executor is built and runs every op of the program"
-        return "; ".join(self.reasons)
-
-    def __str__(self) -> str:
-        if not self.reasons:
-            return f"runner: {self.name}"
-        return f"runner: {self.name} (the C++ executor is not used: {self.reason})"
-
-
-_FAKE = Runner("fake", ("HOSTIR_FAKE=1: the call returns the dry run's meta tensors and runs nothing",))
 
 
 @dataclasses.dataclass
@@ -392,7 +175,7 @@ class FusionExecutor:
             lowered = self._program_for(inputs, resharding, kwargs).lowered
             assert lowered is not None
             return lowered
-        if is_multi_device(self.fusion):
+        if self._multi_device():
             rank = communicator.rank()
             backend = backends.of_process_group("nccl" if torch.cuda.is_available() else "gloo").name
             return lower(self.fusion, rank=rank, backend=backend, resharding=resharding)
@@ -418,9 +201,9 @@ class FusionExecutor:
                     "call execute first, or leave inputs out for the default program"
                 )
         params = ExecutorParams.from_arguments(None, dict(kwargs, resharding=resharding))
-        inputs, _, device = self._normalize(inputs, None, params, comm, "0")
-        device = self._check(inputs, device, comm, "0", host_positions(self.fusion, inputs, params.host_inputs))
-        program, _ = self._lookup(inputs, device, params, comm)
+        inputs, _, device, request = self._normalize(inputs, None, params, comm, "0")
+        device = self._check(inputs, device, comm, "0", request.host)
+        program, _ = self._lookup(self._plan(inputs, device, request, comm, "0"), device, comm)
         return program
 
     def execute(
@@ -436,24 +219,25 @@ class FusionExecutor:
         Every call goes through the stages of `STAGES`, in order; a prepared
         call (a memo of the first four for its exact signature) enters at
         bind, and `HOSTIR_FAKE=1` is a runner, chosen in the program stage."""
-        key = self._signature(inputs, outputs, params, kwargs)
+        checking = check_mode(params, kwargs)
+        key = self._signature(inputs, outputs, params, kwargs, checking)
         if key is not None:
             ready = self._prepared.get(key, self.fusion.version)
             if ready is not None:
                 results = self.run_prepared(ready, inputs, outputs)
                 if results is not None:
                     return results
-        checking = _check_mode(params, kwargs)
         mode = fake_mode()
         comm, error = (None, None)
         if mode != "1" and self._multi_device():
             if mode == "auto":
                 # The dry run comes after the rendezvous: load its imports meanwhile.
                 dry_run.warm_up()
-            comm, error = self._communicator(params, kwargs)
+            error = self._communicator(params, kwargs)
+            comm = communicator.live()
             if key is None and error is None:
                 # The first call of the process made the communicator.
-                key = self._multi_device_signature(inputs, outputs, params, kwargs)
+                key = self._multi_device_signature(inputs, outputs, params, kwargs, checking)
         with _held(comm):
             sequence = self._next_call(comm) if comm is not None else None
             call = None
@@ -461,9 +245,9 @@ class FusionExecutor:
                 if error is not None:
                     raise error
                 params = ExecutorParams.from_arguments(params, kwargs)
-                inputs, outputs, device = self._normalize(inputs, outputs, params, comm, mode)
-                device = self._check(inputs, device, comm, mode, host_positions(self.fusion, inputs, params.host_inputs))
-                call = self._program(inputs, outputs, device, params, comm, mode)
+                inputs, outputs, device, request = self._normalize(inputs, outputs, params, comm, mode)
+                device = self._check(inputs, device, comm, mode, request.host)
+                call = self._program(inputs, outputs, device, request, comm, mode)
             except Exception as err:
                 if comm is None or checking == "first":
                     raise
@@ -471,14 +255,14 @@ class FusionExecutor:
             self._agree(comm, sequence, call, inputs, error, checking)
             results = self._finish(call)
         if key is not None:
-            self._keep(key, call, params, inputs, comm)
+            self._keep(key, call, params.check_ranks, inputs, comm)
         return results
 
-    def _signature(self, inputs, outputs, params, kwargs) -> tuple | None:
+    def _signature(self, inputs, outputs, params, kwargs, checking: str) -> tuple | None:
         """The prepared-call signature of a call (None: the full path)."""
         if not self._multi_device():
             return prepared.signature(inputs, outputs, params, kwargs)
-        return self._multi_device_signature(inputs, outputs, params, kwargs)
+        return self._multi_device_signature(inputs, outputs, params, kwargs, checking)
 
     def recall(self, inputs, params: ExecutorParams) -> prepared.Prepared | None:
         """The record a call `execute(inputs, None, params)` would run from
@@ -487,7 +271,7 @@ class FusionExecutor:
         out each time (`hostir.autograd`), runs them with `run_prepared`
         and checks before each that `prepared.environment()` and
         `communicator.live()` are still what they were when it recalled."""
-        key = self._signature(inputs, None, params, {})
+        key = self._signature(inputs, None, params, {}, check_mode(params, {}))
         return None if key is None else self._prepared.get(key, self.fusion.version)
 
     def run_prepared(self, ready: prepared.Prepared, inputs, outputs=None) -> list[torch.Tensor | None] | None:
@@ -498,7 +282,7 @@ class FusionExecutor:
             return self._steady(ready, inputs, outputs)
         return self._finish(self._recall(ready, inputs, outputs))
 
-    def _multi_device_signature(self, inputs, outputs, params, kwargs) -> tuple | None:
+    def _multi_device_signature(self, inputs, outputs, params, kwargs, checking: str) -> tuple | None:
         """The prepared-call signature of a multi-device fusion's call on the
         live communicator, or None (no communicator yet, or
         check_ranks="every"). Records are kept per communicator: a new one
@@ -506,7 +290,7 @@ class FusionExecutor:
         with; many ranks agree on a signature's first call and check a
         step on every later one (`_steady`)."""
         comm = communicator.live()
-        if comm is None or (comm.world_size > 1 and _check_mode(params, kwargs) == "every"):
+        if comm is None or (comm.world_size > 1 and checking == "every"):
             return None
         found = prepared.signature(inputs, outputs, params, kwargs)
         return None if found is None else (comm, found)
@@ -579,7 +363,7 @@ class FusionExecutor:
         preallocated output shares memory with an input, is checked again."""
         program = ready.program
         if outputs is not None:
-            check_no_overlap(self.fusion, outputs, inputs, program.binding.output_tvs)
+            checks.check_no_overlap(self.fusion, outputs, inputs, program.binding.output_tvs)
         if ready.comm is not None:
             # Many ranks: a CUDA graph is looked up per call (its key holds
             # the outputs), never skipped to, so that bind always binds.
@@ -589,7 +373,7 @@ class FusionExecutor:
             )  # fmt: skip
         return _Call(program, inputs, outputs, False, ready.number_of_streams, None, ready.graph, ready.grad, True)
 
-    def _keep(self, key: tuple, call: _Call, params: ExecutorParams, inputs, comm=None) -> None:
+    def _keep(self, key: tuple, call: _Call, check_ranks: str, inputs, comm=None) -> None:
         """Keep the record of a call that took the full path and ran, under
         its signature `key`. (Not a call whose CPU inputs were copied to
         the GPU: the full path warns and copies.) The record of a call of
@@ -599,10 +383,10 @@ class FusionExecutor:
             return
         program = call.program
         grad = any(t.requires_grad for t in call.inputs)
-        ready = prepared.Prepared(self.fusion.version, program, params.number_of_streams, grad)
+        ready = prepared.Prepared(self.fusion.version, program, call.number_of_streams, grad)
         if comm is not None and comm.world_size > 1:
             ready.comm, ready.capture = comm, call.capture
-            if params.check_ranks == "always":
+            if check_ranks == "always":
                 ready.token = token(program.lowered.digest, input_signature(call.inputs))
         elif call.graph is not None:
             # The graph the full path just captured or replayed for this call.
@@ -612,22 +396,11 @@ class FusionExecutor:
 
     # -- 1: normalize
     def _normalize(self, inputs, outputs, params: ExecutorParams, comm, mode: str):
-        """The parameters checked, the inputs and outputs as lists, and the
+        """The parameters checked, the inputs and outputs as lists, the
         device to run on (CPU inputs of a GPU program copied there; the
-        fake runner copies nothing)."""
-        params.validate()
-        inputs, outputs = self._as_lists(inputs, outputs)
-        if mode == "1":
-            return inputs, outputs, None
-        device = self._device(inputs, params, comm)
-        inputs = self._place(inputs, device, host_positions(self.fusion, inputs, params.host_inputs))
-        if comm is not None:
-            # Never hand a strided view to a collective (gloo would read the
-            # wrong memory): compact first, which also keeps contiguity out
-            # of the program cache's key so that all ranks hit or miss it
-            # together.
-            inputs = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs]
-        return inputs, outputs, device
+        fake runner copies nothing), and what the call asks of its plan
+        (`arguments.normalized`)."""
+        return normalized(self.fusion, inputs, outputs, params, comm, mode == "1", self._warned)
 
     # -- 2: check
     def _check(self, inputs, device, comm, mode: str, host: frozenset = frozenset()):
@@ -636,38 +409,41 @@ class FusionExecutor:
         rank's inputs with the same checks, in the program stage.)"""
         if mode == "1":
             return device
-        if comm is not None:
-            check_world(self.fusion, comm.world_size)
-        device = check_inputs(self.fusion, inputs, device, sharded=comm is not None, host=host)
+        device = checks.check_call(self.fusion, inputs, device, None if comm is None else comm.world_size, host)
         self._warn_requires_grad(inputs)
         return device
 
-    # -- 3: program (with the dry run of a new shape)
-    def _program(self, inputs, outputs, device, params: ExecutorParams, comm, mode: str) -> _Call:
-        """The call with its program: the lowered program for the inputs'
-        signature, the checks of sizes and outputs that need it, and the dry
-        run of a new input shape; with HOSTIR_FAKE=1, the fake runner's
+    # -- 3: program (plan, lower, build the runner; the dry run of a new shape)
+    def _program(self, inputs, outputs, device, request: planner.Request, comm, mode: str) -> _Call:
+        """The call with its program: the inputs' plan, its lowered program
+        and runner, the checks of sizes and outputs that need it, and the
+        dry run of a new input shape; with HOSTIR_FAKE=1, the fake runner's
         program, which returns the dry run's meta tensors."""
-        nos = params.number_of_streams
-        if mode == "1":
-            return _Call(self._fake_program(inputs, params), inputs, outputs, False, nos)
-        program, lowered = self._lookup(inputs, device, params, comm)
-        sizes = check_sizes(self.fusion, inputs, program.equal_axes)
-        check_reductions(self.fusion, sizes)
-        check_chunks(program.lowered.chunking, sizes)
-        if outputs is not None:
-            check_outputs(self.fusion, outputs, inputs, sizes, device, program.container.outputs)
+        plan = self._plan(inputs, device, request, comm, mode)
+        if plan.runner is planner.FAKE:
+            return _Call(self._fake_program(inputs, plan), inputs, outputs, False, plan.number_of_streams)
+        program, lowered = self._lookup(plan, device, comm)
+        checks.check_against_program(
+            self.fusion, inputs, outputs, device, program.equal_axes, program.lowered.chunking,
+            program.container.outputs,
+        )  # fmt: skip
         if mode == "auto" and comm is not None:
             # Not for a single-device program: it has no cross-rank error
             # for a dry run to catch, and its real run raises every error
             # the dry run would.
-            self._dry_run(program, inputs, params, comm.world_size)
-        call = _Call(program, inputs, outputs, lowered, nos, comm)
-        if params.cuda_graph:
+            self._dry_run(program, inputs, plan.number_of_streams, comm.world_size)
+        call = _Call(program, inputs, outputs, lowered, plan.number_of_streams, comm)
+        if plan.replay:
             call.capture = comm.device if comm is not None else _device_of(inputs)
         return call
 
-    def _fake_program(self, inputs, params: ExecutorParams) -> _Program:
+    def _plan(self, inputs, device, request: planner.Request, comm, mode: str) -> planner.Plan:
+        """The call's plan, made once: every decision about its program."""
+        if mode == "1":
+            return planner.fake(request)
+        return planner.plan(self.fusion, inputs, device, comm, request)
+
+    def _fake_program(self, inputs, plan: planner.Plan) -> _Program:
         """HOSTIR_FAKE=1: a program whose runner returns this rank's outputs
         as meta tensors, from a dry run of every rank; nothing runs and no
         process group is made. Without a launcher, this process plays rank
@@ -676,103 +452,39 @@ class FusionExecutor:
         if self._multi_device():
             launch = communicator.discover()
             rank, world = launch.rank, launch.world_size
-            needed = ranks_needed(self.fusion)
+            needed = checks.ranks_needed(self.fusion)
             if world == 1 and needed > 1:
                 world = needed
-        key = (self.fusion.version, input_key(inputs), world, params.number_of_streams, params.resharding)
+        nos, resharding = plan.number_of_streams, plan.resharding
+        key = (self.fusion.version, checks.input_key(inputs), world, nos, resharding)
         with self._lock:
             report = self._fake_reports.get(key)
         if report is None:
-            report = dry_run.dry_run(
-                self.fusion,
-                inputs,
-                world_size=world,
-                number_of_streams=params.number_of_streams,
-                resharding=params.resharding,
-            )
+            report = dry_run.dry_run(self.fusion, inputs, world_size=world, number_of_streams=nos, resharding=resharding)
             self.dry_runs += 1
             with self._lock:
                 if len(self._fake_reports) >= _MAX_REPORTS:
                     self._fake_reports.pop(next(iter(self._fake_reports)))
                 self._fake_reports[key] = report
         shapes = [shape for _, shape, _ in report[rank].outputs]
-        return _Program(None, _FakeRun(self.fusion.outputs, shapes), [], Binding([], []), _FAKE)
+        return _Program(None, dry_run.FakeRun(self.fusion.outputs, shapes), [], Binding([], []), planner.FAKE)
 
     # -- the dry run
-    def _dry_run(self, program: _Program, inputs, params: ExecutorParams, world_size: int):
-        """Dry-run `program` once per exact input shape; raise its error."""
-        key = (input_key(inputs), params.number_of_streams)
+    def _dry_run(self, program: _Program, inputs, nos: int, world_size: int):
+        """Dry-run `program` once per exact input shape (and number of
+        streams `nos`), lowering the other ranks' programs with its
+        options; raise its error."""
+        key = (checks.input_key(inputs), nos)
         report = program.reports.get(key)
         if report is not None:
             return report
-        if world_size == 1 and not self._multi_device():
-            # One device: no ranks to match, the program is lowered, and an
-            # error is the one the real run would raise.
-            only = dry_run.run_rank(
-                self.fusion,
-                inputs,
-                0,
-                1,
-                params.number_of_streams,
-                multi=False,
-                program=program.lowered,
-                raw_errors=True,
-            )
-            report = dry_run.DryRunReport(1, params.number_of_streams, [only])
-        else:
-            report = dry_run.dry_run(
-                self.fusion,
-                inputs,
-                world_size=world_size,
-                number_of_streams=params.number_of_streams,
-                backend=program.lowered.backend,
-                schedule=program.lowered.schedule,
-                resharding=params.resharding,
-                hoisting=program.lowered.hoisting,
-            )
+        report = dry_run.dry_run_program(self.fusion, program.lowered, inputs, nos, world_size, self._multi_device())
         self.dry_runs += 1
         with self._lock:
             if len(program.reports) >= _MAX_REPORTS:
                 program.reports.pop(next(iter(program.reports)))
             program.reports[key] = report
         return report
-
-    def _device(self, inputs: list, params: ExecutorParams, comm) -> torch.device:
-        if params.device is not None:
-            device = torch.device(params.device)
-            if device.type == "cuda" and device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-            return device
-        if comm is not None:
-            return comm.device
-        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-        for t in tensors:
-            if t.device.type == "cuda":
-                return t.device
-        return tensors[0].device if tensors else torch.device("cpu")
-
-    def _place(self, inputs: list, device: torch.device, host: frozenset = frozenset()) -> list:
-        """Copy CPU inputs to `device` if the program runs elsewhere (one
-        warning per fusion names them and the bytes copied), except those in
-        host memory (`host`: their positions), which the program streams."""
-        if device.type != "cuda":
-            return inputs
-        moved = [
-            i for i, t in enumerate(inputs)
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and i not in host
-        ]
-        if not moved:
-            return inputs
-        if "copy" not in self._warned:
-            self._warned.add("copy")
-            names = ", ".join(f"{i} (T{self.fusion.inputs[i].name})" for i in moved if i < len(self.fusion.inputs))
-            size = sum(ir.nbytes(inputs[i]) for i in moved)
-            warnings.warn(
-                f"inputs {names} are on the CPU but the fusion runs on {device}: copied there "
-                f"({size} bytes this call); pass them on {device} to avoid the copy",
-                stacklevel=5,
-            )
-        return [t.to(device) if i in moved else t for i, t in enumerate(inputs)]
 
     def _warn_requires_grad(self, inputs: list) -> None:
         # Under no_grad nothing is asked of autograd; with grad mode on, only
@@ -792,46 +504,12 @@ class FusionExecutor:
         """`is_multi_device(fusion)`, computed once per fusion version."""
         if self._multi_device_at != self.fusion.version:
             self._multi_device_at = self.fusion.version
-            self._is_multi_device = is_multi_device(self.fusion)
+            self._is_multi_device = checks.is_multi_device(self.fusion)
         return self._is_multi_device
 
-    def _as_lists(self, inputs, outputs) -> tuple[list, list | None]:
-        inputs = as_list(inputs, "inputs")
-        if outputs is not None:
-            outputs = as_list(outputs, "outputs")
-            if all(t is None for t in outputs) and len(outputs) == len(self.fusion.outputs):
-                outputs = None
-        return inputs, outputs
-
-    def _lookup(self, inputs, device: torch.device, params: ExecutorParams, comm=None) -> tuple[_Program, bool]:
-        """The cached program for the inputs' signature, lowered on a miss,
-        and whether it was lowered now."""
-        static = tuple(
-            (i, axis, inputs[i].shape[axis])
-            for i, tv in enumerate(self.fusion.inputs)
-            for axis in getattr(tv, "static_dims", ())
-        )
-        evaluator, reasons = params.evaluator_choice()
-        chosen = machine.for_inputs(
-            self.fusion, inputs, comm, params.schedule, device, evaluator, bool(params.cuda_graph)
-        )
-        host = host_positions(self.fusion, inputs, params.host_inputs)
-        hoisting = machine.hoisting_for_inputs(
-            self.fusion, inputs, device, comm, host, params.hoist, cpp_posts=evaluator == "cpp"
-        )
-        key = (
-            tuple(
-                (t.dtype, t.dim(), t.is_contiguous()) if isinstance(t, torch.Tensor) else "scalar"
-                for t in inputs
-            ),
-            device,
-            evaluator,
-            params.resharding,
-            static,
-            None if chosen is None else chosen.key(),
-            host,
-            None if hoisting is None else hoisting.key(),
-        )
+    def _lookup(self, plan: planner.Plan, device: torch.device, comm=None) -> tuple[_Program, bool]:
+        """The cached program of `plan`, lowered on a miss, and whether it
+        was lowered now."""
         with self._lock:
             # A program holds the communicator it was lowered for: after a
             # shutdown and a new communicator, lower again.
@@ -839,66 +517,40 @@ class FusionExecutor:
                 self._programs.clear()
                 self._version = self.fusion.version
                 self._comm = comm
-            program = self._programs.get(key)
-            debug = logger.isEnabledFor(logging.DEBUG)
-            if program is not None:
-                if debug:
-                    logger.debug("program cache hit for %s on %s", _key_text(key), device)
-                return program, False
+            program = self._programs.get(plan.key)
+        debug = logger.isEnabledFor(logging.DEBUG)
+        if program is not None:
             if debug:
-                logger.debug("program cache miss for %s on %s: lowering", _key_text(key), device)
-            strict = (params.evaluator or evaluator_choice()) == "cpp"
-            program = self._programs[key] = self._lower(
-                device, evaluator, reasons, comm, chosen, params.resharding, strict, host, hoisting
-            )
-            return program, True
+                logger.debug("program cache hit for %s on %s", planner.key_text(plan.key), device)
+            return program, False
+        if debug:
+            logger.debug("program cache miss for %s on %s: lowering", planner.key_text(plan.key), device)
+        program = self._programs[plan.key] = self._lower(plan, device, comm)
+        return program, True
 
-    def _lower(
-        self,
-        device: torch.device,
-        evaluator: str,
-        reasons: tuple[str, ...],
-        comm=None,
-        chosen=None,
-        resharding: str = "auto",
-        strict=False,
-        host: frozenset = frozenset(),
-        hoisting=None,
-    ) -> _Program:
+    def _lower(self, plan: planner.Plan, device: torch.device, comm=None) -> _Program:
+        """Lower the fusion as `plan` says and build the plan's runner."""
         rank = comm.rank if comm is not None else 0
         dumper = Dumper(rank)
         dumper.emit("fusion_ir", "Fusion:", printer.print_fusion(self.fusion))
-        if comm is None:
-            options = LoweringOptions(resharding=resharding, host_inputs=host, hoisting=hoisting)
-        else:
-            options = LoweringOptions(
-                rank=comm.rank,
-                backend=backends.of_process_group(comm.backend).name,
-                schedule=chosen,
-                resharding=resharding,
-                host_inputs=host,
-                hoisting=hoisting,
-            )
+        options = LoweringOptions(resharding=plan.resharding, host_inputs=plan.host, hoisting=plan.hoisting)
+        if comm is not None:
+            backend = backends.of_process_group(comm.backend).name
+            options = dataclasses.replace(options, rank=comm.rank, backend=backend, schedule=plan.schedule)
         lowered = lower(self.fusion, options, dumper)
         container = lowered.program
         container.label = self.label.strip()
         self.lowerings += 1
-        streams = self._streams.get(device)
-        if streams is None:
-            streams = self._streams[device] = streams_for(device)
-        if evaluator == "cpp" and not strict:
-            # "auto": a program with ops the C++ executor lacks (a copy-engine
-            # transport, chunked views, transfers) runs on the Python evaluator.
-            reasons = tuple(flat.unsupported_reasons(container))
-            if reasons:
-                evaluator = "python"
-        runner = Runner(evaluator, reasons)
+        runner = plan.runner_for(container)
         if dumper.enabled("host_ir"):
             # The program's dump ends with a newline; the runner is its last line.
             dumper.emit("host_ir", f"Host program{self.label}:", f"{container}{runner}\n")
         logger.info("%s", runner)
         torch_dist.check_backends(container, device, comm.backend if comm is not None else None)
-        make = cpp.CppEvaluator if evaluator == "cpp" else HostIrEvaluator
+        streams = self._streams.get(device)
+        if streams is None:
+            streams = self._streams[device] = streams_for(device)
+        make = cpp.CppEvaluator if runner.name == "cpp" else HostIrEvaluator
         run = make(container, streams=streams, device=device, communicator=comm, dumper=dumper, rank=lowered.rank)
         if logger.isEnabledFor(logging.INFO):
             exprs = list(container.walk())
@@ -906,22 +558,24 @@ class FusionExecutor:
             logger.info(
                 "lowered fusion %s%s to a host program of %d ops (%d communications), digest %s; "
                 "evaluator %s on %s with %s",
-                signature(self.fusion), self.label, len(exprs), comms, (lowered.digest or "")[:12],
+                checks.signature(self.fusion), self.label, len(exprs), comms, (lowered.digest or "")[:12],
                 type(run).__name__, device, type(streams).__name__,
-            )
+            )  # fmt: skip
         binding = Binding.of(container)
-        program = _Program(container, run, equal_input_axes(self.fusion), binding, runner, lowered=lowered)
+        program = _Program(container, run, checks.equal_input_axes(self.fusion), binding, runner, lowered=lowered)
         if isinstance(run, cpp.CppEvaluator) and not any(not isinstance(v, ir.TensorView) for v in container.inputs):
             run.take_views(binding.views())
             program.logical = True
         return program
 
     # -- 4: agree and make groups
-    def _communicator(self, params, kwargs):
-        """The process-wide communicator, and the error of asking for it
-        with parameters that differ from the live one's (shared with the
-        other ranks like any local error); with no live communicator, its
-        creation error is raised here (the launch is broken on this rank)."""
+    def _communicator(self, params, kwargs) -> HostIrError | None:
+        """Make the process-wide communicator (`communicator.live()` after
+        this) with the call's backend and timeout where there is none; the
+        error of asking for it with parameters that differ from the live
+        one's (shared with the other ranks like any local error); with no
+        live communicator, its creation error is raised here (the launch
+        is broken on this rank)."""
         backend = kwargs.get("backend", getattr(params, "backend", None))
         timeout = kwargs.get("timeout", getattr(params, "timeout", None))
         error = None
@@ -933,7 +587,7 @@ class FusionExecutor:
                 raise
             error = err
         protocol.of(comm).refuse_after_failure()
-        return comm, error
+        return error
 
     def _next_call(self, comm) -> tuple[int, int, int]:
         """This fusion's number on `comm`, the number of this call of it,
@@ -1053,48 +707,9 @@ class FusionExecutor:
         return results if logical else list(call.program.binding.unbind(results))
 
 
-class _FakeRun:
-    """The fake runner (HOSTIR_FAKE=1): the dry run's outputs of this rank
-    as meta tensors."""
-
-    def __init__(self, outputs, shapes):
-        self._outputs = list(zip(outputs, shapes))
-
-    def run(self, bindings, number_of_streams: int) -> list:
-        return [
-            None if shape is None else torch.empty(shape, dtype=tv.dtype, device="meta")
-            for tv, shape in self._outputs
-        ]
-
-
-@functools.lru_cache(maxsize=64)
-def _parsed_schedule(text: str) -> Schedule:
-    return parse_schedule(text)
-
-
-def _checked_schedule(value: object, where: str) -> None:
-    """Raise the schedule's own error (naming `where`) unless `value` is a
-    Schedule or its valid text."""
-    if isinstance(value, Schedule):
-        return
-    if not isinstance(value, str):
-        raise InputTypeError(f"{where} must be a Schedule or its text (ring:chunks=2, ...), got {type(value).__name__}")
-    try:
-        _parsed_schedule(value)
-    except ScheduleError as err:
-        raise ScheduleError(f"{where}={value!r}: {err}") from None
-
-
 def _device_of(inputs: list) -> torch.device:
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     return tensors[0].device if tensors else torch.device("cpu")
-
-
-def _check_mode(params, kwargs: dict) -> str:
-    """The call's check_ranks where it is a valid one, else "always" (the
-    full path then raises the parameter's error on every rank)."""
-    mode = params.check_ranks if isinstance(params, ExecutorParams) else kwargs.get("check_ranks", "always")
-    return mode if type(mode) is str and mode in CHECK_RANKS else "always"
 
 
 @contextlib.contextmanager
@@ -1105,22 +720,3 @@ def _held(comm):
         return
     with protocol.of(comm).held():
         yield
-
-
-def _key_text(key: tuple) -> str:
-    inputs, _, evaluator, resharding, static, chosen, host, hoisting = key
-    parts = ", ".join(
-        f"{str(dtype).removeprefix('torch.')}/{ndim}d{'' if contiguous else ' strided'}"
-        for dtype, ndim, contiguous in inputs
-    )
-    text = f"inputs ({parts}), evaluator {evaluator}, resharding {resharding}"
-    if static:
-        text += ", static sizes " + ", ".join(f"input {i} axis {axis} = {size}" for i, axis, size in static)
-    if host:
-        text += ", streamed inputs " + ", ".join(map(str, sorted(host)))
-    text += "" if hoisting is None else f", hoisting {hoisting}"
-    return text + ("" if chosen is None else f", schedule {chosen}")
-
-
-
-

@@ -1,22 +1,20 @@
-"""The choice of a `Schedule` per input signature, from a model of this
-machine.
+"""The machine model: what a program costs on this machine.
 
-`choose` picks a schedule for a fusion's inputs from a `MachineModel` of
-this machine: its GEMM throughput, copy-engine push bandwidth between
-peers and collective bandwidth, timed on the device only (the queue
-pre-filled, so no launch gap counts), the GEMM's slowdown beside each kind
-of traffic, and what a call and a ring step cost on the host for the
-runner that will run it (the Python evaluator, the C++ executor, or a
-CUDA-graph replay). It predicts the call's time for the sequential program
-and for rings of 1, 2 and 4 chunks per peer on each transport that can
-run, and takes the fastest; the note in the dump names every candidate's
-prediction. A model is measured once per device, torch, CUDA and GPU
-count and cached under `~/.cache/hostir/` (`HOSTIR_CACHE_DIR`); every
+A `MachineModel` holds this machine's GEMM throughput, copy-engine push
+bandwidth between peers and collective bandwidth, timed on the device only
+(the queue pre-filled, so no launch gap counts), the GEMM's slowdown beside
+each kind of traffic, and what a call and a ring step cost on the host per
+runner (the Python evaluator, the C++ executor, or a CUDA-graph replay).
+`predict_ms` predicts one call of a sequential program or a ring of some
+chunks on a transport, for the runner it is given; `choose_hoisting`
+compares the sequential program with posts hoisted whole or in pieces.
+The model decides nothing and asks no transport whether it can run: the
+planner (`hostir.planner`) names the candidates and their runners and
+takes the fastest. A model is measured once per device, torch, CUDA and
+GPU count and cached under `~/.cache/hostir/` (`HOSTIR_CACHE_DIR`); every
 communicator on GPUs agrees on rank 0's model when it is created, so every
 rank (on every node) plans the same program. CPU ranks use `CPU_MODEL`.
 `python3 -m hostir machine` shows the model and re-measures it.
-`HOSTIR_SCHEDULE` (or `ExecutorParams.schedule`) forces a choice (its text
-form: `hostir.lower.schedule`).
 """
 
 from __future__ import annotations
@@ -26,15 +24,10 @@ import json
 import os
 import pathlib
 import struct
-import weakref
 
 import torch
 
 from hostir import backends, communicator, ir
-from hostir.lower.decompose_device_axis import scattered_operand, walks_device_axis
-from hostir.lower.hoist_transfers import Hoisting, forced
-from hostir.lower.schedule import Schedule, parse
-from hostir.runtime.transports import cuda
 
 # ---------------------------------------------------------------- the machine
 
@@ -144,8 +137,6 @@ def cache_dir() -> pathlib.Path:
 def _model_path(device_name: str) -> pathlib.Path:
     # v3: timed on the device only, a push to a peer, host costs; per torch,
     # CUDA and the GPUs this process sees.
-    import torch
-
     key = f"{device_name}_torch{torch.__version__}_cuda{torch.version.cuda}_gpus{torch.cuda.device_count()}"
     safe = "".join(ch if ch.isalnum() else "_" for ch in key)
     return cache_dir() / f"machine_{safe}.v3.json"
@@ -184,8 +175,6 @@ def save_model(model: MachineModel, replace: bool = False) -> pathlib.Path:
 
 def machine_model(device) -> MachineModel:
     """This machine's model: measured once per device name and cached."""
-    import torch
-
     if getattr(device, "type", "cpu") != "cuda":
         return CPU_MODEL
     name = torch.cuda.get_device_name(device)
@@ -203,8 +192,6 @@ def machine_model(device) -> MachineModel:
 def _device_ms(fn, device, iters: int = 20, trials: int = 5) -> float:
     """The median over `trials` of `fn`'s device time per call: the launches
     queue behind a spinning kernel first, so no host gap between them counts."""
-    import torch
-
     for _ in range(3):
         fn()
     torch.cuda.synchronize(device)
@@ -222,8 +209,6 @@ def _device_ms(fn, device, iters: int = 20, trials: int = 5) -> float:
 
 
 def _peer_of(index: int) -> int | None:
-    import torch
-
     for peer in range(torch.cuda.device_count()):
         if peer != index and torch.cuda.can_device_access_peer(index, peer):
             return peer
@@ -236,8 +221,6 @@ def measure(device) -> MachineModel:
     scaled by NVLINK_PER_HBM), and pinned host copies. The host costs, the
     GEMM's slowdowns and the collective bandwidth are this module's
     measured constants."""
-    import torch
-
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     with torch.cuda.device(index):
@@ -296,18 +279,7 @@ def _agree_on_creation(comm) -> None:
 communicator.on_creation(_agree_on_creation)
 
 
-# ---------------------------------------------------------------- the choice
-
-
-def runner_of(evaluator: str, transport: str, chunks: int) -> str:
-    """The runner a decomposition's program will have: the C++ executor
-    where it is asked for ("cpp") and the program has no op it lacks, else
-    the Python evaluator. The C++ executor runs the transports the backend
-    table declares `cpp`, chunk views included (`flat.unsupported_reasons`;
-    a test holds the two together)."""
-    if evaluator != "cpp" or not backends.get(transport).cpp:
-        return "python"
-    return "cpp"
+# ---------------------------------------------------------------- a call's time
 
 
 def predict_ms(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize: int, kind: str,
@@ -336,153 +308,6 @@ def predict_ms(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize:
         return max(device, call)
     # The host issues every op before the last GEMM can start.
     return max(device, call + steps * step + last)
-
-
-def choose(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize: int, p2p: str | None,
-           backend: str, evaluator: str = "cpp", replay: bool = False) -> Schedule:
-    """The schedule for a gather or reduce side of `rows` x `k` shards per
-    rank (times an n-wide weight), on D ranks: the fastest predicted of the
-    sequential program and rings of 1, 2 and 4 chunks per peer on the copy
-    engine (where `p2p` is None, else why not) and on `backend`, each for
-    the runner that would run it (`evaluator` asked for, and whether the
-    call is replayed from a CUDA graph). Ties go to the simpler program."""
-    why = "" if p2p is None else f"no P2P: {p2p}"
-    # The copy-engine transports where P2P can run, then the program's backend.
-    one_sided = [b.name for b in backends.BACKENDS.values() if b.bandwidth == "copy"]
-    transports = (one_sided if p2p is None else []) + [backend]
-    sequential = predict_ms(model, D, rows, k, n, itemsize, "sequential",
-                            runner=runner_of(evaluator, backend, 1), replay=replay)
-    candidates = [(sequential, "sequential", 1, backend)]
-    for transport in transports:
-        for chunks in (1, 2, 4):
-            if rows % chunks:
-                continue
-            runner = runner_of(evaluator, transport, chunks)
-            t = predict_ms(model, D, rows, k, n, itemsize, "ring", chunks, transport, runner, replay)
-            candidates.append((t, "ring", chunks, transport))
-    mode = "replayed" if replay else "eager"
-    listed = ", ".join(
-        f"{'sequential' if kind == 'sequential' else f'ring c={c} {tr}'} {t:.3f}" for t, kind, c, tr in candidates
-    )
-    best = min(candidates, key=lambda c: c[0])
-    ring = min((c for c in candidates if c[1] == "ring"), key=lambda c: c[0])
-    if best[1] == "sequential":
-        note = (f"a ring would take {ring[0]:.3f} ms against {sequential:.3f} ms sequentially "
-                f"({mode}; ms: {listed})")
-        return Schedule("sequential", note=note)
-    _, _, chunks, transport = best
-    note = (f"model: ring {best[0]:.3f} ms, sequential {sequential:.3f} ms ({mode}; ms: {listed})"
-            + (f", {why}" if why else ""))
-    return Schedule("ring", chunks=chunks, transport=transport, note=note)
-
-
-# ---------------------------------------------------------------- per input signature
-
-
-def decomposable(fusion) -> bool:
-    """Whether `fusion` may hold a device axis walked as a stream axis."""
-    # Other programs keep one lowering for every shape: their key holds no
-    # schedule. Asked at every execute: the answer is kept per version.
-    cached = getattr(fusion, "_walks_device_axis", None)
-    if cached is None or cached[0] != fusion.version:
-        cached = (fusion.version, walks_device_axis(fusion.exprs))
-        fusion._walks_device_axis = cached
-    return cached[1]
-
-
-def model_for(comm) -> MachineModel:
-    """The machine model of `comm`'s device, read once per communicator.
-    No collective: the choice is made while ranks may still be out of step
-    (one failing its input checks); ranks of one node share the cached
-    model, and ranks that choose differently fail the agreement on the
-    program with a clear error."""
-    model = getattr(comm, "_machine_model", None)
-    if model is None:
-        model = comm._machine_model = machine_model(comm.device)
-    return model
-
-
-def p2p_reason(comm, device=None) -> str | None:
-    """None when the cuda transport can run on every rank for a program on
-    `device` (default: the communicator's), else why not. A gloo
-    communicator's own device is the CPU, but its ranks may run programs on
-    a GPU (ranks sharing one): the program's device decides."""
-    device = comm.device if device is None else torch.device(device)
-    if device.type != "cuda":
-        return f"the ranks run on {device.type}"
-    return cuda.probe(comm, device)
-
-
-def _shape_hint(fusion, inputs, D: int) -> tuple[int, int, int, int]:
-    """(rows, k, n, itemsize) of one shard's GEMM, from the sharded input
-    with the most elements (rows x k per peer) and the other inputs'
-    last axis (n)."""
-    from hostir import axis_graph, ir
-
-    # A row-parallel product walking its output's scattered axis (GEMM+RS):
-    # each step multiplies a D-th of the walked operand's rows by its K
-    # piece and moves the partial sums, rows x N.
-    graph = axis_graph.IdGraph(fusion.exprs, broadcast=True)
-    position = {id(tv): i for i, tv in enumerate(fusion.inputs)}
-    for e in fusion.exprs:
-        v = scattered_operand(e, graph)
-        if v is None or id(v) not in position:
-            continue
-        t = inputs[position[id(v)]]
-        k = t.shape[-1] if t.dim() else 1
-        rows = max(1, t.numel() // max(k, 1) // D)
-        other = e.weight if isinstance(e, ir.LinearOp) else (e.b if v is e.a else e.a)
-        w = inputs[position[id(other)]] if id(other) in position else None
-        n = (w.shape[-2] if isinstance(e, ir.LinearOp) else w.shape[-1]) if w is not None and w.dim() >= 2 else k
-        return rows, n, k, t.element_size()
-    # The input a `set` gathers walking a stream axis, where the fusion
-    # writes one (a sequence-parallel activation, smaller than the weight).
-    walked = {e.input for e in fusion.exprs if isinstance(e, ir.Set) and e.out.stream_axes()}
-    sharded = [(t, tv) for tv, t in zip(fusion.inputs, inputs) if tv.device_axes()]
-    sharded = [p for p in sharded if p[1] in walked] or sharded
-    t, tv = max(sharded, key=lambda p: p[0].numel())
-    k = t.shape[-1] if t.dim() else 1
-    rows = max(1, t.numel() // max(k, 1))
-    if tv not in walked and t.dim() > 2 and t.shape[0] == D and not tv.axis(0).is_device_parallel:
-        rows //= D
-    # A linear's weight is [N, K]: its N is the product's columns.
-    weights = {e.weight for e in fusion.exprs if isinstance(e, ir.LinearOp)}
-    others = [
-        x.shape[-2] if v in weights else x.shape[-1]
-        for x, v in zip(inputs, fusion.inputs)
-        if v is not tv and x.dim() >= 2
-    ]
-    n = max(others) if others else k
-    return rows, k, n, t.element_size()
-
-
-def for_inputs(fusion, inputs, comm, forced=None, device=None, evaluator: str = "cpp",
-               replay: bool = False) -> Schedule | None:
-    """The schedule of `fusion` on these inputs: `forced` (a Schedule or its
-    text; else `HOSTIR_SCHEDULE`) or the model's choice for the runner
-    asked for (`evaluator`) and whether the call is replayed from a CUDA
-    graph. None where the fusion has nothing to decompose. Every rank gets
-    the same answer for the same input shapes."""
-    if comm is None:
-        return None
-    if forced is None:
-        forced = os.environ.get("HOSTIR_SCHEDULE") or None
-    if forced is not None:
-        # Kept also where the fusion walks no device axis itself: a pass may
-        # still make a ring of a resharding (a backward's gather of its
-        # output gradient), and it must run on the transport asked for.
-        schedule = parse(forced) if isinstance(forced, str) else forced
-        if schedule.transport is not None and backends.get(schedule.transport).p2p_memory == "symmetric":
-            reason = p2p_reason(comm, device)
-            if reason is not None:
-                schedule = dataclasses.replace(schedule, transport=None, note=f"cuda transport unavailable: {reason}")
-        return schedule
-    if not decomposable(fusion):
-        return None
-    D = comm.world_size
-    rows, k, n, itemsize = _shape_hint(fusion, inputs, D)
-    backend = backends.of_process_group(comm.backend).name
-    return choose(model_for(comm), D, rows, k, n, itemsize, p2p_reason(comm, device), backend, evaluator, replay)
 
 
 # ---------------------------------------------------------------- hoisting transfers
@@ -583,14 +408,15 @@ def choose_hoisting(
     return best[0], best[1], f"model ({model.device}): {numbers}"
 
 
-def _posts_and_computes(fusion, inputs, host: frozenset, model: MachineModel, comm) -> tuple[list, list] | None:
+def posts_and_computes(
+    fusion, inputs, host: frozenset, model: MachineModel, world_size: int | None
+) -> tuple[list, list] | None:
     """Per post (a host input's transfer, or a sharded input's Allgather, in
     the order ops first read them) its time, and the compute time of the
     ops from that one to the next, from the inputs' shapes (a linear or
-    matmul costs 2·M·N·K, M the rows of the largest input that stays);
-    None when the fusion has neither."""
-    import torch
-
+    matmul costs 2·M·N·K, M the rows of the largest input that stays), on
+    `world_size` ranks (None: one device); None when the fusion has
+    neither."""
     moved, whole = {}, {}
     for i, (tv, t) in enumerate(zip(fusion.inputs, inputs)):
         if not isinstance(tv, ir.TensorView) or not isinstance(t, torch.Tensor):
@@ -598,9 +424,9 @@ def _posts_and_computes(fusion, inputs, host: frozenset, model: MachineModel, co
         nbytes = ir.nbytes(t)
         if ir.in_host_memory(tv) or i in host:
             moved[tv], whole[tv] = model.transfer_ms(nbytes), t.numel()
-        elif comm is not None and tv.device_axes():
-            moved[tv] = model.move_ms(nbytes * (comm.world_size - 1), False)
-            whole[tv] = t.numel() * comm.world_size
+        elif world_size is not None and tv.device_axes():
+            moved[tv] = model.move_ms(nbytes * (world_size - 1), False)
+            whole[tv] = t.numel() * world_size
     if not moved:
         return None
     for tv, t in zip(fusion.inputs, inputs):
@@ -624,58 +450,3 @@ def _posts_and_computes(fusion, inputs, host: frozenset, model: MachineModel, co
         if computes and isinstance(e, (ir.LinearOp, ir.MatmulOp)) and second in origin:
             computes[-1] += 2.0 * rows * whole[origin[second]] / (model.gemm_tflops * 1e12) * 1e3
     return transfers, computes
-
-
-# The machine model's hoisting choices per fusion, by input signature: a
-# call that repeats a signature gets the choice made for its first call
-# (the free device memory read then included) without asking the model,
-# or the device, again.
-_HOISTINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_MAX_HOISTINGS = 64
-
-
-def hoisting_for_inputs(
-    fusion, inputs, device, comm, host: frozenset, option="auto", cpp_posts: bool = False
-) -> Hoisting | None:
-    """How `hoist_transfers` moves this fusion's posts for these inputs: the
-    forced choice (`option`, else `HOSTIR_HOIST`), or the machine model's
-    (`choose_hoisting`, made once per input signature and kept); None where
-    the fusion moves nothing between memories or ranks. Every rank gets the
-    same answer for the same input shapes. `cpp_posts`: the C++ executor
-    would run the program (`choose_hoisting`)."""
-    chosen = forced(option)
-    if chosen is not None:
-        return chosen
-    has_host = bool(host) or any(ir.in_host_memory(tv) for tv in fusion.inputs)
-    if not has_host and comm is None:
-        return None
-    key = (
-        fusion.version,
-        tuple((t.shape, t.dtype) if isinstance(t, torch.Tensor) else None for t in inputs),
-        str(device),
-        None if comm is None else (comm.world_size, comm.backend, str(comm.device)),
-        host,
-        cpp_posts,
-    )
-    kept = _HOISTINGS.get(fusion)
-    if kept is None:
-        kept = _HOISTINGS[fusion] = {}
-    if key not in kept:
-        if len(kept) >= _MAX_HOISTINGS:
-            kept.pop(next(iter(kept)))
-        kept[key] = _choose_hoisting_for(fusion, inputs, device, comm, host, has_host, cpp_posts)
-    return kept[key]
-
-
-def _choose_hoisting_for(
-    fusion, inputs, device, comm, host: frozenset, has_host: bool, cpp_posts: bool
-) -> Hoisting | None:
-    model = model_for(comm) if comm is not None else machine_model(device)
-    found = _posts_and_computes(fusion, inputs, host, model, comm)
-    if found is None:
-        return Hoisting(note="no transfer to time") if has_host else None
-    on_gpu = getattr(device, "type", "cpu") == "cuda"
-    # Only a linear's weight in host memory moves in pieces.
-    mode, chunks, note = choose_hoisting(model, *found, pieces=on_gpu and has_host, cpp_posts=cpp_posts)
-    free = torch.cuda.mem_get_info(device)[0] if on_gpu else None
-    return Hoisting(mode=mode, chunks=chunks, note=note, free_bytes=free)

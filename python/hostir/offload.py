@@ -35,13 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hostir import machine
+from hostir import planner
 from hostir.errors import UsageError
+from hostir.arguments import host_positions
 from hostir.executor import ExecutorParams
 from hostir.frontend import FusionDefinition
 from hostir.lower.hoist_transfers import ENV
 from hostir.runtime import prepared
-from hostir.runtime.checks import host_positions
 
 __all__ = ["OffloadedStack", "offload"]
 
@@ -214,7 +214,7 @@ class OffloadedStack(nn.Module):
         host = host_positions(fd.fusion, inputs)
         # As a call would run it: on the C++ executor unless told otherwise.
         cpp_posts = ExecutorParams().evaluator_choice()[0] == "cpp"
-        chosen = machine.hoisting_for_inputs(fd.fusion, inputs, x.device, None, host, self.hoist, cpp_posts=cpp_posts)
+        chosen = planner.hoisting_for_inputs(fd.fusion, inputs, x.device, None, host, self.hoist, cpp_posts=cpp_posts)
         if chosen is not None and chosen.mode == "hoist" and chosen.budget_bytes is None:
             chosen = dataclasses.replace(chosen, budget_bytes=self.two_layers_bytes())
         return chosen

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import hostir.cpp
-from hostir import backends, ir, machine
+from hostir import backends, ir, planner
 from hostir.lower import schedule
 from hostir.runtime import flat, transports
 from hostir.runtime.transports import torch_dist
@@ -19,7 +19,7 @@ def test_every_layer_reads_the_one_table():
     assert set(torch_dist.BACKENDS) == {b.name for b in backends.BACKENDS.values() if b.process_group}
     for b in backends.BACKENDS.values():
         assert transports.capabilities(b.name) is b.capabilities
-        assert machine.runner_of("cpp", b.name, 1) == ("cpp" if b.cpp else "python")
+        assert planner.runner_of("cpp", b.name, 1) == ("cpp" if b.cpp else "python")
 
 
 @pytest.mark.skipif(not hostir.cpp.available(), reason="the C++ executor is not built")

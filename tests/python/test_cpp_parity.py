@@ -12,7 +12,7 @@ import torch
 
 from hostir import FusionDefinition, ParallelType, cpp
 from hostir.kinds import UnaryKind
-from hostir.runtime import flat
+from hostir.runtime import support
 
 needs_cpp = pytest.mark.skipif(not cpp.available(), reason=f"the C++ executor is not built: {cpp.reason()}")
 pytestmark = needs_cpp
@@ -117,12 +117,12 @@ def test_unary_chain_stream_parallel(number_of_streams, device):
 def test_the_core_knows_every_unary_kind():
     """A kind declared in hostir.kinds without its ATen call in the C++ core
     would run on the Python evaluator: today every kind has one."""
-    assert sorted(flat.CPP_UNARY_KINDS) == sorted(k.value for k in UnaryKind)
+    assert sorted(support.UNARY_KINDS) == sorted(k.value for k in UnaryKind)
 
 
 def test_a_unary_kind_the_core_lacks_says_so(monkeypatch):
     monkeypatch.delenv("HOSTIR_EVALUATOR", raising=False)
-    monkeypatch.setattr(flat, "CPP_UNARY_KINDS", tuple(k for k in flat.CPP_UNARY_KINDS if k != "silu"))
+    monkeypatch.setattr(support, "UNARY_KINDS", tuple(k for k in support.UNARY_KINDS if k != "silu"))
     with FusionDefinition() as fd:
         x = fd.define_tensor(shape=[-1, -1])
         fd.add_output(fd.ops.relu(fd.ops.silu(x)))
@@ -195,7 +195,7 @@ def test_the_core_knows_every_binary_kind():
     """The derivative kinds backward programs use included."""
     from hostir.kinds import BinaryKind
 
-    assert sorted(flat.CPP_BINARY_KINDS) == sorted(k.value for k in BinaryKind)
+    assert sorted(support.BINARY_KINDS) == sorted(k.value for k in BinaryKind)
 
 
 @pytest.mark.parametrize("kind", ["relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "abs"])

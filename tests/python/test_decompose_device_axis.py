@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from hostir import machine, overlap
+from hostir import machine, overlap, planner
 from hostir.lower import LoweringError, lower
 from hostir.lower.schedule import Schedule, ScheduleError, parse
 
@@ -220,24 +220,24 @@ H200ISH = machine.MachineModel("gpu", gemm_tflops=700.0, copy_gbps=370.0, collec
 
 
 def test_model_runs_small_shapes_sequentially():
-    s = machine.choose(H200ISH, D=2, rows=16, k=256, n=256, itemsize=2, p2p=None, backend="NCCL")
+    s = planner.choose(H200ISH, D=2, rows=16, k=256, n=256, itemsize=2, p2p=None, backend="NCCL")
     assert s.decomposition == "sequential" and "a ring would take" in s.note
 
 
 def test_model_rings_large_shapes_over_the_copy_engine_with_chunks():
-    s = machine.choose(H200ISH, D=2, rows=8192, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL")
+    s = planner.choose(H200ISH, D=2, rows=8192, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL")
     assert s.decomposition == "ring" and s.transport == "cuda" and s.chunks >= 1
 
 
 def test_model_falls_back_to_the_programs_backend_without_p2p_and_says_why():
-    s = machine.choose(H200ISH, D=2, rows=8192, k=8192, n=4096, itemsize=2, p2p="rank 1: no peer access", backend="NCCL")
+    s = planner.choose(H200ISH, D=2, rows=8192, k=8192, n=4096, itemsize=2, p2p="rank 1: no peer access", backend="NCCL")
     assert s.transport == "NCCL" and "no P2P: rank 1: no peer access" in s.note
     fd = overlap.allgather_matmul(2)
     assert "no P2P: rank 1: no peer access" in _dump(fd, s, backend="NCCL")
 
 
 def test_model_never_picks_more_chunks_than_the_rows_divide_into():
-    s = machine.choose(H200ISH, D=2, rows=8191, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL")
+    s = planner.choose(H200ISH, D=2, rows=8191, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL")
     assert s.chunks == 1
 
 
@@ -260,26 +260,31 @@ H100ISH = machine.MachineModel(
 )
 
 
+def _PYTHON(transport: str, chunks: int) -> str:
+    # Every candidate on the Python evaluator.
+    return "python"
+
+
 def test_the_model_never_rings_where_the_host_would_starve_the_gpu():
     # Eager on the Python evaluator (the copy-engine ring today), a shard
     # of 2048 rows: each step costs the host more than its GEMM.
-    s = machine.choose(H100ISH, D=2, rows=2048, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
-                       evaluator="python")
+    s = planner.choose(H100ISH, D=2, rows=2048, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
+                       runs_on=_PYTHON)
     assert s.decomposition == "sequential", s.note
 
 
 def test_a_replayed_call_rings_where_an_eager_python_one_would_not():
-    eager = machine.choose(H100ISH, D=2, rows=2048, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
-                           evaluator="python")
-    replayed = machine.choose(H100ISH, D=2, rows=2048, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
-                              evaluator="python", replay=True)
+    eager = planner.choose(H100ISH, D=2, rows=2048, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
+                           runs_on=_PYTHON)
+    replayed = planner.choose(H100ISH, D=2, rows=2048, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
+                              runs_on=_PYTHON, replay=True)
     assert eager.decomposition == "sequential"
     assert replayed.decomposition == "ring" and replayed.transport == "cuda", replayed.note
     assert "replayed" in replayed.note and "eager" in eager.note
 
 
 def test_the_models_note_names_every_candidates_prediction():
-    s = machine.choose(H100ISH, D=2, rows=8192, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL")
+    s = planner.choose(H100ISH, D=2, rows=8192, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL")
     assert s.decomposition == "ring"
     for candidate in ("sequential", "ring c=1 cuda", "ring c=2 cuda", "ring c=4 cuda", "ring c=1 NCCL"):
         assert candidate in s.note, s.note
@@ -313,7 +318,7 @@ def test_the_runner_the_model_predicts_is_the_one_the_program_gets(schedule):
     program = lower(overlap.allgather_matmul(2).fusion, rank=0, backend="gloo", schedule=schedule).program
     runs_in_cpp = not list(flat.unsupported_reasons(program))
     transport = schedule.transport or "gloo"
-    assert (machine.runner_of("cpp", transport, schedule.chunks) == "cpp") is runs_in_cpp
+    assert (planner.runner_of("cpp", transport, schedule.chunks) == "cpp") is runs_in_cpp
 
 
 def test_a_model_travels_between_ranks_as_words():

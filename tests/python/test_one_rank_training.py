@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hostir import FusionDefinition, ParallelType, communicator, ir, machine
+from hostir import FusionDefinition, ParallelType, communicator, ir, planner
 from hostir.lower import lower
 from hostir.runtime.bind import Binding
 from hostir.runtime.evaluator import HostIrEvaluator
@@ -210,14 +210,14 @@ def test_the_hoisting_choice_is_made_once_per_signature(plain_process, monkeypat
     fd = one_rank_linear("K")
     comm = communicator.get(backend="gloo")
     made = []
-    choose = machine._choose_hoisting_for
-    monkeypatch.setattr(machine, "_choose_hoisting_for", lambda *a: made.append(a) or choose(*a))
+    choose = planner._choose_hoisting_for
+    monkeypatch.setattr(planner, "_choose_hoisting_for", lambda *a: made.append(a) or choose(*a))
     x, w = torch.randn(6, 8), torch.randn(5, 8)
     device = torch.device("cpu")
-    first = machine.hoisting_for_inputs(fd.fusion, [x, w], device, comm, frozenset())
-    again = machine.hoisting_for_inputs(fd.fusion, [torch.randn(6, 8), w], device, comm, frozenset())
+    first = planner.hoisting_for_inputs(fd.fusion, [x, w], device, comm, frozenset())
+    again = planner.hoisting_for_inputs(fd.fusion, [torch.randn(6, 8), w], device, comm, frozenset())
     assert again is first and len(made) == 1
-    machine.hoisting_for_inputs(fd.fusion, [torch.randn(7, 8), w], device, comm, frozenset())
+    planner.hoisting_for_inputs(fd.fusion, [torch.randn(7, 8), w], device, comm, frozenset())
     assert len(made) == 2
 
 

@@ -123,12 +123,12 @@ def test_the_machine_model_sizes_the_gemm_of_the_walked_activation():
     activation (a Llama MLP's up projection)."""
     import torch
 
-    from hostir import machine
+    from hostir import planner
 
     B, s, H, n = 2, 8, 16, 64  # per rank: x [B, s, H], w [n, H], bias [n]
     fd = colwise_sp(2)
     inputs = [torch.empty(B, s, H), torch.empty(n, H), torch.empty(n)]
-    assert machine._shape_hint(fd.fusion, inputs, 2) == (B * s, H, n, 4)
+    assert planner.shape_hint(fd.fusion, inputs, 2) == (B * s, H, n, 4)
 
 
 def test_the_machine_model_sizes_the_gemm_rs_of_the_colwise_backward():
@@ -137,15 +137,15 @@ def test_the_machine_model_sizes_the_gemm_rs_of_the_colwise_backward():
     what moves is those rows' partial sums, H wide."""
     import torch
 
-    from hostir import autodiff, machine
+    from hostir import autodiff, planner
 
     B, S, H, n = 2, 8, 16, 64  # per rank: dy [B, S, n], w [n, H], x [B, S/2, H]
     d = autodiff.derive(colwise_sp(2).fusion, [0, 1, 2])
     assert d.saved == [("input", 1), ("cotangent", 0), ("input", 0)]
     dy = torch.empty(B, S, n)
     inputs = [dy, torch.empty(n, H), dy, torch.empty(B, S // 2, H)]
-    assert machine.decomposable(d.backward)
-    assert machine._shape_hint(d.backward, inputs, 2) == (B * S // 2, H, n, 4)
+    assert planner.decomposable(d.backward)
+    assert planner.shape_hint(d.backward, inputs, 2) == (B * S // 2, H, n, 4)
 
 
 @pytest.mark.parametrize("schedule", ["ring", "ring:chunks=2"])
@@ -193,13 +193,13 @@ def test_the_machine_model_sizes_the_steps_of_a_gemm_rs():
     wide); the model chooses a schedule for the rowwise linear."""
     import torch
 
-    from hostir import machine
+    from hostir import planner
 
     B, S, h, N = 2, 8, 16, 64  # per rank: x [B, S, h] (K piece), w [N, h], bias [N]
     fd = rowwise_sp(2)
     inputs = [torch.empty(B, S, h), torch.empty(N, h), torch.empty(N)]
-    assert machine.decomposable(fd.fusion)
-    assert machine._shape_hint(fd.fusion, inputs, 2) == (B * S // 2, N, h, 4)
+    assert planner.decomposable(fd.fusion)
+    assert planner.shape_hint(fd.fusion, inputs, 2) == (B * S // 2, N, h, 4)
 
 
 def test_the_machine_model_sizes_the_ag_gemm_of_the_rowwise_backward():
@@ -207,11 +207,11 @@ def test_the_machine_model_sizes_the_ag_gemm_of_the_rowwise_backward():
     step a peer's rows of it (N wide) times the weight's K piece."""
     import torch
 
-    from hostir import autodiff, machine
+    from hostir import autodiff, planner
 
     B, S, h, N = 2, 8, 16, 64  # per rank: dy [B, S/2, N], w [N, h], x [B, S, h]
     d = autodiff.derive(rowwise_sp(2).fusion, [0, 1, 2])
     assert d.saved == [("input", 1), ("input", 0)]
     inputs = [torch.empty(B, S // 2, N), torch.empty(N, h), torch.empty(B, S, h)]
-    assert machine.decomposable(d.backward)
-    assert machine._shape_hint(d.backward, inputs, 2) == (B * S // 2, N, h, 4)
+    assert planner.decomposable(d.backward)
+    assert planner.shape_hint(d.backward, inputs, 2) == (B * S // 2, N, h, 4)

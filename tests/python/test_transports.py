@@ -71,11 +71,11 @@ def test_p2p_capability_follows_the_program_device_not_the_gloo_communicator():
     # A gloo communicator's device is the CPU; its ranks may still run the
     # program on a GPU (two ranks sharing one), where the cuda transport is
     # the one that can move device memory: the program's device decides.
-    from hostir import machine
+    from hostir import planner
 
     comm = _fake_comm("cpu")
-    assert machine.p2p_reason(comm) == "the ranks run on cpu"
-    on_gpu = machine.p2p_reason(comm, torch.device("cuda", 0))
+    assert planner.p2p_reason(comm) == "the ranks run on cpu"
+    on_gpu = planner.p2p_reason(comm, torch.device("cuda", 0))
     assert on_gpu != "the ranks run on cpu"
     assert on_gpu == cuda.local_reason(comm, torch.device("cuda", 0))
     if not torch.cuda.is_available():

@@ -36,20 +36,14 @@ are what a rank's data must reach, not the wire.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
-import json
-import re
 import sys
 import threading
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
-import weakref
 
 import torch
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hostir import ir, layout, printer
 from hostir.errors import HostIrError
@@ -58,7 +52,24 @@ from hostir.runtime import checks
 from hostir.runtime.bind import Binding
 from hostir.runtime.checks import signature
 from hostir.runtime.evaluator import HostIrEvaluator
-from hostir.runtime.transports import Posted, Transport, torch_dist
+from hostir.analysis.dry_run_report import (  # noqa: F401 - the report types are the dry run's API
+    Buffer,
+    DryRunReport as DryRunReport,
+    RankReport as RankReport,
+    Transfer,
+    _bytes,
+    _dtype,
+    _team,
+    format_report,
+    short,
+)
+from hostir.analysis.recording import (  # noqa: F401 - the recorders are the dry run's API
+    Allocations,
+    RecordingCommunicator,
+    RecordingStreams,
+    RecordingTransport,
+    _bound_tensors,
+)
 
 
 class DryRunError(HostIrError, RuntimeError):
@@ -78,187 +89,7 @@ class CommunicationMismatchError(HostIrError, RuntimeError):
     dump lines of both ranks involved."""
 
 
-# ---------------------------------------------------------------- records
-
-
-@dataclasses.dataclass
-class Transfer:
-    """One posted communication on one rank."""
-
-    rank: int
-    kind: str  # a CommunicationType's name, or "send" / "recv"
-    team: tuple
-    root: int | None
-    red_op: str | None
-    line: str
-    loops: list
-    stream: str
-    dtype: str
-    input_bytes: int
-    output_bytes: int
-    sent: dict
-    received: dict
-    waited: bool = False
-    # What the transport holds while the communication is in flight, beyond
-    # the program's buffers: its staging buffers and the backend's scratch.
-    staging_bytes: int = 0
-
-    def where(self) -> str:
-        loops = "".join(f" (in loop {name} = {value})" for name, value in self.loops)
-        return f"rank {self.rank}: {self.line}{loops}"
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["team"] = list(self.team)
-        d["loops"] = [{"index": n, "value": v} for n, v in self.loops]
-        d["sent"] = {str(k): v for k, v in self.sent.items()}
-        d["received"] = {str(k): v for k, v in self.received.items()}
-        return d
-
-
-@dataclasses.dataclass
-class Buffer:
-    """A tensor the program allocated (an Allocate, or an op's fresh result)."""
-
-    name: str
-    bytes: int
-    shape: list
-    dtype: str
-    stream: str
-    line: str
-    loops: list
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["loops"] = [{"index": n, "value": v} for n, v in self.loops]
-        return d
-
-
-@dataclasses.dataclass
-class RankReport:
-    rank: int
-    outputs: list  # (name, shape or None, dtype)
-    inputs: list  # (name, shape, dtype)
-    buffers: list
-    peak_bytes: int
-    peak_at: str
-    peak_by_stream: dict
-    communications: list
-    ops_executed: dict
-    # What the backend's post of a communication raised (see `check_posts`).
-    post_errors: list = dataclasses.field(default_factory=list)
-    # Host memory apart from the device's: `peak_bytes` is the device's.
-    host_peak_bytes: int = 0
-    # Each transfer between host and device memory: direction, bytes, line.
-    transfers: list = dataclasses.field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return {
-            "rank": self.rank,
-            "inputs": [{"name": n, "shape": s, "dtype": d} for n, s, d in self.inputs],
-            "outputs": [{"name": n, "shape": s, "dtype": d} for n, s, d in self.outputs],
-            "memory": {
-                "buffers": [b.as_dict() for b in self.buffers],
-                "peak_bytes": self.peak_bytes,
-                "peak_at": self.peak_at,
-                "peak_by_stream": dict(self.peak_by_stream),
-                "host_peak_bytes": self.host_peak_bytes,
-            },
-            "communications": [t.as_dict() for t in self.communications],
-            "transfers": [dict(t) for t in self.transfers],
-            "ops_executed": dict(self.ops_executed),
-        }
-
-    def bytes_sent(self) -> dict:
-        total: Counter = Counter()
-        for t in self.communications:
-            total.update(t.sent)
-        return dict(total)
-
-    def bytes_received(self) -> dict:
-        total: Counter = Counter()
-        for t in self.communications:
-            total.update(t.received)
-        return dict(total)
-
-
-@dataclasses.dataclass
-class DryRunReport:
-    """What every rank's program does, found without running it."""
-
-    world_size: int
-    number_of_streams: int
-    ranks: list
-
-    def __getitem__(self, rank: int) -> RankReport:
-        return self.ranks[rank]
-
-    def as_dict(self) -> dict:
-        return {
-            "world_size": self.world_size,
-            "number_of_streams": self.number_of_streams,
-            "ranks": [r.as_dict() for r in self.ranks],
-        }
-
-    def to_json(self, **kwargs) -> str:
-        return json.dumps(self.as_dict(), **kwargs)
-
-    def __str__(self) -> str:
-        return format_report(self)
-
-
 # ---------------------------------------------------------------- fakes
-
-
-class RecordingStreams:
-    """Streams of a dry run: each is its name ("caller", "stream 3"), so the
-    memory plan can say on which stream a buffer was allocated. The program
-    runs in program order; waits are no-ops."""
-
-    is_cuda = False
-
-    def __init__(self):
-        self._current = "caller"
-
-    def current(self) -> str:
-        return self._current
-
-    def set_current(self, stream: str) -> None:
-        self._current = stream
-
-    def get(self, key) -> str:
-        if isinstance(key, ir.Stream):
-            return printer.format_stream(key).lower()
-        return f"stream {key}"
-
-    def wait(self, waiter, target) -> None:
-        pass
-
-
-class _RecordedWork:
-    """A recorded communication's work. Like a process group's work it holds
-    the tensors handed to the call until it is dropped; the `scratch` bytes
-    the backend allocates for the call (see
-    `torch_dist.backend_scratch_bytes`) are live until it is waited for."""
-
-    def __init__(self, transfer: Transfer, comm: RecordingCommunicator, tensors=(), scratch: int = 0):
-        self.transfer = transfer
-        self.comm = comm
-        self.tensors = tensors
-        self.scratch = scratch
-        if scratch and comm.allocations is not None:
-            comm.allocations.add_scratch(scratch)
-
-    def wait(self, *args) -> bool:
-        # Only a wait of the program's own counts: the evaluator completes
-        # what is still in flight when the run ends, but until then the
-        # buffer of a communication nobody waits for is in use.
-        if self.comm.ops_running > 0:
-            self.transfer.waited = True
-        if self.scratch and self.comm.allocations is not None:
-            self.comm.allocations.add_scratch(-self.scratch)
-            self.scratch = 0
-        return True
 
 
 _warming: threading.Thread | None = None
@@ -279,240 +110,6 @@ def warm_up() -> None:
 
     _warming = threading.Thread(target=load, name="hostir-dry-run-imports", daemon=True)
     _warming.start()
-
-
-class Allocations(TorchDispatchMode):
-    """The allocator of a dry run: follows every storage an op makes while
-    the mode is on, from the op that makes it until the last tensor on it
-    is dropped, as a real run's allocator would see them (temporaries of an
-    op and staging buffers of a post included), and keeps the peak of the
-    live bytes, where it happened and per stream. Storages in `excluded`
-    (the inputs) are not counted; `where` and `space` ("device" or
-    "host": what the op allocates in) are set by the recorder before every
-    op. Host memory has a peak of its own (`host_peak`)."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch.compile never traces a dry run; saying so keeps torch from
-        # wrapping __torch_dispatch__ in a dynamo guard, whose first call
-        # imports torch._dynamo (most of a second on a CPU).
-        return False
-
-    def __init__(self, excluded: set[int]):
-        super().__init__()
-        self.excluded = excluded
-        self.where: tuple[str, str] = ("(before the program)", "caller")
-        self.space = "device"
-        self.host_live = 0
-        self.host_peak = 0
-        self.live = 0
-        self.peak = 0
-        self.peak_at = "(nothing allocated)"
-        self.by_stream: Counter = Counter()
-        self.peak_by_stream: Counter = Counter()
-        self._refs: dict[int, int] = {}
-        self._sizes: dict[int, tuple[int, str]] = {}
-        self._made: list[weakref.ref] | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(result):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return result
-
-    def _track(self, t: torch.Tensor) -> None:
-        if self._made is not None:
-            # Weakly: a temporary of the post dies when the real one would.
-            self._made.append(weakref.ref(t))
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in self.excluded:
-            return
-        if key in self._refs:
-            self._refs[key] += 1
-        else:
-            self._refs[key] = 1
-            nbytes, stream = storage.nbytes(), self.where[1]
-            if self.space == "host":
-                self._sizes[key] = (nbytes, None)
-                self._change_host(nbytes)
-            else:
-                self._sizes[key] = (nbytes, stream)
-                self._change(nbytes, stream)
-        weakref.finalize(t, self._release, key)
-
-    def _release(self, key: int) -> None:
-        self._refs[key] -= 1
-        if self._refs[key] == 0:
-            del self._refs[key]
-            nbytes, stream = self._sizes.pop(key)
-            if stream is None:
-                self._change_host(-nbytes)
-            else:
-                self._change(-nbytes, stream)
-
-    def _change_host(self, nbytes: int) -> None:
-        self.host_live += nbytes
-        self.host_peak = max(self.host_peak, self.host_live)
-
-    def add_scratch(self, nbytes: int) -> None:
-        """Bytes a backend allocates (or, negative, frees) outside torch's
-        dispatch."""
-        self._change(nbytes, self.where[1])
-
-    def _change(self, nbytes: int, stream: str) -> None:
-        self.live += nbytes
-        self.by_stream[stream] += nbytes
-        if self.live > self.peak:
-            self.peak = self.live
-            self.peak_at = self.where[0]
-        if self.by_stream[stream] > self.peak_by_stream[stream]:
-            self.peak_by_stream[stream] = self.by_stream[stream]
-
-    @contextlib.contextmanager
-    def collecting(self):
-        """Weak references to the tensors ops make inside the block."""
-        made: list[weakref.ref] = []
-        outer, self._made = self._made, made
-        try:
-            yield made
-        finally:
-            self._made = outer
-
-
-def _recording_calls(backend: str, transfer: Transfer, comm: RecordingCommunicator):
-    """`torch_dist.Calls` that post nothing: each returns a work holding
-    its tensors and the backend's scratch for the call."""
-
-    def call(name: str):
-        def record(*args, **kwargs):
-            tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-            scratch = torch_dist.backend_scratch_bytes(backend, name, comm.rank, *args, **kwargs)
-            transfer.staging_bytes += scratch
-            return _RecordedWork(transfer, comm, tuple(tensors), scratch)
-
-        return record
-
-    return torch_dist.Calls(**{f.name: call(f.name) for f in dataclasses.fields(torch_dist.Calls)})
-
-
-class RecordingTransport(Transport):
-    """The transport of a dry run: each posted communication becomes a
-    `Transfer` of its rank, and a work whose `wait` marks it completed.
-    Output buffers keep whatever the program put in them (their shapes are
-    all a dry run needs)."""
-
-    name = "recording"
-
-    def __init__(self, comm: RecordingCommunicator):
-        self.comm = comm
-
-    def post(self, frame, e, group, root: int | None) -> Posted:
-        input, out = frame.get(e.input, None), frame.get(e.out, None)
-        t = self._transfer(e, input, out, tuple(e.team), root)
-        _count_traffic(e, t, input, out, self.comm.rank, root)
-        if e.backend not in torch_dist.BACKENDS:
-            return Posted([_RecordedWork(t, self.comm)])
-        # The backend's own post, on meta tensors, with calls that record:
-        # the staging buffers it makes live as long as in a real run.
-        collecting = self.comm.allocations.collecting() if self.comm.allocations else contextlib.nullcontext([])
-        try:
-            with collecting as made:
-                posted = torch_dist.POST[e.type](_recording_calls(e.backend, t, self.comm), frame, e, group, root)
-        except Exception as err:
-            # Reported once the ranks are matched: a mismatch between ranks
-            # is the cause to name when there is one.
-            self.comm.post_errors.append((t, err))
-            return Posted([_RecordedWork(t, self.comm)])
-        program = {x.untyped_storage()._cdata for x in _bound_tensors(frame)}
-        staged = {}
-        for ref in made:
-            x = ref()
-            if x is None:
-                continue
-            storage = x.untyped_storage()
-            if storage._cdata not in program:
-                staged[storage._cdata] = storage.nbytes()
-        t.staging_bytes += sum(staged.values())
-        # A post that completes at once (a SendRecv to itself) has no work
-        # whose wait marks the transfer completed: the program's Wait does.
-        return Posted(posted.works + [_RecordedWork(t, self.comm)], posted.after)
-
-    def post_p2p(self, frame, e, buf, peer: int, ops: list | None) -> Posted:
-        send = e.type == "send"
-        t = self._transfer(e, buf if send else None, None if send else buf, tuple(sorted({self.comm.rank, peer})), None)
-        (t.sent if send else t.received)[peer] = ir.nbytes(buf)
-        work = _RecordedWork(t, self.comm)
-        if ops is not None:
-            # Coalesced: the group's Wait completes it.
-            ops.append(work)
-            return Posted([])
-        return Posted([work])
-
-    def end_coalescing(self, frame, ops: list) -> Posted:
-        return Posted(list(ops))
-
-    def allocate(self, frame, tv, shape):
-        return torch.empty(shape, dtype=tv.dtype, device=frame.device)
-
-    def _transfer(self, e, input, out, team: tuple, root: int | None) -> Transfer:
-        src = input if input is not None else out
-        t = Transfer(
-            rank=self.comm.rank,
-            kind=e.type if isinstance(e.type, str) else e.type.value,
-            team=team,
-            root=root,
-            red_op=getattr(e, "red_op", None),
-            line=printer.format_expr_head(e),
-            loops=[],
-            stream="",
-            dtype=_dtype(src.dtype) if src is not None else "",
-            input_bytes=ir.nbytes(input),
-            output_bytes=ir.nbytes(out),
-            sent={},
-            received={},
-        )
-        self.comm.transfers.append(t)
-        return t
-
-
-class RecordingCommunicator:
-    """The communicator of one rank of a dry run: no process groups (a
-    team's group is the team itself), and a `RecordingTransport` that takes
-    every communication."""
-
-    def __init__(self, rank: int, world_size: int):
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout = 0.0
-        self.transfers: list[Transfer] = []
-        self.transport = RecordingTransport(self)
-        # The dry run's allocator (None when the run is not followed).
-        self.allocations: Allocations | None = None
-        # The errors the backend's post raised, with their transfers.
-        self.post_errors: list[tuple[Transfer, Exception]] = []
-        # How many ops of the program are running (loops nest); 0 once the
-        # program's ops are done.
-        self.ops_running = 0
-
-    def group(self, team) -> tuple:
-        return tuple(team)
-
-    def group_order(self, team) -> tuple:
-        return tuple(team)
-
-
-def _count_traffic(e: ir.Communication, t: Transfer, input, out, me: int, root: int | None) -> None:
-    """Per-peer bytes of one collective on rank `me`: the type's own
-    formula (`ir.CommunicationType.traffic`; see the module doc)."""
-    sent, received = e.type.traffic(e, me, root, input, out)
-    t.sent.update(sent)
-    t.received.update(received)
-
-
-def _bound_tensors(frame) -> list[torch.Tensor]:
-    return [v for v in frame.values.values() if isinstance(v, torch.Tensor)]
 
 
 def _loops(frame) -> list:
@@ -554,7 +151,12 @@ class _Recorder:
         if isinstance(e, ir.Transfer):
             moved = frame.get(e.out, None)
             self.transfers.append(
-                {"direction": e.direction, "bytes": ir.nbytes(moved), "line": printer.format_expr_head(e), "loops": _loops(frame)}
+                {
+                    "direction": e.direction,
+                    "bytes": ir.nbytes(moved),
+                    "line": printer.format_expr_head(e),
+                    "loops": _loops(frame),
+                }
             )
         if self.comm is not None:
             for t in self.comm.transfers[self._annotated :]:
@@ -751,10 +353,6 @@ def run_rank(
     return report
 
 
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _shaped(shape) -> torch.Tensor:
     return torch.empty(shape, device="meta")
 
@@ -779,9 +377,7 @@ def _run_container(
         comm.allocations = allocations
     recorder = _Recorder(comm, allocations)
     try:
-        ev = HostIrEvaluator(
-            container, streams=RecordingStreams(), device="meta", communicator=comm, rank=pruned_for
-        )
+        ev = HostIrEvaluator(container, streams=RecordingStreams(), device="meta", communicator=comm, rank=pruned_for)
         ev.profiled = False
         ev.observers.append(recorder)
         with allocations:
@@ -973,106 +569,30 @@ def _elsewhere(mine, theirs, rank: int, verb: str) -> str:
     return f"; rank {rank} {verb}:\n  " + "\n  ".join(lines[:3]) + "\n and the unpaired one is"
 
 
-def _team(team) -> str:
-    return "(" + " ".join(map(str, team)) + ")"
+def dry_run_program(fusion: ir.Fusion, program: LoweredProgram, inputs, number_of_streams: int, world_size: int,
+                    multi: bool) -> DryRunReport:
+    """The dry run of a call about to run `program` (this rank's, lowered):
+    on one rank of a single-device fusion, that program alone, its error
+    the one the real run would raise; else every rank's program, lowered
+    with `program`'s options."""
+    if world_size == 1 and not multi:
+        only = run_rank(fusion, inputs, 0, 1, number_of_streams, multi=False, program=program, raw_errors=True)
+        return DryRunReport(1, number_of_streams, [only])
+    return dry_run(
+        fusion, inputs, world_size=world_size, number_of_streams=number_of_streams, backend=program.backend,
+        schedule=program.schedule, resharding=program.options.resharding, hoisting=program.hoisting,
+    )  # fmt: skip
 
 
-# ---------------------------------------------------------------- printing
+class FakeRun:
+    """The fake runner (HOSTIR_FAKE=1): a dry run's outputs of one rank
+    (their `shapes`) as meta tensors."""
 
+    def __init__(self, outputs, shapes):
+        self._outputs = list(zip(outputs, shapes))
 
-_TENSOR = re.compile(r"(T\d+)_[glsh]_\w+\[[^\]]*\](?: \(DeviceMesh\{[^()]*\}\))?")
-
-
-def short(line: str) -> str:
-    """A dump line with each tensor written by its name alone."""
-    return " ".join(_TENSOR.sub(r"\1", line).split())
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20)):
-        if n >= size:
-            return f"{n / size:.1f} {unit} ({n} B)"
-    return f"{n} B"
-
-
-def _per_peer(t: Transfer, counts: dict, verb: str, prep: str) -> str:
-    if not counts:
-        return ""
-    sizes = set(counts.values())
-    others = set(t.team) - {t.rank}
-    if len(sizes) == 1 and len(counts) > 1:
-        return f"{verb} {_bytes(sizes.pop())} {prep} each of {len(counts)} peers"
-    if len(sizes) == 1 and set(counts) == others:
-        # Written without the peer's number, so ranks that differ only in
-        # it print as one group.
-        return f"{verb} {_bytes(sizes.pop())} {prep} the other team member"
-    return f"{verb} " + ", ".join(f"{_bytes(n)} {prep} rank {p}" for p, n in sorted(counts.items()))
-
-
-def _rank_body(r: RankReport) -> list[str]:
-    lines = []
-    outs = ", ".join(f"{n} {d}{s}" if s is not None else f"{n} (not held)" for n, s, d in r.outputs)
-    lines.append(f"  outputs: {outs}")
-    lines.append(f"  memory: peak {_bytes(r.peak_bytes)} after {short(r.peak_at)}")
-    if r.host_peak_bytes or r.transfers:
-        lines.append(f"    host memory: peak {_bytes(r.host_peak_bytes)} (apart from the device's)")
-    if r.peak_by_stream:
-        per = ", ".join(f"{s} {_bytes(n)}" for s, n in sorted(r.peak_by_stream.items()))
-        lines.append(f"    peak per stream: {per}")
-    seen: Counter = Counter()
-    first: dict = {}
-    for b in r.buffers:
-        key = (b.name, b.bytes, b.stream if not b.loops else "", b.line)
-        seen[key] += 1
-        first.setdefault(key, b)
-    if seen:
-        lines.append("    buffers:")
-    for key, count in seen.items():
-        b = first[key]
-        times = f" x{count} (one per iteration)" if count > 1 else ""
-        lines.append(f"      {b.name} {b.dtype}{b.shape} {_bytes(b.bytes)} on {b.stream}{times}")
-    lines.append(f"  communications: {len(r.communications)}")
-    for t in r.communications:
-        loops = "".join(f" [{n}={v}]" for n, v in t.loops)
-        traffic = "; ".join(
-            x for x in (_per_peer(t, t.sent, "sends", "to"), _per_peer(t, t.received, "receives", "from")) if x
-        )
-        sizes = f"input {_bytes(t.input_bytes)}, output {_bytes(t.output_bytes)}"
-        if t.staging_bytes:
-            sizes += f", staging {_bytes(t.staging_bytes)}"
-        lines.append(f"    {t.kind} team={_team(t.team)}{loops} on {t.stream} ({sizes}): {traffic or 'no traffic'}")
-    if r.transfers:
-        moved = Counter()
-        for t in r.transfers:
-            moved[t["direction"]] += t["bytes"]
-        per = ", ".join(f"{d} {_bytes(n)}" for d, n in sorted(moved.items()))
-        lines.append(f"  transfers: {len(r.transfers)} ({per})")
-    sent, received = sum(r.bytes_sent().values()), sum(r.bytes_received().values())
-    lines.append(f"    total: sends {_bytes(sent)}, receives {_bytes(received)}")
-    ops = ", ".join(f"{k} {v}" for k, v in sorted(r.ops_executed.items()))
-    lines.append(f"  ops executed: {sum(r.ops_executed.values())} ({ops})")
-    return lines
-
-
-def format_report(report: DryRunReport) -> str:
-    """The report as text; ranks whose reports read the same are printed once."""
-    head = f"Dry run of {report.world_size} rank{'s' if report.world_size > 1 else ''}, {report.number_of_streams} streams"
-    lines = [head]
-    if report.ranks:
-        ins = ", ".join(f"{n} {d}{s}" for n, s, d in report.ranks[0].inputs)
-        lines.append(f"inputs (each rank's piece): {ins}")
-    groups: dict[tuple, list[int]] = {}
-    for r in report.ranks:
-        groups.setdefault(tuple(_rank_body(r)), []).append(r.rank)
-    for body, ranks in groups.items():
-        lines.append(f"{_rank_list(ranks)}:")
-        lines.extend(body)
-    return "\n".join(lines) + "\n"
-
-
-def _rank_list(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(map(str, ranks))
+    def run(self, bindings, number_of_streams: int) -> list:
+        return [
+            None if shape is None else torch.empty(shape, dtype=tv.dtype, device="meta")
+            for tv, shape in self._outputs
+        ]

@@ -141,19 +141,6 @@ def check_inputs(
 _PYTHON_TYPES = {torch.float64: "float (or int)", torch.int64: "int", torch.bool: "bool"}
 
 
-def host_positions(fusion: ir.Fusion, inputs: list, host_inputs: str = "copy") -> frozenset:
-    """Positions of the inputs a call passes in host memory: those defined
-    with `memory="host"`, and with `host_inputs="stream"` every CPU tensor
-    input too. The program streams them; nothing copies them before it."""
-    defined = {i for i, tv in enumerate(fusion.inputs) if ir.in_host_memory(tv)}
-    if host_inputs != "stream":
-        return frozenset(defined)
-    return frozenset(defined) | frozenset(
-        i for i, (tv, t) in enumerate(zip(fusion.inputs, inputs))
-        if isinstance(tv, ir.TensorView) and isinstance(t, torch.Tensor) and t.device.type == "cpu"
-    )
-
-
 def is_multi_device(fusion: ir.Fusion) -> bool:
     tvs = fusion.tensor_inputs() + list(fusion.outputs) + [v for e in fusion.exprs for v in e.outputs()]
     return any(tv.mesh is not None or tv.device_axes() for tv in tvs)
@@ -307,3 +294,26 @@ def _overlaps(a: torch.Tensor, b) -> bool:
     (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
     return a0 < b1 and b0 < a1
 
+
+
+def check_call(fusion: ir.Fusion, inputs: list, device, world_size: int | None, host: frozenset) -> torch.device:
+    """Every check of a call's inputs that needs no program, before any
+    work: the number of ranks (`world_size`; None for one device) and the
+    inputs against the fusion (`check_inputs`); the device to run on."""
+    if world_size is not None:
+        check_world(fusion, world_size)
+    return check_inputs(fusion, inputs, device, sharded=world_size is not None, host=host)
+
+
+def check_against_program(
+    fusion: ir.Fusion, inputs: list, outputs: list | None, device, equal_axes, chunking, output_tvs
+) -> None:
+    """Every check of a call that needs its program: the sizes of the axes
+    ops iterate together (`equal_axes`), the reductions, the axes the
+    program cut into chunks (`chunking`), and the preallocated outputs
+    against the program's outputs (`output_tvs`)."""
+    sizes = check_sizes(fusion, inputs, equal_axes)
+    check_reductions(fusion, sizes)
+    check_chunks(chunking, sizes)
+    if outputs is not None:
+        check_outputs(fusion, outputs, inputs, sizes, device, output_tvs)

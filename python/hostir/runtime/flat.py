@@ -22,14 +22,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from hostir import backends, ir, layout, printer
+from hostir import ir, layout, printer
 from hostir.container import HostIrContainer
-from hostir.runtime import flat_communications, flat_dump
+from hostir.runtime import flat_communications, flat_dump, support
 from hostir.runtime.flat_communications import (
-    COMMUNICATION_TYPES,
     local_shape,
     logical_groups,
 )
@@ -63,18 +61,6 @@ OPCODES = (
 _CODE = {name: i for i, name in enumerate(OPCODES)}
 _DTYPES = flat_communications.DTYPES
 
-# The unary and binary kinds the C++ core has an ATen call for (a kind declared in
-# hostir.kinds without one runs on the Python evaluator, and the runner says
-# so); none without the extension, which then runs nothing.
-try:
-    from hostir._C import BINARY_KINDS as CPP_BINARY_KINDS, UNARY_KINDS as CPP_UNARY_KINDS
-except Exception:  # noqa: BLE001 - any failure to load means "not built"
-    CPP_UNARY_KINDS = CPP_BINARY_KINDS = ()
-
-# The backends the C++ core has a transport for are those `hostir.backends`
-# declares `cpp` (tests/python/test_backends_table.py holds that to the
-# core's registry, csrc/host_ir/transports/transport.h); a communication on
-# another one runs on the Python evaluator, and the runner says so.
 
 
 @dataclasses.dataclass
@@ -642,61 +628,18 @@ def unsupported(container: HostIrContainer) -> str | None:
 
 def unsupported_reasons(container: HostIrContainer) -> list[str]:
     """Every reason the C++ executor cannot run `container`, each kind once
-    (with its first op): an op it has no instruction for, a communication
-    only Python posts (a backend without a C++ transport, a root chosen at
-    run time), or a float scalar input (or a bool one an op computes with).
-    Split axes, chunk views, sharded operands, partial sums and the
-    copy-engine transport's windows and pushes run in C++ (`_Compiler.view`
-    and `layouts`; csrc/host_ir/transports/cuda.cpp)."""
-    found: dict[str, str] = {}
-
-    def note(kind: str, text: str) -> None:
-        found.setdefault(kind, text)
-
-    # Integer and bool scalar inputs are integer slots (predicates, loop
-    # bounds, integer operands); a float, or a bool an op computes with
-    # (torch promotes a bool unlike its integer), runs in Python.
-    floats = [v for v in container.inputs if isinstance(v, ir.InputScalar) and v.dtype is torch.float64]
-    if floats:
-        note(
-            "scalars", f"it takes scalar inputs ({', '.join(printer.format_val(v) for v in floats)}) of a floating type"
-        )
-    bools = {v for v in container.inputs if isinstance(v, ir.InputScalar) and v.dtype is torch.bool}
+    (with its first op), as `hostir.runtime.support` declares what the core
+    runs: an op it has no instruction for, a communication only Python
+    posts (the copy-engine transport, a root chosen at run time, symmetric
+    memory), a float scalar input (or a bool one an op computes with), or a
+    loop that walks chunks of a split axis. Split axes, sharded operands
+    and partial sums run in C++ with the evaluator's layouts
+    (`_Compiler.view` and `layouts`)."""
+    found = support.scalar_reasons(container.inputs, container.walk())
     for e in container.walk():
-        used = [v for v in e.inputs() if v in bools and not isinstance(e, ir.IfThenElse)]
-        if used:
-            note(
-                "bool scalars",
-                f"it computes with a bool scalar input ({printer.format_val(used[0])}): {printer.format_expr_head(e)}",
-            )
-            break
-    for e in container.walk():
-        if isinstance(e, ir.Transfer) and e.posted and e.direction == "D2H":
-            note(
-                "transfer",
-                f"it posts a device-to-host transfer on a copy stream, which the C++ executor has no "
-                f"instruction for: {printer.format_expr_head(e)}",
-            )
-            continue
-        if type(e) not in _COMPILERS:
-            note(f"op {type(e).__name__}", f"it has no instruction for {type(e).__name__}")
-            continue
-        if isinstance(e, ir.UnaryOp) and e.kind.value not in CPP_UNARY_KINDS:
-            note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
-        if isinstance(e, ir.BinaryOp) and e.kind.value not in CPP_BINARY_KINDS:
-            note(f"kind {e.kind}", f"it has no instruction for {e.kind}: {printer.format_expr_head(e)}")
-        if isinstance(e, (ir.Communication, ir.P2PCommunication)) and not backends.BACKENDS[e.backend].cpp:
-            note(f"transport {e.backend}", f"the {e.backend} transport runs in Python: {printer.format_expr_head(e)}")
-        if isinstance(e, ir.Communication) and e.type.value not in COMMUNICATION_TYPES:
-            note(f"type {e.type.value}", f"it has no {e.type.value}: {printer.format_expr_head(e)}")
-        if isinstance(e, ir.Communication) and any(
-            (v.mesh is not None and v.mesh.ndim > 1) or len(v.device_axes()) > 1 for v in (e.input, e.out)
-        ):
-            note("2-D", f"it communicates over a 2-D mesh: {printer.format_expr_head(e)}")
-        if isinstance(e, ir.Communication) and not (e.root is None or isinstance(e.root, int)):
-            note("root", f"its root is chosen at run time: {printer.format_expr_head(e)}")
-        if isinstance(e, ir.Allocate) and e.memory_type is ir.MemoryType.host:
-            note("host", f"it allocates host memory: {printer.format_expr_head(e)}")
+        chunk = isinstance(e, ir.HirAliasSelect) and layout.select_kind(e.input, e.axis) == "chunk"
+        for kind, text in support.expr_reasons(e, chunk).items():
+            found.setdefault(kind, text)
     return list(found.values())
 
 

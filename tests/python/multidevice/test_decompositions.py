@@ -159,7 +159,7 @@ def test_every_rank_plans_with_rank_0s_machine_model(world, monkeypatch):
     # Ranks that measured (or cached) different models would lower
     # different programs: the communicator's agreement gives each rank
     # rank 0's numbers.
-    from hostir import communicator, machine
+    from hostir import communicator, machine, planner
 
     comm = communicator.live() or communicator.get()
     mine = machine.MachineModel(
@@ -175,6 +175,6 @@ def test_every_rank_plans_with_rank_0s_machine_model(world, monkeypatch):
     try:
         agreed = machine.agree(comm)
         assert agreed.gemm_tflops == 100.0 and agreed.host_ms == machine.HOST_MS
-        assert machine.model_for(comm) is agreed
+        assert planner.model_for(comm) is agreed
     finally:
         comm._machine_model = saved
