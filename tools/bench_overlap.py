@@ -401,9 +401,9 @@ def schedule_note(fd) -> str:
     for program in fd.executor._programs.values():
         for line in str(program.container).splitlines():
             if "schedule=(" in line:
-                return line[line.index("schedule=(") :].strip()[:160]
+                return line[line.index("schedule=(") :].strip()[:600]
             if "(ring," in line or "(collective," in line:
-                return line.strip()[:160]
+                return line.strip()[:600]
     return ""
 
 
