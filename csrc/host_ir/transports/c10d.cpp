@@ -33,11 +33,11 @@ std::pair<at::Tensor, std::function<void()>> staged(
   if (out.is_contiguous()) {
     return {out.view(shape), nullptr};
   }
-  at::Tensor staging = at::empty(shape, out.options());
+  // The staging buffer has the output's sizes, viewed as `shape` (which
+  // may say -1, as a view does).
+  at::Tensor staging = at::empty(out.sizes(), out.options());
   at::Tensor target = out;
-  return {staging, [staging, target]() {
-            target.copy_(staging.view(target.sizes()));
-          }};
+  return {staging.view(shape), [staging, target]() { target.copy_(staging); }};
 }
 
 bool outermost(const std::vector<int64_t>& shape, int64_t axis) {

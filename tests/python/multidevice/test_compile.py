@@ -14,14 +14,14 @@ from hostir import DeviceMesh
 
 
 @pytest.fixture
-def mesh(world):
-    return DeviceMesh(range(world.size)).to_torch("cpu")
+def mesh(world, device):
+    return DeviceMesh(range(world.size)).to_torch(device.type)
 
 
-def test_a_compiled_block_matches_eager_hostir_and_eager_torch_on_every_rank(mesh):
-    base = Block()
+def test_a_compiled_block_matches_eager_hostir_and_eager_torch_on_every_rank(mesh, device):
+    base = Block().to(device)
     compiled_model, eager_model = parallel_block(base, mesh), parallel_block(base, mesh)
-    x, grad = torch.randn(2, 4, HIDDEN), torch.randn(2, 4, HIDDEN)
+    x, grad = torch.randn(2, 4, HIDDEN, device=device), torch.randn(2, 4, HIDDEN, device=device)
     ours = compiled_step(compiled_model, x, grad, backend="aot_eager", fullgraph=True)
     assert ours[2] == {} and ours[3] == []
     assert_same_step(ours, compiled_model, eager_step(eager_model, x, grad), eager_model)
