@@ -262,13 +262,27 @@ def agree(comm) -> MachineModel:
     """Every rank of `comm` takes rank 0's model of its GPU (numbers only):
     ranks on other nodes, or that measured apart, then plan the same
     programs. Collective: called once, when a communicator on GPUs is made
-    (every rank is at the same point then)."""
-    model = machine_model(comm.device)
+    (every rank is at the same point then). Only rank 0 measures (where
+    its cache has no model); the others wait for its numbers at the
+    exchange: ranks that measure at once time each other's work on the
+    GPUs they share (on 2×H200 a peer push then measured 77 GB/s instead
+    of 358, and the model priced the copy-engine ring out)."""
+    if comm.world_size > 1 and comm.rank != 0:
+        model = _placeholder(comm.device)
+    else:
+        model = machine_model(comm.device)
     if comm.world_size > 1:
         everyone = comm.all_gather_words(torch.tensor(model.to_words(), dtype=torch.int64)).tolist()
         model = model.from_words(everyone[0])
     comm._machine_model = model
     return model
+
+
+def _placeholder(device) -> MachineModel:
+    """What a rank other than 0 offers at the exchange (it takes rank 0's):
+    a model of the right length, measured nowhere."""
+    name = torch.cuda.get_device_name(device) if getattr(device, "type", "cpu") == "cuda" else "cpu"
+    return MachineModel(name, gemm_tflops=0.0, copy_gbps=0.0, collective_gbps=0.0, step_us=0.0, host_ms=HOST_MS)
 
 
 def _agree_on_creation(comm) -> None:

@@ -9,6 +9,7 @@ transport by tools/check_cuda_transport.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -170,11 +171,16 @@ def test_every_rank_plans_with_rank_0s_machine_model(world, monkeypatch):
         step_us=10.0,
         host_ms=machine.HOST_MS,
     )
-    monkeypatch.setattr(machine, "machine_model", lambda device: mine)
+    measured = []
+    monkeypatch.setattr(machine, "machine_model", lambda device: measured.append(device) or mine)
+    monkeypatch.setattr(machine, "_placeholder", lambda device: dataclasses.replace(mine, gemm_tflops=-1.0))
     saved = getattr(comm, "_machine_model", None)
     try:
         agreed = machine.agree(comm)
         assert agreed.gemm_tflops == 100.0 and agreed.host_ms == machine.HOST_MS
+        # Only rank 0 measures: ranks measuring at once would time each
+        # other's traffic on the GPUs they share.
+        assert len(measured) == (1 if world.rank == 0 else 0)
         assert planner.model_for(comm) is agreed
     finally:
         comm._machine_model = saved
