@@ -10,6 +10,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 
 #include <algorithm>
+#include <map>
 #include <utility>
 
 namespace hostir {
@@ -54,6 +55,39 @@ void EventPool::give(std::unique_ptr<c10::Event> event) {
   events_.push_back(std::move(event));
 }
 
+// -- the transports' registry
+
+namespace {
+
+// Function-local, so that it exists before the first registration, in
+// whichever file's static initialisation that runs. Ordered by name, so
+// that the names it lists are the same on every build.
+std::map<std::string, const Transport*>& registry() {
+  static std::map<std::string, const Transport*> transports;
+  return transports;
+}
+
+} // namespace
+
+void registerTransport(const std::string& backend, const Transport* transport) {
+  HOSTIR_CHECK(transport != nullptr, text("the backend '", backend, "' is registered with no transport"));
+  bool added = registry().emplace(backend, transport).second;
+  HOSTIR_CHECK(added, text("the backend '", backend, "' is registered twice: one transport per backend"));
+}
+
+const Transport* findTransport(const std::string& backend) {
+  auto found = registry().find(backend);
+  return found == registry().end() ? nullptr : found->second;
+}
+
+std::vector<std::string> transportNames() {
+  std::vector<std::string> names;
+  for (const auto& [backend, transport] : registry()) {
+    names.push_back(backend);
+  }
+  return names;
+}
+
 // -- the Executor
 
 namespace {
@@ -69,9 +103,9 @@ void chooseTransport(Instr& ins, size_t index) {
   ins.transport = findTransport(ins.backend);
   if (ins.transport == nullptr) {
     std::string known;
-    for (const TransportEntry& entry : transportRegistry()) {
+    for (const std::string& backend : transportNames()) {
       known += known.empty() ? "" : ", ";
-      known += entry.backend;
+      known += backend;
     }
     throw Error(
         text("instruction ", index, " names the backend '", ins.backend,
@@ -81,14 +115,6 @@ void chooseTransport(Instr& ins, size_t index) {
 }
 
 } // namespace
-
-std::vector<std::string> transportNames() {
-  std::vector<std::string> names;
-  for (const TransportEntry& entry : transportRegistry()) {
-    names.emplace_back(entry.backend);
-  }
-  return names;
-}
 
 Executor::Executor(Program program)
     : program_(std::move(program)), uses_streams_(program_.device.type() != c10::kCPU) {

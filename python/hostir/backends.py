@@ -8,9 +8,10 @@ backend's capabilities (never its name), the runtime makes one transport per
 entry, the flat compiler and the machine model read `cpp`, and the executor
 maps a communicator's process-group backend to the programs' name. A new
 transport is one entry here, one module in `hostir/runtime/transports/`
-(registered by name in that package) and, for the C++ executor, one file in
-`csrc/host_ir/transports/` (`tests/python/test_backends_table.py` holds the
-table to what the C++ executor reports).
+(which its entry names, as a string: this table imports no runtime) and,
+for the C++ executor, one file in `csrc/host_ir/transports/`
+(`tests/python/test_backends_table.py` holds the table to what the C++
+executor reports).
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ class Backend:
     and receives read and write ("device", "host", or "symmetric" windows).
     `cpp`: whether the C++ executor runs its communications. `bandwidth`:
     the machine model's figure for its traffic ("collective": the
-    all-gather bus bandwidth; "copy": a copy-engine push to a peer)."""
+    all-gather bus bandwidth; "copy": a copy-engine push to a peer).
+    `module`: the module of `hostir.runtime.transports` that implements
+    it, which has a `for_frame(frame, backend) -> Transport` (the
+    transports package finds the transport of a backend through it)."""
 
     name: str
     capabilities: Capabilities
@@ -56,13 +60,18 @@ class Backend:
     p2p_memory: str
     cpp: bool
     bandwidth: str
+    module: str
 
 
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("NCCL", Capabilities(), "nccl", p2p_memory="device", cpp=True, bandwidth="collective"),
-        Backend("gloo", Capabilities(), "gloo", p2p_memory="host", cpp=True, bandwidth="collective"),
+        Backend(
+            "NCCL", Capabilities(), "nccl", p2p_memory="device", cpp=True, bandwidth="collective", module="torch_dist"
+        ),
+        Backend(
+            "gloo", Capabilities(), "gloo", p2p_memory="host", cpp=True, bandwidth="collective", module="torch_dist"
+        ),
         Backend(
             "cuda",
             Capabilities(one_sided=True, needs_symmetric_buffers=True, uses_no_sms=True),
@@ -70,6 +79,7 @@ BACKENDS: dict[str, Backend] = {
             p2p_memory="symmetric",
             cpp=True,
             bandwidth="copy",
+            module="cuda",
         ),
     )
 }

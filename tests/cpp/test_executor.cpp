@@ -4,7 +4,8 @@
 // the out= variants, every unary kind, operand views and partial sums,
 // extent binding, failures with loop indices, runs on a caller's logical
 // tensors (runLogical), two threads running one Executor at once, and the
-// transport registry (a backend chosen once, an unknown one refused).
+// transport registry (a backend chosen once, an unknown one refused, one
+// registered twice or with no transport refused).
 #include "../../csrc/host_ir/program.h"
 #include "../../csrc/host_ir/transports/transport.h"
 
@@ -499,17 +500,40 @@ TEST(Transports, UnknownBackendIsRejectedWhenMade) {
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), "ProgramError");
     EXPECT_STREQ(
-        e.what(), "instruction 1 names the backend 'mpi', which the C++ executor has no transport for (it has NCCL, gloo, cuda)");
+        e.what(), "instruction 1 names the backend 'mpi', which the C++ executor has no transport for (it has NCCL, cuda, gloo)");
   }
 }
 
 TEST(Transports, RegistryHasTheC10dTransportAndTheCopyEngine) {
-  EXPECT_EQ(transportNames(), (std::vector<std::string>{"NCCL", "gloo", "cuda"}));
-  EXPECT_EQ(findTransport("NCCL"), &c10dTransport());
-  EXPECT_EQ(findTransport("gloo"), &c10dTransport());
-  EXPECT_EQ(findTransport("cuda"), &cudaTransport());
-  EXPECT_NE(&cudaTransport(), &c10dTransport());
+  // Each transport file registered its own backends, in name order.
+  EXPECT_EQ(transportNames(), (std::vector<std::string>{"NCCL", "cuda", "gloo"}));
+  ASSERT_NE(findTransport("NCCL"), nullptr);
+  ASSERT_NE(findTransport("cuda"), nullptr);
+  EXPECT_EQ(findTransport("gloo"), findTransport("NCCL"));  // both post on c10d process groups
+  EXPECT_NE(findTransport("cuda"), findTransport("NCCL"));
   EXPECT_EQ(findTransport("nccl"), nullptr);  // ir.backend_name's spelling only
+}
+
+TEST(Transports, ABackendRegisteredTwiceIsRefused) {
+  const Transport* nccl = findTransport("NCCL");
+  try {
+    registerTransport("NCCL", findTransport("cuda"));
+    FAIL() << "a second transport for NCCL was registered";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "the backend 'NCCL' is registered twice: one transport per backend");
+  }
+  EXPECT_EQ(findTransport("NCCL"), nccl);
+  EXPECT_EQ(transportNames(), (std::vector<std::string>{"NCCL", "cuda", "gloo"}));
+}
+
+TEST(Transports, ABackendRegisteredWithNoTransportIsRefused) {
+  try {
+    registerTransport("mpi", nullptr);
+    FAIL() << "a backend with no transport was registered";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "the backend 'mpi' is registered with no transport");
+  }
+  EXPECT_EQ(findTransport("mpi"), nullptr);
 }
 
 // -- the copy engine's windows and chunk views (what runs without CUDA)

@@ -4,6 +4,9 @@ really runs."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import pytest
 
 import hostir.cpp
@@ -47,8 +50,6 @@ def test_spellings_are_checked_against_the_table():
 def test_the_flat_compiler_sends_a_backend_the_table_marks_python_only_to_python(monkeypatch):
     # The table alone decides: the copy-engine transport runs in C++, and
     # marked Python-only its program runs on the Python evaluator, saying why.
-    import dataclasses
-
     from hostir import overlap
     from hostir.lower import lower
     from hostir.lower.schedule import Schedule
@@ -60,3 +61,39 @@ def test_the_flat_compiler_sends_a_backend_the_table_marks_python_only_to_python
     monkeypatch.setitem(backends.BACKENDS, "cuda", dataclasses.replace(backends.BACKENDS["cuda"], cpp=False))
     reasons = list(flat.unsupported_reasons(program))
     assert any("the cuda transport runs in Python" in r for r in reasons), reasons
+
+
+class _Frame:
+    """A frame as `transports.transport_for` reads it: a communicator that
+    carries no transport of its own."""
+
+    communicator = None
+
+
+def test_a_backends_transport_is_found_through_the_module_its_entry_names():
+    for b in backends.BACKENDS.values():
+        module = importlib.import_module(f"hostir.runtime.transports.{b.module}")
+        assert callable(getattr(module, transports.ENTRY_POINT)), b
+    for name in ("NCCL", "gloo"):
+        found = transports.transport_for(_Frame(), name.lower())
+        assert isinstance(found, torch_dist.TorchDistTransport) and found.name == name
+        assert found is transports.transport_for(_Frame(), name)
+
+
+def test_a_backend_whose_module_has_no_entry_point_is_refused(monkeypatch):
+    monkeypatch.setitem(backends.BACKENDS, "gloo", dataclasses.replace(backends.BACKENDS["gloo"], module="host"))
+    with pytest.raises(
+        transports.TransportUsageError,
+        match=r"the backend 'gloo' names the transport module hostir\.runtime\.transports\.host, "
+        r"which has no for_frame\(frame, backend\)",
+    ):
+        transports.transport_for(_Frame(), "gloo")
+
+
+def test_a_backend_whose_module_does_not_exist_is_refused(monkeypatch):
+    monkeypatch.setitem(backends.BACKENDS, "gloo", dataclasses.replace(backends.BACKENDS["gloo"], module="ucc"))
+    with pytest.raises(
+        transports.TransportUsageError,
+        match=r"the backend 'gloo' names the transport module hostir\.runtime\.transports\.ucc, which does not exist",
+    ):
+        transports.transport_for(_Frame(), "gloo")

@@ -454,4 +454,10 @@ const Transport& c10dTransport() {
   return transport;
 }
 
+namespace {
+// NCCL and gloo both post on c10d process groups: one translation.
+const TransportRegistration kNccl{"NCCL", &c10dTransport()};
+const TransportRegistration kGloo{"gloo", &c10dTransport()};
+} // namespace
+
 } // namespace hostir

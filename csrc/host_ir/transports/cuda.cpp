@@ -22,6 +22,10 @@
 #include <utility>
 
 namespace hostir {
+
+// c10d.cpp's transport: the collectives the copy engine does not move itself.
+const Transport& c10dTransport();
+
 namespace {
 
 // The pool key of the send stream: far from the program's own streams' keys
@@ -243,10 +247,13 @@ void StreamMemOps::wait(const c10::Stream& stream, uint64_t addr, uint32_t value
   }
 }
 
-const Transport& cudaTransport() {
-  static const CudaTransport transport;
-  return transport;
-}
+namespace {
+// The copy engine: one-sided pushes into windows the peers map, as
+// python/hostir/runtime/transports/cuda.py does (cpp=True in its entry of
+// python/hostir/backends.py).
+const CudaTransport kTransport{};
+const TransportRegistration kCuda{"cuda", &kTransport};
+} // namespace
 
 uint64_t flagAddress(const Window& w, int on_rank, int64_t channel, int src) {
   auto world = static_cast<int64_t>(w.flags.size());

@@ -7,7 +7,9 @@
 // communicator created; host.cpp copies between host and device memory
 // (ir.Transfer, which names no backend); cuda.cpp pushes with the copy
 // engine into windows the peers map. A new transport is one file that
-// implements Transport and one entry in `transportRegistry`.
+// implements Transport and registers it under its backend's name with a
+// `TransportRegistration` (the backend's entry in python/hostir/backends.py
+// says `cpp=True`; a test holds the two to each other).
 #pragma once
 
 #include "../run.h"
@@ -50,39 +52,26 @@ struct StreamSwitch {
   c10::Stream back_;
 };
 
-// The transports of transports/*.cpp, one object each, shared by every run.
-const Transport& c10dTransport();
-const Transport& cudaTransport();
+// The registry of backends the C++ executor has a transport for: each
+// transport file registers its own, as
+//
+//   const TransportRegistration kCuda{"cuda", &transport};
+//
+// at namespace scope (its backend spelled as ir.backend_name spells it).
+// Registrations run during static initialisation, in no set order across
+// files; the registry is a function-local static (executor.cpp), made by
+// whichever registration comes first. A backend registered twice, or with
+// no transport, is an Error, which stops the library from loading.
+void registerTransport(const std::string& backend, const Transport* transport);
 
-struct TransportEntry {
-  const char* backend;  // as an op names it (ir.backend_name's spelling)
-  const Transport* transport;
+struct TransportRegistration {
+  TransportRegistration(const char* backend, const Transport* transport) {
+    registerTransport(backend, transport);
+  }
 };
 
-// Every backend the C++ executor has a transport for.
-inline const std::vector<TransportEntry>& transportRegistry() {
-  static const std::vector<TransportEntry> registry = {
-      // NCCL and gloo both post on c10d process groups: one translation.
-      {"NCCL", &c10dTransport()},
-      {"gloo", &c10dTransport()},
-      // The copy engine: one-sided pushes into windows the peers map, as
-      // python/hostir/runtime/transports/cuda.py does (cpp=True in its
-      // entry of python/hostir/backends.py; a test holds the table to this
-      // registry).
-      {"cuda", &cudaTransport()},
-  };
-  return registry;
-}
-
 // The transport of `backend`; null if the C++ executor has none.
-inline const Transport* findTransport(const std::string& backend) {
-  for (const TransportEntry& entry : transportRegistry()) {
-    if (backend == entry.backend) {
-      return entry.transport;
-    }
-  }
-  return nullptr;
-}
+const Transport* findTransport(const std::string& backend);
 
 // What a communication sends of its input: the rows this rank holds of a
 // reduced axis reduced (`local_reduce`), else the input (compute.cpp).

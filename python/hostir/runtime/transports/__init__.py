@@ -4,11 +4,17 @@ The evaluator asks for a communication, handing over the run's frame; the
 transport the op names (`backend=` in the dump: NCCL, gloo or cuda)
 translates it, each in one module: `torch_dist` for NCCL and gloo, `cuda`
 for copy-engine pushes into memory that peers map, `host` for transfers
-between host and device memory. A root given as a scalar (a loop index) is resolved here,
-once, for every transport. Importing this package needs no CUDA.
+between host and device memory. A backend's entry in `hostir.backends`
+names its module, whose `for_frame(frame, backend)` gives the transport: a
+new transport needs no edit here. A root given as a scalar (a loop index)
+is resolved here, once, for every transport. Importing this package needs
+no CUDA.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Callable
 
 from hostir import backends, ir
 from hostir.runtime.transports.base import (
@@ -20,9 +26,7 @@ from hostir.runtime.transports.base import (
     TransportUnsupported,
     TransportUsageError,
 )
-from hostir.runtime.transports import cuda
 from hostir.runtime.transports.host import HostStaging, allocate_host, copy_in_order, post_transfer
-from hostir.runtime.transports.torch_dist import TorchDistTransport
 
 __all__ = [
     "Capabilities",
@@ -44,9 +48,37 @@ __all__ = [
     "transport_for",
 ]
 
-# One torch.distributed transport per backend that runs on process groups
-# of its own (`hostir.backends`); the copy engine's is made per communicator.
-_TORCH = {b.name: TorchDistTransport(b.name) for b in backends.BACKENDS.values() if b.process_group is not None}
+# The function each backend's module has (`hostir.backends`, `module`).
+ENTRY_POINT = "for_frame"
+
+_ENTRY_POINTS: dict[str, Callable[..., Transport]] = {}
+
+
+def _entry_point(backend: backends.Backend) -> Callable[..., Transport]:
+    """The `for_frame` of the module `backend`'s entry names. The one
+    import by name in the package: `hostir.backends` sits below the runtime
+    and names its modules as strings, so that a new transport is its entry
+    and its module, and no list here."""
+    found = _ENTRY_POINTS.get(backend.module)
+    if found is not None:
+        return found
+    name = f"{__name__}.{backend.module}"
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name != name:
+            raise
+        raise TransportUsageError(
+            f"the backend {backend.name!r} names the transport module {name}, which does not exist"
+        ) from None
+    found = getattr(module, ENTRY_POINT, None)
+    if not callable(found):
+        raise TransportUsageError(
+            f"the backend {backend.name!r} names the transport module {name}, "
+            f"which has no {ENTRY_POINT}(frame, backend)"
+        )
+    _ENTRY_POINTS[backend.module] = found
+    return found
 
 
 def capabilities(backend: str) -> Capabilities:
@@ -69,11 +101,7 @@ def transport_for(frame, backend: str) -> Transport:
         backend = ir.backend_name(backend)
     except ir.DefinitionError:
         raise TransportUsageError(f"unknown backend {backend!r}; expected NCCL, gloo or cuda (in any case)") from None
-    found = _TORCH.get(backend)
-    if found is not None:
-        return found
-    if backend == "cuda":
-        return cuda.for_communicator(frame.communicator, getattr(frame, "device", None))
+    return _entry_point(backends.BACKENDS[backend])(frame, backend)
 
 
 def resolve_root(frame, e: ir.Communication) -> int | None:

@@ -139,6 +139,12 @@ def for_communicator(comm, device=None) -> CudaTransport:
     return t
 
 
+def for_frame(frame, backend: str) -> CudaTransport:
+    """The transport of the frame's communicator on the frame's device, as
+    `hostir.backends` names this module for `backend` (cuda)."""
+    return for_communicator(frame.communicator, getattr(frame, "device", None))
+
+
 class MemOps:
     """Stream memory operations through libcuda (torch exposes none to
     wait on a value): a 32-bit write or a wait for a value, enqueued on a

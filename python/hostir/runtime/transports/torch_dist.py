@@ -406,6 +406,20 @@ class TorchDistTransport(Transport):
         return Posted(list(dist.batch_isend_irecv(ops)) if ops else [])
 
 
+# One transport per backend, shared by every frame (a communication's
+# process group comes with it).
+_TRANSPORTS = {name: TorchDistTransport(name) for name in BACKENDS}
+
+
+def for_frame(frame, backend: str) -> TorchDistTransport:
+    """The transport of `backend` (NCCL or gloo), as `hostir.backends`
+    names this module for it."""
+    found = _TRANSPORTS.get(backend)
+    if found is None:
+        raise TransportUsageError(f"torch.distributed runs the backends {', '.join(BACKENDS)}, not {backend!r}")
+    return found
+
+
 def gloo_p2p_on_device(e, device) -> str:
     return (
         f"{printer.format_expr_head(e)}: gloo sends and receives only host memory, but the program runs on "
