@@ -191,21 +191,38 @@ def machine_model(device) -> MachineModel:
 
 def _device_ms(fn, device, iters: int = 20, trials: int = 5) -> float:
     """The median over `trials` of `fn`'s device time per call: the launches
-    queue behind a spinning kernel first, so no host gap between them counts."""
+    queue behind a spinning kernel first, so no host gap between them
+    counts. A trial whose launches took the host longer than half the
+    spin (a busy host: the first call's other threads hold the GIL) is
+    timed again behind a spin four times as long."""
+    import time
+
     for _ in range(3):
         fn()
     torch.cuda.synchronize(device)
     times = []
-    for _ in range(trials):
+    cycles = _SPIN_CYCLES
+    while len(times) < trials:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(20_000_000)  # about 10 ms: the host queues every call meanwhile
+        torch.cuda._sleep(cycles)
+        queued = time.perf_counter()
         start.record()
         for _ in range(iters):
             fn()
         end.record()
+        host_ms = (time.perf_counter() - queued) * 1e3
         torch.cuda.synchronize(device)
+        if host_ms > _SPIN_MS_AT_LEAST * cycles / _SPIN_CYCLES / 2 and cycles < _SPIN_CYCLES << 8:
+            cycles *= 4
+            continue
         times.append(start.elapsed_time(end) / iters)
     return sorted(times)[len(times) // 2]
+
+
+# The spin ahead of a timed trial: 20M cycles, at least 8 ms on GPUs of
+# up to 2.5 GHz.
+_SPIN_CYCLES = 20_000_000
+_SPIN_MS_AT_LEAST = 8.0
 
 
 def _peer_of(index: int) -> int | None:
