@@ -16,7 +16,9 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -152,6 +154,103 @@ def test_tensor_parallel_on_the_tp_groups_of_a_dp_tp_mesh_matches_torch(world, d
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
+
+
+def dp_tp_mesh(world, device):
+    hostir.communicator.get()
+    return init_device_mesh(device.type, (world.size // 2, 2), mesh_dim_names=("dp", "tp"))
+
+
+PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def test_tensor_parallel_on_the_tp_groups_beside_ddp_on_the_dp_groups_matches_torch(world, device):
+    """hostir's TP on mesh["tp"], then DDP over mesh["dp"] (each rank's
+    local shards' gradients averaged across the tp groups' batches), against
+    torch's own TP and the same DDP: losses, and gradients and parameters
+    after each AdamW step. `DistributedDataParallel` itself refuses DTensor
+    parameters (it broadcasts them at construction); torch's composable
+    `replicate` on a sliced mesh is its DDP for a TP model."""
+    mesh = dp_tp_mesh(world, device)
+    model = MLP().to(device)
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh["tp"], PLAN)
+    torch_parallelize_module(ref, mesh["tp"], PLAN)
+    replicate(model, device_mesh=mesh["dp"])
+    replicate(ref, device_mesh=mesh["dp"])
+    torch.manual_seed(100 + mesh.get_local_rank("dp"))
+    xs = [torch.randn(4, 8, device=device) for _ in range(3)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for x in xs:
+        loss = full(model(x)).pow(2).sum()
+        ref_loss = full(ref(x)).pow(2).sum()
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        loss.backward()
+        ref_loss.backward()
+        opt.step()
+        ref_opt.step()
+        ours = dict(model.named_parameters())
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(full(ours[name].grad), full(p.grad), **TOL, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(full(ours[name]), full(p), **TOL, msg=lambda m: f"{name}: {m}")
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
+def shared_dir(tmp_path):
+    """Rank 0's tmp_path, the same directory on every rank."""
+    path = [str(tmp_path)]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["tp", "fsdp_tp"])
+def test_a_checkpoint_of_a_tp_model_on_a_dp_tp_mesh_loads_into_a_fresh_one(world, device, fsdp, tmp_path):
+    """torch.distributed.checkpoint saves the state_dict of a model
+    parallelized by hostir on mesh["tp"] (sharded on mesh["dp"] too, with
+    `fsdp`), after an AdamW step, and loads it into a fresh one: the same
+    parameters and outputs, and torch's own on the same script."""
+    mesh = dp_tp_mesh(world, device)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = MLP().to(device)
+        ref = copy.deepcopy(model)
+        parallelize_module(model, mesh["tp"], PLAN)
+        torch_parallelize_module(ref, mesh["tp"], PLAN)
+        if fsdp:
+            fully_shard(model, mesh=mesh["dp"])
+            fully_shard(ref, mesh=mesh["dp"])
+        return model, ref
+
+    model, ref = build(1)
+    # One batch on every rank: without data parallelism the tp groups'
+    # copies would train apart, and a checkpoint keeps one copy of a
+    # replicated shard.
+    x = torch.randn(4, 8, device=device)
+    for m in (model, ref):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)
+        full(m(x)).pow(2).sum().backward()
+        opt.step()
+    state = model.state_dict()
+    assert state.keys() == ref.state_dict().keys()
+    for name, value in ref.state_dict().items():
+        assert type(state[name]) is type(value), name
+        torch.testing.assert_close(full(state[name]), full(value), **TOL, msg=lambda m: f"{name}: {m}")
+
+    path = shared_dir(tmp_path)
+    dcp.save(state, checkpoint_id=path)
+    fresh, _ = build(2)
+    loaded = fresh.state_dict()
+    dcp.load(loaded, checkpoint_id=path)
+    fresh.load_state_dict(loaded)
+
+    ours = dict(fresh.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full(ours[name]), full(p), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(full(fresh(x)), full(model(x)), rtol=0, atol=0)
+    torch.testing.assert_close(full(fresh(x)), full(ref(x)), **TOL)
 
 
 def test_a_rank_outside_a_fusions_meshes_does_not_wait_for_its_ranks(world, device):
