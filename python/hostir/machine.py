@@ -281,9 +281,8 @@ def agree(comm) -> MachineModel:
     programs. Collective: called once, when a communicator on GPUs is made
     (every rank is at the same point then). Only rank 0 measures (where
     its cache has no model); the others wait for its numbers at the
-    exchange: ranks that measure at once time each other's work on the
-    GPUs they share (on 2×H200 a peer push then measured 77 GB/s instead
-    of 358, and the model priced the copy-engine ring out)."""
+    exchange instead of measuring what they would throw away, and no
+    rank's pushes or GEMMs run beside the ones rank 0 times."""
     if comm.world_size > 1 and comm.rank != 0:
         model = _placeholder(comm.device)
     else:
