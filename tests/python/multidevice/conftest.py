@@ -46,6 +46,7 @@ def pytest_collection_modifyitems(config, items):
     # directory's: mark ours alone.
     if hostir.world_size() >= 2:
         _deselect_mailbox_tests_across_nodes(config, items)
+        _deselect_what_this_job_cannot_run(config, items)
         return
     skip = pytest.mark.skip(reason=_SKIP_REASON)
     for item in items:
@@ -66,6 +67,29 @@ def _deselect_mailbox_tests_across_nodes(config, items) -> None:
         if pathlib.Path(str(item.path)).resolve() == mailbox_tests
         and item.name != "test_the_mailbox_follows_the_launchers_nodes"
     ]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item not in dropped]
+
+
+def _deselect_what_this_job_cannot_run(config, items) -> None:
+    """Tests marked `cuda` where there is no GPU, and tests marked
+    `ranks(at_least=N, even=...)` at other world sizes, are deselected, the
+    same on every rank: the suite under mpirun counts a skip as a failure,
+    so what a job cannot run is left out, never skipped (the GPU suite,
+    tools/gpu_check.py, runs the `cuda` ones; the 4-rank job the others)."""
+    size = hostir.world_size()
+
+    def runnable(item) -> bool:
+        if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
+            return False
+        ranks = item.get_closest_marker("ranks")
+        if ranks is not None:
+            if size < ranks.kwargs.get("at_least", 2) or (ranks.kwargs.get("even", False) and size % 2):
+                return False
+        return True
+
+    dropped = [item for item in items if _HERE in pathlib.Path(str(item.path)).resolve().parents and not runnable(item)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [item for item in items if item not in dropped]

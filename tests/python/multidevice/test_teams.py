@@ -36,13 +36,9 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-pytestmark = pytest.mark.usefixtures("_even_world")
-
-
-@pytest.fixture
-def _even_world(world):
-    if world.size < 4 or world.size % 2:
-        pytest.skip("teams of two ranks side by side: needs an even world of at least 4 ranks")
+# Teams of two ranks side by side: an even world of at least 4 ranks (the
+# suite's 4-rank job; deselected at other world sizes).
+pytestmark = pytest.mark.ranks(at_least=4, even=True)
 
 
 def team_of(world) -> list[int]:
