@@ -57,7 +57,11 @@ class ForLoop(Expr):
     caller/worker pattern and clears it (it changes nothing at run time).
     `caller_ops`: how many ops right before such a loop compute the rank's
     own chunk on the caller's stream while the workers run the iterations
-    (a ring's local shard), so the workers need not wait for them."""
+    (a ring's local shard), so the workers need not wait for them.
+    `caller_after`: how many ops right after it compute the rank's own
+    chunk from none of the loop's communications (a reduce ring's local
+    partial): the caller runs them once each iteration's compute is
+    queued, before the iterations' communications end."""
 
     index: Scalar
     start: Scalar
@@ -67,6 +71,7 @@ class ForLoop(Expr):
     schedule: str | None = None
     stream_parallel: bool = False
     caller_ops: int = 0
+    caller_after: int = 0
     INPUTS = ("start", "stop")
 
 

@@ -153,6 +153,8 @@ def _for(e: ir.ForLoop, pad):
     notes = [] if e.schedule is None else [e.schedule]
     if e.stream_parallel:
         caller = f" while the caller runs the {e.caller_ops} ops before it" if e.caller_ops else ""
+        if e.caller_after:
+            caller += f"{' and' if e.caller_ops else ' while the caller runs'} the {e.caller_after} ops after it"
         notes.append(f"on worker streams{caller}")
     if notes:
         head = f"{head[:-1]} ({'; '.join(notes)}):"

@@ -5,7 +5,11 @@ of a race-free program, one at a time, and requires the race checker to
 report a race for the mutant, unless the removal is provably harmless: a
 `Synchronize` that ends a loop body's join with the caller's stream, where
 no op of the program touches memory after that loop, is covered by the
-join of every used stream that ends each run.
+join of every used stream that ends each run; and a `Synchronize` in the
+middle of a loop body, right before the body switches back to the stream
+it waited for, orders the caller's own chunk after that iteration's
+compute (a reduce ring's) and protects nothing the join loop after the
+loop does not.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ def harmless(container: HostIrContainer, path) -> bool:
     if not isinstance(removed, ir.Synchronize) or len(path) != 2:
         return False
     loop = container.exprs[path[0]]
+    following = loop.body[path[1] + 1 : path[1] + 2]
+    if following and isinstance(following[0], ir.SetCurrentStream) and following[0].stream == removed.stream:
+        return True
     if removed is not loop.body[-1]:
         return False
     after = container.exprs[path[0] + 1 :]

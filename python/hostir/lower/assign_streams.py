@@ -3,7 +3,8 @@
 Precondition: the loop-building passes (`decompose_device_axis`,
 `parallelize_streams`) have marked each loop whose iterations may run at
 once (`ForLoop.stream_parallel`); a ring's loop counts the ops right before
-it that compute the rank's own chunk (`ForLoop.caller_ops`).
+or after it that compute the rank's own chunk (`ForLoop.caller_ops`,
+`ForLoop.caller_after`).
 
 Postcondition: no loop is marked. Iteration i of each marked loop runs on
 the worker stream `Stream(i % numberOfStreams)` after the worker waits for
@@ -14,7 +15,11 @@ end of its iteration, in one of two forms (`form`):
                  first loop makes every worker wait for it; the rank's own
                  chunk then runs on the caller while the second loop runs
                  the iterations, so iteration i+1 need not wait for
-                 iteration i's communication (nvFuser after #4402).
+                 iteration i's communication (nvFuser after #4402). A
+                 loop's `caller_after` ops (a reduce ring's local partial)
+                 run on the caller after each iteration's compute, while
+                 the iterations' communications go on; the caller waits
+                 for every worker after them.
   per_iteration  each iteration captures the caller's stream and its worker
                  waits for it (the reference PR's form); the rank's own
                  chunk runs before the loop.
@@ -59,20 +64,25 @@ def assign_streams(container: HostIrContainer, form: str | None = None) -> HostI
 
 def _assign(container: HostIrContainer, exprs: list, form: str) -> list[ir.Expr]:
     new: list[ir.Expr] = []
-    for e in exprs:
+    rest = list(exprs)
+    while rest:
+        e = rest.pop(0)
         if isinstance(e, ir.ForLoop) and e.stream_parallel:
-            loop = e.replace(body=_assign(container, e.body, form), stream_parallel=False, caller_ops=0)
+            loop = e.replace(body=_assign(container, e.body, form), stream_parallel=False, caller_ops=0, caller_after=0)
             if form == "per_iteration":
                 new.append(_per_iteration(container, loop))
                 continue
-            if e.caller_ops > len(new):
+            if e.caller_ops > len(new) or e.caller_after > len(rest):
                 raise StreamAssignmentError(
                     f"the stream loop `{printer.format_expr_head(e)}` counts {e.caller_ops} ops of the "
-                    f"caller before it, but its scope has {len(new)}"
+                    f"caller before it and {e.caller_after} after it, but its scope has {len(new)} "
+                    f"before and {len(rest)} after"
                 )
             own = new[len(new) - e.caller_ops :]
             del new[len(new) - e.caller_ops :]
-            new += _pipelined(container, loop, own)
+            after = _assign(container, rest[: e.caller_after], form)
+            del rest[: e.caller_after]
+            new += _pipelined(container, loop, own, after)
         elif any(_marked(body) for body in ir.bodies(e)):
             if isinstance(e, ir.ForLoop):
                 new.append(e.replace(body=_assign(container, e.body, form)))
@@ -97,10 +107,26 @@ def _worker(container: HostIrContainer, index: ir.Scalar) -> ir.Stream:
     return ir.Stream(container, index=index % container.named_scalar("numberOfStreams"))
 
 
-def _pipelined(container: HostIrContainer, loop: ir.ForLoop, own: list[ir.Expr]) -> list[ir.Expr]:
+def _pipelined(
+    container: HostIrContainer, loop: ir.ForLoop, own: list[ir.Expr], after: list[ir.Expr] | None = None
+) -> list[ir.Expr]:
     """GetCurrentStream; a loop making every worker wait for the caller;
     the rank's own chunk `own` on the caller; the work loop on the workers,
-    with the caller waiting for each."""
+    with the caller waiting for each. With ops `after` the loop that need
+    none of its communications (a reduce ring's local partial), the caller
+    waits for each iteration's compute only, up to its first
+    communication, then runs them while the communications go on, and
+    waits for every worker after them (a join loop):
+
+        FOR i (work):                        FOR i (join):
+          SetCurrentStream worker(i)           Synchronize worker(i)
+          compute...
+          SetCurrentStream caller; Synchronize worker(i)
+          SetCurrentStream worker(i)
+          communications...
+          SetCurrentStream caller
+        after...
+    """
     caller = ir.Stream(container)
     sync_index = ir.Scalar(label="StreamIdx")
     sync = loop.replace(
@@ -109,14 +135,36 @@ def _pipelined(container: HostIrContainer, loop: ir.ForLoop, own: list[ir.Expr])
         schedule=None,
     )
     worker = _worker(container, loop.index)
+    if not after:
+        work = loop.replace(
+            body=[ir.SetCurrentStream(worker), *loop.body, ir.SetCurrentStream(caller), ir.Synchronize(worker)]
+        )
+        # The sync loop ends on the last worker: the own chunk goes back to
+        # the caller, or the iteration on that worker (at two ranks and one
+        # chunk, the ring's only push) would queue behind the own chunk's GEMM.
+        back = [ir.SetCurrentStream(caller)] if own else []
+        return [ir.GetCurrentStream(caller), sync, *back, *own, work]
+    split = next((i for i, e in enumerate(loop.body) if _communicates(e)), len(loop.body))
     work = loop.replace(
-        body=[ir.SetCurrentStream(worker), *loop.body, ir.SetCurrentStream(caller), ir.Synchronize(worker)]
+        body=[
+            ir.SetCurrentStream(worker),
+            *loop.body[:split],
+            ir.SetCurrentStream(caller),
+            ir.Synchronize(worker),
+            ir.SetCurrentStream(worker),
+            *loop.body[split:],
+            ir.SetCurrentStream(caller),
+        ]
     )
-    # The sync loop ends on the last worker: the own chunk goes back to the
-    # caller, or the iteration on that worker (at two ranks and one chunk,
-    # the ring's only push) would queue behind the own chunk's GEMM.
+    join_index = ir.Scalar(label="StreamIdx")
+    join = loop.replace(index=join_index, body=[ir.Synchronize(_worker(container, join_index))], schedule=None)
     back = [ir.SetCurrentStream(caller)] if own else []
-    return [ir.GetCurrentStream(caller), sync, *back, *own, work]
+    return [ir.GetCurrentStream(caller), sync, *back, *own, work, *after, join]
+
+
+def _communicates(e: ir.Expr) -> bool:
+    """Whether `e` posts or waits for a communication (or holds one)."""
+    return any(isinstance(x, ir.COMMUNICATION_OPS) for x in ir.walk([e]))
 
 
 def _per_iteration(container: HostIrContainer, loop: ir.ForLoop) -> ir.ForLoop:

@@ -14,8 +14,9 @@ Two patterns are rewritten, each on a 1-D mesh of consecutive ranks:
 
 Postcondition: each pattern is a host program with no stream axis left in
 its ops; the loop of steps is marked `stream_parallel`, and the ops right
-before it that compute the rank's own chunk are its `caller_ops` (the
-streams are written by `assign_streams`). Decompositions
+before it (gather) or after it (reduce) that compute the rank's own chunk
+are its `caller_ops` or `caller_after` (the streams are written by
+`assign_streams`). Decompositions
 (`Schedule.decomposition`):
 
   ring        gather: the local shard's ops run first on the caller's
@@ -28,7 +29,8 @@ streams are written by `assign_streams`). Decompositions
               reduce: step i computes the partial for position (p - d*i) % D
               and sends it while the next step computes; a slot buffer
               receives the peers' partials; the local partial is computed
-              last into its own slot; one reduction over the slots (fp32
+              last into its own slot, on the caller's stream while the
+              peers' partials move (the loop's `caller_after`); one reduction over the slots (fp32
               accumulation inside torch's reduction, one rounding, no fp32
               copy of a partial).
   collective  gather: iteration i broadcasts shard i from rank i;
@@ -356,11 +358,16 @@ class _Builder:
             parts.append(s.note)
         return ", ".join(parts)
 
-    def _pipeline(self, start: int, stop: int, make_body, head: str, local_first=None, local_last=None):
+    def _pipeline(
+        self, start: int, stop: int, make_body, head: str, local_first=None, local_last=None, own_last: int = 0
+    ):
         """The loop of the steps, marked stream-parallel (`assign_streams`
         runs them on worker streams); `local_first`, the rank's own chunk,
         right before it, counted as the ops the caller runs while the
-        workers run the steps; `local_last` after it."""
+        workers run the steps; `local_last` after it, of which the first
+        `own_last` compute the rank's own chunk from none of the steps'
+        communications (the caller runs them while the steps' partials
+        move)."""
         own = list(local_first or [])
         for e in own:
             self.c.push_back(e)
@@ -368,7 +375,7 @@ class _Builder:
         self.c.push_back(
             ir.ForLoop(
                 index, ir.Scalar.constant(start), ir.Scalar.constant(stop), make_body(index), schedule=head,
-                stream_parallel=True, caller_ops=len(own),
+                stream_parallel=True, caller_ops=len(own), caller_after=own_last,
             )
         )
         for e in local_last or []:
@@ -667,6 +674,7 @@ class _Builder:
         saved, self.schedule = self.schedule, self.schedule.with_chunks(1)
         self._ops_on(last, group, s, pos, ir.Scalar.constant(0), row_ref, {c: mine_slot})
         self.schedule = saved
+        own_last = len(last)
         # One reduction over the slots into this rank's piece of y (y's
         # buffer). Reordered slots are read through a view with the walked
         # axis back in its place and the partial sums' own device axis (one
@@ -694,4 +702,4 @@ class _Builder:
         y_slots = ir.TensorView(self.c, kept, y.dtype, ir.MemoryType.global_, mesh=y.mesh)
         self.c.mark_alias(y, y_slots)
         last.append(ir.ReductionOp(y_slots, red.kind, summed))
-        self._pipeline(parts, D * parts, body_of, self._head("ring"), local_last=last)
+        self._pipeline(parts, D * parts, body_of, self._head("ring"), local_last=last, own_last=own_last)

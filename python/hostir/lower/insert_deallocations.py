@@ -17,7 +17,9 @@ pieces, an output written in column pieces).
 Streams: a buffer used inside a stream loop is freed after the whole loop
 and after any stream joins that follow it (a loop of only `Synchronize`s),
 on the caller's stream, which by then has waited for every worker stream,
-so the buffer is never released while a worker may still use it. A buffer bound inside a
+so the buffer is never released while a worker may still use it (after a
+loop whose iterations end without the caller waiting for their worker, a
+reduce ring's, past the join loop further on). A buffer bound inside a
 loop body is used on that iteration's stream only and is freed there.
 
     T1 = ALLOCATE(...)               T1 = ALLOCATE(...)
@@ -82,10 +84,23 @@ def _is_join(e: ir.Expr) -> bool:
     return isinstance(e, _STREAM_OPS)
 
 
+def _leaves_workers(e: ir.Expr) -> bool:
+    """A stream loop whose iterations end without the caller waiting for
+    their worker (a reduce ring's: a join loop further on waits)."""
+    return (
+        isinstance(e, ir.ForLoop)
+        and any(isinstance(b, ir.SetCurrentStream) for b in e.body)
+        and not isinstance(e.body[-1], ir.Synchronize)
+    )
+
+
 def _past_joins(body: list[ir.Expr], i: int) -> int:
     """The index after which to free a buffer last used at `i`: past the
     stream joins that follow, so the caller's stream has waited for the
-    workers that used it."""
+    workers that used it (for a loop that leaves its workers running, past
+    the join loop further on)."""
+    if _leaves_workers(body[i]):
+        i = next((j for j in range(i + 1, len(body)) if isinstance(body[j], ir.ForLoop) and _is_join(body[j])), i)
     while i + 1 < len(body) and _is_join(body[i + 1]):
         i += 1
     return i
