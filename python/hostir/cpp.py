@@ -28,7 +28,7 @@ from hostir.communicator import CommunicatorTimeout, PeerLostError, classify_err
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
 from hostir.runtime.evaluator import BindingError, HostIrRuntimeError
-from hostir.runtime import profiling
+from hostir.runtime import flat_dump, profiling
 from hostir.runtime.flat import OPCODES, FlatProgram, compile_program
 from hostir.runtime.transports import cuda
 from hostir.runtime.transports.base import TransportUnsupported, TransportUsageError
@@ -226,18 +226,9 @@ class CppEvaluator:
             exprs = [i.expr for i in self._flat.instrs]
             for records in executor.take_trace():
                 if dumping:
-                    self._dump_postings(exprs, records)
+                    flat_dump.dump_postings(self.dumper, exprs, records)
                 if trace is not None:
                     profiling.add_recorded_run(trace, self.container, exprs, [r[:5] for r in records], origin)
-
-    def _dump_postings(self, exprs: list, records: list) -> None:
-        for instr, _, _, _, _, input_sizes, output_sizes in records:
-            e = exprs[instr]
-            if not isinstance(e, ir.Communication) or len(e.team) == 1:
-                continue  # a team of one posts nothing (as in the Python evaluator)
-            sizes = [(name, s) for name, s in (("input", input_sizes), ("output", output_sizes)) if s]
-            text = ", ".join(f"{name} {list(s)}" for name, s in sizes)
-            self.dumper.emit("communication", f"Posting {printer.format_expr_head(e)}", f"  with {text}")
 
     def _error(self, instr: int, loops: list, kind: str, message: str) -> Exception:
         if instr < 0:

@@ -113,9 +113,6 @@ class _Call:
     # the device to capture it on.
     graph: object = None
     no_grad: bool = True
-    # A prepared call: preallocated outputs other than its graph's make
-    # bind return None.
-    exact_outputs: bool = False
     capture: object = None
 
 
@@ -280,7 +277,8 @@ class FusionExecutor:
         the full path must run (preallocated outputs not its graph's)."""
         if ready.comm is not None:
             return self._steady(ready, inputs, outputs)
-        return self._finish(self._recall(ready, inputs, outputs))
+        call = self._recall(ready, inputs, outputs)
+        return None if call is None else self._finish(call)
 
     def _multi_device_signature(self, inputs, outputs, params, kwargs, checking: str) -> tuple | None:
         """The prepared-call signature of a multi-device fusion's call on the
@@ -357,10 +355,12 @@ class FusionExecutor:
             )
         return list(ready.graph_inputs)
 
-    def _recall(self, ready: prepared.Prepared, inputs, outputs) -> _Call:
+    def _recall(self, ready: prepared.Prepared, inputs, outputs) -> _Call | None:
         """A prepared call: the first four stages' memo for its signature.
-        The one decision that depends on more than the signature, whether a
-        preallocated output shares memory with an input, is checked again."""
+        The decisions that depend on more than the signature are made
+        again: whether a preallocated output shares memory with an input,
+        and whether preallocated outputs are the ones its CUDA graph was
+        captured with (None where not: the full path captures another)."""
         program = ready.program
         if outputs is not None:
             checks.check_no_overlap(self.fusion, outputs, inputs, program.binding.output_tvs)
@@ -368,10 +368,13 @@ class FusionExecutor:
             # Many ranks: a CUDA graph is looked up per call (its key holds
             # the outputs), never skipped to, so that bind always binds.
             return _Call(
-                program, inputs, outputs, False, ready.number_of_streams, ready.comm, None, ready.grad, False,
-                ready.capture,
+                program, inputs, outputs, False, ready.number_of_streams, ready.comm, None, ready.grad,
+                capture=ready.capture,
             )  # fmt: skip
-        return _Call(program, inputs, outputs, False, ready.number_of_streams, None, ready.graph, ready.grad, True)
+        graph = ready.graph
+        if graph is not None and outputs is not None and not graph.writes_into(program.binding.outputs(outputs)):
+            return None
+        return _Call(program, inputs, outputs, False, ready.number_of_streams, None, graph, ready.grad)
 
     def _keep(self, key: tuple, call: _Call, check_ranks: str, inputs, comm=None) -> None:
         """Keep the record of a call that took the full path and ran, under
@@ -635,16 +638,12 @@ class FusionExecutor:
         seat.protocol.agree(seat, sequence, lowered, given, error, checking, call is not None and call.lowered)
 
     # -- 5-7: bind, run, convert back
-    def _finish(self, call: _Call) -> list[torch.Tensor | None] | None:
-        """Stages 5-7, the same for every route; None where a prepared
-        call's preallocated outputs are not its graph's (the full path then
-        captures another graph)."""
+    def _finish(self, call: _Call) -> list[torch.Tensor | None]:
+        """Stages 5-7, the same for every route."""
         bound = self._bind(call)
-        if bound is None:
-            return None
         return self._convert(call, self._run(call, bound), bound is _LOGICAL)
 
-    def _bind(self, call: _Call) -> tuple[list, list | None] | object | None:
+    def _bind(self, call: _Call) -> tuple[list, list | None] | object:
         """The call's inputs and preallocated outputs with the program's
         runtime axes; `_LOGICAL` where the runner binds and converts back
         itself (`_Program.logical`)."""
@@ -652,8 +651,6 @@ class FusionExecutor:
             return _LOGICAL
         binding = call.program.binding
         given = None if call.outputs is None else binding.outputs(call.outputs)
-        if call.exact_outputs and call.graph is not None and given is not None and not call.graph.writes_into(given):
-            return None
         return binding.inputs(call.inputs), given
 
     def _run(self, call: _Call, bound: tuple[list, list | None]) -> list:

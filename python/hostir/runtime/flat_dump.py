@@ -1,4 +1,5 @@
-"""The text of a flat program (`FlatProgram.dump()`, `HOSTIR_DUMP=flat_program`).
+"""The text of a flat program (`FlatProgram.dump()`, `HOSTIR_DUMP=flat_program`),
+and of the collectives a C++ run posted (`HOSTIR_DUMP=communication`).
 
 One line per instruction, nested by loops and conditionals, each field
 printed by its kind: tensor slots `%t<n>`, scalar nodes as expressions over
@@ -8,7 +9,7 @@ integer slots `$<n>`, streams, groups, layouts. Golden dumps
 
 from __future__ import annotations
 
-from hostir import ir
+from hostir import ir, printer
 
 # The C++ core's communication types, in its order (as `flat.COMMUNICATION_TYPES`).
 _COMMUNICATION_TYPES = tuple(t.value for t in ir.CommunicationType if t.in_cpp)
@@ -136,3 +137,16 @@ def dump(p) -> str:
             depth_end.append(instr.fields["else_end"])
     lines.append("} // %FlatProgram")
     return "\n".join(lines) + "\n"
+
+
+def dump_postings(dumper, exprs: list, records: list) -> None:
+    """The `communication` dump of a C++ run's collectives, from its
+    records (instruction, ..., input sizes, output sizes), as the Python
+    evaluator prints them when it posts them."""
+    for instr, _, _, _, _, input_sizes, output_sizes in records:
+        e = exprs[instr]
+        if not isinstance(e, ir.Communication) or len(e.team) == 1:
+            continue  # a team of one posts nothing (as in the Python evaluator)
+        sizes = [(name, s) for name, s in (("input", input_sizes), ("output", output_sizes)) if s]
+        text = ", ".join(f"{name} {list(s)}" for name, s in sizes)
+        dumper.emit("communication", f"Posting {printer.format_expr_head(e)}", f"  with {text}")
