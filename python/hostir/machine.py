@@ -41,7 +41,8 @@ class MachineModel:
     between pinned host memory and the device); the GEMM's slowdown beside
     copy-engine traffic and beside a collective's kernels; and the host
     time of one call and of one ring step per runner, in ms (`host_ms`:
-    runner -> (per call, per step)). `copy_source` says how `copy_gbps` was
+    runner -> (per call, per step); per call: what an eager call adds to
+    the device's time, the host's work no device work hides). `copy_source` says how `copy_gbps` was
     had: "peer" (a push to a peer GPU), "estimate" (no peer visible: a
     same-device copy scaled by NVLINK_PER_HBM) or "none"."""
 
@@ -107,9 +108,13 @@ def _host_rows(model: MachineModel) -> list[tuple[str, float, float]]:
 # What a multi-device call and one ring step cost on the host, per runner,
 # in ms, measured on the 2×H100 hosts (2026-11-27, the AG+matmul ring):
 # the Python evaluator's ring call fits 0.6 + 0.4·S ms (S steps, each about
-# 15 interpreted ops); the C++ executor's sequential call took 0.36 ms and
-# its NCCL ring 0.44 ms at one step; a CUDA-graph replay 0.04–0.06 ms.
-HOST_MS = (("python", 0.6, 0.4), ("cpp", 0.36, 0.085), ("replay", 0.05, 0.0))
+# 15 interpreted ops); a CUDA-graph replay 0.04–0.06 ms. The C++
+# executor's eager call took 0.11–0.22 ms longer than its replay, the
+# copy-engine ring of one chunk per peer at total M = 2048…32768 and the
+# sequential program alike (0.2), though its whole call keeps the host
+# 0.33–0.45 ms: the rest overlaps the GEMMs it launched first. A ring step
+# costs it 0.085 ms (its NCCL ring at one step against its sequential call).
+HOST_MS = (("python", 0.6, 0.4), ("cpp", 0.2, 0.085), ("replay", 0.05, 0.0))
 # The GEMM's slowdown beside copy-engine pushes and beside NCCL's kernels,
 # which take SMs from it (2×H200, the hand-written rings' micro rows).
 GEMM_SLOWDOWN_COPY = 1.04
@@ -314,10 +319,12 @@ communicator.on_creation(_agree_on_creation)
 
 def predict_ms(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize: int, kind: str,
                chunks: int = 1, transport: str = "NCCL", runner: str = "cpp", replay: bool = False) -> float:
-    """The predicted time of one call, in ms: the device's time, or the
-    host's where the host issues the work more slowly than the device runs
-    it (eager calls; a replay costs its launch only). `kind`: "sequential"
-    or "ring" with `chunks` per peer on `transport`."""
+    """The predicted time of one call, in ms. Replayed: the device's time
+    (or the replay's launch, if longer). Eager: the runner's host time per
+    call that no device work hides, then the device's time, or the host's
+    where it issues the ring's steps and the last GEMM more slowly than the
+    device runs them. `kind`: "sequential" or "ring" with `chunks` per peer
+    on `transport`."""
     gemm = model.gemm_ms(2.0 * rows * k * n)  # one shard's GEMM
     if kind == "sequential":
         device = (D - 1) * model.move_ms(rows * k * itemsize, False) + D * gemm
@@ -336,8 +343,8 @@ def predict_ms(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize:
     call, step = model.host("replay" if replay else runner)
     if replay:
         return max(device, call)
-    # The host issues every op before the last GEMM can start.
-    return max(device, call + steps * step + last)
+    # The host issues every step before the last GEMM can start.
+    return call + max(device, steps * step + last)
 
 
 # ---------------------------------------------------------------- hoisting transfers

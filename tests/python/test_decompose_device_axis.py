@@ -266,17 +266,17 @@ def _PYTHON(transport: str, chunks: int) -> str:
 
 
 def test_the_model_never_rings_where_the_host_would_starve_the_gpu():
-    # Eager on the Python evaluator (the copy-engine ring today), a shard
-    # of 2048 rows: each step costs the host more than its GEMM.
-    s = planner.choose(H100ISH, D=2, rows=2048, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
+    # Eager on the Python evaluator, a shard of 1024 rows: each step costs
+    # the host four times its GEMM.
+    s = planner.choose(H100ISH, D=2, rows=1024, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
                        runs_on=_PYTHON)
     assert s.decomposition == "sequential", s.note
 
 
 def test_a_replayed_call_rings_where_an_eager_python_one_would_not():
-    eager = planner.choose(H100ISH, D=2, rows=2048, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
+    eager = planner.choose(H100ISH, D=2, rows=1024, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
                            runs_on=_PYTHON)
-    replayed = planner.choose(H100ISH, D=2, rows=2048, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
+    replayed = planner.choose(H100ISH, D=2, rows=1024, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
                               runs_on=_PYTHON, replay=True)
     assert eager.decomposition == "sequential"
     assert replayed.decomposition == "ring" and replayed.transport == "cuda", replayed.note
@@ -296,14 +296,18 @@ def test_the_models_note_names_every_candidates_prediction():
 
 
 def test_the_prediction_follows_the_device_then_the_host():
-    # Replayed: the device's time; eager on a slow runner: the host's.
-    args = dict(D=2, rows=8192, k=8192, n=4096, itemsize=2, kind="ring", chunks=1, transport="cuda")
-    replayed = machine.predict_ms(H100ISH, runner="python", replay=True, **args)
-    python = machine.predict_ms(H100ISH, runner="python", **args)
-    gemm = H100ISH.gemm_ms(2.0 * 8192 * 8192 * 4096)
-    assert replayed == pytest.approx(2 * gemm * 1.04 + 0.01)
+    # Replayed: the device's time. Eager: the runner's host time per call,
+    # then the device's time where the GEMMs outlast the host's steps (a
+    # big shard), else the host's steps and the last GEMM (a small one).
     call, step = H100ISH.host("python")
-    assert python == pytest.approx(call + step + gemm * 1.04)
+    for rows in (8192, 512):
+        args = dict(D=2, rows=rows, k=8192, n=4096, itemsize=2, kind="ring", chunks=1, transport="cuda")
+        replayed = machine.predict_ms(H100ISH, runner="python", replay=True, **args)
+        python = machine.predict_ms(H100ISH, runner="python", **args)
+        gemm = H100ISH.gemm_ms(2.0 * rows * 8192 * 4096)
+        assert replayed == pytest.approx(2 * gemm * 1.04 + 0.01)
+        assert python == pytest.approx(call + max(replayed, step + gemm * 1.04))
+        assert (python - call > replayed) == (rows == 512)
 
 
 @pytest.mark.parametrize("schedule", [
