@@ -1,5 +1,5 @@
 """The benchmarks behind hostir's performance figures, in one command on a
-machine with 2 GPUs (or more: the overlap runs on 2 of them).
+machine with 2 GPUs or more (`--ranks N`, default 2: the runs use N of them).
 
 Run from the repository root (python3 with a CUDA torch and matplotlib;
 torchrun):
@@ -36,7 +36,15 @@ and the summary says which ran and which did not, and why.
    `auto` and the copy-engine ring, eager and replayed, beside GEMM alone,
    sequential and torch's fused op, with its plot;
 5. `timelines`: one traced eager call per schedule and problem, each drawn
-   as a stream timeline (the PNGs of `tools/plot_timeline.py`).
+   as a stream timeline (the PNGs of `tools/plot_timeline.py`);
+6. `profile`: where a steady call's host time goes, `profile_calls.py`
+   (cProfile) on the tiny multi-device call, AG+matmul at 2048 and 8192
+   rows per rank, matmul+RS, and the one-GPU stream loop of the Python
+   evaluator (this tree and `--before`): logs only, no result file.
+
+With `--ranks 4` (a machine with 4 GPUs or more) every part runs at 4
+ranks, but the hand-written rings of `probe3` (2 ranks only); the result
+files are named for the GPUs used (`h200x4`).
 
 Every part runs in a process group of its own under a time limit; a part
 that fails or times out is logged and the rest go on. Logs and every tool's
@@ -73,7 +81,7 @@ import sys
 from benchlib import REPO, Runner, job_env, machine_tag
 
 RESULTS = REPO / "benchmarks" / "results"
-PARTS = ("overlap_ag", "overlap_rs", "probe3", "host", "training", "sweep", "timelines")
+PARTS = ("overlap_ag", "overlap_rs", "probe3", "host", "training", "sweep", "timelines", "profile")
 # The eager schedule rows of bench_overlap (its DECOMPOSITIONS), traced by `timelines`.
 SCHEDULE_ROWS = (
     "hostir_ring_nccl,hostir_ring_cuda,hostir_ring_cuda_c2,hostir_ring_cuda_reverse,"
@@ -115,6 +123,7 @@ GPU = Config(
         "training": 240,
         "sweep": 150,
         "timelines": 70,
+        "profile": 150,
     },
     minimum=30,
 )
@@ -133,6 +142,7 @@ CPU = Config(
         "training": 60,
         "sweep": 40,
         "timelines": 40,
+        "profile": 90,
     },
     minimum=15,
 )
@@ -145,15 +155,16 @@ class Bench:
         self.args = args
         self.cpu = args.cpu
         self.cfg = CPU if args.cpu else GPU
-        self.gpus = gpus
-        self.tag = "cpu" if args.cpu else machine_tag(gpus)
+        self.ranks = args.ranks
+        self.gpus = gpus[: self.ranks]
+        self.tag = "cpu" if args.cpu else machine_tag(self.gpus)
         self.out = pathlib.Path(args.out).resolve()
         self.run = Runner(self.out / "logs", args.budget)
         self.before = pathlib.Path(args.before).resolve() if args.before else None
         self.parts = args.parts
 
     def machine(self) -> str:
-        return f"{len(self.gpus)} × {self.gpus[0]}" if self.gpus else "CPU, 2 gloo ranks"
+        return f"{len(self.gpus)} × {self.gpus[0]}" if self.gpus else f"CPU, {self.ranks} gloo ranks"
 
     def env(self, tree: pathlib.Path = REPO, **extra: str) -> dict[str, str]:
         env = job_env(extra, tree)
@@ -200,7 +211,7 @@ class Bench:
             + (["--cpu"] if self.cpu else [])
             + extra
         )
-        return self.step(name, part, self.launch(2, program), self.env())
+        return self.step(name, part, self.launch(self.ranks, program), self.env())
 
 
 # ---------------------------------------------------------------- parts
@@ -254,6 +265,9 @@ def part_probe3(b: Bench) -> None:
     if b.cpu:
         b.run.skip("probe3", "the hand-written rings need CUDA (copy engines, symmetric memory)")
         return
+    if b.ranks != 2:
+        b.run.skip("probe3", f"the hand-written rings run at 2 ranks, not {b.ranks}")
+        return
     limit = min(b.cfg.limits["probe3"], b.run.left() - 5)
     out = b.dir("probe3")
     env = b.env(
@@ -283,7 +297,9 @@ def part_host(b: Bench) -> None:
         # fails on the older package, that tree's own script.
         scripts = dict.fromkeys([REPO / "tools" / "bench_host_overhead.py", tree / "tools" / "bench_host_overhead.py"])
         multi = " || ".join(
-            shlex.join(b.launch(2, [sys.executable, str(s), "--multidevice", *common])) for s in scripts if s.exists()
+            shlex.join(b.launch(b.ranks, [sys.executable, str(s), "--multidevice", *common]))
+            for s in scripts
+            if s.exists()
         )
         # The per-op programs on one device (the first GPU).
         per_op = " || ".join(shlex.join([sys.executable, str(s), *common]) for s in scripts if s.exists())
@@ -292,8 +308,7 @@ def part_host(b: Bench) -> None:
 
 
 def part_training(b: Bench) -> None:
-    sizes = [2] + ([4] if len(b.gpus) >= 4 else [])
-    for n in sizes:
+    for n in [b.ranks]:
         program = [
             sys.executable,
             "tools/bench_training.py",
@@ -331,7 +346,7 @@ def part_sweep(b: Bench) -> None:
         "--tag",
         "ag",
     ] + (["--cpu"] if b.cpu else [])
-    b.step("sweep", "sweep", b.launch(2, program), b.env())
+    b.step("sweep", "sweep", b.launch(b.ranks, program), b.env())
 
 
 def part_timelines(b: Bench) -> None:
@@ -343,6 +358,28 @@ def part_timelines(b: Bench) -> None:
             f"timelines_{problem}",
             "timelines",
         )
+
+
+def part_profile(b: Bench) -> None:
+    """cProfile of steady calls (logs only): where the host time goes."""
+    tool = str(REPO / "tools" / "profile_calls.py")
+    m_ag, k_ag, n_ag = b.cfg.ag
+    m_rs, k_rs, n_rs = b.cfg.rs
+    small = str(max(1, m_ag // 4))
+    cases = [
+        ["--case", "tiny"],
+        ["--case", "tiny", "--check-ranks", "first"],
+        ["--case", "ag", "--M", small, "--K", str(k_ag), "--N", str(n_ag)],
+        ["--case", "ag", "--M", str(m_ag), "--K", str(k_ag), "--N", str(n_ag)],
+        ["--case", "rs", "--M", str(m_rs), "--K", str(k_rs * b.ranks), "--N", str(n_rs)],
+    ]
+    lines = [shlex.join(b.launch(b.ranks, [sys.executable, tool, *case, "--iters", "50"])) for case in cases]
+    trees = [("after", REPO)] + ([("before", b.before)] if b.before else [])
+    for label, tree in trees:
+        # The Python evaluator's stream loop on one device, each tree on its own package.
+        command = shlex.join([sys.executable, tool, "--case", "stream_loop", "--iters", "50"])
+        lines.append(f"echo '# stream loop, {label}'; PYTHONPATH='{tree / 'python'}' {command}")
+    b.step("profile", "profile", ["bash", "-c", "; ".join(lines)], b.env())
 
 
 # ---------------------------------------------------------------- results
@@ -581,6 +618,7 @@ def parse_args(argv=None):
         "--results", default=None, help="where result files go (default: benchmarks/results; with --cpu, OUT/results)"
     )
     ap.add_argument("--cpu", action="store_true", help="the small form: 2 gloo ranks on the CPU, small shapes")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks (GPUs) every part runs on (default: 2)")
     args = ap.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(args.parts) - set(PARTS))
@@ -608,9 +646,11 @@ def gpu_names(cpu: bool) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     gpus = gpu_names(args.cpu)
-    if not args.cpu and len(gpus) < 2:
+    if not args.cpu and len(gpus) < max(2, args.ranks):
         print(
-            f"gpu_bench: {len(gpus)} CUDA device(s) visible; it needs 2 (or --cpu for the small form)", file=sys.stderr
+            f"gpu_bench: {len(gpus)} CUDA device(s) visible; it needs {max(2, args.ranks)} (or --cpu for the small "
+            f"form)",
+            file=sys.stderr,
         )
         return 2
     b = Bench(args, gpus)
