@@ -494,7 +494,8 @@ def compose(b: Bench, results: pathlib.Path) -> list[tuple[str, str]]:
                     "the AG+matmul M sweep of `overlap`, plotted: ms and speedup over sequential per variant",
                 )
             )
-            sections[-1] += f"\n![M sweep](overlap_sweep_{tag}.png)\n"
+            # Named, not linked: docs/performance.md includes this file, where a relative image would not resolve.
+            sections[-1] += f"\nThe plot: `benchmarks/results/overlap_sweep_{tag}.png`.\n"
     if sections:
         text = f"# Overlap on {b.machine()}\n\n{stamp}.\n\n" + "\n".join(sections)
         (results / f"overlap_{tag}.md").write_text(text)
