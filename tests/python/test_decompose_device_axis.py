@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from hostir import machine, overlap, planner
+from hostir import ir, machine, overlap, planner
 from hostir.lower import LoweringError, lower
 from hostir.lower.schedule import Schedule, ScheduleError, parse
 
@@ -105,6 +105,36 @@ def test_ring_own_chunk_runs_on_the_caller_between_the_two_loops():
     assert [type(e).__name__ for e in program.exprs[3].body] == ["SetCurrentStream", "Synchronize"]
     caller = program.exprs[2].stream
     assert program.exprs[4].stream is caller
+
+
+def test_reduce_ring_local_partial_runs_on_the_caller_while_the_partials_move():
+    """The caller waits for each step's worker up to its first
+    communication only (the peer's partial computed), then computes its
+    own partial while the push goes on, then waits for every worker (the
+    join) before the reduction reads the slots; the buffer of the partials
+    sent is freed after the join, never while a push may read it."""
+    program = lower(
+        overlap.matmul_reduce_scatter(3).fusion, rank=1, backend="gloo", schedule=Schedule(),
+        until="insert_deallocations",
+    ).program
+    exprs = program.exprs
+    kinds = [type(e).__name__ for e in exprs]
+    work = next(i for i, e in enumerate(exprs) if isinstance(e, ir.ForLoop) and e.schedule)
+    join = next(i for i in range(work + 1, len(exprs)) if isinstance(exprs[i], ir.ForLoop))
+    body = [type(e).__name__ for e in exprs[work].body]
+    first_post = body.index("StartCoalescing")
+    # In the step: compute, then the caller waits for it, then the posts.
+    assert body[first_post - 3 : first_post] == ["SetCurrentStream", "Synchronize", "SetCurrentStream"], body
+    assert "MatmulOp" in body[:first_post] and body[-1] == "SetCurrentStream", body
+    # The local partial between the steps and the join; the join waits only.
+    assert "MatmulOp" in kinds[work + 1 : join], kinds
+    assert [type(e).__name__ for e in exprs[join].body] == ["Synchronize"]
+    reduction = kinds.index("ReductionOp")
+    assert join < reduction
+    # Every buffer is freed after the join: the partials' buffer too, which
+    # the pushes read until their workers are waited for.
+    freed = [i for i, e in enumerate(exprs) if isinstance(e, ir.Deallocate)]
+    assert freed and min(freed) > join, kinds
 
 
 def test_ring_on_four_ranks_of_an_offset_mesh_names_positions():

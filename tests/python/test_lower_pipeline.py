@@ -62,7 +62,7 @@ def test_assign_streams_follows_the_loop_building_passes():
     assert names.index("decompose_device_axis") < names.index("parallelize_streams")
 
 
-def _marked_program(caller_ops: int):
+def _marked_program(caller_ops: int, caller_after: int = 0):
     """A program after `parallelize_streams`: one loop marked stream-parallel."""
     from hostir import FusionDefinition, ParallelType
 
@@ -71,7 +71,10 @@ def _marked_program(caller_ops: int):
         fd.add_output(fd.ops.mul(x, 2.0))
     fd.fusion.outputs[0].axis(0).parallelize(ParallelType.stream)
     program = lower(fd.fusion, until="parallelize_streams").program
-    program.exprs = [e.replace(caller_ops=caller_ops) if isinstance(e, ForLoop) else e for e in program.exprs]
+    program.exprs = [
+        e.replace(caller_ops=caller_ops, caller_after=caller_after) if isinstance(e, ForLoop) else e
+        for e in program.exprs
+    ]
     return program
 
 
@@ -92,5 +95,8 @@ def test_the_default_stream_form_follows_the_program():
 def test_a_loop_counting_missing_caller_ops_is_refused():
     """A loop whose own-chunk ops are not there (only an Allocate is
     before it) is an error that names the loop, not a misplaced wait."""
-    with pytest.raises(StreamAssignmentError, match=r"counts 2 ops of the caller before it, but its scope has 1"):
+    with pytest.raises(StreamAssignmentError, match=r"counts 2 ops of the caller before it and 0 after it, but its scope has 1 before"):
         assign_streams(_marked_program(2), form="pipelined")
+    # The ops after it: only the loop's end is there (nothing follows it).
+    with pytest.raises(StreamAssignmentError, match=r"counts 0 ops of the caller before it and 3 after it, but its scope has 1 before and 0 after"):
+        assign_streams(_marked_program(0, 3), form="pipelined")
