@@ -31,7 +31,7 @@ and the summary says which ran and which did not, and why.
    before, after), so before and after come from one run;
 3. `training`: `bench_training.py --plans tp,sp` (Llama MLP and attention
    projections, tensor-parallel and sequence-parallel: hostir.parallel,
-   torch TP, torch async-TP) at world size 2, and 4 where 4 GPUs are seen;
+   torch TP, torch async-TP) at `--ranks` ranks;
 4. `sweep`: the AG+matmul M sweep (total M 2048...32768, K 8192, N 4096):
    `auto` and the copy-engine ring, eager and replayed, beside GEMM alone,
    sequential and torch's fused op, with its plot;
@@ -308,18 +308,18 @@ def part_host(b: Bench) -> None:
 
 
 def part_training(b: Bench) -> None:
-    for n in [b.ranks]:
-        program = [
-            sys.executable,
-            "tools/bench_training.py",
-            "--plans",
-            "tp,sp",
-            "--out-dir",
-            str(b.dir("training")),
-            "--tag",
-            f"np{n}",
-        ] + (["--cpu"] if b.cpu else [])
-        b.step(f"training_np{n}", "training", b.launch(n, program), b.env())
+    n = b.ranks
+    program = [
+        sys.executable,
+        "tools/bench_training.py",
+        "--plans",
+        "tp,sp",
+        "--out-dir",
+        str(b.dir("training")),
+        "--tag",
+        f"np{n}",
+    ] + (["--cpu"] if b.cpu else [])
+    b.step(f"training_np{n}", "training", b.launch(n, program), b.env())
 
 
 def part_sweep(b: Bench) -> None:

@@ -21,29 +21,13 @@ import cProfile
 import io
 import pathlib
 import pstats
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _host_us(call, device, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        _sync(device)
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    _sync(device)
-    return statistics.median(times) * 1e6
+from bench_host_overhead import _sync, build_chain, time_runs  # noqa: E402
 
 
 def _case(args):
@@ -51,10 +35,8 @@ def _case(args):
     from hostir import communicator, overlap
 
     if args.case == "stream_loop":
-        import bench_host_overhead as bho
-
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        fd = bho.build_chain(16, stream_parallel=True)
+        fd = build_chain(16, stream_parallel=True)
         x = torch.randn(8, 8, device=device)
         return (lambda: fd.execute([x], number_of_streams=4, evaluator="python")), device, 0, None
     cuda = torch.cuda.is_available()
@@ -95,9 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args(argv)
     call, device, rank, comm = _case(args)
-    for _ in range(20):
-        call()
-    plain = _host_us(call, device, args.iters)
+    plain = time_runs(call, device, args.iters, warmup=20)
     profile = cProfile.Profile()
     for _ in range(args.iters):
         _sync(device)
