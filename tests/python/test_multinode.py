@@ -296,7 +296,10 @@ def check_suite(output: str, ranks: int, context: str) -> None:
         assert rank_counts.get("passed", 0) > 0, f"no passed tests: {counts}\n{context}"
         bad = {k: v for k, v in rank_counts.items() if k in ("failed", "error", "errors", "xpassed", "skipped")}
         assert not bad, f"{bad} on some rank: {counts}\n{context}"
-    assert all(c == counts[0] for c in counts), counts
+    # Every rank ran the same tests with the same outcomes; how many warnings
+    # a rank's run raised (a timing-dependent one of torch's) may differ.
+    outcomes = [{k: v for k, v in c.items() if k != "warnings"} for c in counts]
+    assert all(o == outcomes[0] for o in outcomes), counts
     assert not re.search(r"^(FAILED|ERROR) ", output, re.MULTILINE), context
 
 
