@@ -133,6 +133,7 @@ Instr instr(int opcode, const py::dict& f) {
   i.shape = field(f, "shape", std::vector<int>{});
   i.zero_init = field(f, "zero_init", false);
   i.symmetric = field(f, "symmetric", false);
+  i.accumulate = field(f, "accumulate", false);
   i.parts = field(f, "parts", -1);
   i.equal = field(f, "equal", false);
   i.kind = field(f, "kind", std::string());

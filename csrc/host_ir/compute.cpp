@@ -339,6 +339,30 @@ void reduction(Run& run, const Instr& ins) {
       });
 }
 
+// `out += a @ b` on the bound output, which holds the product's elements
+// in its order (its runtime layout may add size-1 dims): with a 2-D `b`,
+// one GEMM with beta = 1 (`a`'s leading dims folded into its rows), the sum
+// rounded once; fusion_ops.py's `_accumulate` does the same.
+void accumulate(Run& run, const Instr& ins, const at::Tensor& a, const at::Tensor& b, bool refused) {
+  HOSTIR_CHECK(!refused, "a linear that accumulates into its output takes a 2-D weight and no bias");
+  const at::Tensor* bound = run.maybeTensor(ins.out);
+  HOSTIR_CHECK(bound != nullptr, "an op adds its product to an output that is not bound");
+  at::Tensor out = *bound;
+  if (b.dim() == 2) {
+    at::Tensor rows = a.reshape({-1, a.size(-1)});
+    HOSTIR_CHECK(
+        out.numel() == rows.size(0) * b.size(1),
+        "a product of ", rows.size(0), " x ", b.size(1), " does not fit its output of shape ", out.sizes());
+    out.view({rows.size(0), b.size(1)}).addmm_(rows, b);
+    return;
+  }
+  at::Tensor product = at::matmul(a, b);
+  HOSTIR_CHECK(
+      product.numel() == out.numel(),
+      "a product of shape ", product.sizes(), " does not fit its output of shape ", out.sizes());
+  out.add_(product.view(out.sizes()));
+}
+
 void matmulOrLinear(Run& run, const Instr& ins) {
   at::Tensor a = viewed(ins, 0, fullRank(run.tensor(ins.a), ins.a_dim));
   at::Tensor b = viewed(ins, 1, fullRank(run.tensor(ins.b), ins.b_dim));
@@ -347,6 +371,10 @@ void matmulOrLinear(Run& run, const Instr& ins) {
     bias = viewed(ins, 2, fullRank(run.tensor(ins.bias), ins.bias_dim));
   }
   bool linear = ins.op == Opcode::kLinear;
+  if (ins.accumulate) {
+    accumulate(run, ins, a, linear ? b.t() : b, linear && (bias.has_value() || b.dim() > 2));
+    return;
+  }
   if (linear && b.dim() > 2) {
     // A weight [*W, N, K]: linear on [W*N, K], the result unflattened
     // to [..., *W, N]; the bias is [*W, N] or a trailing part of it.

@@ -235,6 +235,8 @@ struct Instr {
   int a_dim = -1;
   int b_dim = -1;
   int bias_dim = -1;
+  // Matmul and linear: add the product to the bound output (beta = 1).
+  bool accumulate = false;
   // Loops: index slot, start/stop nodes, end of body, slots to unbind.
   int index = -1;
   int start = -1;

@@ -40,6 +40,9 @@ class Expr:
             v = getattr(self, f)
             if v is not None:
                 vals.append(v)
+        if getattr(self, "accumulate", False):
+            # It adds its result to what its output holds: it reads it too.
+            vals += self.outputs()
         return vals
 
     def outputs(self) -> list:
@@ -178,6 +181,11 @@ class MatmulOp(Expr):
     # each rank's partial sums over its piece of a sharded K: a `sum` over it
     # then reduces across ranks. None for a whole result.
     partial: IterDomain | None = None
+    # Add the product to what the bound `out` holds (the GEMM's beta = 1)
+    # instead of overwriting it: a decomposition's reduction of two
+    # partials riding in the GEMM (`decompose_device_axis`); never a
+    # user's op.
+    accumulate: bool = False
     INPUTS = ("a", "b")
     OUTPUTS = ("out",)
 
@@ -210,6 +218,8 @@ class LinearOp(Expr):
     # As in MatmulOp: the axis of `out` holding partial sums, or None.
     # A partial result leaves the bias to the op that completes the sum.
     partial: IterDomain | None = None
+    # As in MatmulOp: add the product to what the bound `out` holds.
+    accumulate: bool = False
     INPUTS = ("input", "weight", "bias")
     OUTPUTS = ("out",)
 

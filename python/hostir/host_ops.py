@@ -61,7 +61,11 @@ class ForLoop(Expr):
     `caller_after`: how many ops right after it compute the rank's own
     chunk from none of the loop's communications (a reduce ring's local
     partial): the caller runs them once each iteration's compute is
-    queued, before the iterations' communications end."""
+    queued, before the iterations' communications end. The last of them
+    may be a loop over the same iterations that `joins_workers`: each of
+    its iterations first waits for that iteration's worker (a reduce
+    ring's local GEMM that adds the peer's partial as it lands), and it
+    is the stream loop's join."""
 
     index: Scalar
     start: Scalar
@@ -72,6 +76,7 @@ class ForLoop(Expr):
     stream_parallel: bool = False
     caller_ops: int = 0
     caller_after: int = 0
+    joins_workers: bool = False
     INPUTS = ("start", "stop")
 
 

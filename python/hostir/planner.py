@@ -332,10 +332,11 @@ def _schedule(fusion, inputs, comm, asked, device, runs_on: Callable[[str, int],
     if not decomposable(fusion):
         return None
     D = comm.world_size
-    rows, k, n, itemsize = shape_hint(fusion, inputs, D)
+    reduce = _reduce_hint(fusion, inputs, D)
+    rows, k, n, itemsize = reduce or _gather_hint(fusion, inputs, D)
     backend = backends.of_process_group(comm.backend).name
     p2p = p2p_reason(comm, device)
-    return choose(model_for(comm), D, rows, k, n, itemsize, p2p, backend, runs_on, replay)
+    return choose(model_for(comm), D, rows, k, n, itemsize, p2p, backend, runs_on, replay, reduce is not None)
 
 
 def _forced(asked, comm, device) -> Schedule:
@@ -362,6 +363,7 @@ def choose(
     backend: str,
     runs_on: Callable[[str, int], str] | None = None,
     replay: bool = False,
+    reduce: bool = False,
 ) -> Schedule:
     """The schedule for a gather or reduce side of `rows` x `k` shards per
     rank (times an n-wide weight), on D ranks: the fastest predicted of the
@@ -369,7 +371,9 @@ def choose(
     engine (where `p2p` is None, else why not) and on `backend`, each for
     the runner that will run it (`runs_on(transport, chunks)`; by default
     the C++ executor where the support table has a path), and whether the
-    call is replayed from a CUDA graph. Ties go to the simpler program."""
+    call is replayed from a CUDA graph; `reduce`: the reduce side (GEMM+RS,
+    whose ring sums the slots unless it adds the peer's partial in its
+    GEMM). Ties go to the simpler program."""
     if runs_on is None:
         runs_on = lambda transport, chunks: runner_of("cpp", transport, chunks)  # noqa: E731
     why = "" if p2p is None else f"no P2P: {p2p}"
@@ -384,7 +388,7 @@ def choose(
             if rows % chunks:
                 continue
             runner = runs_on(transport, chunks)
-            t = machine.predict_ms(model, D, rows, k, n, itemsize, "ring", chunks, transport, runner, replay)
+            t = machine.predict_ms(model, D, rows, k, n, itemsize, "ring", chunks, transport, runner, replay, reduce)
             candidates.append((t, "ring", chunks, transport))
     mode = "replayed" if replay else "eager"
     listed = ", ".join(
@@ -442,9 +446,14 @@ def shape_hint(fusion, inputs, D: int) -> tuple[int, int, int, int]:
     """(rows, k, n, itemsize) of one shard's GEMM, from the sharded input
     with the most elements (rows x k per peer) and the other inputs'
     last axis (n)."""
-    # A row-parallel product walking its output's scattered axis (GEMM+RS):
-    # each step multiplies a D-th of the walked operand's rows by its K
-    # piece and moves the partial sums, rows x N.
+    return _reduce_hint(fusion, inputs, D) or _gather_hint(fusion, inputs, D)
+
+
+def _reduce_hint(fusion, inputs, D: int) -> tuple[int, int, int, int] | None:
+    """A row-parallel product walking its output's scattered axis (GEMM+RS):
+    each step multiplies a D-th of the walked operand's rows by its K piece
+    and moves the partial sums, rows x N: (rows, N, K, itemsize), the moved
+    width where `shape_hint` puts k. None for a gather side."""
     graph = axis_graph.IdGraph(fusion.exprs, broadcast=True)
     position = {id(tv): i for i, tv in enumerate(fusion.inputs)}
     for e in fusion.exprs:
@@ -458,6 +467,10 @@ def shape_hint(fusion, inputs, D: int) -> tuple[int, int, int, int]:
         w = inputs[position[id(other)]] if id(other) in position else None
         n = (w.shape[-2] if isinstance(e, ir.LinearOp) else w.shape[-1]) if w is not None and w.dim() >= 2 else k
         return rows, n, k, t.element_size()
+    return None
+
+
+def _gather_hint(fusion, inputs, D: int) -> tuple[int, int, int, int]:
     # The input a `set` gathers walking a stream axis, where the fusion
     # writes one (a sequence-parallel activation, smaller than the weight).
     walked = {e.input for e in fusion.exprs if isinstance(e, ir.Set) and e.out.stream_axes()}

@@ -68,7 +68,8 @@ def _reduction(e: ir.ReductionOp, pad):
 
 
 def _partial(e) -> str:
-    return "" if e.partial is None else f", partial = {format_id(e.partial)}"
+    text = "" if e.partial is None else f", partial = {format_id(e.partial)}"
+    return text + (", accumulate = true" if e.accumulate else "")
 
 
 def _matmul(e: ir.MatmulOp, pad):
@@ -156,6 +157,8 @@ def _for(e: ir.ForLoop, pad):
         if e.caller_after:
             caller += f"{' and' if e.caller_ops else ' while the caller runs'} the {e.caller_after} ops after it"
         notes.append(f"on worker streams{caller}")
+    if e.joins_workers:
+        notes.append("each iteration after its worker's")
     if notes:
         head = f"{head[:-1]} ({'; '.join(notes)}):"
     lines = [head]

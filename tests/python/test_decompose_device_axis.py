@@ -340,6 +340,33 @@ def test_the_prediction_follows_the_device_then_the_host():
         assert (python - call > replayed) == (rows == 512)
 
 
+def test_the_reduce_rings_sum_over_its_slots_costs_unless_the_gemm_adds_the_peers_partial():
+    # The 2-GPU matmul+RS: 8192 rows a peer, N 8192, K 4096 a rank.
+    args = dict(D=2, rows=8192, k=8192, n=4096, itemsize=2, kind="ring", transport="cuda", replay=True)
+    summed = H100ISH.local_ms(3 * 8192 * 8192 * 2)
+    assert 0.2 < summed < 0.4  # 0.27 ms measured on 2 x H100
+    one = machine.predict_ms(H100ISH, chunks=1, **args)
+    assert machine.predict_ms(H100ISH, chunks=1, reduce=True, **args) == pytest.approx(one + summed)
+    for chunks in (2, 4):
+        assert machine.fuses_reduction(2, chunks)
+        gather = machine.predict_ms(H100ISH, chunks=chunks, **args)
+        assert machine.predict_ms(H100ISH, chunks=chunks, reduce=True, **args) == gather
+    # At 4 ranks every chunking sums its 4 slots.
+    four = dict(args, D=4)
+    assert not machine.fuses_reduction(4, 2)
+    assert machine.predict_ms(H100ISH, chunks=2, reduce=True, **four) == pytest.approx(
+        machine.predict_ms(H100ISH, chunks=2, **four) + H100ISH.local_ms(5 * 8192 * 8192 * 2)
+    )
+    # So the planner takes a chunked ring for the reduce side at 2 ranks,
+    # whose program adds the partial in the GEMM, eager and replayed.
+    for replay in (False, True):
+        s = planner.choose(H100ISH, D=2, rows=8192, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
+                           replay=replay, reduce=True)
+        assert s.decomposition == "ring" and s.chunks > 1 and s.transport == "cuda", s.note
+        program = str(_program(overlap.matmul_reduce_scatter(2), s, backend="NCCL").program)
+        assert "sum in the local GEMM" in program and "accumulate = true" in program, program
+
+
 @pytest.mark.parametrize("schedule", [
     Schedule("sequential"), Schedule("ring", 1, 1, "gloo"), Schedule("ring", 2, 1, "gloo"),
     Schedule("ring", 1, 1, "cuda"), Schedule("ring", 2, 1, "cuda"),

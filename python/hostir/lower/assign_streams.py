@@ -19,7 +19,11 @@ end of its iteration, in one of two forms (`form`):
                  loop's `caller_after` ops (a reduce ring's local partial)
                  run on the caller after each iteration's compute, while
                  the iterations' communications go on; the caller waits
-                 for every worker after them.
+                 for every worker after them; where the last of them is
+                 a loop that `joins_workers` (the reduce ring that adds
+                 the peer's partial in its local GEMM), each of its
+                 iterations waits for that iteration's worker first, and
+                 it is the join.
   per_iteration  each iteration captures the caller's stream and its worker
                  waits for it (the reference PR's form); the rank's own
                  chunk runs before the loop.
@@ -71,6 +75,12 @@ def _assign(container: HostIrContainer, exprs: list, form: str) -> list[ir.Expr]
             loop = e.replace(body=_assign(container, e.body, form), stream_parallel=False, caller_ops=0, caller_after=0)
             if form == "per_iteration":
                 new.append(_per_iteration(container, loop))
+                # Its iterations end with the caller waiting for their
+                # worker: a loop after it that joins them waits for nothing.
+                rest[: e.caller_after] = [
+                    x.replace(joins_workers=False) if isinstance(x, ir.ForLoop) and x.joins_workers else x
+                    for x in rest[: e.caller_after]
+                ]
                 continue
             if e.caller_ops > len(new) or e.caller_after > len(rest):
                 raise StreamAssignmentError(
@@ -156,9 +166,22 @@ def _pipelined(
             ir.SetCurrentStream(caller),
         ]
     )
+    back = [ir.SetCurrentStream(caller)] if own else []
+    tail = after[-1]
+    if isinstance(tail, ir.ForLoop) and tail.joins_workers:
+        # The last op after the loop walks its iterations, each after its
+        # worker's (the reduce ring's local GEMM adding the peer's partial):
+        # it is the join.
+        walks = [printer.format_scalar(x) for x in (tail.start, tail.stop, loop.start, loop.stop)]
+        if walks[:2] != walks[2:]:
+            raise StreamAssignmentError(
+                f"the loop `{printer.format_expr_head(tail)}` joins the workers of "
+                f"`{printer.format_expr_head(loop)}` but walks other iterations"
+            )
+        join = tail.replace(body=[ir.Synchronize(_worker(container, tail.index)), *tail.body], joins_workers=False)
+        return [ir.GetCurrentStream(caller), sync, *back, *own, work, *after[:-1], join]
     join_index = ir.Scalar(label="StreamIdx")
     join = loop.replace(index=join_index, body=[ir.Synchronize(_worker(container, join_index))], schedule=None)
-    back = [ir.SetCurrentStream(caller)] if own else []
     return [ir.GetCurrentStream(caller), sync, *back, *own, work, *after, join]
 
 

@@ -32,7 +32,12 @@ are its `caller_ops` or `caller_after` (the streams are written by
               last into its own slot, on the caller's stream while the
               peers' partials move (the loop's `caller_after`); one reduction over the slots (fp32
               accumulation inside torch's reduction, one rounding, no fp32
-              copy of a partial).
+              copy of a partial). With one peer and chunks
+              (`fuses_reduction`), no reduction: each arrived chunk is
+              copied into this rank's piece of the result on its worker,
+              and the local chunk's GEMM adds its product to it (beta = 1,
+              one rounding) in a loop after the steps that waits for each
+              step's worker in turn (`ForLoop.joins_workers`).
   collective  gather: iteration i broadcasts shard i from rank i;
               reduce: iteration i computes partial i and reduces it onto
               rank i.
@@ -60,6 +65,7 @@ from __future__ import annotations
 from hostir import axis_graph, backends, ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
+from hostir.kinds import ReductionKind
 from hostir.lower.propagate_shardings import is_resharding
 from hostir.lower.record import ChunkedAxis
 from hostir.lower.schedule import Schedule
@@ -220,6 +226,15 @@ def _outermost(tv: ir.TensorView, axis: ir.IterDomain) -> bool:
         if not (d.extent.is_constant and d.extent.value == 1):
             return False
     return True
+
+
+def fuses_reduction(D: int, chunks: int) -> bool:
+    """Whether a reduce ring of D ranks and `chunks` per peer adds the
+    peer's partial in its local GEMM instead of summing its slots after the
+    last arrival (where the sum is a matmul's or a linear's, without bias,
+    over slots of the result's dtype, the walked axis outermost): with one
+    peer, and chunks for the local GEMM to wait for one at a time."""
+    return D == 2 and chunks > 1
 
 
 # ---------------------------------------------------------------- building
@@ -653,6 +668,25 @@ class _Builder:
         for e in pre:
             self.c.push_back(e)
         d = self.schedule.direction
+        # With one peer and chunks, the peer's partial is added in the
+        # local GEMM: each arrived chunk is copied into this rank's piece of
+        # y on its worker, and the local chunk's GEMM adds its product to
+        # it (beta = 1), after the arrival, in a loop that waits for each
+        # step's worker in turn: no reduction over the slots.
+        last_op = group[-1]
+        fused = (
+            fuses_reduction(D, parts)
+            and red.kind is ReductionKind.sum
+            and not reordered
+            and c.dtype == y.dtype
+            and isinstance(last_op, (ir.MatmulOp, ir.LinearOp))
+            and getattr(last_op, "bias", None) is None
+        )
+        acc = None
+        if fused:
+            # This rank's piece of y, viewed with its slot's axes.
+            acc = self._like(mine_slot, {x: self._clone(x) for x in mine_slot.domain}, memory=ir.MemoryType.global_)
+            self.c.mark_alias(y, acc)
 
         def body_of(index):
             body: list = []
@@ -667,7 +701,23 @@ class _Builder:
                 recv = self._chunk(body, recv, self._axis_of(recv, row_ref), chunk, parts)
                 into = self._chunk(body, mine_slot, self._axis_of(mine_slot, row_ref), chunk, parts)
             self._exchange(body, partial, self._rank_at(to, first), recv, self._rank_at(frm, first), into)
+            if fused:
+                body.append(ir.Set(self._chunk(body, acc, self._axis_of(acc, row_ref), chunk, parts), recv))
             return body
+
+        if fused:
+            index = ir.Scalar(label="StreamIdx")
+            body: list = []
+            _, chunk = self._step_and_chunk(index)
+            piece = self._chunk(body, acc, self._axis_of(acc, row_ref), chunk, parts)
+            self._ops_on(body, group, s, pos, chunk, row_ref, {c: piece})
+            body[-1] = body[-1].replace(accumulate=True)
+            epilogue = ir.ForLoop(
+                index, ir.Scalar.constant(parts), ir.Scalar.constant(D * parts), body, joins_workers=True
+            )
+            head = f"{self._head('ring')}, sum in the local GEMM"
+            self._pipeline(parts, D * parts, body_of, head, local_last=[epilogue], own_last=1)
+            return
 
         # The local partial last, straight into its slot, while the last pieces move.
         last: list = []

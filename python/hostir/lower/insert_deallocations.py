@@ -19,7 +19,8 @@ and after any stream joins that follow it (a loop of only `Synchronize`s),
 on the caller's stream, which by then has waited for every worker stream,
 so the buffer is never released while a worker may still use it (after a
 loop whose iterations end without the caller waiting for their worker, a
-reduce ring's, past the join loop further on). A buffer bound inside a
+reduce ring's, past the join loop further on, which may run the ring's
+local GEMM after each wait). A buffer bound inside a
 loop body is used on that iteration's stream only and is freed there.
 
     T1 = ALLOCATE(...)               T1 = ALLOCATE(...)
@@ -94,13 +95,26 @@ def _leaves_workers(e: ir.Expr) -> bool:
     )
 
 
+def _joins_each(e: ir.Expr) -> bool:
+    """A loop each of whose iterations first waits for a worker stream
+    (the reduce ring's local GEMM that adds the peer's partial)."""
+    return isinstance(e, ir.ForLoop) and bool(e.body) and isinstance(e.body[0], ir.Synchronize)
+
+
 def _past_joins(body: list[ir.Expr], i: int) -> int:
     """The index after which to free a buffer last used at `i`: past the
     stream joins that follow, so the caller's stream has waited for the
     workers that used it (for a loop that leaves its workers running, past
-    the join loop further on)."""
+    the join loop further on, which may do work after each wait)."""
     if _leaves_workers(body[i]):
-        i = next((j for j in range(i + 1, len(body)) if isinstance(body[j], ir.ForLoop) and _is_join(body[j])), i)
+        i = next(
+            (
+                j
+                for j in range(i + 1, len(body))
+                if isinstance(body[j], ir.ForLoop) and (_is_join(body[j]) or _joins_each(body[j]))
+            ),
+            i,
+        )
     while i + 1 < len(body) and _is_join(body[i + 1]):
         i += 1
     return i

@@ -587,6 +587,7 @@ def _matmul(cc, e) -> None:
         a_dim=cc.unsqueeze_dim(e.a),
         b=cc.tensor(e.b),
         b_dim=cc.unsqueeze_dim(e.b),
+        **({"accumulate": True} if e.accumulate else {}),
         **cc.layouts(e, [e.a, e.b], full_rank=True),
     )
 
@@ -604,6 +605,7 @@ def _linear(cc, e) -> None:
         b_dim=cc.unsqueeze_dim(e.weight),
         bias=-1 if e.bias is None else cc.tensor(e.bias),
         bias_dim=-1 if e.bias is None else cc.unsqueeze_dim(e.bias),
+        **({"accumulate": True} if e.accumulate else {}),
         **cc.layouts(e, [e.input, e.weight] + ([] if e.bias is None else [e.bias]), full_rank=True),
     )
 

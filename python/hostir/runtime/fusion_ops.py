@@ -43,8 +43,10 @@ def _local_slices(e: ir.Expr, source: dict) -> dict[int, list]:
             fields[f] = w
         back.setdefault(id(w), v)
     partial = getattr(e, "partial", None)
-    if fields and partial is not None:
-        # A chunk of partial sums: the decomposition already cut its operands.
+    if fields and (partial is not None or getattr(e, "accumulate", False)):
+        # A chunk of partial sums, or a product a reduce ring adds into
+        # this rank's piece of its result: the decomposition already cut
+        # its operands.
         return {}
     whole = e.replace(**fields) if fields else e
     found: dict[int, list] = {}
@@ -187,7 +189,33 @@ def _full_rank_out(frame: Frame, e) -> tuple[torch.Tensor | None, Callable]:
 def _matmul(frame: Frame, e: ir.MatmulOp) -> None:
     a = _operand(frame, e, e.a, full_rank=True)
     b = _operand(frame, e, e.b, full_rank=True)
+    if e.accumulate:
+        _accumulate(frame, e, a, b)
+        return
     _store(frame, e, lambda: torch.matmul(a, b), lambda out: torch.matmul(a, b, out=out), full_rank=True)
+
+
+def _accumulate(frame: Frame, e, a: torch.Tensor, b: torch.Tensor) -> None:
+    """`out += a @ b` on the bound output, which holds the product's
+    elements in its order (its runtime layout may add size-1 dims): with a
+    2-D `b`, one GEMM with beta = 1 (`a`'s leading dims folded into its
+    rows, as torch.matmul folds them), the sum rounded once. The C++
+    executor's `matmulOrLinear` does the same."""
+    out = frame.get(e.out, None)
+    if out is None:
+        raise BindingError(f"T{e.out.name} must be bound before an op adds its product to it")
+    if b.dim() == 2:
+        rows = a.reshape(-1, a.shape[-1])
+        if out.numel() != rows.shape[0] * b.shape[1]:
+            raise BindingError(
+                f"a product of shape {[rows.shape[0], b.shape[1]]} does not fit T{e.out.name} of shape {list(out.shape)}"
+            )
+        out.view(rows.shape[0], b.shape[1]).addmm_(rows, b)
+        return
+    product = torch.matmul(a, b)
+    if product.numel() != out.numel():
+        raise BindingError(f"a product of shape {list(product.shape)} does not fit T{e.out.name} of shape {list(out.shape)}")
+    out.add_(product.view(out.shape))
 
 
 @impl(ir.LinearOp)
@@ -195,6 +223,11 @@ def _linear(frame: Frame, e: ir.LinearOp) -> None:
     x = _operand(frame, e, e.input, full_rank=True)
     w = _operand(frame, e, e.weight, full_rank=True)
     bias = None if e.bias is None else _operand(frame, e, e.bias, full_rank=True)
+    if e.accumulate:
+        if bias is not None or w.dim() > 2:
+            raise BindingError(f"a linear that accumulates into T{e.out.name} takes a 2-D weight and no bias")
+        _accumulate(frame, e, x, w.t())
+        return
     if w.dim() > 2:
         # A weight [*W, N, K]: torch's linear on [W*N, K], unflattened.
         fresh = lambda: linear_nd(x, w, bias)  # noqa: E731

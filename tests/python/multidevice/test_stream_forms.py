@@ -20,13 +20,14 @@ from hostir.runtime.streams import streams_for
 
 FORMS = ["pipelined", "per_iteration"]
 RUNS = [(sched, "python") for sched in ("ring", "ring:direction=-1", "ring:chunks=2", "collective")]
-# The C++ executor runs the gather rings of one chunk per peer (it has no
-# instruction for a chunk of a slice or a root chosen at run time, and
-# does not compute on sharded axes, as the reduce side's slots do).
+# The C++ executor runs the rings (not the collective form, whose roots
+# are chosen at run time); the reduce rings of two chunks per peer at two
+# ranks add the peer's partial in the local GEMM.
 CPP_RUNS = [("ring", "cpp"), ("ring:direction=-1", "cpp")]
+CPP_REDUCE_RUNS = [("ring", "cpp"), ("ring:chunks=2", "cpp")]
 
 
-def _run(fd, inputs, world, device, sched, form, evaluator, pipelined_loops=2):
+def _run(fd, inputs, world, device, sched, form, evaluator, pipelined_loops=2, iteration_loops=1):
     if evaluator == "cpp" and not cpp.available():
         # Every rank skips alike: the build is the same on every rank.
         pytest.skip("the C++ executor is not built")
@@ -35,7 +36,7 @@ def _run(fd, inputs, world, device, sched, form, evaluator, pipelined_loops=2):
     program = lowered.program
     text = str(program)
     loops = text.count("FOR StreamIdx")
-    assert loops == (pipelined_loops if form == "pipelined" else 1), text
+    assert loops == (pipelined_loops if form == "pipelined" else iteration_loops), text
     assert "on worker streams" not in text, text
     communicator = hostir.communicator.get()
     communicator.ensure_groups(lowered.teams)
@@ -62,14 +63,20 @@ def test_allgather_matmul_in_each_form(world, device, sched, form, evaluator):
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("sched, evaluator", RUNS)
+@pytest.mark.parametrize("sched, evaluator", RUNS + CPP_REDUCE_RUNS)
 def test_matmul_reduce_scatter_in_each_form(world, device, sched, form, evaluator):
     D, m, k, N = world.size, 4, 3, 5
     fd = overlap.matmul_reduce_scatter(D)
     A, B = _rand_int([D * m, D * k], device), _rand_int([D * k, N], device)
     inputs, expected = overlap.matmul_reduce_scatter_inputs(A, B, D, world.rank)
     # A reduce ring's pipelined form ends with a loop joining its workers
-    # (the local partial runs on the caller before it).
+    # (the local partial runs on the caller before it). With one peer and
+    # chunks, that loop adds each arrived chunk in the local GEMM, after
+    # its worker's: a loop in the per-iteration form too.
     loops = 3 if sched.startswith("ring") else 2
-    out = _run(fd, inputs, world, device, sched, form, evaluator, loops)
+    fused = D == 2 and "chunks=2" in sched
+    out = _run(fd, inputs, world, device, sched, form, evaluator, loops, 2 if fused else 1)
+    text = str(lower(fd.fusion, rank=world.rank, backend="gloo", schedule=parse(sched), stream_form=form).program)
+    assert ("accumulate = true" in text) == fused, text
+    assert ("reduction(" in text) == (sched.startswith("ring") and not fused), text
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
