@@ -226,21 +226,6 @@ def classify_error(
 
 
 _generation = itertools.count()
-
-# Whether this process has made an NCCL process group. torch 2.11's
-# ProcessGroupNCCL::split reads past an empty vector (a SIGSEGV on every
-# rank) where the default group is not the process's first NCCL group, as
-# after a communicator is shut down and made again (pytorch/pytorch#192109,
-# fixed after 2.11): `init_device_mesh` splits the default group when it has
-# a device bound. So only a process's first NCCL default group binds its
-# device (eager NCCL init, splits); a later one stays unbound, and torch
-# makes a mesh's groups with `new_group` instead.
-_nccl_made = False
-
-
-def _binds_device(backend: str) -> bool:
-    """Whether a default group of `backend` made now binds its device."""
-    return backend == "nccl" and not _nccl_made
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
 class Communicator:
@@ -347,16 +332,13 @@ class Communicator:
             where = "the torchrun agent's store" if _launcher_store() else f"{self.master_addr}:{self.master_port}"
             _await_ranks(store, self.launch, self.timeout, where, whole)
         self.store = store
-        global _nccl_made
-        bind = _binds_device(self.backend)
-        _nccl_made = _nccl_made or self.backend == "nccl"
         dist.init_process_group(
             backend=_PG_BACKEND[self.backend],
             store=store,
             rank=self.rank,
             world_size=self.world_size,
             timeout=timedelta(seconds=self.timeout),
-            device_id=self.device if bind else None,
+            device_id=self.device if self.backend == "nccl" else None,
         )
 
     def _check_default_group(self) -> None:
@@ -373,8 +355,6 @@ class Communicator:
         # members in the team's order; elsewhere in sorted order. Either way
         # `group_order` says which, and the evaluator follows it.
         extra = {"sort_ranks": False} if _NEW_GROUP_SORTS else {}
-        global _nccl_made
-        _nccl_made = _nccl_made or "nccl" in backend
         group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=self.timeout), backend=backend, **extra)
         self._created.append(group)
         return group

@@ -579,14 +579,3 @@ def test_taken_rendezvous_port_is_named(tmp_path):
     # The listener accepts but never answers: rank 1 must still give up.
     assert reports[1]["error"] == "LaunchError", reports[1]
     assert f"127.0.0.1:{port}" in reports[1]["message"]
-
-
-def test_only_a_processs_first_nccl_default_group_binds_its_device(monkeypatch):
-    # torch 2.11's ProcessGroupNCCL::split crashes where the default group is
-    # not the process's first NCCL group (a communicator shut down and made
-    # again); an unbound default group makes `init_device_mesh` use new_group.
-    monkeypatch.setattr(communicator, "_nccl_made", False)
-    assert communicator._binds_device("nccl")
-    assert not communicator._binds_device("gloo")
-    monkeypatch.setattr(communicator, "_nccl_made", True)
-    assert not communicator._binds_device("nccl")
