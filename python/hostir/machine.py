@@ -328,7 +328,7 @@ communicator.on_creation(_agree_on_creation)
 
 def predict_ms(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize: int, kind: str,
                chunks: int = 1, transport: str = "NCCL", runner: str = "cpp", replay: bool = False,
-               reduce: bool = False) -> float:
+               reduce: bool = False, fusable: bool = True) -> float:
     """The predicted time of one call, in ms. Replayed: the device's time
     (or the replay's launch, if longer). Eager: the runner's host time per
     call that no device work hides, then the device's time, or the host's
@@ -336,7 +336,8 @@ def predict_ms(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize:
     device runs them. `kind`: "sequential" or "ring" with `chunks` per peer
     on `transport`; `reduce`: the reduce side, whose ring sums its D slots
     of rows x k partials after the last arrival unless it adds the peer's
-    partial in the local GEMM (`fuses_reduction`)."""
+    partial in the local GEMM (`fuses_reduction`, where the program is
+    `fusable`)."""
     gemm = model.gemm_ms(2.0 * rows * k * n)  # one shard's GEMM
     if kind == "sequential":
         device = (D - 1) * model.move_ms(rows * k * itemsize, False) + D * gemm
@@ -352,7 +353,7 @@ def predict_ms(model: MachineModel, D: int, rows: int, k: int, n: int, itemsize:
         # The local GEMM hides the first transfer, each later GEMM the next.
         device = gemm * slowdown + steps * max(piece, move) + steps * model.step_us * 1e-3
         last = piece
-        if reduce and not fuses_reduction(D, chunks):
+        if reduce and not (fusable and fuses_reduction(D, chunks)):
             summed = model.local_ms((D + 1) * rows * k * itemsize)
             device += summed
             last += summed

@@ -332,11 +332,25 @@ def _schedule(fusion, inputs, comm, asked, device, runs_on: Callable[[str, int],
     if not decomposable(fusion):
         return None
     D = comm.world_size
-    reduce = _reduce_hint(fusion, inputs, D)
-    rows, k, n, itemsize = reduce or _gather_hint(fusion, inputs, D)
+    scattered = _reduce_hint(fusion, inputs, D)
+    rows, k, n, itemsize = scattered or _gather_hint(fusion, inputs, D)
+    summed = scattered is None and _sums_over_ranks(fusion)
+    if summed:
+        # Partial sums summed over the ranks (matmul+RS): a step moves
+        # rows x N partials, where shape_hint's k is the rows' K piece.
+        k, n = n, k
     backend = backends.of_process_group(comm.backend).name
     p2p = p2p_reason(comm, device)
-    return choose(model_for(comm), D, rows, k, n, itemsize, p2p, backend, runs_on, replay, reduce is not None)
+    side = "reduce" if summed else "reduce_slots" if scattered is not None else "gather"
+    return choose(model_for(comm), D, rows, k, n, itemsize, p2p, backend, runs_on, replay, side)
+
+
+def _sums_over_ranks(fusion) -> bool:
+    """Whether `fusion` reduces partial sums walked as a stream axis into a
+    sharded result (matmul+RS: the reduce side a decomposition rings)."""
+    return any(
+        isinstance(e, ir.ReductionOp) and e.input.stream_axes() and e.out.device_axes() for e in fusion.exprs
+    )
 
 
 def _forced(asked, comm, device) -> Schedule:
@@ -363,7 +377,7 @@ def choose(
     backend: str,
     runs_on: Callable[[str, int], str] | None = None,
     replay: bool = False,
-    reduce: bool = False,
+    side: str = "gather",
 ) -> Schedule:
     """The schedule for a gather or reduce side of `rows` x `k` shards per
     rank (times an n-wide weight), on D ranks: the fastest predicted of the
@@ -371,9 +385,12 @@ def choose(
     engine (where `p2p` is None, else why not) and on `backend`, each for
     the runner that will run it (`runs_on(transport, chunks)`; by default
     the C++ executor where the support table has a path), and whether the
-    call is replayed from a CUDA graph; `reduce`: the reduce side (GEMM+RS,
-    whose ring sums the slots unless it adds the peer's partial in its
-    GEMM). Ties go to the simpler program."""
+    call is replayed from a CUDA graph; `side`: "gather", "reduce"
+    (matmul+RS, whose ring sums its slots unless it adds the peer's partial
+    in its GEMM: `machine.fuses_reduction`) or "reduce_slots" (a
+    sequence-parallel product's reduce-scatter, whose slots hold the walked
+    axis inside: summed at every chunking). Ties go to the simpler
+    program."""
     if runs_on is None:
         runs_on = lambda transport, chunks: runner_of("cpp", transport, chunks)  # noqa: E731
     why = "" if p2p is None else f"no P2P: {p2p}"
@@ -388,7 +405,10 @@ def choose(
             if rows % chunks:
                 continue
             runner = runs_on(transport, chunks)
-            t = machine.predict_ms(model, D, rows, k, n, itemsize, "ring", chunks, transport, runner, replay, reduce)
+            t = machine.predict_ms(
+                model, D, rows, k, n, itemsize, "ring", chunks, transport, runner, replay,
+                reduce=side != "gather", fusable=side == "reduce",
+            )
             candidates.append((t, "ring", chunks, transport))
     mode = "replayed" if replay else "eager"
     listed = ", ".join(

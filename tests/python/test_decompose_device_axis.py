@@ -361,10 +361,24 @@ def test_the_reduce_rings_sum_over_its_slots_costs_unless_the_gemm_adds_the_peer
     # whose program adds the partial in the GEMM, eager and replayed.
     for replay in (False, True):
         s = planner.choose(H100ISH, D=2, rows=8192, k=8192, n=4096, itemsize=2, p2p=None, backend="NCCL",
-                           replay=replay, reduce=True)
+                           replay=replay, side="reduce")
         assert s.decomposition == "ring" and s.chunks > 1 and s.transport == "cuda", s.note
         program = str(_program(overlap.matmul_reduce_scatter(2), s, backend="NCCL").program)
         assert "sum in the local GEMM" in program and "accumulate = true" in program, program
+    # A sequence-parallel product's slots are summed at every chunking.
+    assert machine.predict_ms(H100ISH, chunks=2, reduce=True, fusable=False, **args) == pytest.approx(
+        machine.predict_ms(H100ISH, chunks=2, **args) + summed
+    )
+
+
+def test_the_planner_plans_matmul_reduce_scatter_as_the_reduce_side_moving_n_wide_partials():
+    # M = 16 rows (8 a rank), K = 8 (4 a rank), N = 6: each step moves 8 x 6 partials.
+    fd = overlap.matmul_reduce_scatter(2)
+    inputs, _ = overlap.matmul_reduce_scatter_inputs(torch.zeros(16, 8), torch.zeros(8, 6), 2, 0)
+    assert planner._reduce_hint(fd.fusion, inputs, 2) is None
+    assert planner._sums_over_ranks(fd.fusion)
+    assert planner._gather_hint(fd.fusion, inputs, 2) == (8, 4, 6, 4)
+    assert not planner._sums_over_ranks(overlap.allgather_matmul(2).fusion)
 
 
 @pytest.mark.parametrize("schedule", [
