@@ -288,11 +288,31 @@ py::object runExecutor(
   return returned(result);
 }
 
-py::object runLogical(const Executor& executor, const std::vector<at::Tensor>& inputs, int64_t number_of_streams) {
+// `gate` (a Python callable returning a bool, or None): asked with the GIL
+// held, once, before the run's first communication. The caller keeps it
+// alive for the call (a borrowed handle: nothing here owns a reference that
+// would be dropped without the GIL); an exception it raises reads as false.
+py::object runLogical(
+    const Executor& executor,
+    const std::vector<at::Tensor>& inputs,
+    int64_t number_of_streams,
+    const py::object& gate) {
+  std::function<bool()> ask;
+  if (!gate.is_none()) {
+    py::handle callable = gate;
+    ask = [callable]() {
+      py::gil_scoped_acquire acquire;
+      try {
+        return callable().cast<bool>();
+      } catch (py::error_already_set& e) {
+        return false;
+      }
+    };
+  }
   RunResult result;
   {
     py::gil_scoped_release release;
-    result = executor.runLogical(inputs, number_of_streams);
+    result = executor.runLogical(inputs, number_of_streams, ask);
   }
   return returned(result);
 }
@@ -311,7 +331,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("device"),
           py::arg("opcodes"))
       .def("run", &hostir::runExecutor, py::arg("inputs"), py::arg("outputs"), py::arg("number_of_streams"))
-      .def("run_logical", &hostir::runLogical, py::arg("inputs"), py::arg("number_of_streams"))
+      .def(
+          "run_logical",
+          &hostir::runLogical,
+          py::arg("inputs"),
+          py::arg("number_of_streams"),
+          py::arg("gate") = py::none())
       .def("set_views", &hostir::Executor::setViews, py::arg("inputs"), py::arg("outputs"))
       .def(
           "set_window",

@@ -150,7 +150,8 @@ void Executor::setWindow(int instr, int parity, Window window) {
 RunResult Executor::run(
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs,
-    int64_t number_of_streams) const {
+    int64_t number_of_streams,
+    const std::function<bool()>& gate) const {
   // Runs without autograd, as the Python evaluator does under no_grad: no
   // result needs a history, so the ops skip the autograd layer of the
   // dispatcher altogether (the in-place and view layer still bumps
@@ -162,6 +163,7 @@ RunResult Executor::run(
   try {
     bool tracing = tracing_.load(std::memory_order_relaxed);
     Run run(program_, uses_streams_, events_, staging_, windows_, tracing);
+    run.setGate(gate);
     RunResult result = run.go(inputs, outputs, number_of_streams);
     ops_executed_.fetch_add(run.executed(), std::memory_order_relaxed);
     if (tracing) {
@@ -190,7 +192,10 @@ void Executor::setViews(
   output_views_ = std::move(outputs);
 }
 
-RunResult Executor::runLogical(const std::vector<at::Tensor>& inputs, int64_t number_of_streams) const {
+RunResult Executor::runLogical(
+    const std::vector<at::Tensor>& inputs,
+    int64_t number_of_streams,
+    const std::function<bool()>& gate) const {
   at::NoGradGuard no_grad;
   at::AutoDispatchBelowAutograd below_autograd;
   std::vector<at::Tensor> bound;
@@ -212,7 +217,7 @@ RunResult Executor::runLogical(const std::vector<at::Tensor>& inputs, int64_t nu
   } catch (const c10::Error& e) {
     return RunResult{{}, Failure{-1, {}, "BindingError", e.what_without_backtrace()}};
   }
-  RunResult result = run(bound, {}, number_of_streams);
+  RunResult result = run(bound, {}, number_of_streams, gate);
   if (result.failure) {
     return result;
   }

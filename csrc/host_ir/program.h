@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -448,7 +449,8 @@ class Executor {
   RunResult run(
       const std::vector<at::Tensor>& inputs,
       const std::vector<at::Tensor>& outputs,
-      int64_t number_of_streams) const;
+      int64_t number_of_streams,
+      const std::function<bool()>& gate = {}) const;
 
   // The views between a caller's tensors, with the fusion's logical axes,
   // and the program's runtime axes, where they differ (an empty plan: they
@@ -460,7 +462,12 @@ class Executor {
   // `run` on the caller's logical tensors, with no outputs to write into:
   // the inputs viewed with runtime axes first and the results with logical
   // axes after, as `hostir.runtime.bind.Binding` does.
-  RunResult runLogical(const std::vector<at::Tensor>& inputs, int64_t number_of_streams) const;
+  // `gate`: asked once, right before the run's first communication (see
+  // Run::setGate).
+  RunResult runLogical(
+      const std::vector<at::Tensor>& inputs,
+      int64_t number_of_streams,
+      const std::function<bool()>& gate = {}) const;
 
   const Program& program() const {
     return program_;

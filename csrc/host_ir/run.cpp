@@ -556,6 +556,7 @@ void Run::exec(const Instr& ins) {
       }
       break;
     case Opcode::kCommunication:
+      passGate();
       try {
         posted_[indexOf(ins)] = communication(ins);
       } catch (const c10::Error& e) {
@@ -567,9 +568,11 @@ void Run::exec(const Instr& ins) {
       }
       break;
     case Opcode::kP2P:
+      passGate();
       p2p(ins);
       break;
     case Opcode::kStartCoalescing:
+      passGate();
       startCoalescing(ins);
       break;
     case Opcode::kEndCoalescing:
@@ -582,6 +585,12 @@ void Run::exec(const Instr& ins) {
 }
 
 // -- communications
+void Run::passGate() {
+  if (gate_ && !std::exchange(gated_, true) && !gate_()) {
+    throw Error("the ranks' steps differ: stopped before the first communication", "StepGate");
+  }
+}
+
 const c10::intrusive_ptr<c10d::ProcessGroup>& Run::worldGroup() {
   HOSTIR_CHECK(p_.world_group >= 0, "the program has no default process group");
   return p_.groups[p_.world_group];

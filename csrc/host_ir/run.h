@@ -53,6 +53,14 @@ class Run {
       const std::vector<at::Tensor>& outputs,
       int64_t number_of_streams);
 
+  // What the run asks once, right before its first communication (a
+  // prepared call's step, posted at the call's start, collected there):
+  // false stops the run with a "StepGate" failure before anything is
+  // posted. None: the run never asks.
+  void setGate(std::function<bool()> gate) {
+    gate_ = std::move(gate);
+  }
+
   // Instructions run to their end so far (a loop counts once, its body's
   // once per iteration).
   int64_t executed() const {
@@ -157,6 +165,7 @@ class Run {
   void exec(const Instr& ins);
 
   // -- communications: each posted on its instruction's transport
+  void passGate();
   Posted communication(const Instr& ins);
   Posted keepLocal(const Instr& ins);
   void p2p(const Instr& ins);
@@ -195,6 +204,8 @@ class Run {
   const Instr* coalescing_ = nullptr;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   std::vector<at::Tensor> kept_;  // compact copies of views being sent
+  std::function<bool()> gate_;
+  bool gated_ = false;
 };
 
 // -- the compute ops (compute.cpp)

@@ -26,7 +26,7 @@ import os
 import re
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import torch
@@ -480,16 +480,19 @@ class Communicator:
         all-gather on the control group. Collective, in the same order on
         every rank; a rank that does not arrive within the timeout gives
         CommunicatorTimeout (or PeerLostError) naming it."""
-        if self.mailbox is not None and not self._closed:
-            try:
-                return self.mailbox.exchange(words)
-            except mailbox.MailboxPeerLost as exc:
-                raise PeerLostError(str(exc)) from exc
-            except mailbox.MailboxTimeout as exc:
-                raise CommunicatorTimeout(str(exc)) from exc
-            except mailbox.MailboxError as exc:
-                raise CommunicatorError(str(exc)) from exc
-        return self.all_gather_words(torch.tensor(words, dtype=torch.int64)).tolist()
+        return self.post_step(words)()
+
+    def post_step(self, words: list[int]) -> Callable[[], list[list[int]]]:
+        """`exchange_step` in two halves: post this rank's `words` now, and
+        return what collects every rank's (the mailbox's wait, with its
+        timeout); nothing else may exchange in between. Without a mailbox
+        the all-gather runs here, and the collect returns its rows."""
+        if self.mailbox is None or self._closed:
+            rows = self.all_gather_words(torch.tensor(words, dtype=torch.int64)).tolist()
+            return lambda: rows
+        box, n = self.mailbox, len(words)
+        k = _from_mailbox(box.post, words)
+        return lambda: _from_mailbox(box.collect, k, n)
 
     def gather_among(self, team: tuple[int, ...], words: torch.Tensor) -> torch.Tensor:
         """Every member's int64 tensor `words` (the same size on each), stacked
@@ -698,6 +701,18 @@ def _shutdown_live() -> None:
 
 # Called at interpreter exit, never by the package itself.
 atexit.register(_shutdown_live)
+
+
+def _from_mailbox(fn, *args):
+    """`fn(*args)` with the mailbox's errors as the communicator's."""
+    try:
+        return fn(*args)
+    except mailbox.MailboxPeerLost as exc:
+        raise PeerLostError(str(exc)) from exc
+    except mailbox.MailboxTimeout as exc:
+        raise CommunicatorTimeout(str(exc)) from exc
+    except mailbox.MailboxError as exc:
+        raise CommunicatorError(str(exc)) from exc
 
 
 def torch_mesh(devices, shape, device_type: str | None = None):

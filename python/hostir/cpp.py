@@ -174,22 +174,37 @@ class CppEvaluator:
                 raise HostIrRuntimeError(f"output {printer.format_tv(tv)} is not bound at the end of the program")
         return values
 
-    def run_logical(self, inputs: list, number_of_streams: int) -> list:
+    def run_logical(self, inputs: list, number_of_streams: int, gate=None) -> list:
         """`run_tensors` on tensors with the fusion's logical axes, with no
         outputs to write into: the C++ executor views them with the
         program's runtime axes, and its results with logical axes, by the
         conversions `take_views` gave it (one call for what `Binding` does
-        in three). For calls with no scalar input."""
+        in three). For calls with no scalar input. `gate` (a prepared
+        call's `protocol.PostedStep`) is asked right before the run's first
+        communication and settled after the run: where the ranks' steps
+        differ the run stops there, and settling raises what differs on
+        every rank (or, where the full record agrees after all, the call
+        runs again)."""
         executor = self._executor or self._compile()
         if self._watched():
-            values, failure = self._traced(executor, lambda: executor.run_logical(inputs, number_of_streams))
+            values, failure = self._traced(executor, lambda: executor.run_logical(inputs, number_of_streams, gate))
         else:
-            values, failure = executor.run_logical(inputs, number_of_streams)
+            values, failure = executor.run_logical(inputs, number_of_streams, gate)
         if failure is not None and failure[2] == "WindowsNeeded":
+            # Making windows exchanges them among the ranks: not before the
+            # ranks are known to be in step.
+            if gate is not None and not gate():
+                gate.settle()
+                return self.run_logical(inputs, number_of_streams)
             self._provide_windows(failure[3])
             values, failure = executor.run_logical(inputs, number_of_streams)
+        if failure is not None and failure[2] == "StepGate":
+            gate.settle()
+            return self.run_logical(inputs, number_of_streams)
         if failure is not None:
             raise self._error(*failure)
+        if gate is not None:
+            gate.settle()
         for tv, slot, value in zip(self.container.outputs, self._flat.outputs, values):
             if value is None and slot >= 0:
                 raise HostIrRuntimeError(f"output {printer.format_tv(tv)} is not bound at the end of the program")

@@ -114,6 +114,9 @@ class _Call:
     graph: object = None
     no_grad: bool = True
     capture: object = None
+    # A prepared call's posted step, which the C++ executor collects right
+    # before the run's first communication (`protocol.PostedStep`).
+    gate: object = None
 
 
 class FusionExecutor:
@@ -299,7 +302,10 @@ class FusionExecutor:
         for where no rank's program communicates, else a few words through
         the shared-memory mailbox on one host, or one all-gather), and
         sends every rank to the full record where anything differs; then
-        bind, run and convert back, as every route does."""
+        bind, run and convert back, as every route does. Where the C++
+        executor binds and runs the call in one, the step is posted first
+        and collected by the run right before its first communication
+        (`Protocol.post`)."""
         seat = self._seat_on(ready.comm)
         ranks = seat.protocol
         ranks.enter()
@@ -312,7 +318,11 @@ class FusionExecutor:
                 if not ready.token:
                     raise
                 error = err
-            if ready.token:
+            if ready.token and error is None and self._logical(call):
+                # The C++ executor binds and runs the call in one: it
+                # collects the step right before its first communication.
+                call.gate = ranks.post(sequence, ready.token, ready.program.lowered, inputs)
+            elif ready.token:
                 ranks.step(sequence, ready.token, ready.program.lowered, inputs, error)
             return self._finish(call)
         finally:
@@ -647,11 +657,17 @@ class FusionExecutor:
         """The call's inputs and preallocated outputs with the program's
         runtime axes; `_LOGICAL` where the runner binds and converts back
         itself (`_Program.logical`)."""
-        if call.program.logical and call.outputs is None and call.graph is None and call.capture is None:
+        if self._logical(call):
             return _LOGICAL
         binding = call.program.binding
         given = None if call.outputs is None else binding.outputs(call.outputs)
         return binding.inputs(call.inputs), given
+
+    @staticmethod
+    def _logical(call: _Call) -> bool:
+        """Whether the runner binds and converts back itself: the C++
+        executor, with no preallocated outputs and no CUDA graph."""
+        return call.program.logical and call.outputs is None and call.graph is None and call.capture is None
 
     def _run(self, call: _Call, bound: tuple[list, list | None]) -> list:
         """Run the program on the bound tensors with its runner (the C++
@@ -662,7 +678,7 @@ class FusionExecutor:
         nos = call.number_of_streams
         if bound is _LOGICAL:
             try:
-                return program.evaluator.run_logical(call.inputs, nos)
+                return program.evaluator.run_logical(call.inputs, nos, call.gate)
             except (communicator.CommunicatorTimeout, communicator.PeerLostError) as err:
                 if call.comm is not None:
                     protocol.of(call.comm).fail(err)

@@ -221,6 +221,11 @@ class Mailbox:
         number on every rank), in rank order. Raises MailboxTimeout (or
         MailboxPeerLost), naming the ranks that did not arrive, instead of
         waiting past the timeout."""
+        return self.collect(self.post(words), len(words))
+
+    def post(self, words) -> int:
+        """The first half of `exchange`: write this rank's `words` and
+        return the exchange's number, for `collect`. Nothing waits."""
         if self._closed:
             raise MailboxError("the mailbox is closed")
         cells = self._words
@@ -232,11 +237,21 @@ class Mailbox:
             cells[at] = w
             at += 1
         cells[starts[self.rank]] = k  # after the words: a reader that sees k sees them
+        return k
+
+    def collect(self, k: int, n: int) -> list[list[int]]:
+        """The second half of `exchange` number `k` (the last posted): every
+        rank's `n` words, once each has posted them."""
+        if self._closed:
+            raise MailboxError("the mailbox is closed")
+        if k != self._count:
+            raise MailboxError(f"exchange {k} is collected after exchange {self._count} was posted")
+        cells = self._words
+        starts = self._starts[k & 1]
         for s in starts:
             if cells[s] != k:
                 self._wait(starts, k)
                 break
-        n = len(words)
         rows = [cells[s + 1 : s + 1 + n].tolist() for s in starts]
         for s in starts:
             if cells[s] != k:

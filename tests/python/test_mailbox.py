@@ -86,6 +86,18 @@ def test_a_rank_whose_process_exited_is_a_lost_peer():
     assert time.monotonic() - start < 5
 
 
+def test_an_exchange_is_collected_only_while_it_is_the_last_posted():
+    # A rank posts at most one exchange ahead of its collects: collecting an
+    # older one would read slots the next post of its parity rewrites.
+    box = mailbox.Mailbox(_memory(1), 0, 1, [os.getpid()], timeout=1)
+    first = box.post([1, 2])
+    assert box.collect(first, 2) == [[1, 2]]
+    second, third = box.post([3]), box.post([4])
+    with pytest.raises(mailbox.MailboxError, match=f"exchange {second} is collected after exchange {third}"):
+        box.collect(second, 1)
+    assert box.collect(third, 1) == [[4]]
+
+
 def test_a_slot_rewritten_while_read_is_refused_not_returned_torn():
     memory = _memory(2)
     box = mailbox.Mailbox(memory, 0, 2, [os.getpid()] * 2, timeout=1)

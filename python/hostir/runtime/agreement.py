@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -361,8 +361,20 @@ def exchange_steps(comm, rank: int, fusion: int, call: int, comm_call: int, agre
     one host, else one all-gather on the control group). `agreed` is the
     call's token, 0 on the full path; `chain` that of the quiet calls since
     the last exchanged step."""
-    rows = comm.exchange_step([STEP_MAGIC, rank, fusion, call, comm_call, agreed, chain])
-    return [Step(row[1], row[2], row[3], row[4], row[5], row[6], row[0] == STEP_MAGIC) for row in rows]
+    return post_steps(comm, rank, fusion, call, comm_call, agreed, chain)()
+
+
+def post_steps(
+    comm, rank: int, fusion: int, call: int, comm_call: int, agreed: int, chain: int = 0
+) -> Callable[[], list[Step]]:
+    """`exchange_steps` in two halves (the communicator's `post_step`): this
+    rank's step posted now, every rank's collected by the returned call."""
+    collect = comm.post_step([STEP_MAGIC, rank, fusion, call, comm_call, agreed, chain])
+
+    def steps() -> list[Step]:
+        return [Step(row[1], row[2], row[3], row[4], row[5], row[6], row[0] == STEP_MAGIC) for row in collect()]
+
+    return steps
 
 
 def in_step(steps: list[Step]) -> bool:

@@ -54,7 +54,7 @@ from hostir.runtime.agreement import (
     check_steps,
     everyone_quiet,
     exchange,
-    exchange_steps,
+    post_steps,
     in_step,
     input_signature,
     token,
@@ -107,6 +107,11 @@ class _Among:
 
     def exchange_step(self, words: list[int]) -> list[list[int]]:
         return self.comm.gather_among(self.team, torch.tensor(words, dtype=torch.int64)).tolist()
+
+    def post_step(self, words: list[int]):
+        # Through the store, the exchange runs when posted.
+        rows = self.exchange_step(words)
+        return lambda: rows
 
 
 class Protocol:
@@ -317,10 +322,65 @@ class Protocol:
         if not in_step(steps):
             self.agree_fully(sequence, lowered, inputs, error, steps)
 
+    def post(self, sequence: tuple[int, int, int], agreed: int, lowered: Any, inputs: list) -> PostedStep | None:
+        """`step` in two halves, for a runner that holds the call's first
+        cross-rank effect until the ranks' steps are collected (the C++
+        executor asks the returned `PostedStep` right before its first
+        communication): this rank's step is posted now, and the host work
+        before that communication (binding, buffers, the rank's own GEMM)
+        overlaps the other ranks' arrival. None for a quiet signature,
+        whose step is folded into the chain, as `step` does."""
+        if agreed in self._quiet:
+            self._pending = _fold(self._pending, sequence, agreed)
+            return None
+        pending, self._pending = self._pending, 0
+        with self._control():
+            collect = post_steps(self._channel, self.comm.rank, *sequence, agreed, pending)
+        return PostedStep(self, sequence, collect, lowered, inputs)
+
     def _exchange_steps(self, sequence: tuple[int, int, int], agreed: int) -> list:
         pending, self._pending = self._pending, 0
         with self._control():
-            return exchange_steps(self._channel, self.comm.rank, *sequence, agreed, pending)
+            return post_steps(self._channel, self.comm.rank, *sequence, agreed, pending)()
+
+
+class PostedStep:
+    """A prepared call's step, posted at the call's start (`Protocol.post`),
+    with the call's program and inputs (for the full record). Called, once,
+    by the runner right before its first communication, it collects every
+    rank's step and says whether they are in step; an error of the collect
+    (a timeout, a lost peer: the protocol is marked failed) is kept for
+    `settle`, so the runner only stops, before posting anything. The runner
+    settles it after the run (`CppEvaluator.run_logical`)."""
+
+    def __init__(self, protocol: Protocol, sequence: tuple[int, int, int], collect, lowered: Any, inputs: list):
+        self._protocol, self._sequence, self._collect = protocol, sequence, collect
+        self._lowered, self._inputs = lowered, inputs
+        self.collected = False
+        self.steps: list | None = None
+        self.error: BaseException | None = None
+
+    def __call__(self) -> bool:
+        if not self.collected:
+            self.collected = True
+            try:
+                with self._protocol._control():
+                    self.steps = self._collect()
+            except BaseException as err:  # noqa: BLE001 - kept for settle; the runner only stops
+                self.error = err
+        return self.error is None and in_step(self.steps)
+
+    def settle(self) -> None:
+        """After the run, stopped or not: the steps collected if the run
+        never reached a communication; a collect's error raised; where the
+        ranks are out of step, every rank goes on to the full record, which
+        raises what differs (and returns where it all agrees after all:
+        a stopped run then runs again)."""
+        if self():
+            return
+        if self.error is not None:
+            raise self.error
+        self._protocol.agree_fully(self._sequence, self._lowered, self._inputs, None, self.steps)
 
 
 def _fold(chain: int, sequence: tuple[int, int, int], agreed: int) -> int:

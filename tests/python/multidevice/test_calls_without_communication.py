@@ -76,7 +76,7 @@ def both_raise(world, device, fd, x, match: str, **kwargs) -> str:
 def count_exchanges(monkeypatch) -> dict[str, int]:
     """How many full records and steps the ranks' protocol exchanges."""
     counts = {"full": 0, "steps": 0}
-    full, steps = protocol.exchange, protocol.exchange_steps
+    full, steps = protocol.exchange, protocol.post_steps
 
     def counted_full(*args, **kwargs):
         counts["full"] += 1
@@ -87,7 +87,7 @@ def count_exchanges(monkeypatch) -> dict[str, int]:
         return steps(*args, **kwargs)
 
     monkeypatch.setattr(protocol, "exchange", counted_full)
-    monkeypatch.setattr(protocol, "exchange_steps", counted_steps)
+    monkeypatch.setattr(protocol, "post_steps", counted_steps)
     return counts
 
 

@@ -75,6 +75,19 @@ def test_exchanges_pair_in_lockstep_with_skewed_ranks(comm, world):
         assert rows == [[k, r, k * (r + 3), -k, 2**40 + r, r ^ k] for r in range(world.size)], k
 
 
+def test_a_posted_step_is_collected_after_other_work(comm, world):
+    """`post_step` writes this rank's words at once and waits for nothing;
+    its collect returns every rank's, whatever each did in between."""
+    if comm.mailbox is None:
+        pytest.skip("the steps go over the control group: posting is the exchange")
+    skew = random.Random(world.rank)
+    for k in range(200):
+        collect = comm.post_step([k, world.rank])
+        if skew.random() < 0.1:
+            time.sleep(skew.random() * 2e-3)  # work between the halves; the others' collects wait
+        assert collect() == [[k, r] for r in range(world.size)], k
+
+
 def test_steps_of_the_executor_read_every_rank(comm, world):
     steps = agreement.exchange_steps(comm, world.rank, 7, 11, 13, 12345)
     assert [s.rank for s in steps] == list(range(world.size))

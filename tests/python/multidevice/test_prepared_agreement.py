@@ -12,6 +12,8 @@ misbehaves; every rank must raise, and the ranks stay in step afterwards.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -60,7 +62,7 @@ def _count_exchanges(monkeypatch) -> dict[str, int]:
     from hostir.runtime import protocol as module
 
     counts = {"full": 0, "steps": 0}
-    full, steps = module.exchange, module.exchange_steps
+    full, steps = module.exchange, module.post_steps
 
     def counted_full(*args, **kwargs):
         counts["full"] += 1
@@ -71,7 +73,7 @@ def _count_exchanges(monkeypatch) -> dict[str, int]:
         return steps(*args, **kwargs)
 
     monkeypatch.setattr(module, "exchange", counted_full)
-    monkeypatch.setattr(module, "exchange_steps", counted_steps)
+    monkeypatch.setattr(module, "post_steps", counted_steps)
     return counts
 
 
@@ -129,6 +131,32 @@ def test_every_exchanges_the_full_record_on_every_call(world, device, monkeypatc
     assert called == STAGES * 3
     assert counts == {"full": 3, "steps": 0}
     assert len(fd.executor._prepared) == 0
+
+
+def test_the_cpp_run_collects_a_steady_calls_step_before_its_first_communication(world, device, monkeypatch):
+    """With the C++ executor the step posted at a steady call's start is
+    collected by the run itself, right before its first communication (the
+    host work before it overlaps the other ranks' arrival): once per call,
+    from inside `CppEvaluator.run_logical`, and the calls match eager."""
+    from hostir.runtime import protocol
+
+    fd = _layer(world)
+    _run(fd, world, device)
+    if fd.executor.last_runner.name != "cpp":
+        # Every rank skips alike: the runner is chosen the same on each.
+        pytest.skip(f"the runner is {fd.executor.last_runner}")
+    inside: list[bool] = []
+    real = protocol.PostedStep.__call__
+
+    def spy(self):
+        if not self.collected:
+            inside.append(any(f.function == "run_logical" and f.filename.endswith("cpp.py") for f in inspect.stack()))
+        return real(self)
+
+    monkeypatch.setattr(protocol.PostedStep, "__call__", spy)
+    for _ in range(3):
+        _run(fd, world, device)
+    assert inside == [True, True, True]
 
 
 # ------------------------------------------------------------ protections after agreement
