@@ -137,14 +137,13 @@ def test_the_cpp_run_collects_a_steady_calls_step_before_its_first_communication
     """With the C++ executor the step posted at a steady call's start is
     collected by the run itself, right before its first communication (the
     host work before it overlaps the other ranks' arrival): once per call,
-    from inside `CppEvaluator.run_logical`, and the calls match eager."""
+    from inside `CppEvaluator.run_logical`, and the calls match eager. The
+    Python evaluator exchanges the step before the run, and posts none."""
     from hostir.runtime import protocol
 
     fd = _layer(world)
     _run(fd, world, device)
-    if fd.executor.last_runner.name != "cpp":
-        # Every rank skips alike: the runner is chosen the same on each.
-        pytest.skip(f"the runner is {fd.executor.last_runner}")
+    cpp_runs = fd.executor.last_runner.name == "cpp"
     inside: list[bool] = []
     real = protocol.PostedStep.__call__
 
@@ -156,7 +155,7 @@ def test_the_cpp_run_collects_a_steady_calls_step_before_its_first_communication
     monkeypatch.setattr(protocol.PostedStep, "__call__", spy)
     for _ in range(3):
         _run(fd, world, device)
-    assert inside == [True, True, True]
+    assert inside == ([True, True, True] if cpp_runs else []), fd.executor.last_runner
 
 
 # ------------------------------------------------------------ protections after agreement
