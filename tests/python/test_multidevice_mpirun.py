@@ -90,8 +90,10 @@ def test_multidevice_suite_under_mpirun(launcher, nprocs, limit, evaluator):
         assert rank_counts.get("passed", 0) > 0, f"no passed tests: {counts}\n{tail}"
         bad = {k: v for k, v in rank_counts.items() if k in ("failed", "error", "errors", "xpassed", "skipped")}
         assert not bad, f"{bad} on some rank: {counts}\n{tail}"
-    # Every rank ran the same tests.
-    assert all(c == counts[0] for c in counts), counts
+    # Every rank ran the same tests with the same outcomes; how many warnings
+    # each run raised is its own (a fresh-clone run had 2 on some ranks of 4).
+    outcomes = [{k: v for k, v in c.items() if k not in ("warning", "warnings")} for c in counts]
+    assert all(o == outcomes[0] for o in outcomes), counts
     assert not re.search(r"^(FAILED|ERROR) ", output, re.MULTILINE), tail
 
 
