@@ -74,6 +74,7 @@ from hostir import FusionDefinition
 
 
 PLANS = ("tp", "sp")
+VARIANTS = ("eager", "hostir fusion", "hostir.parallel", "torch TP", "torch async-TP")
 
 
 class MLP(nn.Module):
@@ -218,6 +219,8 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh, which="tp"):
     steps = {}  # each row's step, timed in interleaved rounds (and profiled with --profile)
 
     def prepare(name, make_step):
+        if args.variants and name not in args.variants:
+            return
         try:
             steps[name] = make_step()
         except Skipped as why:
@@ -295,11 +298,10 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh, which="tp"):
     prepare("torch async-TP", async_tp)
     for name, (ms, host_ms) in timer.rounds(steps, args.warmup, args.iters).items():
         rows[name] = {"ms": ms, "host_ms": host_ms}
-        if args.profile and name != "torch TP" and name != "torch async-TP":
+        if args.profile:
             rows[name]["profile"] = profile(steps[name], device)
-    order = ("eager", "hostir fusion", "hostir.parallel", "torch TP", "torch async-TP")
-    rows = {name: rows[name] for name in order if name in rows}
-    eager = rows["eager"]["ms"]
+    rows = {name: rows[name] for name in VARIANTS if name in rows}
+    eager = rows.get("eager", {}).get("ms")
     for r in rows.values():
         if r["ms"] is not None and eager:
             r["x_eager"] = r["ms"] / eager
@@ -328,7 +330,38 @@ def profile(step, device) -> str:
         e for e in prof.key_averages() if "ynchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")
     ]
     parts.append("synchronizations: " + (", ".join(f"{e.key} x{e.count}" for e in syncs) or "none"))
+    if device.type == "cuda":
+        parts.append(device_timeline(prof))
     return "\n".join(parts)
+
+
+def device_timeline(prof) -> str:
+    """The step's device work in order: each kernel and copy with its
+    stream, start (ms from the first) and duration, then each stream's busy
+    time and the gaps of the stream that ran the most (where it waited for
+    the host or another stream)."""
+    work = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0:
+            work.append((e.start_ns(), e.duration_ns(), e.device_resource_id(), e.name()))
+    if not work:
+        return "device timeline: no device events"
+    work.sort()
+    t0 = work[0][0]
+    lines = ["device timeline (ms from the first kernel): start, duration, stream, name"]
+    busy: dict[int, float] = {}
+    for start, dur, stream, name in work:
+        lines.append(f"  {(start - t0) / 1e6:9.3f} {dur / 1e6:8.3f}  s{stream:<4} {name[:90]}")
+        busy[stream] = busy.get(stream, 0.0) + dur / 1e6
+    end = max(s + d for s, d, _, _ in work)
+    lines.append(f"span {(end - t0) / 1e6:.3f} ms; busy per stream: "
+                 + ", ".join(f"s{k} {v:.3f}" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])))
+    main = max(busy, key=busy.get)
+    mine = [(s, d) for s, d, k, _ in work if k == main]
+    gaps = [(b[0] - (a[0] + a[1])) / 1e6 for a, b in zip(mine, mine[1:]) if b[0] > a[0] + a[1]]
+    lines.append(f"stream s{main}: {len(gaps)} gaps, {sum(gaps):.3f} ms idle between its first and last kernel; "
+                 f"largest {', '.join(f'{g:.3f}' for g in sorted(gaps, reverse=True)[:8])}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -353,10 +386,17 @@ def main() -> None:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help="profile one step of eager torch and of each hostir row (torch profiler; written to "
-        "bench_training_<tag>_profile.txt)",
+        help="profile one step of each row (torch profiler; written to bench_training_<tag>_profile.txt)",
+    )
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma list of the rows to run, of {list(VARIANTS)} (default: all)",
     )
     args = ap.parse_args()
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not args.variants or set(args.variants) - set(VARIANTS):
+        ap.error(f"--variants takes a comma list of {list(VARIANTS)}, got {args.variants!r}")
     plans = [p for p in args.plans.split(",") if p]
     if not plans or set(plans) - set(PLANS):
         ap.error(f"--plans takes a comma list of {PLANS}, got {args.plans!r}")

@@ -40,7 +40,14 @@ and the summary says which ran and which did not, and why.
 6. `profile`: where a steady call's host time goes, `profile_calls.py`
    (cProfile) on the tiny multi-device call, AG+matmul at 2048 and 8192
    rows per rank, matmul+RS, and the one-GPU stream loop of the Python
-   evaluator (this tree and `--before`): logs only, no result file.
+   evaluator (this tree and `--before`): logs only, no result file; with
+   torch's profiler too on the AG+matmul calls (`--runtime`: the host
+   time of each CUDA runtime call);
+7. `training_profile`: `bench_training.py --profile` on the tensor-parallel
+   rows (hostir.parallel, torch TP, torch async-TP: kernels by device time,
+   the device timeline and its gaps), then hostir.parallel with every
+   communication hoisted (`HOSTIR_HOIST=hoist`) beside torch TP: logs and
+   the tools' own files, no result file.
 
 With `--ranks 4` (a machine with 4 GPUs or more) every part runs at 4
 ranks, but the hand-written rings of `probe3` (2 ranks only); the result
@@ -81,7 +88,9 @@ import sys
 from benchlib import REPO, Runner, job_env, machine_tag
 
 RESULTS = REPO / "benchmarks" / "results"
-PARTS = ("overlap_ag", "overlap_rs", "probe3", "host", "training", "sweep", "timelines", "profile")
+PARTS = (
+    "overlap_ag", "overlap_rs", "probe3", "host", "training", "sweep", "timelines", "profile", "training_profile"
+)
 # The eager schedule rows of bench_overlap (its DECOMPOSITIONS), traced by `timelines`.
 SCHEDULE_ROWS = (
     "hostir_ring_nccl,hostir_ring_cuda,hostir_ring_cuda_c2,hostir_ring_cuda_reverse,"
@@ -124,6 +133,7 @@ GPU = Config(
         "sweep": 150,
         "timelines": 70,
         "profile": 150,
+        "training_profile": 300,
     },
     minimum=30,
 )
@@ -143,6 +153,7 @@ CPU = Config(
         "sweep": 40,
         "timelines": 40,
         "profile": 90,
+        "training_profile": 90,
     },
     minimum=15,
 )
@@ -369,8 +380,8 @@ def part_profile(b: Bench) -> None:
     cases = [
         ["--case", "tiny"],
         ["--case", "tiny", "--check-ranks", "first"],
-        ["--case", "ag", "--M", small, "--K", str(k_ag), "--N", str(n_ag)],
-        ["--case", "ag", "--M", str(m_ag), "--K", str(k_ag), "--N", str(n_ag)],
+        ["--case", "ag", "--M", small, "--K", str(k_ag), "--N", str(n_ag), "--runtime"],
+        ["--case", "ag", "--M", str(m_ag), "--K", str(k_ag), "--N", str(n_ag), "--runtime"],
         ["--case", "rs", "--M", str(m_rs), "--K", str(k_rs * b.ranks), "--N", str(n_rs)],
     ]
     lines = [shlex.join(b.launch(b.ranks, [sys.executable, tool, *case, "--iters", "50"])) for case in cases]
@@ -380,6 +391,23 @@ def part_profile(b: Bench) -> None:
         command = shlex.join([sys.executable, tool, "--case", "stream_loop", "--iters", "50"])
         lines.append(f"echo '# stream loop, {label}'; PYTHONPATH='{tree / 'python'}' {command}")
     b.step("profile", "profile", ["bash", "-c", "; ".join(lines)], b.env())
+
+
+def part_training_profile(b: Bench) -> None:
+    """One profiled step of each tensor-parallel training row (kernels by
+    device time, the device timeline and its gaps), then the hostir rows
+    again with every program's communications hoisted (`HOSTIR_HOIST=hoist`)
+    beside torch TP: logs and the tools' own files only."""
+    out = b.dir("training_profile")
+    rows = "hostir.parallel,torch TP" + ("" if b.cpu else ",torch async-TP")
+    lines = []
+    for tag, env, variants in (("profiled", "", rows), ("hoisted", "HOSTIR_HOIST=hoist ", "hostir.parallel,torch TP")):
+        program = [
+            sys.executable, "tools/bench_training.py", "--plans", "tp,sp", "--variants", variants,
+            "--out-dir", str(out), "--tag", f"np{b.ranks}_{tag}",
+        ] + (["--cpu"] if b.cpu else ["--profile"] if tag == "profiled" else [])
+        lines.append(env + shlex.join(b.launch(b.ranks, program)))
+    b.step("training_profile", "training_profile", ["bash", "-c", "; ".join(lines)], b.env())
 
 
 # ---------------------------------------------------------------- results

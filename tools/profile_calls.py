@@ -75,6 +75,12 @@ def main(argv=None) -> int:
     p.add_argument("--N", type=int, default=4096)
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument(
+        "--runtime",
+        action="store_true",
+        help="also torch's profiler over --iters calls: the host time of each CUDA runtime and driver "
+        "call (a launch, a copy, an event, a wait that blocks) and of each op, per call",
+    )
     args = p.parse_args(argv)
     call, device, rank, comm = _case(args)
     plain = time_runs(call, device, args.iters, warmup=20)
@@ -85,6 +91,7 @@ def main(argv=None) -> int:
         call()
         profile.disable()
     _sync(device)
+    runtime = _runtime_table(call, device, args) if args.runtime else None
     if comm is not None:
         comm.barrier()
     if rank != 0:
@@ -97,7 +104,27 @@ def main(argv=None) -> int:
         stats.sort_stats(key).print_stats(args.top)
         print(f"\n## by {key}, {args.iters} calls\n")
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip()))
+    if runtime is not None:
+        print(f"\n## torch profiler, {args.iters} calls: host time by op and CUDA runtime call\n")
+        print(runtime)
     return 0
+
+
+def _runtime_table(call, device, args) -> str:
+    """Torch's profiler over `args.iters` calls (the device synchronized
+    before each, outside the call): host time per op and per CUDA runtime
+    or driver call, by own time. A call that blocks the host on the device
+    (an event or stream synchronization, a copy that is not asynchronous)
+    stands out here, where cProfile sees only the C++ run as a whole."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.iters):
+            _sync(device)
+            call()
+        _sync(device)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
 
 
 if __name__ == "__main__":
