@@ -401,7 +401,10 @@ def part_training_profile(b: Bench) -> None:
     out = b.dir("training_profile")
     rows = "hostir.parallel,torch TP" + ("" if b.cpu else ",torch async-TP")
     lines = []
-    for tag, env, variants in (("profiled", "", rows), ("hoisted", "HOSTIR_HOIST=hoist ", "hostir.parallel,torch TP")):
+    # Profiled on the C++ executor, as the rows run unprofiled (under a
+    # profiler `auto` runs the Python evaluator).
+    runs = (("profiled", "HOSTIR_EVALUATOR=cpp ", rows), ("hoisted", "HOSTIR_HOIST=hoist ", "hostir.parallel,torch TP"))
+    for tag, env, variants in runs:
         program = [
             sys.executable, "tools/bench_training.py", "--plans", "tp,sp", "--variants", variants,
             "--out-dir", str(out), "--tag", f"np{b.ranks}_{tag}",
