@@ -134,6 +134,7 @@ Instr instr(int opcode, const py::dict& f) {
   i.zero_init = field(f, "zero_init", false);
   i.symmetric = field(f, "symmetric", false);
   i.accumulate = field(f, "accumulate", false);
+  i.view_sum = field(f, "view_sum", false);
   i.parts = field(f, "parts", -1);
   i.equal = field(f, "equal", false);
   i.kind = field(f, "kind", std::string());

@@ -316,6 +316,20 @@ void permute(Run& run, const Instr& ins) {
   run.bind(ins.out, ins.out_dim < 0 ? r : r.squeeze(ins.out_dim));
 }
 
+// Whether every axis a sum reduces has extent 1 in `src` and the sum keeps
+// its dtype: then it is `src` without those axes.
+bool unitSum(const Instr& ins, const at::Tensor& src) {
+  if (!ins.view_sum || ins.op_kind != OpKind::kSum || src.scalar_type() != ins.dtype) {
+    return false;
+  }
+  for (int64_t d : ins.dims) {
+    if (src.size(d) != 1) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void reduction(Run& run, const Instr& ins) {
   at::Tensor src = viewed(ins, 0, run.tensor(ins.input));
   OpKind kind = ins.op_kind;
@@ -324,6 +338,10 @@ void reduction(Run& run, const Instr& ins) {
       ins,
       false,
       [&]() {
+        if (unitSum(ins, src)) {
+          // A product made fresh in the program: its view, no kernel.
+          return src.squeeze(ins.dims);
+        }
         return kind == OpKind::kSum ? at::sum(src, ins.dims, false, ins.dtype)
             : kind == OpKind::kMax  ? at::amax(src, ins.dims)
                                     : at::amin(src, ins.dims);

@@ -238,6 +238,9 @@ struct Instr {
   int bias_dim = -1;
   // Matmul and linear: add the product to the bound output (beta = 1).
   bool accumulate = false;
+  // A sum of a product made fresh in the program (fusion_ops.py's
+  // `sums_that_view`): over axes of extent 1 it binds the input's view.
+  bool view_sum = false;
   // Loops: index slot, start/stop nodes, end of body, slots to unbind.
   int index = -1;
   int start = -1;

@@ -129,7 +129,7 @@ def test_matmul_rule(a_shape, b_shape):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("lead", [[3], [2, 3]], ids=["2d", "3d"])
+@pytest.mark.parametrize("lead", [[3], [2, 3], [1, 3]], ids=["2d", "3d", "3d_batch_of_one"])
 def test_linear_rule(bias, lead):
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1] * (len(lead) + 1), F64)

@@ -298,3 +298,68 @@ def test_communications_post_on_the_c10d_transport_as_in_python():
     for r in results:
         assert r.returncode == 0 and not r.timed_out, f"rank {r.rank}:\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
         assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
+
+
+def _product_sum():
+    """sum(a @ b) over the batch axis: a product made in the program."""
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1, -1, -1])
+        b = fd.define_tensor([-1, -1, -1])
+        fd.add_output(fd.ops.sum(fd.ops.matmul(a, b), [0]))
+    return fd
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("evaluator", ["python", "cpp"])
+def test_a_sum_over_extent_one_of_a_product_is_its_view(batch, evaluator, device):
+    """A sum over axes of extent 1 of a product the program makes binds
+    the product's view (no kernel: a batch-of-one weight gradient); over a
+    larger extent it sums. Either way torch's values, and a result that a
+    later call does not overwrite."""
+    fd = _product_sum()
+    a1, b1 = torch.randn(batch, 4, 5, device=device), torch.randn(batch, 5, 6, device=device)
+    (first,) = fd.execute([a1, b1], evaluator=evaluator)
+    assert fd.last_runner.name == evaluator
+    torch.testing.assert_close(first, (a1 @ b1).sum(0))
+    assert first._is_view() == (batch == 1)
+    kept = first.clone()
+    a2, b2 = torch.randn(batch, 4, 5, device=device), torch.randn(batch, 5, 6, device=device)
+    (second,) = fd.execute([a2, b2], evaluator=evaluator)
+    torch.testing.assert_close(second, (a2 @ b2).sum(0))
+    torch.testing.assert_close(first, kept, rtol=0, atol=0)
+    assert first.data_ptr() != second.data_ptr()
+
+
+@pytest.mark.parametrize("evaluator", ["python", "cpp"])
+def test_a_sum_over_extent_one_of_an_input_copies_it(evaluator, device):
+    """An input is the caller's memory: its sum over an axis of extent 1 is
+    a new tensor, as torch's is, not a view the caller could change."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.sum(x, [0]))
+    x_in = torch.randn(1, 7, device=device)
+    (out,) = fd.execute([x_in], evaluator=evaluator)
+    torch.testing.assert_close(out, x_in.sum(0))
+    assert out.untyped_storage().data_ptr() != x_in.untyped_storage().data_ptr()
+
+
+def test_the_sums_that_view_are_of_fresh_products_only():
+    """`sums_that_view` takes a sum of a matmul's fresh output, never one of
+    an input; the flat program marks it for the C++ executor."""
+    from hostir.lower import lower
+    from hostir.runtime.flat import compile_program
+    from hostir.runtime.fusion_ops import sums_that_view
+
+    container = lower(_product_sum().fusion).program
+    sums = [e for e in container.walk() if type(e).__name__ == "ReductionOp"]
+    assert len(sums) == 1 and sums_that_view(container) == {id(sums[0])}
+    marked = [i.fields.get("view_sum") for i in compile_program(container).instrs if i.op == "reduction"]
+    assert marked == [True]
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.sum(x, [0]))
+    container = lower(fd.fusion).program
+    assert sums_that_view(container) == frozenset()
+    marked = [i.fields.get("view_sum") for i in compile_program(container).instrs if i.op == "reduction"]
+    assert marked == [None]

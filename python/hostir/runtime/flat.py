@@ -32,6 +32,7 @@ from hostir.runtime.flat_communications import (
     logical_groups,
 )
 from hostir.runtime.evaluator import BindingError, MissingHandlerError, _local_slices, local_views
+from hostir.runtime.fusion_ops import sums_that_view
 
 # Opcodes shared with csrc/host_ir/program.h (enum class Opcode).
 OPCODES = (
@@ -101,6 +102,7 @@ class FlatProgram:
 class _Compiler:
     def __init__(self, container: HostIrContainer, communicator, rank: int | None = None):
         self.container = container
+        self.sums_that_view = sums_that_view(container)
         self.comm = communicator
         # The rank the program was pruned for (None: it holds every rank's part).
         self.rank = rank
@@ -546,6 +548,7 @@ def _reduction(cc, e) -> None:
         # Over the logical axes, as the evaluator reduces.
         dims=[i for i, d in enumerate(e.out.logical) if d.is_reduction],
         dtype=_DTYPES[e.out.dtype],
+        **({"view_sum": True} if id(e) in cc.sums_that_view else {}),
         **cc.layouts(e, [e.input]),
     )
 

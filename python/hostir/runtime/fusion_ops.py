@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from hostir import ir, layout
+from hostir.kinds import ReductionKind
 from hostir.runtime.frame import BindingError, Frame, ShapeError, impl
 
 
@@ -161,6 +162,36 @@ def _binary(frame: Frame, e: ir.BinaryOp) -> None:
     _store(frame, e, lambda: fn(lhs, rhs), lambda out: fn(lhs, rhs, out=out))
 
 
+def sums_that_view(container) -> frozenset[int]:
+    """The ids of the sums in `container` that may bind their input's view
+    when every axis they reduce has extent 1 at run time: the input is a
+    product the program makes fresh (a matmul's or linear's output that no
+    Allocate, alias or accumulating op holds), so that nothing else sees or
+    writes its memory. The weight gradient of a linear on a [1, T, H]
+    activation (a batch of one, sequence parallelism) is such a sum: a copy
+    of the whole gradient, where its view costs nothing."""
+    resolve = container.aliases.resolve
+    held = {resolve(tv) for tv in container.inputs + container.outputs}
+    made: dict = {}
+    for e in container.walk():
+        if isinstance(e, ir.Allocate):
+            held.add(resolve(e.buffer))
+        for tv in e.outputs():
+            key = resolve(tv)
+            made[key] = made.get(key, 0) + 1
+            if not isinstance(e, (ir.MatmulOp, ir.LinearOp)) or e.accumulate or tv is not key:
+                held.add(key)
+    return frozenset(
+        id(e)
+        for e in container.walk()
+        if isinstance(e, ir.ReductionOp)
+        and e.kind is ReductionKind.sum
+        and e.input is resolve(e.input)
+        and made.get(e.input) == 1
+        and e.input not in held
+    )
+
+
 @impl(ir.ReductionOp)
 def _reduction(frame: Frame, e: ir.ReductionOp) -> None:
     src = _operand(frame, e, e.input)
@@ -171,7 +202,13 @@ def _reduction(frame: Frame, e: ir.ReductionOp) -> None:
     def run(**out):
         return fn(src, dims, dtype=dtype, **out)
 
-    _store(frame, e, run, lambda out: run(out=out))
+    fresh = run
+    if id(e) in frame.evaluator.sums_that_view and src.dtype == dtype and all(src.shape[d] == 1 for d in dims):
+        # A sum over axes of extent 1 of a product made here: its view.
+        def fresh():
+            return src.squeeze(dims)
+
+    _store(frame, e, fresh, lambda out: run(out=out))
 
 
 def _full_rank_out(frame: Frame, e) -> tuple[torch.Tensor | None, Callable]:
