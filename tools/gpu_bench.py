@@ -331,6 +331,14 @@ def part_training(b: Bench) -> None:
         f"np{n}",
     ] + (["--cpu"] if b.cpu else [])
     b.step(f"training_np{n}", "training", b.launch(n, program), b.env())
+    if b.before is not None:
+        # The --before tree's hostir.parallel rows (this tree's script on
+        # that tree's package), in the same lease.
+        before = [
+            sys.executable, str(REPO / "tools" / "bench_training.py"), "--plans", "tp,sp",
+            "--variants", "hostir.parallel", "--out-dir", str(b.dir("training")), "--tag", f"np{n}_before",
+        ] + (["--cpu"] if b.cpu else [])
+        b.step(f"training_np{n}_before", "training", b.launch(n, before), b.env(b.before))
 
 
 def part_sweep(b: Bench) -> None:
@@ -414,6 +422,13 @@ def part_training_profile(b: Bench) -> None:
 
 
 # ---------------------------------------------------------------- results
+
+
+def before_label(tree: pathlib.Path) -> str:
+    """The --before tree's commit (its COMMIT file, written beside an
+    archive of it), else its folder's name."""
+    commit = tree / "COMMIT"
+    return commit.read_text().strip() if commit.exists() else tree.name
 
 
 def demote(text: str) -> str:
@@ -565,7 +580,11 @@ def compose(b: Bench, results: pathlib.Path) -> list[tuple[str, str]]:
         )
     training = sorted((out / "training").glob("bench_training_np*.md")) if (out / "training").exists() else []
     if training:
-        body = "\n".join(demote(p.read_text()) for p in training)
+        body = "\n".join(
+            (f"The tree before ({before_label(b.before)}), hostir.parallel only, run after the table above:\n\n"
+             if p.stem.endswith("_before") else "") + demote(p.read_text())
+            for p in sorted(training, key=lambda p: p.stem.endswith("_before"))
+        )
         (results / f"training_{tag}.md").write_text(f"# Training steps on {b.machine()}\n\n{stamp}.\n\n{body}")
         written.append(
             (
