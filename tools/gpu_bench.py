@@ -35,15 +35,19 @@ and the summary says which ran and which did not, and why.
 4. `sweep`: the AG+matmul M sweep (total M 2048...32768, K 8192, N 4096):
    `auto` and the copy-engine ring, eager and replayed, beside GEMM alone,
    sequential and torch's fused op, with its plot;
-5. `timelines`: one traced eager call per schedule and problem, each drawn
+5. `llama`: AG+matmul and matmul+RS at Llama-70B's FC1 and FC2 shapes
+   (hidden 8192, intermediate 28672 cut over the ranks, 4096 and 8192
+   tokens per rank): GEMM alone, sequential, torch's fused op, hostir's
+   sequential program, copy-engine ring and `auto`, eager and replayed;
+6. `timelines`: one traced eager call per schedule and problem, each drawn
    as a stream timeline (the PNGs of `tools/plot_timeline.py`);
-6. `profile`: where a steady call's host time goes, `profile_calls.py`
+7. `profile`: where a steady call's host time goes, `profile_calls.py`
    (cProfile) on the tiny multi-device call, AG+matmul at 2048 and 8192
    rows per rank, matmul+RS, and the one-GPU stream loop of the Python
    evaluator (this tree and `--before`): logs only, no result file; with
    torch's profiler too on the AG+matmul calls (`--runtime`: the host
    time of each CUDA runtime call);
-7. `training_profile`: `bench_training.py --profile` on the tensor-parallel
+8. `training_profile`: `bench_training.py --profile` on the tensor-parallel
    rows (hostir.parallel, torch TP, torch async-TP: kernels by device time,
    the device timeline and its gaps), then hostir.parallel with every
    communication hoisted (`HOSTIR_HOIST=hoist`) beside torch TP: logs and
@@ -89,7 +93,8 @@ from benchlib import REPO, Runner, job_env, machine_tag
 
 RESULTS = REPO / "benchmarks" / "results"
 PARTS = (
-    "overlap_ag", "overlap_rs", "probe3", "host", "training", "sweep", "timelines", "profile", "training_profile"
+    "overlap_ag", "overlap_rs", "probe3", "host", "training", "sweep", "llama", "timelines", "profile",
+    "training_profile",
 )
 # The eager schedule rows of bench_overlap (its DECOMPOSITIONS), traced by `timelines`.
 SCHEDULE_ROWS = (
@@ -97,6 +102,12 @@ SCHEDULE_ROWS = (
     "hostir_collective,hostir_sequential,hostir_auto"
 )
 SWEEP_ROWS = "gemm_alone,sequential,symm_mem,hostir_auto*,hostir_ring_cuda*"
+# Llama-70B's projections (hidden 8192, intermediate 28672) at tokens per rank.
+LLAMA = {"hidden": 8192, "intermediate": 28672, "tokens": (4096, 8192)}
+LLAMA_ROWS = (
+    "gemm_alone,allgather_alone,reduce_scatter_alone,sequential,symm_mem,hostir_sequential,hostir_ring_cuda,"
+    "hostir_ring_cuda_replay,hostir_ring_cuda_c2*,hostir_auto*"
+)
 # The table at the headline shapes: the old stream-axis programs only on the C++ executor and replayed.
 OVERLAP_ROWS = (
     "gemm_alone,allgather_alone,reduce_scatter_alone,sequential,nccl_pipeline_*,hostir_cpp_*,"
@@ -131,6 +142,7 @@ GPU = Config(
         "host": 75,
         "training": 240,
         "sweep": 150,
+        "llama": 110,
         "timelines": 70,
         "profile": 150,
         "training_profile": 300,
@@ -151,6 +163,7 @@ CPU = Config(
         "host": 60,
         "training": 60,
         "sweep": 40,
+        "llama": 40,
         "timelines": 40,
         "profile": 90,
         "training_profile": 90,
@@ -368,6 +381,37 @@ def part_sweep(b: Bench) -> None:
     b.step("sweep", "sweep", b.launch(b.ranks, program), b.env())
 
 
+def llama_sizes(b: Bench) -> tuple[int, int, tuple[int, ...]]:
+    """(hidden, intermediate, tokens per rank): Llama-70B's, or small ones with --cpu."""
+    return (32, 64, (16,)) if b.cpu else (LLAMA["hidden"], LLAMA["intermediate"], LLAMA["tokens"])
+
+
+def llama_shapes(b: Bench) -> list[tuple[str, str, tuple[int, int, int]]]:
+    """(problem, tag, (M, K, N)) of Llama-70B's FC1 (AG+matmul: a rank's
+    tokens, hidden, its columns of the intermediate) and FC2 (matmul+RS:
+    every rank's tokens, its rows of the intermediate, hidden) per tokens
+    per rank; with --cpu the same cuts of small sizes."""
+    hidden, inter, tokens = llama_sizes(b)
+    shapes = []
+    for t in tokens:
+        shapes.append(("ag", f"llama_fc1_t{t}", (t, hidden, inter // b.ranks)))
+        shapes.append(("rs", f"llama_fc2_t{t}", (t * b.ranks, inter // b.ranks, hidden)))
+    return shapes
+
+
+def part_llama(b: Bench) -> None:
+    """AG+matmul and matmul+RS at Llama-70B's FC1/FC2 shapes, each shape a
+    step of its own: sequential, torch's fused op, hostir's ring and
+    `auto`, eager and replayed, beside GEMM alone."""
+    for problem, tag, (m, k, n) in llama_shapes(b):
+        program = [
+            sys.executable, "tools/bench_overlap.py", "--problem", problem, "--M", str(m), "--K", str(k),
+            "--N", str(n), "--iters", str(b.cfg.iters), "--warmup", str(b.cfg.warmup), "--variants", LLAMA_ROWS,
+            "--no-timeline", "--out-dir", str(b.dir("llama")), "--tag", tag,
+        ] + (["--cpu"] if b.cpu else [])
+        b.step(tag, "llama", b.launch(b.ranks, program), b.env())
+
+
 def part_timelines(b: Bench) -> None:
     for problem in ("ag", "rs"):
         b.overlap(
@@ -542,6 +586,14 @@ def compose(b: Bench, results: pathlib.Path) -> list[tuple[str, str]]:
             )
             # Named, not linked: docs/performance.md includes this file, where a relative image would not resolve.
             sections[-1] += f"\nThe plot: `benchmarks/results/overlap_sweep_{tag}.png`.\n"
+    llama = [b.out / "llama" / f"bench_overlap_{tag}.md" for _, tag, _ in llama_shapes(b)]
+    if any(path.exists() for path in llama):
+        hidden, inter, _ = llama_sizes(b)
+        sections.append(
+            f"## Llama-70B's projections (hidden {hidden}, intermediate {inter}), "
+            f"FC1 as AG+matmul and FC2 as matmul+RS, per tokens per rank\n\n"
+            + "\n".join(demote(demote(path.read_text())) for path in llama if path.exists())
+        )
     if sections:
         text = f"# Overlap on {b.machine()}\n\n{stamp}.\n\n" + "\n".join(sections)
         (results / f"overlap_{tag}.md").write_text(text)
@@ -551,7 +603,7 @@ def compose(b: Bench, results: pathlib.Path) -> list[tuple[str, str]]:
                 f"overlap_{tag}.md",
                 "AG+matmul and matmul+RS: GEMM alone, sequential, torch's fused "
                 "ops, every hostir schedule eager and replayed with host ms; the hand-written rings "
-                "(probe3); the M sweep",
+                "(probe3); the M sweep; Llama-70B's FC1/FC2 shapes",
             ),
         )
     multi = host_table(out, "host_overhead_multidevice_*.json", "call")

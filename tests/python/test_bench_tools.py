@@ -124,6 +124,29 @@ def test_gpu_bench_writes_one_file_per_benchmark_and_keeps_the_index_true(tmp_pa
     assert (results / "README.md").read_text() == readme
 
 
+def test_gpu_bench_llama_part_cuts_fc1_and_fc2_over_the_ranks_and_joins_the_overlap_file(tmp_path):
+    out, results = tmp_path / "out", tmp_path / "results"
+    results.mkdir()
+    args = gpu_bench.parse_args(["--cpu", "--out", str(out), "--ranks", "4"])
+    bench = gpu_bench.Bench(args, ["NVIDIA H100 80GB HBM3"] * 4)
+    bench.cpu, bench.tag = False, "h100x4"
+    # FC1: a rank's tokens gathered, its quarter of the intermediate's columns;
+    # FC2: every rank's tokens, its quarter of the intermediate's rows, summed and scattered.
+    assert gpu_bench.llama_shapes(bench) == [
+        ("ag", "llama_fc1_t4096", (4096, 8192, 7168)),
+        ("rs", "llama_fc2_t4096", (16384, 7168, 8192)),
+        ("ag", "llama_fc1_t8192", (8192, 8192, 7168)),
+        ("rs", "llama_fc2_t8192", (32768, 7168, 8192)),
+    ]
+    (out / "llama").mkdir(parents=True)
+    (out / "llama" / "bench_overlap_llama_fc2_t8192.md").write_text("# matmul+RS overlap, 4 ranks\n\n| variant |\n")
+    written = gpu_bench.compose(bench, results)
+    assert [name for name, _ in written] == ["overlap_h100x4.md"]
+    overlap = (results / "overlap_h100x4.md").read_text()
+    assert "## Llama-70B's projections (hidden 8192, intermediate 28672)" in overlap
+    assert "### matmul+RS overlap, 4 ranks" in overlap
+
+
 @pytest.mark.timeout(120)
 def test_gpu_bench_cpu_form_runs_a_part_and_writes_its_result(tmp_path):
     out = tmp_path / "out"
