@@ -342,6 +342,20 @@ class _Cotangent:
     index: int
 
 
+def _unviewed(outputs, inputs) -> list:
+    """`outputs` with each view of memory the program made (a piece of one
+    of its buffers) returned as a plain tensor over the same memory: torch
+    refuses an in-place op on a custom Function's output that is a view,
+    and such a view is no input's. A view of an input stays a view."""
+    storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    return [
+        r.detach()
+        if isinstance(r, torch.Tensor) and r._is_view() and r.untyped_storage().data_ptr() not in storages
+        else r
+        for r in outputs
+    ]
+
+
 class _Node(torch.autograd.Function):
     @staticmethod
     def forward(ctx, record: _Record, *inputs):
@@ -356,7 +370,7 @@ class _Node(torch.autograd.Function):
                 specs[i] = (t._spec, local.stride())
                 inputs[i] = local
         results = record.forward([t.detach() if isinstance(t, torch.Tensor) else t for t in inputs])
-        user = results[: d.user_outputs]
+        user = _unviewed(results[: d.user_outputs], inputs)
         saved = [
             inputs[i] if kind == "input" else results[i] if kind == "output" else _Cotangent(i) for kind, i in d.saved
         ]

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import os
 import weakref
 from typing import Any
 
@@ -101,9 +102,12 @@ def parallelize_module(
     parallelize_plan: Any = None,
     *,
     src_data_rank: int | None = 0,
+    group_siblings: bool | None = None,
 ) -> nn.Module:
     """torch's `parallelize_module`, with every `nn.Linear` of the plan run
-    by hostir (see the module's doc)."""
+    by hostir (see the module's doc). `group_siblings` (default: on, unless
+    `HOSTIR_GROUP_SIBLINGS=0`) lets colwise siblings that read one input
+    run as one program (`_Group`)."""
     from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
 
     if isinstance(device_mesh, ir.DeviceMesh):
@@ -120,6 +124,10 @@ def parallelize_module(
         linear = getattr(sub, "_hostir_linear", None)
         if isinstance(linear, _Linear):
             linear.name = name or "(root)"
+    if group_siblings is None:
+        group_siblings = os.environ.get("HOSTIR_GROUP_SIBLINGS", "1") != "0"
+    if group_siblings:
+        _group_siblings(module)
     return result
 
 
@@ -223,11 +231,18 @@ class _Linear:
         # Its number in the custom ops' table (`torch.ops.hostir.linear`).
         self.handle = next(_HANDLES)
         _LINEARS[self.handle] = self
+        # The `_Group` of its siblings reading one input, if it has one.
+        self.group: _Group | None = None
 
     def bind(self, module: nn.Linear):
         def forward(x):
             if torch.compiler.is_compiling():
                 return self.compiled(module, x)
+            group = self.group
+            if group is not None:
+                y = group.call(self, x)
+                if y is not None:
+                    return y
             return self(module, x)
 
         return forward
@@ -326,7 +341,12 @@ class _Linear:
         placement: tuple = ("replicate",),
         input_placement=None,
         local_parameters: bool = False,
+        count: int = 1,
     ):
+        """The fusion of `count` linears of this layout reading one input
+        (`x`, then each linear's weight and bias, in that order; one output
+        per linear): one, or the siblings of a `_Group`, whose gather of a
+        sequence-sharded input feeds every product."""
         from hostir.frontend import FusionDefinition
         from hostir.ir import DeviceMesh, ParallelType
 
@@ -356,11 +376,14 @@ class _Linear:
             scattered = out_dim
         with FusionDefinition() as fd:
             x = fd.define_tensor([-1] * ndim, dtype)
-            w = fd.define_tensor([-1, -1], dtype)
-            b = fd.define_tensor([-1], dtype) if bias else None
+            params = []
+            for _ in range(count):
+                w = fd.define_tensor([-1, -1], dtype)
+                params.append((w, fd.define_tensor([-1], dtype) if bias else None))
             xg = fd.ops.set(x) if walked is not None else x
-            y = fd.ops.linear(xg, w, b)
-            fd.add_output(y)
+            ys = [fd.ops.linear(xg, w, b) for w, b in params]
+            for y in ys:
+                fd.add_output(y)
         mesh = DeviceMesh(self.mesh)
         if input_placement is not None:
             x.set_device_mesh(mesh)
@@ -375,32 +398,276 @@ class _Linear:
                 raise ParallelizeError(
                     f"input layout {input_placement!r} of a {self.kind} linear: hostir takes Shard(d) or Replicate()"
                 )
-        y.set_device_mesh(mesh)
-        if layout.is_shard():
-            y.outer_split(out_dim, D)
-            y.axis(out_dim).parallelize(ParallelType.mesh_x)
-        elif not layout.is_replicate():
+        if not (layout.is_shard() or layout.is_replicate()):
             raise ParallelizeError(
                 f"output layout {layout!r} of a {self.kind} linear: hostir makes Shard(d) or Replicate()"
             )
+        for y in ys:
+            y.set_device_mesh(mesh)
+            if layout.is_shard():
+                y.outer_split(out_dim, D)
+                y.axis(out_dim).parallelize(ParallelType.mesh_x)
         if local_parameters:
             # Placed as torch's styles place the parameters: the weight's
             # rows (colwise) or columns (rowwise) sharded, the bias sharded
             # with the rows or replicated.
-            sharded = [(w, 0)] + ([(b, 0)] if b is not None else []) if self.kind == "colwise" else [(w, 1)]
-            for tv in (w, b) if b is not None else (w,):
-                tv.set_device_mesh(mesh)
-            for tv, d in sharded:
-                tv.outer_split(d, D)
-                tv.axis(d).parallelize(ParallelType.mesh_x)
+            for w, b in params:
+                sharded = [(w, 0)] + ([(b, 0)] if b is not None else []) if self.kind == "colwise" else [(w, 1)]
+                for tv in (w, b) if b is not None else (w,):
+                    tv.set_device_mesh(mesh)
+                for tv, d in sharded:
+                    tv.outer_split(d, D)
+                    tv.axis(d).parallelize(ParallelType.mesh_x)
         if walked is not None:
             xg.set_device_mesh(mesh)
-            for tv in (xg, y):
+            for tv in (xg, *ys):
                 # Loop index of the walked axis: one more behind a split output axis.
-                at = walked + (tv is y and out_dim is not None and out_dim < walked)
+                at = walked + (tv is not xg and out_dim is not None and out_dim < walked)
                 tv.outer_split(at, D)
                 tv.axis(at).parallelize(ParallelType.stream)
         return fd
+
+
+def _group_siblings(root: nn.Module) -> None:
+    """A `_Group` for each set of two or more hostir colwise Linears that
+    are children of one module and alike: the same mesh, input and output
+    layouts, local output or not, input features, bias or none, dtype and
+    device. Each learns from its parent's first call whether they read one
+    input."""
+    for parent in root.modules():
+        alike: dict[tuple, list[nn.Linear]] = {}
+        for child in parent.children():
+            linear = getattr(child, "_hostir_linear", None)
+            if not isinstance(linear, _Linear) or linear.kind != "colwise" or linear.group is not None:
+                continue
+            key = (
+                id(linear.mesh),
+                repr(linear.input_layout),
+                repr(linear.output_layout),
+                linear.use_local_output,
+                child.in_features,
+                child.bias is not None,
+                child.weight.dtype,
+                child.weight.device,
+            )
+            alike.setdefault(key, []).append(child)
+        for members in alike.values():
+            if len(members) > 1:
+                _Group(parent, members)
+
+
+class _Group:
+    """Colwise sibling Linears that their parent calls on one input
+    (attention's q, k and v; an MLP's gate and up), run as one program: one
+    gather of a sequence-sharded input feeding every product (the AG+GEMM
+    ring computes each arriving piece's products for all of them), one
+    program call instead of one per Linear, and in the backward one program
+    of the Linear of their concatenated weights (one reduce-scatter or
+    all-reduce of the input gradient, one re-gather).
+
+    It learns from the parent's first call: when that call runs each member
+    exactly once, all on one tensor, the group is armed; otherwise it is
+    off for good and each member runs on its own. Armed, a member's call
+    runs the group's program and keeps its siblings' outputs, which their
+    calls on the same tensor (unchanged since) return; a call on another
+    tensor runs the program again. A parent call that leaves an output
+    unread turns the group off. Outside the parent's forward, and under
+    torch.compile, each member runs on its own."""
+
+    def __init__(self, parent: nn.Module, members: list[nn.Linear]):
+        self.modules = members
+        self.linears = [m._hostir_linear for m in members]
+        for linear in self.linears:
+            linear.group = self
+        lead = self.linears[0]
+        self.lead = lead
+        # The backward's Linear: the members' weights concatenated by rows.
+        self.concat = _Linear(lead.mesh, lead.input_layout, lead.output_layout, True, "colwise")
+        self.concat.name = "+".join(linear.name for linear in self.linears)
+        self.fusions: dict[tuple, Any] = {}
+        self.weights = self._share_weights()
+        self.state = "learning"
+        self.depth = 0
+        self.calls: list[tuple[int, torch.Tensor]] = []
+        self.kept: dict[int, tuple[torch.Tensor, int, tuple, torch.Tensor]] = {}
+        parent.register_forward_pre_hook(self._begin)
+        parent.register_forward_hook(self._end, always_call=True)
+
+    def _share_weights(self) -> torch.Tensor | None:
+        """One buffer of every member's local weight shard, by rows, each
+        member's DTensor parameter made again over its rows: the backward's
+        concatenated weight, without a copy. None where the weights are not
+        DTensors (each call then concatenates them)."""
+        from torch.distributed.tensor import DTensor
+
+        weights = [m.weight for m in self.modules]
+        if not all(_is_dtensor(w) for w in weights):
+            return None
+        with torch.no_grad():
+            buffer = torch.cat([w.to_local() for w in weights], 0)
+        start = 0
+        for m, w in zip(self.modules, weights):
+            rows = w.to_local().shape[0]
+            local = buffer.narrow(0, start, rows)
+            start += rows
+            shared = DTensor.from_local(local, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
+            m.weight = nn.Parameter(shared, requires_grad=w.requires_grad)
+        return buffer
+
+    def concatenated(self, weights) -> torch.Tensor:
+        """The members' local weights `weights` as one tensor by rows: the
+        shared buffer while each still lies where it was put there (an
+        optimizer's in-place step keeps it so; `module.to(...)` or loading
+        new tensors does not), else a copy."""
+        buffer = self.weights
+        if buffer is not None:
+            step = buffer.stride(0) * buffer.element_size()
+            at, start = buffer.data_ptr(), 0
+            shared = buffer.untyped_storage().data_ptr()
+            for w in weights:
+                if (
+                    w.untyped_storage().data_ptr() != shared
+                    or w.data_ptr() != at + start * step
+                    or w.dtype != buffer.dtype
+                    or w.shape[1:] != buffer.shape[1:]
+                    or not w.is_contiguous()
+                ):
+                    break
+                start += w.shape[0]
+            else:
+                if start == buffer.shape[0]:
+                    return buffer
+        return torch.cat(weights, 0)
+
+    def _begin(self, _module, _args) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            self.calls.clear()
+            self.kept.clear()
+
+    def _end(self, _module, _args, _output) -> None:
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        if self.state == "learning":
+            seen = sorted(i for i, _ in self.calls)
+            one_input = all(x is self.calls[0][1] for _, x in self.calls)
+            self.state = "armed" if seen == list(range(len(self.linears))) and one_input else "off"
+        elif self.state == "armed" and self.kept:
+            self.state = "off"  # outputs made and never read: the parent's calls changed
+        self.calls.clear()
+        self.kept.clear()
+
+    def _versions(self) -> tuple:
+        return tuple(m.weight._version for m in self.modules)
+
+    def call(self, linear: _Linear, x):
+        """The member's output from the group, or None where it runs alone."""
+        if self.depth == 0 or self.state == "off" or not isinstance(x, torch.Tensor):
+            return None
+        i = self.linears.index(linear)
+        if self.state == "learning":
+            self.calls.append((i, x))
+            return None
+        kept = self.kept.pop(i, None)
+        if kept is not None and kept[0] is x and kept[1] == x._version and kept[2] == self._versions():
+            return kept[3]
+        outputs = self.run(x)
+        version, weights = x._version, self._versions()
+        self.kept = {j: (x, version, weights, y) for j, y in enumerate(outputs) if j != i}
+        return outputs[i]
+
+    def fusion(self, shard: int, ndim: int, dtype: torch.dtype, bias: bool):
+        """The forward fusion of every member on a local input sharded on
+        axis `shard` (-1: replicated), their parameters local shards."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        placement = Replicate() if shard < 0 else Shard(shard)
+        key = (placement, ndim, dtype, bias)
+        fd = self.fusions.get(key)
+        if fd is None:
+            fd = self.lead._define(
+                ndim, dtype, bias, _placement_key(placement, ndim), placement, local_parameters=True,
+                count=len(self.linears),
+            )
+            fd.executor.label = f" ({self.concat.name}, {len(self.linears)} colwise nn.Linear siblings)"
+            self.fusions[key] = fd
+        return fd
+
+    def run(self, x) -> list:
+        """Every member's output for input `x`."""
+        local = not _is_dtensor(x)
+        placement = self.lead.input_layout if local else x.placements[0]
+        if not (placement.is_shard() or placement.is_replicate()):
+            raise ParallelizeError(
+                f"input layout {placement!r} of a colwise linear: hostir takes Shard(d) or Replicate()"
+            )
+        shard = placement.dim % x.dim() if placement.is_shard() else -1
+        weights = [m.weight.to_local() if _is_dtensor(m.weight) else m.weight for m in self.modules]
+        biases = []
+        if self.modules[0].bias is not None:
+            biases = [m.bias.to_local() if _is_dtensor(m.bias) else m.bias for m in self.modules]
+        outputs = _GroupLinear.apply(self, shard, x if local else x.to_local(), *weights, *biases)
+        if not self.lead.return_dtensors:
+            return list(outputs)
+        from torch.distributed.tensor import DTensor
+
+        return [DTensor.from_local(y, self.lead.mesh, [self.lead.output_layout], run_check=False) for y in outputs]
+
+
+class _GroupLinear(torch.autograd.Function):
+    """A `_Group`'s forward program, and as its backward the backward
+    program of the Linear of the members' concatenated weights."""
+
+    @staticmethod
+    def forward(ctx, group: _Group, shard: int, x: torch.Tensor, *params: torch.Tensor):
+        n = len(group.linears)
+        weights, biases = list(params[:n]), list(params[n:])
+        inputs = [x]
+        for i in range(n):
+            inputs += [weights[i]] + ([biases[i]] if biases else [])
+        try:
+            fd = group.fusion(shard, x.dim(), x.dtype, bool(biases))
+            with torch.no_grad():
+                outputs = fd.execute(inputs, **group.lead.backend)
+        except HostIrError as err:
+            err.add_note(
+                f"in the colwise siblings {group.concat.name!r} (hostir.parallel), input {_shape_of(x)}, "
+                f"weights {', '.join(_shape_of(w) for w in weights)}"
+            )
+            raise
+        ctx.group, ctx.shard = group, shard
+        ctx.save_for_backward(x, *params)
+        return tuple(_own(y, inputs).detach() for y in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        group = ctx.group
+        n = len(group.linears)
+        x, *params = ctx.saved_tensors
+        weights, biases = params[:n], params[n:]
+        features = [w.shape[0] for w in weights]
+        grads = [
+            g if g is not None else x.new_zeros((*_output_lead(x, ctx.shard, group), f))
+            for g, f in zip(grads, features)
+        ]
+        needs = ctx.needs_input_grad
+        wrt = [i for i, needed in ((0, needs[2]), (1, any(needs[3 : 3 + n])), (2, any(needs[3 + n :]))) if needed]
+        found: dict[int, torch.Tensor] = {}
+        if wrt:
+            weight = group.concatenated(weights)
+            bias = torch.cat(biases, 0) if biases else None
+            found = dict(zip(wrt, _backward(group.concat, torch.cat(grads, -1), x, weight, bias, ctx.shard, wrt)))
+        gx = found.get(0)
+        gw = list(found[1].split(features, 0)) if 1 in found else [None] * n
+        gb = list(found[2].split(features, 0)) if 2 in found else [None] * len(biases)
+        return None, None, gx, *gw, *gb
+
+
+def _output_lead(x: torch.Tensor, shard: int, group: _Group) -> list[int]:
+    """The leading axes of a member's local output for local input `x`."""
+    shape = group.lead.local_output_shape(list(x.shape), [1, x.shape[-1]], shard)
+    return shape[:-1]
 
 
 def _shape_of(t) -> str:
@@ -477,7 +744,13 @@ def _linear_backward_op(
 ) -> list[torch.Tensor]:
     """The backward program of `hostir::linear` for the gradients of its
     tensor inputs `wrt` (0: x, 1: weight, 2: bias), in that order."""
-    linear = _linear_of(handle)
+    return _backward(_linear_of(handle), grad, x, weight, bias, shard, wrt)
+
+
+def _backward(linear: _Linear, grad, x, weight, bias, shard: int, wrt) -> list[torch.Tensor]:
+    """The gradients `wrt` (0: x, 1: weight, 2: bias) of `linear`'s
+    forward on local tensors, by the backward program hostir derives for
+    it (the weight and bias this rank's shards)."""
     inputs = [x, weight] if bias is None else [x, weight, bias]
     try:
         fd = linear.fusion(shard, x.dim(), x.dtype, bias is not None)
