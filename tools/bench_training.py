@@ -15,7 +15,10 @@ Rows, each where it runs:
   backward program;
 * ``hostir.parallel``: the modules parallelized with
   ``hostir.parallel.parallelize_module`` (colwise gate/up/q/k/v, rowwise
-  down/o): every Linear a hostir program;
+  down/o), each set of colwise siblings reading one input (q, k, v; gate,
+  up) one program;
+* ``hostir.parallel ungrouped``: the same with ``group_siblings=False``:
+  every Linear a program of its own;
 * ``torch TP``: the same plan through torch's ``parallelize_module`` (DTensor);
 * ``torch async-TP``: torch's plan under ``torch.compile`` with symmetric
   memory's micro-pipelined TP (``torch._inductor.config._micro_pipeline_tp``
@@ -59,6 +62,7 @@ writes ``bench_training_<tag>.md`` and ``.json`` under ``$OUT`` if set, else
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -74,7 +78,7 @@ from hostir import FusionDefinition
 
 
 PLANS = ("tp", "sp")
-VARIANTS = ("eager", "hostir fusion", "hostir.parallel", "torch TP", "torch async-TP")
+VARIANTS = ("eager", "hostir fusion", "hostir.parallel", "hostir.parallel ungrouped", "torch TP", "torch async-TP")
 
 
 class MLP(nn.Module):
@@ -277,6 +281,7 @@ def bench_kind(kind, args, device, dtype, timer, world, rank, mesh, which="tp"):
     from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
 
     prepare("hostir.parallel", lambda: parallel(hostir_parallelize))
+    prepare("hostir.parallel ungrouped", lambda: parallel(functools.partial(hostir_parallelize, group_siblings=False)))
     prepare("torch TP", lambda: parallel(torch_parallelize))
 
     def async_tp():

@@ -344,12 +344,6 @@ def part_training(b: Bench) -> None:
         f"np{n}",
     ] + (["--cpu"] if b.cpu else [])
     b.step(f"training_np{n}", "training", b.launch(n, program), b.env())
-    # hostir.parallel with each Linear its own program (siblings not grouped).
-    alone = [
-        sys.executable, "tools/bench_training.py", "--plans", "tp,sp", "--variants", "hostir.parallel",
-        "--out-dir", str(b.dir("training")), "--tag", f"np{n}_ungrouped",
-    ] + (["--cpu"] if b.cpu else [])
-    b.step(f"training_np{n}_ungrouped", "training", b.launch(n, alone), b.env(HOSTIR_GROUP_SIBLINGS="0"))
     if b.before is not None:
         # The --before tree's hostir.parallel rows (this tree's script on
         # that tree's package), in the same lease.
@@ -638,18 +632,11 @@ def compose(b: Bench, results: pathlib.Path) -> list[tuple[str, str]]:
         )
     training = sorted((out / "training").glob("bench_training_np*.md")) if (out / "training").exists() else []
     if training:
-        labels = {
-            "_ungrouped": "hostir.parallel with each Linear its own program (`HOSTIR_GROUP_SIBLINGS=0`), run after "
-            "the table above:\n\n",
-            "_before": f"The tree before ({before_label(b.before) if b.before else 'an older checkout'}), "
-            "hostir.parallel only, run after the table above:\n\n",
-        }
-
-        def label(p: pathlib.Path) -> str:
-            return next((text for end, text in labels.items() if p.stem.endswith(end)), "")
-
-        order = ["", *labels.values()]
-        body = "\n".join(label(p) + demote(p.read_text()) for p in sorted(training, key=lambda p: order.index(label(p))))
+        body = "\n".join(
+            (f"The tree before ({before_label(b.before)}), hostir.parallel only, run after the table above:\n\n"
+             if p.stem.endswith("_before") else "") + demote(p.read_text())
+            for p in sorted(training, key=lambda p: p.stem.endswith("_before"))
+        )
         (results / f"training_{tag}.md").write_text(f"# Training steps on {b.machine()}\n\n{stamp}.\n\n{body}")
         written.append(
             (
