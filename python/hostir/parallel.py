@@ -29,7 +29,10 @@ Hugging Face plans (`"colwise"`, `"rowwise"`, `"colwise_rep"`,
   the saved shard running under it) and the rowwise gather of the output
   gradient (AG+GEMM, computing the input gradient as it goes);
   `use_local_output`
-  returns the local tensor or the DTensor as torch does. Under
+  returns the local tensor or the DTensor as torch does. Colwise siblings
+  that their parent calls on one input (q, k and v; gate and up) run as one
+  program, one gather feeding every product (`_Group`;
+  `group_siblings=False` turns it off). Under
   `torch.compile` such a Linear is one opaque operator,
   `torch.ops.hostir.linear` (its backward `torch.ops.hostir.linear_backward`),
   with a fake implementation that gives this rank's output shape: dynamo
