@@ -564,9 +564,25 @@ class _Group:
     def _versions(self) -> tuple:
         return tuple(m.weight._version for m in self.modules)
 
+    def _placed(self) -> bool:
+        """Whether every member's parameters are still placed as the style
+        placed them (DTensors sharded by rows on the group's mesh), so that
+        their local tensors are the shards the group's program takes; a
+        parameter made anew otherwise (another mesh, a plain tensor) makes
+        each member run alone."""
+        from torch.distributed.tensor import Shard
+
+        for m in self.modules:
+            for t in (m.weight, m.bias):
+                if t is None:
+                    continue
+                if not _is_dtensor(t) or t.device_mesh != self.lead.mesh or tuple(t.placements) != (Shard(0),):
+                    return False
+        return True
+
     def call(self, linear: _Linear, x):
         """The member's output from the group, or None where it runs alone."""
-        if self.depth == 0 or self.state == "off" or not isinstance(x, torch.Tensor):
+        if self.depth == 0 or self.state == "off" or not isinstance(x, torch.Tensor) or not self._placed():
             return None
         i = self.linears.index(linear)
         if self.state == "learning":
