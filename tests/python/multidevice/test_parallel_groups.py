@@ -20,6 +20,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from hostir import DeviceMesh, parallel
 from hostir.parallel import parallelize_module
 
+from .test_llama_tp import Attention, RMSNorm
+
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
@@ -54,27 +56,18 @@ def compare_grads(model, ref):
         torch.testing.assert_close(full(ours[name].grad), p.grad, **TOL, msg=lambda m: f"{name}: {m}")
 
 
-class Norm(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-
-
-class Attention(nn.Module):
-    def __init__(self, dim=48, heads=12):
-        super().__init__()
-        self.head_dim = dim // heads
-        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
-        self.o = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.q, self.k, self.v))
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(o.transpose(1, 2).reshape(b, s, -1))
+def step_like_torch(world, model, ref, *inputs) -> None:
+    """One forward and backward of `model` (colwise outputs: this rank's
+    columns) against `ref` on the same inputs: outputs, then gradients; the
+    gradients cleared after."""
+    y, expected = model(*inputs), ref(*inputs)
+    torch.testing.assert_close(y, expected.chunk(world.size, -1)[world.rank], **TOL)
+    grad = torch.randn_like(expected)
+    y.backward(grad.chunk(world.size, -1)[world.rank])
+    expected.backward(grad)
+    compare_grads(model, ref)
+    for p in (*model.parameters(), *ref.parameters()):
+        p.grad = None
 
 
 class MLP(nn.Module):
@@ -92,8 +85,8 @@ class Block(nn.Module):
         super().__init__()
         # A key's bias has no gradient through softmax (it adds one number to
         # a query's scores): biased siblings are the MLP's.
-        self.attention_norm, self.attention = Norm(48), Attention()
-        self.mlp_norm, self.mlp = Norm(48), MLP(bias=bias)
+        self.attention_norm, self.attention = RMSNorm(48), Attention(48, 12)
+        self.mlp_norm, self.mlp = RMSNorm(48), MLP(bias=bias)
 
     def forward(self, x):
         h = x + self.attention(self.attention_norm(x))
@@ -104,10 +97,10 @@ def plan(sp: bool) -> dict:
     colwise = (lambda: ColwiseParallel(input_layouts=Shard(1))) if sp else ColwiseParallel
     rowwise = (lambda: RowwiseParallel(output_layouts=Shard(1))) if sp else RowwiseParallel
     entries = {
-        "attention.q": colwise(),
-        "attention.k": colwise(),
-        "attention.v": colwise(),
-        "attention.o": rowwise(),
+        "attention.wq": colwise(),
+        "attention.wk": colwise(),
+        "attention.wv": colwise(),
+        "attention.wo": rowwise(),
         "mlp.gate": colwise(),
         "mlp.up": colwise(),
         "mlp.down": rowwise(),
@@ -125,10 +118,10 @@ def test_siblings_run_as_one_program_and_train_as_torch(world, device, tp_mesh, 
     ref = copy.deepcopy(model)
     for block in model:
         parallelize_module(block, tp_mesh, plan(sp))
-    groups = {id(m._hostir_linear.group) for block in model for m in (block.attention.q, block.attention.k)}
-    assert len(groups) == 2 and model[0].attention.v._hostir_linear.group is model[0].attention.q._hostir_linear.group
+    groups = {id(m._hostir_linear.group) for block in model for m in (block.attention.wq, block.attention.wk)}
+    assert len(groups) == 2 and model[0].attention.wv._hostir_linear.group is model[0].attention.wq._hostir_linear.group
     assert model[0].mlp.gate._hostir_linear.group is model[0].mlp.up._hostir_linear.group
-    assert model[0].attention.o._hostir_linear.group is None  # rowwise: alone
+    assert model[0].attention.wo._hostir_linear.group is None  # rowwise: alone
     S = 4 * world.size
     x, target = torch.randn(2, S, 48, device=device), torch.randn(2, S, 48, device=device)
     mine = x.chunk(world.size, 1)[world.rank] if sp else x
@@ -147,7 +140,7 @@ def test_siblings_run_as_one_program_and_train_as_torch(world, device, tp_mesh, 
         torch.testing.assert_close(y, expected.chunk(world.size, 1)[world.rank] if sp else expected, **TOL)
         # The first call learns (every member alone); later ones run the groups.
         assert len(alone) == (10 if step == 0 else 0), alone
-        assert all(m._hostir_linear.group.state == "armed" for block in model for m in (block.attention.q, block.mlp.up))
+        assert all(m._hostir_linear.group.state == "armed" for block in model for m in (block.attention.wq, block.mlp.up))
         loss_of(y, my_target).backward()
         loss_of(expected, target).backward()
         compare_grads(model, ref)
@@ -158,7 +151,7 @@ def test_siblings_run_as_one_program_and_train_as_torch(world, device, tp_mesh, 
     # The optimizer stepped the weights in place: the backward's
     # concatenated weight is still the members' shared buffer, no copy.
     for block in model:
-        for members in ((block.attention.q, block.attention.k, block.attention.v), (block.mlp.gate, block.mlp.up)):
+        for members in ((block.attention.wq, block.attention.wk, block.attention.wv), (block.mlp.gate, block.mlp.up)):
             group = members[0]._hostir_linear.group
             assert group.concatenated([m.weight.to_local() for m in members]) is group.weights
 
@@ -170,13 +163,13 @@ def test_a_weight_moved_off_the_shared_buffer_is_copied_into_place(world, device
     parallelize_module(model, tp_mesh, plan(False))
     # A new tensor for k's weight (as loading one would make): the group
     # concatenates the weights, and still computes k with the new values.
-    k = model.attention.k.weight
+    k = model.attention.wk.weight
     fresh = DTensor.from_local(k.to_local().clone() * 2, k.device_mesh, k.placements, run_check=False)
-    model.attention.k.weight = nn.Parameter(fresh)
+    model.attention.wk.weight = nn.Parameter(fresh)
     with torch.no_grad():
-        ref.attention.k.weight.mul_(2)
-    group = model.attention.q._hostir_linear.group
-    members = (model.attention.q, model.attention.k, model.attention.v)
+        ref.attention.wk.weight.mul_(2)
+    group = model.attention.wq._hostir_linear.group
+    members = (model.attention.wq, model.attention.wk, model.attention.wv)
     assert group.concatenated([m.weight.to_local() for m in members]) is not group.weights
     x = torch.randn(2, 4, 48, device=device)
     for _ in range(2):
@@ -193,7 +186,7 @@ def test_a_weight_moved_off_the_shared_buffer_is_copied_into_place(world, device
 def test_grouping_can_be_turned_off(world, device, tp_mesh, alone):
     model = Block().to(device)
     parallelize_module(model, tp_mesh, plan(False), group_siblings=False)
-    assert model.attention.q._hostir_linear.group is None
+    assert model.attention.wq._hostir_linear.group is None
     x = torch.randn(2, 4, 48, device=device)
     model(x)
     model(x)
@@ -218,15 +211,7 @@ def test_siblings_on_different_inputs_each_run_alone(world, device, tp_mesh, alo
     parallelize_module(model, tp_mesh, {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel()})
     x, memory = torch.randn(4, 24, device=device), torch.randn(4, 24, device=device)
     for _ in range(2):
-        y = model(x, memory)
-        expected = ref(x, memory)
-        torch.testing.assert_close(y, expected.chunk(world.size, -1)[world.rank], **TOL)
-        grad = torch.randn(4, 24, device=device)
-        y.backward(grad.chunk(world.size, -1)[world.rank])
-        expected.backward(grad)
-        compare_grads(model, ref)
-        for p in (*model.parameters(), *ref.parameters()):
-            p.grad = None
+        step_like_torch(world, model, ref, x, memory)
     assert model.q._hostir_linear.group.state == "off"
     assert len(alone) == 6
 
@@ -275,12 +260,5 @@ def test_a_grouped_output_changed_in_place_keeps_its_gradients(world, device, tp
     parallelize_module(model, tp_mesh, {"q": ColwiseParallel(), "k": ColwiseParallel()})
     x = torch.randn(4, 24, device=device)
     for _ in range(2):
-        y, expected = model(x), ref(x)
-        torch.testing.assert_close(y, expected.chunk(world.size, -1)[world.rank], **TOL)
-        grad = torch.randn(4, 24, device=device)
-        y.backward(grad.chunk(world.size, -1)[world.rank])
-        expected.backward(grad)
-        compare_grads(model, ref)
-        for p in (*model.parameters(), *ref.parameters()):
-            p.grad = None
+        step_like_torch(world, model, ref, x)
     assert model.q._hostir_linear.group.state == "armed"
