@@ -613,8 +613,12 @@ class _Builder:
                     changes["partial"] = flat[e.out].domain[e.out.domain.index(partial)]
                 self.c.push_back(e.replace(**changes))
             self.c.push_back(ir.Allocate(y, ir.MemoryType.global_))
+            # The result may mark its reduced axis as the stream axis (as
+            # nvFuser's reduce-based program does): one ReduceScatter walks
+            # no stream, so it writes a serial alias of the result.
+            out = self._serial_alias(y) if any(d.parallel_type is ir.ParallelType.stream for d in y.domain) else y
             comm = self._comm(
-                ir.CommunicationType.ReduceScatter, y, flat[c], mesh.devices, red_op=red.kind,
+                ir.CommunicationType.ReduceScatter, out, flat[c], mesh.devices, red_op=red.kind,
                 schedule=self._head("sequential"),
             )
             self.c.push_back(comm)

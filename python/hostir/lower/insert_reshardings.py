@@ -17,6 +17,11 @@ Rewrites, with `mode` "auto" (the default), "before" or "after":
   (`partial`), and a `sum` over that axis completes the output: an
   Allreduce, or a ReduceScatter when the output is sharded (sequence
   parallel). A bias is added after the sum.
+- Partial products whose one use is a sum of an axis the operands shard,
+  annotated (as nvFuser writes its ReduceScatterP2p) sharded on the axis
+  the sum scatters and streamed on the summed one, take the operands'
+  layout (`_partials_as_their_operands`): the matmul is then local and the
+  sum a reduce-scatter. A tensor the program returns keeps its layout.
 - Any other compute op whose operands are sharded otherwise than its output
   gets a resharding `Set` before it (a copy of each such operand, sharded as
   the output needs) or after it (the op computes with its operands'
@@ -68,6 +73,8 @@ def insert_reshardings(container: HostIrContainer, mode: str = "auto") -> HostIr
         raise ShardingError(f"resharding mode must be one of {list(MODES)}, got {mode!r}")
     if not any(tv.mesh is not None for tv in all_tvs(container)):
         return container
+    if mode != "strict":
+        _partials_as_their_operands(container)
     classes = axis_graph.ExtentClasses(container.exprs)
     result = container.derive()
     for e in container.exprs:
@@ -77,6 +84,54 @@ def insert_reshardings(container: HostIrContainer, mode: str = "auto") -> HostIr
     for e in result.exprs:
         check_op(e, classes)
     return result
+
+
+def _partials_as_their_operands(container: HostIrContainer) -> None:
+    """Partial products sharded where their one sum scatters them take the
+    layout of the operands instead (nvFuser's `ReduceScatterP2p`).
+
+    nvFuser writes the products P = matmul(A, B) of K pieces d (A and B
+    sharded on d) as [Stream(d), DIDx(j), ...]: row block j on rank j, the
+    pieces walked by the stream, so the matmul reshards (nvFuser inserts a
+    resharding set after it, lowered to P2P sends and receives per stream
+    index), and `C = sum(P, d)` is local. Where P is an intermediate whose
+    only use is that sum, sharded on the one axis j and streamed on the
+    summed axis d, while the operands are sharded on d (and not on j), the
+    annotations swap: P = [DIDx(d), Stream(j) or serial, ...] as the
+    operands hold it, the matmul is local, and the sum of the sharded axis
+    d into C sharded on j is the reduce-scatter that
+    `decompose_device_axis` pipelines (a ring of sends and receives, each
+    rank sending its D-1 partial blocks as nvFuser's does). The values of
+    every tensor the program returns are the same."""
+    outputs = {id(t) for t in container.outputs}
+    reads = Counter(id(v) for x in container.exprs for v in x.inputs() if isinstance(v, ir.TensorView))
+    sums = {id(x.input): x for x in container.exprs if isinstance(x, ir.ReductionOp)}
+    for e in container.exprs:
+        if not isinstance(e, (ir.MatmulOp, ir.LinearOp)) or e.partial is not None:
+            continue
+        p = e.out
+        r = sums.get(id(p))
+        if r is None or r.kind is not ReductionKind.sum or id(p) in outputs or reads[id(p)] != 1:
+            continue
+        summed = [i for o, i in r.id_pairs() if o.is_reduction]
+        sharded = [d for d in p.logical if d.is_device_parallel]
+        if len(summed) != 1 or len(sharded) != 1:
+            continue
+        (d_axis,), (j_axis,) = summed, sharded
+        if d_axis.parallel_type is not ir.ParallelType.stream or d_axis.leaves is not None or j_axis.leaves is not None:
+            continue
+        scattered = next((o for o, i in r.id_pairs() if i is j_axis), None)
+        if scattered is None or scattered.parallel_type is not j_axis.parallel_type:
+            continue  # the sum does not leave row block j on rank j
+        on_d = [i for o, i in e.id_pairs() if o is d_axis and i.leaves is None]
+        on_j = [i for o, i in e.id_pairs() if o is j_axis]
+        if not on_d or any(i.parallel_type is not j_axis.parallel_type for i in on_d):
+            continue  # the operands do not hold the pieces d one to a rank
+        if any(device_types(i) for i in on_j):
+            continue
+        d_axis.parallel_type = j_axis.parallel_type
+        streamed = any(i.parallel_type is ir.ParallelType.stream for i in on_j)
+        j_axis.parallel_type = ir.ParallelType.stream if streamed else ir.ParallelType.serial
 
 
 def _decompose(container: HostIrContainer, e: ir.Expr, mode: str, classes) -> list[ir.Expr]:

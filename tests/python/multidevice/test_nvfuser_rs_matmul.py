@@ -15,14 +15,13 @@ and receives (nvFuser's P2P pipeline), the collective schedule one Reduce
 per iteration rooted at the row block's rank (nvFuser's reduce-based
 pipeline), and the sequential schedule one ReduceScatter after the matmul.
 
-One difference: nvFuser's ReduceScatterP2p marks the partials
-[Stream(D), DIDx(D), ...] (the matmul reshards, and nvFuser inserts the
-resharding set after it); hostir keeps the partials in A's layout and
-reshards at the sum, which gives the same ring (a stream loop over an axis
-the input holds sharded is refused by hostir's lowering). Not yet taken
-(strict xfails at the end): nvFuser's partials layout itself, and the
-reduce-based program under the sequential schedule, which the machine model
-picks for small shapes.
+nvFuser's ReduceScatterP2p marks the partials [Stream(D), DIDx(D), ...]
+(the matmul reshards, and nvFuser inserts a resharding set after it);
+hostir's lowering gives partials whose only use is that sum A's layout
+(`insert_reshardings`) and reshards at the sum, which gives the same ring.
+The tests run both spellings of the partials, and the reduce-based program
+under the sequential schedule too (the machine model's choice for small
+shapes).
 """
 
 from __future__ import annotations
@@ -46,10 +45,11 @@ COLLECTIVE = ["collective", "collective:chunks=2"]
 M_D, K_D, N = 4, 3, 5  # M/D, K/D, N: M/D splits into 2 chunks per peer
 
 
-def reduce_scatter_p2p(D: int, partials: str = "hostir"):
+def reduce_scatter_p2p(D: int, partials: str = "hostir", returned: bool = False):
     """RSMatmulTest.ReduceScatterP2p, the partials [DIDx(D), Stream(D), M/D,
     N] as A holds them (partials="hostir"), or [Stream(D), DIDx(D), M/D, N]
-    as nvFuser writes them (partials="nvfuser": the matmul reshards)."""
+    as nvFuser writes them (partials="nvfuser": the matmul reshards);
+    `returned`: the fusion returns the partials too."""
     with FusionDefinition() as fd:
         tv0 = fd.define_tensor([-1, -1, -1, -1])  # [DIDx(D), Stream(D), M/D, K/D]
         tv1 = fd.define_tensor([-1, -1, -1])  # [DIDx(D), K/D, N]
@@ -57,6 +57,8 @@ def reduce_scatter_p2p(D: int, partials: str = "hostir"):
         tv2_unreduced = fd.ops.matmul(tv0, tv1b)  # [DIDx(D), Stream(D), M/D, N]
         tv2 = fd.ops.sum(tv2_unreduced, [0])  # [r(D), DIDx(D), M/D, N]
         fd.add_output(tv2)
+        if returned:
+            fd.add_output(tv2_unreduced)
     mesh = DeviceMesh(range(D))
     for tv in (tv0, tv1, tv1b, tv2_unreduced, tv2):
         tv.set_device_mesh(mesh)
@@ -201,38 +203,67 @@ def test_reduce_scatter_p2p_sequential_is_one_reduce_scatter(world, device):
     assert "P2PCommunication" not in dump and "FOR StreamIdx" not in dump, dump
 
 
-# ---------------------------------------------------------------- not yet
-# What hostir's lowering (python/hostir/lower/) does not take yet, as nvFuser
-# writes it; strict, so that a fix shows here.
+@pytest.mark.parametrize("weight", ["input", "broadcast"])
+def test_reduce_scatter_reduce_based_sequential_is_one_reduce_scatter(world, device, weight):
+    """nvFuser's reduce-based program marks C's reduced axis as the stream
+    axis; under the sequential schedule (the machine model's choice for
+    small shapes) the ReduceScatter writes C without walking a stream."""
+    D = world.size
+    fd, A, B = reduce_scatter_reduce_based(D, weight)
+    a_t, b_t, c_t = _data(D, device)
+    b_in = b_t.unsqueeze(1) if weight == "input" else b_t
+    inputs = [shard_tensor(a_t, A), shard_tensor(b_in, B)]
+    for _ in range(2):  # back to back: the second call reuses every buffer
+        (out,) = fd.execute(inputs, schedule="sequential")
+        exact(out, c_t[world.rank : world.rank + 1])
+    dump = fd.host_ir(inputs=inputs, schedule="sequential")
+    assert collectives(dump) == ["ReduceScatter"] and "schedule=(sequential" in head_of(dump), dump
+    assert "P2PCommunication" not in dump and "FOR StreamIdx" not in dump, dump
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=LoweringError,
-    reason="the sequential schedule keeps the stream on C's reduced axis and parallelize_streams refuses "
-    "the ReduceScatter Communication it then carries; the machine model picks sequential for small "
-    "shapes, so an eager call of nvFuser's ReduceScatterReduceBased fails there",
-)
-def test_reduce_scatter_reduce_based_sequential(world, device):
+def test_reduce_scatter_reduce_based_runs_with_the_default_schedule(world, device):
+    """As nvFuser's test calls it: no schedule named, the planner's choice."""
     D = world.size
     fd, A, B = reduce_scatter_reduce_based(D, "input")
     a_t, b_t, c_t = _data(D, device)
     inputs = [shard_tensor(a_t, A), shard_tensor(b_t.unsqueeze(1), B)]
-    (out,) = fd.execute(inputs, schedule="sequential")
+    (out,) = fd.execute(inputs)
     exact(out, c_t[world.rank : world.rank + 1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=LoweringError,
-    reason="nvFuser's partials [Stream(D), DIDx(D), M/D, N] (the matmul reshards): hostir refuses a stream "
-    "loop over an axis its input holds sharded (A's DIDx axis), where nvFuser inserts the resharding set "
-    "after the matmul and lowers it to the ring",
-)
-def test_reduce_scatter_p2p_with_nvfusers_partials_layout(world, device):
+@pytest.mark.parametrize("sched", RING + COLLECTIVE)
+def test_reduce_scatter_p2p_with_nvfusers_partials_layout(world, device, sched):
+    """nvFuser's own partials [Stream(D), DIDx(D), M/D, N] (the matmul
+    reshards): the partials, read only by the sum, take A's layout, and the
+    program is the same ring (or reduce per row block) as hostir's."""
     D = world.size
     fd, tv0, tv1 = reduce_scatter_p2p(D, partials="nvfuser")
     a_t, b_t, c_t = _data(D, device)
     inputs = [shard_tensor(a_t, tv0), shard_tensor(b_t, tv1)]
-    (out,) = fd.execute(inputs, schedule="ring")
-    exact(out, c_t[world.rank : world.rank + 1])
+    for _ in range(2):  # back to back: the second call reuses every buffer
+        (out,) = fd.execute(inputs, schedule=sched, number_of_streams=2)
+        exact(out, c_t[world.rank : world.rank + 1])
+    dump = fd.host_ir(inputs=inputs, schedule=sched, number_of_streams=2)
+    loop = _loop(dump)
+    assert "matmul(" in loop, dump
+    if sched.startswith("ring"):
+        assert "P2PCommunication" in loop and collectives(dump) == [], dump
+    else:
+        assert collectives(loop) == ["Reduce"] and "P2PCommunication" not in dump, dump
+    # The same program as the partials in A's layout.
+    theirs, a, b = reduce_scatter_p2p(D)
+    assert dump == theirs.host_ir(
+        inputs=[shard_tensor(a_t, a), shard_tensor(b_t, b)], schedule=sched, number_of_streams=2
+    )
+
+
+def test_partials_returned_keep_nvfusers_layout(world, device):
+    """Partials the fusion also returns are not re-annotated: their layout is
+    what the caller gets, so the matmul stays a resharding op the lowering
+    refuses to walk as a stream (no silent change of a returned tensor)."""
+    D = world.size
+    fd, tv0, tv1 = reduce_scatter_p2p(D, partials="nvfuser", returned=True)
+    a_t, b_t, _ = _data(D, device)
+    inputs = [shard_tensor(a_t, tv0), shard_tensor(b_t, tv1)]
+    with pytest.raises(LoweringError, match="a stream loop cannot walk a sharded axis"):
+        fd.execute(inputs, schedule="ring")
