@@ -12,6 +12,13 @@ profiler (the device synchronized before each call, not inside it):
   rs           matmul+reduce-scatter at --M total rows, --K, --N
   stream_loop  one device: the stream loop of tiny elementwise ops the
                Python evaluator runs (`bench_host_overhead.py`)
+
+Optional tables after the profiles: `--runtime` (torch's profiler: host
+time per op and CUDA runtime call), `--launches` (per call, when its first
+launch leaves the host and its first kernel starts on the device, and one
+call event by event), `--waits` (per rank, each call's entry against the
+first rank's, one host clock, and how long its step's collect waited;
+`--barrier` meets the ranks before each call, as `bench_overlap.py` does).
 """
 
 from __future__ import annotations
@@ -81,6 +88,25 @@ def main(argv=None) -> int:
         help="also torch's profiler over --iters calls: the host time of each CUDA runtime and driver "
         "call (a launch, a copy, an event, a wait that blocks) and of each op, per call",
     )
+    p.add_argument(
+        "--launches",
+        action="store_true",
+        help="also where in a call its device work starts: per call, the host µs from the call's entry to its "
+        "first launch and the device µs to its first kernel (medians), and one call's ops, runtime calls and "
+        "kernels in order (torch's profiler, C++ executor)",
+    )
+    p.add_argument(
+        "--waits",
+        action="store_true",
+        help="also, per call and rank, when it entered (against rank 0's entry, one host clock) and how long "
+        "it waited to collect the ranks' steps (check_ranks=always through the mailbox), medians per rank",
+    )
+    p.add_argument(
+        "--barrier",
+        action="store_true",
+        help="with --waits: the ranks meet at a barrier after the device is synchronized, before each call "
+        "(as bench_overlap.py times them)",
+    )
     args = p.parse_args(argv)
     call, device, rank, comm = _case(args)
     plain = time_runs(call, device, args.iters, warmup=20)
@@ -92,6 +118,8 @@ def main(argv=None) -> int:
         profile.disable()
     _sync(device)
     runtime = _runtime_table(call, device, args) if args.runtime else None
+    launches = _launch_table(call, device, args) if args.launches else None
+    waits = _wait_table(call, device, comm, args) if args.waits and comm is not None else None
     if comm is not None:
         comm.barrier()
     if rank != 0:
@@ -107,6 +135,12 @@ def main(argv=None) -> int:
     if runtime is not None:
         print(f"\n## torch profiler, {args.iters} calls: host time by op and CUDA runtime call\n")
         print(runtime)
+    if waits is not None:
+        print(f"\n## entries and step waits, {args.iters} calls\n")
+        print(waits)
+    if launches is not None:
+        print(f"\n## where a call's device work starts, {args.iters} calls (torch's profiler)\n")
+        print(launches)
     return 0
 
 
@@ -139,6 +173,149 @@ def _runtime_table(call, device, args) -> str:
             prof.step()
         _sync(device)
     return "\n".join(tables) or "(the profiler recorded nothing)"
+
+
+def _wait_table(call, device, comm, args) -> str:
+    """Every rank's entry time of each call (time.perf_counter: one
+    monotonic clock for the processes of one host) and the time its step's
+    collect took, gathered to every rank; medians per rank of the entry's
+    lag behind the first rank to enter, of the wait, and of the entry to
+    the collect's start."""
+    import statistics
+    import time
+
+    from hostir import mailbox
+
+    spans: list[tuple[float, float]] = []
+    plain = mailbox.Mailbox.collect
+
+    def timed(self, k, n):
+        start = time.perf_counter()
+        try:
+            return plain(self, k, n)
+        finally:
+            spans.append((start, time.perf_counter()))
+
+    entries: list[float] = []
+    mailbox.Mailbox.collect = timed
+    try:
+        for _ in range(args.iters):
+            _sync(device)
+            if args.barrier:
+                comm.barrier()
+            entries.append(time.perf_counter())
+            before = len(spans)
+            call()
+            if len(spans) == before:
+                spans.append((float("nan"), float("nan")))
+            elif len(spans) > before + 1:
+                del spans[before + 1 :]
+        _sync(device)
+    finally:
+        mailbox.Mailbox.collect = plain
+    mine = torch.tensor([[e, s, t] for e, (s, t) in zip(entries, spans)], dtype=torch.float64)
+    words = comm.all_gather_words(mine.view(torch.int64).view(-1)).view(torch.float64)
+    rows = words.view(comm.world_size, args.iters, 3)
+    first = rows[:, :, 0].min(dim=0).values
+    out = [
+        "| rank | entry after the first (µs) | entry to collect (µs) | collect waits (µs) |",
+        "|---:|---:|---:|---:|",
+    ]
+    for r in range(comm.world_size):
+        lag = ((rows[r, :, 0] - first) * 1e6).tolist()
+        reach = ((rows[r, :, 1] - rows[r, :, 0]) * 1e6).tolist()
+        wait = ((rows[r, :, 2] - rows[r, :, 1]) * 1e6).tolist()
+        out.append(
+            f"| {r} | {statistics.median(lag):.1f} | {statistics.median(reach):.1f} | {statistics.median(wait):.1f} |"
+        )
+    return "\n".join(out)
+
+
+def _launch_table(call, device, args) -> str:
+    """Per profiled call (each inside a `record_function` range): the host
+    µs from its entry to its first launch (a kernel, copy or memory
+    operation), and the µs from its entry to its first kernel's start on
+    the device, to its last kernel's end, and to its return on the host
+    (medians, with the profiler's own cost in them); then the call at the
+    median first-kernel time, event by event. The host and device clocks
+    of torch's trace are aligned."""
+    import json
+    import os
+    import statistics
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    os.environ["HOSTIR_EVALUATOR"] = "cpp"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for _ in range(5):
+        call()
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(args.iters):
+            _sync(device)
+            with record_function("hostir_call"):
+                call()
+        _sync(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    calls = sorted(
+        (e for e in events if e["name"] == "hostir_call" and e.get("cat") == "user_annotation"), key=lambda e: e["ts"]
+    )
+    if not calls:
+        return "(the profiler recorded no call)"
+    device_cats = ("kernel", "gpu_memcpy", "gpu_memset")
+    launch_words = ("Launch", "Memcpy", "Memset", "StreamWriteValue", "StreamWaitValue", "EventRecord")
+    rows = []
+    for i, c in enumerate(calls):
+        start, end = c["ts"], c["ts"] + c["dur"]
+        stop = calls[i + 1]["ts"] if i + 1 < len(calls) else float("inf")
+        host = [e for e in events if start <= e["ts"] <= end and e.get("cat") in ("cuda_runtime", "cuda_driver")]
+        launches = [e for e in host if any(w in e["name"] for w in launch_words)]
+        work = [e for e in events if e.get("cat") in device_cats and start <= e["ts"] < stop]
+        rows.append(
+            {
+                "first_launch": (min(e["ts"] for e in launches) - start) if launches else float("nan"),
+                "first_kernel": (min(e["ts"] for e in work) - start) if work else float("nan"),
+                "last_end": (max(e["ts"] + e["dur"] for e in work) - start) if work else float("nan"),
+                "host": c["dur"],
+                "call": c,
+                "stop": stop,
+            }
+        )
+    out = ["| µs from the call's entry (median of %d) | |" % len(rows), "|---|---:|"]
+    for key, label in (
+        ("first_launch", "first launch on the host"),
+        ("first_kernel", "first kernel starts"),
+        ("last_end", "last kernel ends"),
+        ("host", "call returns"),
+    ):
+        out.append(f"| {label} | {statistics.median(r[key] for r in rows):.1f} |")
+    median = sorted(rows, key=lambda r: r["first_kernel"])[len(rows) // 2]
+    start, end, stop = median["call"]["ts"], median["call"]["ts"] + median["call"]["dur"], median["stop"]
+    shown = [
+        e
+        for e in events
+        if e is not median["call"]
+        and (
+            (start <= e["ts"] <= end and e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"))
+            or (e.get("cat") in device_cats and start <= e["ts"] < stop)
+        )
+    ]
+    out += [
+        "",
+        "One call, event by event (start and duration in µs; device rows marked *):",
+        "",
+        "| start | dur | event |",
+        "|---:|---:|---|",
+    ]
+    for e in sorted(shown, key=lambda e: e["ts"]):
+        mark = "*" if e.get("cat") in device_cats else ""
+        out.append(f"| {e['ts'] - start:.1f} | {e['dur']:.1f} | {mark}{e['name'][:90]} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
