@@ -28,9 +28,7 @@ means a reader that sees sequence k sees the words written before it. The
 mailbox is used only there; elsewhere the exchange stays on gloo.
 
 A rank waits by spinning for `SPIN_SECONDS`, then yielding the CPU
-(`os.sched_yield`: `time.sleep(0)` sleeps through the kernel's timer slack,
-about 50 µs a check on Linux, which a steady call's step would wait for),
-then sleeping in growing steps up to `MAX_NAP_SECONDS`,
+(`time.sleep(0)`), then sleeping in growing steps up to `MAX_NAP_SECONDS`,
 so that a rank far ahead of the others does not hold a core. It gives up
 after the communicator's timeout with `MailboxTimeout` naming the ranks
 that did not arrive, or earlier with `MailboxPeerLost` once such a rank's
@@ -75,8 +73,6 @@ DIRECTORY = "/dev/shm"
 SPIN_SECONDS = 50e-6
 YIELD_SECONDS = 2e-3
 MAX_NAP_SECONDS = 1e-3
-# Give up the CPU without sleeping where the platform can.
-_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 # How often a waiting rank checks whether the ranks it waits for still run.
 LIVENESS_SECONDS = 0.5
 _IDENTITY_BYTES = 256
@@ -293,7 +289,7 @@ class Mailbox:
                 if gone:
                     raise self._error(starts, k, gone)
             if waited < YIELD_SECONDS:
-                _yield()
+                time.sleep(0)
             else:
                 nap = min(MAX_NAP_SECONDS, max(2 * nap, 20e-6))
                 time.sleep(nap)
