@@ -236,12 +236,18 @@ def _interleave(flags, shape):
 
 
 @pytest.mark.parametrize(
-    "name, reduce_based, sched",
+    "name, program, sched",
     [
-        ("nvfuser_rs_p2p_ring", False, Schedule("ring")),
-        ("nvfuser_rs_reduce_based_collective", True, Schedule("collective")),
+        ("nvfuser_rs_p2p_ring", "p2p", Schedule("ring")),
+        # nvFuser's own partials layout lowers to the very same program.
+        ("nvfuser_rs_p2p_ring", "p2p, nvFuser's partials", Schedule("ring")),
+        ("nvfuser_rs_reduce_based_collective", "reduce-based", Schedule("collective")),
+        ("nvfuser_rs_reduce_based_sequential", "reduce-based", Schedule("sequential")),
     ],
 )
-def test_golden_of_nvfusers_rs_matmul(name, reduce_based, sched):
-    fd = reduce_scatter_reduce_based(2, "input")[0] if reduce_based else reduce_scatter_p2p(2)[0]
+def test_golden_of_nvfusers_rs_matmul(name, program, sched):
+    if program == "reduce-based":
+        fd = reduce_scatter_reduce_based(2, "input")[0]
+    else:
+        fd = reduce_scatter_p2p(2, partials="nvfuser" if "nvFuser" in program else "hostir")[0]
     check_golden(name, lower(fd.fusion, rank=0, backend="gloo", schedule=sched))
