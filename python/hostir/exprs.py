@@ -1,9 +1,10 @@
 """The ops' base, `Expr`, with what every op declares (`INPUTS`,
 `OUTPUTS`, `BINDS`, `EFFECT`, `id_pairs`), and the fusion ops a user
-writes: `Set`, the elementwise, reduction and product ops, the shape ops
-and broadcasts. Their builders (operand checks, the output inferred) are
-in `builders.py`, `shape_ops.py` and `broadcast_ops.py`. Part of the IR;
-`hostir.ir` re-exports it.
+writes: `Set`, the elementwise, reduction and product ops, the shape ops,
+broadcasts and the index ops of a mixture-of-experts layer. Their builders
+(operand checks, the output inferred) are in `builders.py`, `shape_ops.py`,
+`broadcast_ops.py` and `index_ops.py`. Part of the IR; `hostir.ir`
+re-exports it.
 """
 
 from __future__ import annotations
@@ -370,6 +371,127 @@ class BroadcastInDimOp(Expr):
         return zip([out[d] for d in self.dims], self.input.logical_runtime())
 
 
+# ---------------------------------------------------------------- index ops
+#
+# The ops of a mixture-of-experts layer: the top-k of the router's scores,
+# the routing of (token, choice) pairs to the slots of a capacity-padded
+# buffer per expert, and the gather of rows by index and its transpose.
+# An index below zero names no row: `take` gives zeros there and `put_add`
+# drops it. Their builders are in `index_ops.py`.
+
+
+@_op
+class TopKOp(Expr):
+    """`out` = the positions (int64) of the `k` largest elements of `input`
+    along its last axis, largest first (`torch.topk(input, k).indices`;
+    ties as torch breaks them). Its values are a `TakeOp` of `input` at
+    `out`. Writes into `out` if bound."""
+
+    EFFECT = "compute"
+
+    out: TensorView
+    input: TensorView
+    k: int
+    INPUTS = ("input",)
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        return zip(self.out.logical_runtime()[:-1], self.input.logical_runtime()[:-1])
+
+
+@_op
+class RouteOp(Expr):
+    """Where each (token, choice) of a router's choices `indices` [*lead,
+    T, k] (expert ids in [0, experts)) goes in a buffer of `capacity` slots
+    per expert: the stable permutation of the pairs by expert (token order
+    kept within an expert), cut at `capacity`.
+
+    `what="slot"`: `out` [*lead, T, k], each pair's slot `e * capacity + c`
+    (c: how many pairs of earlier tokens chose expert e), -1 for a pair
+    past its expert's capacity (dropped). `what="source"`: `out` [*lead,
+    groups, experts / groups, capacity], the token each slot holds, -1 for
+    an empty slot: the inverse permutation, grouped as the experts are
+    placed (`groups` ranks holding `experts / groups` each). Integer
+    outputs: no gradient."""
+
+    EFFECT = "compute"
+
+    out: TensorView
+    indices: TensorView
+    experts: int
+    capacity: int
+    what: str
+    groups: int = 1
+    INPUTS = ("indices",)
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        return zip(self.out.logical_runtime()[:-2], self.indices.logical_runtime()[:-2])
+
+
+@_op
+class TakeOp(Expr):
+    """Rows of `input` by index: `input` is [*batch, *rows, *features]
+    (`batch` leading axes, `features` trailing ones, the rows between them
+    counted as one flat axis), `index` [*batch, *picks] (int64), and
+    `out[b, p, f] = input[b, index[b, p], f]`, zeros where the index is
+    negative. Its transpose is `PutAddOp`. Writes into `out` if bound."""
+
+    EFFECT = "compute"
+
+    out: TensorView
+    input: TensorView
+    index: TensorView
+    batch: int
+    features: int
+    INPUTS = ("input", "index")
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        out, x, index = self.out.logical_runtime(), self.input.logical_runtime(), self.index.logical_runtime()
+        b, f = self.batch, self.features
+        yield from zip(out[:b], x[:b])
+        yield from zip(out[: len(index)], index)
+        if f:
+            yield from zip(out[-f:], x[-f:])
+
+
+@_op
+class PutAddOp(Expr):
+    """The transpose of `TakeOp`: zeros shaped as `like` ([*batch, *rows,
+    *features]), with each row `input[b, p]` ([*batch, *picks, *features])
+    added at row `index[b, p]`; negative indices add nothing. `like` gives
+    the sizes only. Writes into `out` if bound."""
+
+    EFFECT = "compute"
+
+    out: TensorView
+    input: TensorView
+    index: TensorView
+    like: TensorView
+    batch: int
+    features: int
+    INPUTS = ("input", "index", "like")
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        out, x, index = self.out.logical_runtime(), self.input.logical_runtime(), self.index.logical_runtime()
+        b, f = self.batch, self.features
+        yield from zip(out, self.like.logical_runtime())
+        yield from zip(out[:b], x[:b])
+        yield from zip(out[:b], index[:b])
+        yield from zip(x[: len(index)], index)
+        if f:
+            yield from zip(out[-f:], x[-f:])
+
+
+INDEX_OPS = (TopKOp, RouteOp, TakeOp, PutAddOp)
+
+
 SHAPE_OPS = (PermuteOp, ReshapeOp, SliceOp, SelectOp)
-FUSION_OPS = (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp) + SHAPE_OPS
-COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp)
+FUSION_OPS = (
+    (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp)
+    + SHAPE_OPS
+    + INDEX_OPS
+)
+COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp) + INDEX_OPS

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from hostir import autograd, broadcast_ops, builders, communicator, ir, layout, printer, shape_ops
+from hostir import autograd, broadcast_ops, builders, communicator, index_ops, ir, layout, printer, shape_ops
 from hostir.analysis.dry_run import dry_run
 from hostir.dtensor import Adapter, has_dtensors, is_dtensor
 from hostir.errors import DefinitionError, DefinitionTypeError, UsageError
@@ -161,6 +161,50 @@ class Ops:
         scalar input (`fd.define_scalar(dtype=torch.int64)`)."""
         self._check(x, index)
         return shape_ops.select(x, dim, index)
+
+    def topk(self, x: ir.TensorView, k: int) -> tuple[ir.TensorView, ir.TensorView]:
+        """The `k` largest elements of `x` along its last axis and their
+        positions (int64), largest first: `torch.topk(x, k)`'s values and
+        indices. The values are a `take` of `x` at the indices, so their
+        gradient reaches `x` (a `put_add`)."""
+        self._check(x)
+        indices = index_ops.topk(x, k)
+        return index_ops.take(x, indices, batch=x.logical_ndim - 1, features=0), indices
+
+    def route(self, indices: ir.TensorView, experts: int, capacity: int, groups: int = 1):
+        """Where a mixture-of-experts layer's choices go: `indices` [...,
+        tokens, k] holds each token's k experts (ids in [0, experts));
+        returns `(slot, source)`: `slot` [..., tokens, k], each choice's row
+        `e * capacity + c` in a buffer of `capacity` rows per expert (c:
+        how many earlier tokens chose e; -1 where c >= capacity: dropped),
+        and `source` [..., groups, experts / groups, capacity], the token
+        each row holds (-1: empty), grouped as `groups` ranks hold the
+        experts. Tokens keep their order within an expert (a stable
+        permutation); `take(x, source)` dispatches, `take(y, slot)`
+        combines."""
+        self._check(indices)
+        return (
+            index_ops.route(indices, experts, capacity, "slot"),
+            index_ops.route(indices, experts, capacity, "source", groups),
+        )
+
+    def take(self, x: ir.TensorView, index: ir.TensorView, batch: int = 0, features: int = 1) -> ir.TensorView:
+        """Rows of `x` by index: `x` is [*batch, *rows, *features] (`batch`
+        leading and `features` trailing axes; the axes between are the
+        rows, counted as one flat axis), `index` [*batch, *picks] (int64);
+        the result [*batch, *picks, *features] holds row `index[b, p]` of
+        batch element b at p, zeros where the index is negative."""
+        self._check(x, index)
+        return index_ops.take(x, index, batch, features)
+
+    def put_add(
+        self, x: ir.TensorView, index: ir.TensorView, like: ir.TensorView, batch: int = 0, features: int = 1
+    ) -> ir.TensorView:
+        """`take`'s transpose: zeros shaped as `like` ([*batch, *rows,
+        *features]) with each row of `x` ([*batch, *picks, *features])
+        added at row `index[b, p]`; negative indices add nothing."""
+        self._check(x, index, like)
+        return index_ops.put_add(x, index, like, batch, features)
 
 
 def _unary_method(kind: UnaryKind) -> Callable[[Ops, ir.TensorView], ir.TensorView]:

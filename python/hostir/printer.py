@@ -122,6 +122,33 @@ def _insert(e: ir.InsertOp, pad):
     return _assign(pad, e.out, f"insert( {format_tv(e.input)}, into zeros like {format_tv(e.like)}, {where} )")
 
 
+def _topk(e: ir.TopKOp, pad):
+    return _assign(pad, e.out, f"topk( {format_tv(e.input)}, k = {e.k} )")
+
+
+def _route(e: ir.RouteOp, pad):
+    groups = f", groups = {e.groups}" if e.what == "source" else ""
+    return _assign(
+        pad,
+        e.out,
+        f"route_{e.what}( {format_tv(e.indices)}, experts = {e.experts}, capacity = {e.capacity}{groups} )",
+    )
+
+
+def _take(e: ir.TakeOp, pad):
+    where = f"batch = {e.batch}, features = {e.features}"
+    return _assign(pad, e.out, f"take( {format_tv(e.input)}, {format_tv(e.index)}, {where} )")
+
+
+def _put_add(e: ir.PutAddOp, pad):
+    where = f"batch = {e.batch}, features = {e.features}"
+    return _assign(
+        pad,
+        e.out,
+        f"put_add( {format_tv(e.input)}, {format_tv(e.index)}, into zeros like {format_tv(e.like)}, {where} )",
+    )
+
+
 def _get_stream(e: ir.GetCurrentStream, pad):
     return [f"{pad}GetCurrentStream into {format_stream(e.stream)}"]
 
@@ -257,6 +284,10 @@ _FORMATS = {
     ir.SelectOp: _select_op,
     ir.ExpandOp: _expand,
     ir.InsertOp: _insert,
+    ir.TopKOp: _topk,
+    ir.RouteOp: _route,
+    ir.TakeOp: _take,
+    ir.PutAddOp: _put_add,
     ir.GetCurrentStream: _get_stream,
     ir.SetCurrentStream: _set_stream,
     ir.Synchronize: _synchronize,

@@ -7,7 +7,7 @@ rule reads). `hostir.autodiff.derive` walks a fusion with this table.
 
 from __future__ import annotations
 
-from hostir import builders, ir, shape_ops
+from hostir import builders, index_ops, ir, shape_ops
 from hostir.derivation import Deriver, NoTransposeRuleError, no_rule, wants
 
 
@@ -62,6 +62,10 @@ def _unbroadcast(d: Deriver, g: ir.TensorView, operand: ir.TensorView) -> ir.Ten
     s = builders.reduction("sum", g, dims)
     if offset == 0:
         return _emit_expand(s, d.shaped_like(operand), dims)
+    if dims == list(range(offset)):
+        # Only the leading axes the operand lacks (a batched matmul's
+        # weight broadcast over a batch axis): summed away.
+        return s
     raise NoTransposeRuleError(f"an operand with fewer axes than its op's output: T{operand.name}")
 
 
@@ -262,3 +266,27 @@ def _select_rule(d: Deriver, e: ir.SelectOp, needs) -> None:
     out = ir.TensorView(d.bwd, [a.clone(d.bwd) for a in like.logical_runtime()], g.dtype)
     d.bwd.add_expr(ir.InsertOp(out, g, like, dim=e.dim, index=index))
     d.contribute(e.input, d.made(out))
+
+
+@rule(ir.TopKOp)
+@rule(ir.RouteOp)
+def _integer_rule(d: Deriver, e, needs) -> None:
+    # Positions and slots: integers, through which no gradient flows.
+    d.contribs.pop(e.out, None)
+
+
+@rule(ir.TakeOp)
+def _take_rule(d: Deriver, e: ir.TakeOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not wants(d, e.input, needs):
+        return
+    gx = index_ops.put_add(g, d.save(e.index), d.shaped_like(e.input), e.batch, e.features)
+    d.contribute(e.input, d.made(gx))
+
+
+@rule(ir.PutAddOp)
+def _put_add_rule(d: Deriver, e: ir.PutAddOp, needs) -> None:
+    g = d.cotangent(e.out)
+    if not wants(d, e.input, needs):
+        return
+    d.contribute(e.input, d.made(index_ops.take(g, d.save(e.index), e.batch, e.features)))

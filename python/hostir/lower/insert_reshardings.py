@@ -406,6 +406,8 @@ def check_op(e: ir.Expr, classes) -> None:
         _refuse(e)
     if resharding:
         return
+    if isinstance(e, ir.INDEX_OPS):
+        _check_whole(e)
     for o, i in e.id_pairs():
         if o.is_reduction and isinstance(e, ir.ReductionOp):
             continue
@@ -418,6 +420,24 @@ def check_op(e: ir.Expr, classes) -> None:
             f"differently ({_leaves_text(o)} vs {_leaves_text(i)}); split both the same way:\n"
             f"{printer.format_expr_head(e)}"
         )
+
+
+def _check_whole(e: ir.Expr) -> None:
+    """An index op reads the axes it chooses or gathers along (a top-k's
+    last axis, the rows of a take, a route's tokens and choices) whole on
+    every rank, and writes the axes it makes (the k of a top-k, a route's
+    slots) whole: only the axes it pairs may be sharded."""
+    paired = {id(x) for pair in e.id_pairs() for x in pair}
+    for v in e.inputs() + e.outputs():
+        if not isinstance(v, ir.TensorView):
+            continue
+        for d in v.logical_runtime():
+            if id(d) not in paired and device_types(d):
+                raise ShardingError(
+                    f"axis {printer.format_id(d)} of T{v.name} is sharded, but this op reads or writes it "
+                    f"whole on every rank:\n{printer.format_expr_head(e)}\n"
+                    "gather it first with fd.ops.set (a replicated copy), or shard a batch axis instead"
+                )
 
 
 def _reads_walked_whole(o: ir.IterDomain, i: ir.IterDomain) -> bool:

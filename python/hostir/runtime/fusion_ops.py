@@ -5,6 +5,7 @@ each run with torch on this rank's piece of its tensors.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -437,3 +438,110 @@ def _select_op(frame: Frame, e: ir.SelectOp) -> None:
     if not -size <= index < size:
         raise ShapeError(f"index {index} is out of range for axis {e.dim} of T{e.input.name} (size {size})")
     _copy_out(frame, e, src.select(e.dim, index), src)
+
+
+# ---------------------------------------------------------------- index ops
+#
+# The torch of the index ops (`ir.INDEX_OPS`), on this rank's pieces; the
+# C++ executor's `compute.cpp` computes the same. Each is free of host
+# synchronization, so a program of them can be captured in a CUDA graph.
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(x, k, dim=-1).indices
+
+
+def route(indices: torch.Tensor, experts: int, capacity: int, what: str, groups: int) -> torch.Tensor:
+    """`ir.RouteOp`: each pair's slot, or each slot's token. The pairs are
+    ordered by expert, stably (argsort), and a pair's place within its
+    expert is its position in that order less the expert's first one."""
+    *lead, tokens, k = indices.shape
+    flat = indices.reshape(-1, tokens * k)
+    n = flat.shape[1]
+    order = torch.argsort(flat, dim=1, stable=True)
+    counts = torch.zeros(flat.shape[0], experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(1, flat, torch.ones_like(flat))
+    starts = counts.cumsum(1) - counts
+    places = torch.arange(n, device=flat.device).expand_as(flat) - starts.gather(1, flat.gather(1, order))
+    within = torch.empty_like(flat).scatter_(1, order, places)
+    slot = torch.where(within < capacity, flat * capacity + within, -1)
+    if what == "slot":
+        return slot.reshape(indices.shape)
+    rows = experts * capacity
+    source = torch.full((flat.shape[0], rows + 1), -1, dtype=torch.int64, device=flat.device)
+    token = (torch.arange(n, device=flat.device) // k).expand_as(flat)
+    # A dropped pair writes the extra last column, which is cut off.
+    source.scatter_(1, torch.where(slot >= 0, slot, rows), token)
+    return source[:, :rows].reshape(*lead, groups, experts // groups, capacity)
+
+
+def _rows_of(shape, batch: int, features: int) -> tuple[int, int, int]:
+    """(batch elements, rows per batch element, features per row)."""
+    nb = len(shape) - features
+    return math.prod(shape[:batch]), math.prod(shape[batch:nb]), math.prod(shape[nb:])
+
+
+def _flat_index(index: torch.Tensor, batch_count: int, rows: int, missing: int) -> torch.Tensor:
+    """Each index as a row of the flattened [batch * rows] rows; a negative
+    one as `missing`."""
+    idx = index.reshape(batch_count, -1)
+    offsets = torch.arange(batch_count, device=idx.device).unsqueeze(1) * rows
+    return torch.where(idx >= 0, idx + offsets, missing).reshape(-1)
+
+
+def take_rows(x: torch.Tensor, index: torch.Tensor, batch: int, features: int) -> torch.Tensor:
+    """`ir.TakeOp`."""
+    nb, rows, f = _rows_of(x.shape, batch, features)
+    flat = _flat_index(index, nb, rows, 0)
+    out = x.reshape(nb * rows, f).index_select(0, flat)
+    out.masked_fill_((index < 0).reshape(-1, 1), 0)
+    return out.reshape(*index.shape, *x.shape[x.dim() - features :])
+
+
+def put_add_rows(x: torch.Tensor, index: torch.Tensor, like, batch: int, features: int) -> torch.Tensor:
+    """`ir.PutAddOp`: rows added into zeros shaped `like`; a negative
+    index adds into an extra last row, which is cut off."""
+    nb, rows, f = _rows_of(like, batch, features)
+    flat = _flat_index(index, nb, rows, nb * rows)
+    out = torch.zeros(nb * rows + 1, f, dtype=x.dtype, device=x.device)
+    out.index_add_(0, flat, x.reshape(-1, f))
+    return out[: nb * rows].view(like)
+
+
+@impl(ir.TopKOp)
+def _topk(frame: Frame, e: ir.TopKOp) -> None:
+    x = _operand(frame, e, e.input, full_rank=True)
+    _store(frame, e, lambda: topk_indices(x, e.k), lambda out: out.copy_(topk_indices(x, e.k)), full_rank=True)
+
+
+@impl(ir.RouteOp)
+def _route(frame: Frame, e: ir.RouteOp) -> None:
+    indices = _operand(frame, e, e.indices, full_rank=True)
+
+    def run():
+        return route(indices, e.experts, e.capacity, e.what, e.groups)
+
+    _store(frame, e, run, lambda out: out.copy_(run()), full_rank=True)
+
+
+@impl(ir.TakeOp)
+def _take(frame: Frame, e: ir.TakeOp) -> None:
+    x = _operand(frame, e, e.input, full_rank=True)
+    index = _operand(frame, e, e.index, full_rank=True)
+
+    def run():
+        return take_rows(x, index, e.batch, e.features)
+
+    _store(frame, e, run, lambda out: out.copy_(run()), full_rank=True)
+
+
+@impl(ir.PutAddOp)
+def _put_add(frame: Frame, e: ir.PutAddOp) -> None:
+    x = _operand(frame, e, e.input, full_rank=True)
+    index = _operand(frame, e, e.index, full_rank=True)
+    like = _operand(frame, e, e.like, full_rank=True)
+
+    def run():
+        return put_add_rows(x, index, like.shape, e.batch, e.features)
+
+    _store(frame, e, run, lambda out: out.copy_(run()), full_rank=True)
