@@ -295,12 +295,7 @@ class Deriver:
         if tv in self.fwd.inputs:
             self.saved_order.append(("input", self.fwd.inputs.index(tv)))
             found = self.new_input(tv, self.layout(tv))
-        elif (
-            isinstance(producer, ir.Set)
-            and not self.keep_gathered
-            and self.multi
-            and self.layout(tv).without_streams() != self.layout(producer.input).without_streams()
-        ):
+        elif self._gathered_by(tv, producer):
             # Gathered in the forward: gather again from the saved shard.
             source = self.save(producer.input)
             found = builders.set_(source)
@@ -316,14 +311,21 @@ class Deriver:
 
     def regathered(self, tv: ir.TensorView) -> bool:
         """Whether `save(tv)` gathers a saved shard again."""
-        producer = self.producer.get(tv)
-        return (
-            isinstance(producer, ir.Set)
-            and not self.keep_gathered
-            and self.multi
-            and tv not in self.saved
-            and self.layout(tv).without_streams() != self.layout(producer.input).without_streams()
-        )
+        return tv not in self.saved and self._gathered_by(tv, self.producer.get(tv))
+
+    def _gathered_by(self, tv: ir.TensorView, producer) -> bool:
+        """Whether `tv` is a `set` that gathers (its input sharded on a mesh
+        dimension it is not): saving the shard and gathering it again in the
+        backward keeps the smaller tensor. A `set` that only moves a
+        sharded axis (an AllToAll) makes a tensor as large as its input's
+        shard, so `tv` itself is saved and nothing is sent again."""
+        if not isinstance(producer, ir.Set) or self.keep_gathered or not self.multi:
+            return False
+        out, src = self.layout(tv).without_streams(), self.layout(producer.input).without_streams()
+        if out == src:
+            return False
+        dims = lambda lay: set().union(*(lay.device_types(k) for k in range(len(lay.axes))))  # noqa: E731
+        return not dims(src) <= dims(out)
 
     def save_permuted(self, tv: ir.TensorView, dims) -> ir.TensorView:
         """The forward value `tv` with its axes permuted. A tensor gathered

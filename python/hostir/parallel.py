@@ -64,7 +64,7 @@ from hostir import autograd, ir
 from hostir.errors import HostIrError
 from hostir.executor import ExecutorParams
 
-__all__ = ["ParallelizeError", "parallelize_module"]
+__all__ = ["ExpertParallel", "ParallelizeError", "parallelize_module"]
 
 
 class ParallelizeError(HostIrError, ValueError):
@@ -120,7 +120,7 @@ def parallelize_module(
     if parallelize_plan is None:
         return torch_parallelize(module, device_mesh, None, src_data_rank=src_data_rank)
     plan = _converted(parallelize_plan, "")
-    _check(module, plan, "")
+    _check(module, plan, "", device_mesh.size())
     result = torch_parallelize(module, device_mesh, plan, src_data_rank=src_data_rank)
     # Each hostir Linear learns its name, for its errors and dumps.
     for name, sub in module.named_modules():
@@ -164,7 +164,7 @@ def _matches(module: nn.Module, path: str):
     return found
 
 
-def _check(module: nn.Module, plan, prefix: str) -> None:
+def _check(module: nn.Module, plan, prefix: str, D: int) -> None:
     """Refuse, before anything moves, a Linear style on a module hostir
     cannot run it on."""
     items = plan.items() if isinstance(plan, dict) else [("", plan)]
@@ -173,7 +173,10 @@ def _check(module: nn.Module, plan, prefix: str) -> None:
         for name, sub in targets:
             fqn = ".".join(p for p in (prefix, name) if p)
             if isinstance(style, dict):
-                _check(sub, style, fqn)
+                _check(sub, style, fqn, D)
+                continue
+            if isinstance(style, ExpertParallel):
+                style.check(sub, fqn, D)
                 continue
             if isinstance(style, _HostirLinearStyle) and not isinstance(sub, (nn.Linear, nn.Embedding)):
                 raise ParallelizeError(
@@ -181,6 +184,110 @@ def _check(module: nn.Module, plan, prefix: str) -> None:
                     f"ColwiseParallel and RowwiseParallel on nn.Linear (and nn.Embedding as torch does); "
                     f"apply the style to the Linear layers inside it"
                 )
+
+
+def _activation_of(module: nn.Module) -> str | None:
+    """The unary kind that computes an experts module's `act_fn`, found by
+    running both on the same points (a module of any name: Hugging Face's
+    SiLUActivation, torch's nn.SiLU, a plain function)."""
+    from hostir.kinds import UnaryKind
+
+    act = getattr(module, "act_fn", None)
+    if not callable(act):
+        return None
+    points = torch.linspace(-6, 6, 97, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            values = act(points)
+    except Exception:  # noqa: BLE001 - an act_fn that cannot run here is one hostir cannot name
+        return None
+    for name in ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "tanh"):
+        kind = UnaryKind(name)
+        if torch.allclose(values, kind.torch_fn(points), rtol=1e-6, atol=1e-9):
+            return name
+    return None
+
+
+class ExpertParallel(_styles().ParallelStyle):
+    """Expert parallelism for the experts of a mixture-of-experts block:
+    the style of the module that holds them (Hugging Face's
+    `Qwen2MoeExperts`, `MixtralExperts`, `Qwen3MoeExperts`, ...: weights
+    `gate_up_proj` [E, 2F, H] and `down_proj` [E, H, F], an `act_fn`, and
+    `forward(hidden_states, top_k_index, top_k_weights)`).
+
+    Its parameters become `Shard(0)` DTensors (rank r holds experts r*E/D
+    to (r+1)*E/D - 1), and its forward runs `hostir.moe.MoELayer`: each
+    rank's tokens dispatched to the ranks of their experts by an AllToAll,
+    the experts as batched matmuls, and the results combined back, forward
+    and backward. The rest of the block (the router, a shared expert) runs
+    as torch runs it, on each rank's own tokens: data parallel, so their
+    gradients are each rank's own (sum them across ranks as DDP or FSDP
+    do). `capacity`: slots per expert and source rank (None: as many as
+    the tokens, nothing dropped)."""
+
+    def __init__(self, capacity: int | None = None, **execute_kwargs):
+        super().__init__()
+        self.capacity = capacity
+        self.execute_kwargs = execute_kwargs
+
+    def check(self, module: nn.Module, fqn: str, D: int) -> None:
+        """Refuse, before anything moves, a module this style cannot run."""
+        where = f"module {fqn or '(root)'!r} ({type(module).__name__}) under ExpertParallel"
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+            raise ParallelizeError(
+                f"{where}: hostir runs the experts module of a MoE block, whose weights are gate_up_proj "
+                f"[E, 2F, H] and down_proj [E, H, F]; apply the style to the block's `experts`"
+            )
+        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] or gate_up.shape[1] % 2:
+            raise ParallelizeError(
+                f"{where}: gate_up_proj {list(gate_up.shape)} and down_proj {list(down.shape)} are not "
+                f"[E, 2F, H] and [E, H, F]"
+            )
+        if gate_up.shape[0] % D:
+            raise ParallelizeError(f"{where}: its {gate_up.shape[0]} experts do not divide over {D} ranks")
+        if _activation_of(module) is None:
+            raise ParallelizeError(f"{where}: hostir has no unary op for its activation {module.act_fn!r}")
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from hostir.moe import MoELayer
+
+        self.check(module, "", device_mesh.size())
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(module, name)
+            dist = distribute_tensor(p.data, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            setattr(module, name, nn.Parameter(dist, requires_grad=p.requires_grad))
+        kwargs = dict(self.execute_kwargs)
+        if device_mesh.device_type == "cpu":
+            kwargs.setdefault("backend", "gloo")
+        layer = MoELayer(
+            ir.DeviceMesh(device_mesh.mesh.flatten().tolist()),
+            module.gate_up_proj.shape[0],
+            _activation_of(module),
+            self.capacity,
+            **kwargs,
+        )
+        module._hostir_moe = layer
+
+        def forward(hidden_states, top_k_index, top_k_weights):
+            gate_up = module.gate_up_proj.to_local()
+            F = gate_up.shape[1] // 2
+            return layer(
+                hidden_states,
+                top_k_index,
+                top_k_weights,
+                gate_up[:, :F],
+                gate_up[:, F:],
+                module.down_proj.to_local(),
+            )
+
+        module.forward = forward
+        return module
+
+    def __repr__(self) -> str:
+        return f"hostir.parallel.ExpertParallel(capacity={self.capacity})"
 
 
 class _HostirLinearStyle(_styles().ParallelStyle):

@@ -1,0 +1,173 @@
+"""Expert parallelism: a mixture-of-experts layer's experts spread over
+the ranks of a mesh, as one hostir program.
+
+    layer = hostir.moe.MoELayer(mesh, experts=64)
+    y = layer(x, indices, weights, gate, up, down)   # every rank, its own tokens
+
+Each rank holds its own tokens `x` [T, H] with the router's choices for
+them (`indices` [T, k], expert ids, and `weights` [T, k]), and the weights
+of `experts / D` experts: `gate` and `up` [E/D, F, H], `down` [E/D, H, F]
+(rank r holds experts r*E/D ... (r+1)*E/D - 1, as `Shard(0)` of the whole
+[E, ...] weights places them). The program (`MoELayer.fusion`):
+
+1. `route`: each (token, choice) pair's slot in a buffer of `capacity`
+   rows per expert, and each slot's token (the stable permutation of the
+   pairs by expert, and its inverse);
+2. dispatch: the tokens taken into the slots, [D, E/D, C, H] per rank,
+   and an AllToAll (a resharding `set`) that brings each rank the rows of
+   its experts from every rank;
+3. the experts: `down(act(gate(x)) * up(x))` as batched matmuls, one batch
+   per (source rank, expert): the grouped GEMM in its capacity-padded form;
+4. combine: the AllToAll back, each pair's result taken from its slot,
+   weighted and summed over the k choices.
+
+Every size is fixed by the tokens per rank and `capacity` (by default the
+worst case, `T`: no pair is ever dropped, and the result is exactly the
+unsharded layer's), so the program is graph-capturable and agreed across
+ranks like any other; with a smaller `capacity` pairs past an expert's
+capacity are dropped (their contribution is zero), as capacity-factor
+routers do. Its backward is derived like any fusion's: the two AllToAlls
+transpose into each other, `take` into `put_add`, and each batched matmul
+into two.
+
+`hostir.parallel.parallelize_module` runs Hugging Face MoE blocks'
+experts through this class (its `ExpertParallel` style, `docs/moe.md`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from hostir import ir
+from hostir.errors import UsageError
+from hostir.frontend import FusionDefinition
+from hostir.kinds import UnaryKind
+from hostir.runtime.checks import InputError
+
+__all__ = ["MoELayer"]
+
+
+class MoELayer:
+    """One expert-parallel MoE layer over the ranks of `mesh` (a
+    `hostir.DeviceMesh`, or the ranks' list): `experts` experts in all,
+    `activation` a unary kind (`"silu"`: the SwiGLU experts of Mixtral,
+    Qwen and DeepSeek), `capacity` slots per expert and source rank, or
+    `capacity_factor`: `ceil(factor * T * k / E)` slots for T tokens of k
+    choices (neither: the tokens per rank, nothing ever dropped; never
+    more). Calling it runs the layer on this rank's tokens (see the
+    module's doc); the fusions are made per (tokens, choices per token,
+    sizes, dtypes) and kept. `execute_kwargs` go to every `execute` (a
+    backend, `number_of_streams`, ...)."""
+
+    def __init__(
+        self,
+        mesh,
+        experts: int,
+        activation: str = "silu",
+        capacity: int | None = None,
+        capacity_factor: float | None = None,
+        **execute_kwargs: Any,
+    ):
+        self.mesh = mesh if isinstance(mesh, ir.DeviceMesh) else ir.DeviceMesh(list(mesh))
+        self.D = self.mesh.size
+        if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1 or experts % self.D:
+            raise UsageError(f"MoELayer: {experts!r} experts do not divide over the {self.D} ranks of the mesh")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+            raise UsageError(f"MoELayer: capacity must be an int >= 1 or None, got {capacity!r}")
+        if capacity_factor is not None:
+            if capacity is not None:
+                raise UsageError("MoELayer: give capacity or capacity_factor, not both")
+            if (
+                isinstance(capacity_factor, bool)
+                or not isinstance(capacity_factor, (int, float))
+                or capacity_factor <= 0
+            ):
+                raise UsageError(f"MoELayer: capacity_factor must be a number > 0, got {capacity_factor!r}")
+        try:
+            self.activation = UnaryKind(activation)
+        except ValueError:
+            raise UsageError(f"MoELayer: unknown activation {activation!r}") from None
+        self.experts, self.capacity, self.capacity_factor = experts, capacity, capacity_factor
+        self.execute_kwargs = execute_kwargs
+        self.fusions: dict[tuple, FusionDefinition] = {}
+
+    def slots(self, tokens: int, topk: int) -> int:
+        """The rows per (source rank, expert) for `tokens` tokens of `topk`
+        choices: the capacity, the capacity factor's, or the tokens (an
+        expert takes a token at most once)."""
+        if self.capacity is not None:
+            return min(self.capacity, tokens)
+        if self.capacity_factor is not None:
+            return max(1, min(tokens, math.ceil(self.capacity_factor * tokens * topk / self.experts)))
+        return tokens
+
+    def fusion(
+        self, tokens: int, topk: int, hidden: int, ffn: int, dtype: torch.dtype, weights_dtype=None
+    ) -> FusionDefinition:
+        """The layer's program for `tokens` tokens per rank (see the
+        module's doc); inputs, each with a leading axis of the mesh's size
+        sharded on it: x [D, T, H], indices [D, T, k], weights [D, T, k, 1],
+        gate and up [D, E/D, F, H], down [D, E/D, H, F]; output [D, T, H]."""
+        weights_dtype = weights_dtype or dtype
+        key = (tokens, topk, hidden, ffn, dtype, weights_dtype)
+        fd = self.fusions.get(key)
+        if fd is not None:
+            return fd
+        D, E, k = self.D, self.experts, topk
+        El, C = E // D, self.slots(tokens, topk)
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([D, tokens, hidden], dtype)
+            indices = fd.define_tensor([D, tokens, k], torch.int64)
+            weights = fd.define_tensor([D, tokens, k, 1], weights_dtype)
+            gate = fd.define_tensor([D, El, ffn, hidden], dtype)
+            up = fd.define_tensor([D, El, ffn, hidden], dtype)
+            down = fd.define_tensor([D, El, hidden, ffn], dtype)
+            slot, source = fd.ops.route(indices, E, C, groups=D)
+            # [source rank, destination rank, its expert, slot, H].
+            sent = fd.ops.take(x, source, batch=1, features=1)
+            received = fd.ops.set(sent)
+            swap = [0, 1, 3, 2]
+            g = fd.ops.matmul(received, fd.ops.permute(gate, swap))
+            u = fd.ops.matmul(received, fd.ops.permute(up, swap))
+            h = fd.ops.mul(getattr(fd.ops, self.activation.value)(g), u)
+            y = fd.ops.matmul(h, fd.ops.permute(down, swap))
+            back = fd.ops.set(y)
+            picked = fd.ops.take(back, slot, batch=1, features=1)
+            out = fd.ops.sum(fd.ops.mul(picked, weights), [2])
+            if out.dtype != dtype:
+                out = fd.ops.cast(out, dtype)
+            fd.add_output(out)
+        for tv, axis in ((x, 0), (indices, 0), (weights, 0), (gate, 0), (up, 0), (down, 0), (received, 1), (back, 0)):
+            tv.set_device_mesh(self.mesh)
+            tv.axis(axis).parallelize(ir.ParallelType.mesh_x)
+        fd.executor.label = f" (expert-parallel MoE, {E} experts over {D} ranks, top-{k})"
+        self.fusions[key] = fd
+        return fd
+
+    def __call__(self, x, indices, weights, gate, up, down) -> torch.Tensor:
+        """This rank's output [T, H] for its tokens `x` [T, H], their
+        choices `indices` and `weights` [T, k], and its experts' `gate`,
+        `up` [E/D, F, H] and `down` [E/D, H, F]."""
+        El = self.experts // self.D
+        if x.dim() != 2:
+            raise InputError(f"MoELayer: the tokens must be [T, H], got shape {list(x.shape)}")
+        T, H = x.shape
+        k = indices.shape[-1] if indices.dim() == 2 else -1
+        for name, t in (("indices", indices), ("weights", weights)):
+            if t.dim() != 2 or list(t.shape) != [T, k]:
+                raise InputError(f"MoELayer: {name} must be [{T}, k] (tokens, choices), got {list(t.shape)}")
+        if indices.dtype is not torch.int64:
+            raise InputError(f"MoELayer: indices must be int64, got {indices.dtype}")
+        if not 1 <= k <= self.experts:
+            raise InputError(f"MoELayer: {k} choices per token among {self.experts} experts")
+        F = gate.shape[1] if gate.dim() == 3 else -1
+        for name, t, shape in (("gate", gate, [El, F, H]), ("up", up, [El, F, H]), ("down", down, [El, H, F])):
+            if list(t.shape) != shape:
+                raise InputError(f"MoELayer: {name} must be this rank's {El} experts, {shape}, got {list(t.shape)}")
+        fd = self.fusion(T, k, H, F, x.dtype, weights.dtype)
+        inputs = [x, indices, weights.unsqueeze(-1), gate, up, down]
+        (out,) = fd.execute([t.unsqueeze(0) for t in inputs], **self.execute_kwargs)
+        return out.squeeze(0)

@@ -1,0 +1,197 @@
+"""Expert parallelism: `hostir.moe.MoELayer` and `hostir.parallel`'s
+`ExpertParallel` against the same layers unsharded, in float32.
+
+- the layer itself (route, dispatch AllToAll, batched expert matmuls,
+  combine AllToAll), outputs and every gradient, against a loop over
+  tokens and choices; with a capacity that drops pairs, against the same
+  loop dropping them; its forward and backward programs' AllToAlls;
+- Hugging Face `Qwen2MoeSparseMoeBlock` and `MixtralSparseMoeBlock` from
+  small configs with random weights, their `experts` under
+  `ExpertParallel`: outputs, gradients and a few optimizer steps against
+  the unsharded block run on every rank's tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hostir import DeviceMesh
+from hostir.autodiff import derive
+from hostir.executor import FusionExecutor
+from hostir.moe import MoELayer
+from hostir.parallel import ExpertParallel, ParallelizeError, parallelize_module
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+STEPS = 3
+
+
+def kwargs(device):
+    return {"backend": "gloo"} if device.type == "cpu" else {}
+
+
+def routed(D, T, H, E, k, device):
+    """Every rank's tokens [D, T, H] and a router's choices for them."""
+    x = torch.randn(D, T, H, device=device)
+    probs = torch.softmax(x @ torch.randn(E, H, device=device).T, -1)
+    weights, indices = torch.topk(probs, k)
+    return x, indices, weights / weights.sum(-1, keepdim=True)
+
+
+def reference(x, indices, weights, gate, up, down, capacity=None):
+    """The layer token by token; a pair past `capacity` (counted per
+    source rank and expert, in token order) contributes nothing."""
+    D, T, _ = x.shape
+    k = indices.shape[-1]
+    out = torch.zeros_like(x)
+    for d in range(D):
+        used = {}
+        for t in range(T):
+            for j in range(k):
+                e = int(indices[d, t, j])
+                used[e] = used.get(e, 0) + 1
+                if capacity is not None and used[e] > capacity:
+                    continue
+                h = torch.nn.functional.silu(gate[e] @ x[d, t]) * (up[e] @ x[d, t])
+                out[d, t] = out[d, t] + weights[d, t, j] * (down[e] @ h)
+    return out
+
+
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_layer_matches_the_unsharded_layer(world, device, capacity):
+    D, r = world.size, world.rank
+    T, H, F, E, k = 7, 8, 12, 2 * D, 2
+    El = E // D
+    x, indices, weights = routed(D, T, H, E, k, device)
+    gate, up = torch.randn(E, F, H, device=device) / 3, torch.randn(E, F, H, device=device) / 3
+    down = torch.randn(E, H, F, device=device) / 3
+    whole = [t.clone().requires_grad_() for t in (x, weights, gate, up, down)]
+    expected = reference(whole[0], indices, *whole[1:], capacity=capacity)
+    mine = [x[r], weights[r]] + [w[r * El : (r + 1) * El] for w in (gate, up, down)]
+    mine = [t.clone().requires_grad_() for t in mine]
+    layer = MoELayer(DeviceMesh(range(D)), E, capacity=capacity, **kwargs(device))
+    out = layer(mine[0], indices[r], *mine[1:])
+    torch.testing.assert_close(out, expected[r], **TOL)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    out.backward(grad[r])
+    torch.testing.assert_close(mine[0].grad, whole[0].grad[r], **TOL)
+    torch.testing.assert_close(mine[1].grad, whole[1].grad[r], **TOL)
+    for ours, theirs in zip(mine[2:], whole[2:]):
+        torch.testing.assert_close(ours.grad, theirs.grad[r * El : (r + 1) * El], **TOL)
+
+
+def test_dispatch_and_combine_are_all_to_alls_forward_and_backward(world, device):
+    D = world.size
+    layer = MoELayer(DeviceMesh(range(D)), 2 * D, **kwargs(device))
+    fd = layer.fusion(6, 2, 8, 12, torch.float32)
+    forward = fd.host_ir()
+    assert forward.count("type=AllToAll") == 2
+    assert "route_slot(" in forward and "route_source(" in forward and "take(" in forward
+    backward = FusionExecutor(derive(fd.fusion, [0, 2, 3, 4, 5]).backward).host_ir()
+    # Combine's transpose dispatches the output's gradient, dispatch's
+    # combines the tokens' gradients back: two AllToAlls, and a put_add
+    # for each take.
+    assert backward.count("type=AllToAll") == 2, backward
+    assert backward.count("put_add(") == 2, backward
+
+
+def test_bad_calls_are_refused_before_any_communication(world, device):
+    D = world.size
+    layer = MoELayer(DeviceMesh(range(D)), 2 * D, **kwargs(device))
+    x = torch.randn(5, 8, device=device)
+    idx = torch.zeros(5, 2, dtype=torch.int64, device=device)
+    w = torch.rand(5, 2, device=device)
+    gate = torch.randn(2, 4, 8, device=device)
+    down = torch.randn(2, 8, 4, device=device)
+    with pytest.raises(Exception, match="indices must be int64"):
+        layer(x, idx.float(), w, gate, gate, down)
+    with pytest.raises(Exception, match="weights must be"):
+        layer(x, idx, w[:4], gate, gate, down)
+    with pytest.raises(Exception, match="down must be this rank's 2 experts"):
+        layer(x, idx, w, gate, gate, down[:, :, :3])
+    with pytest.raises(Exception, match="do not divide over"):
+        MoELayer(DeviceMesh(range(D)), 2 * D + 1)
+
+
+# ------------------------------------------------------------ Hugging Face blocks
+
+
+def qwen2_moe(E):
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    config = Qwen2MoeConfig(
+        hidden_size=16,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=20,
+        num_experts=E,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    )
+    return Qwen2MoeSparseMoeBlock(config)
+
+
+def mixtral(E):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=E, num_experts_per_tok=2)
+    return MixtralSparseMoeBlock(config)
+
+
+def init(block):
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) / 3)
+    return block.float()
+
+
+def sum_local_grads(block):
+    """Each rank's own gradients of the parameters outside the experts
+    (the router, the shared expert), summed as data parallelism does."""
+    for p in block.parameters():
+        if p.grad is not None and not isinstance(p.grad, DTensor):
+            dist.all_reduce(p.grad)
+
+
+@pytest.mark.parametrize("make", [qwen2_moe, mixtral], ids=["qwen2_moe", "mixtral"])
+def test_hugging_face_block_matches_unsharded(world, device, make):
+    D, r = world.size, world.rank
+    ref = init(make(2 * D)).to(device)
+    block = copy.deepcopy(ref)
+    mesh = DeviceMesh(range(D)).to_torch(device.type)
+    parallelize_module(block, mesh, {"experts": ExpertParallel()})
+    assert isinstance(block.experts.gate_up_proj, DTensor)
+    opt = torch.optim.SGD(block.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(STEPS):
+        tokens = torch.randn(D, 3, 5, 16, device=device)
+        out = block(tokens[r])
+        expected = torch.cat([ref(tokens[d]) for d in range(D)]).view(D, 3, 5, 16)
+        torch.testing.assert_close(out, expected[r], **TOL, msg=lambda m: f"step {step}: {m}")
+        grad = torch.randn_like(expected)
+        out.backward(grad[r])
+        expected.backward(grad)
+        sum_local_grads(block)
+        if step == 0:
+            theirs = dict(ref.named_parameters())
+            for name, p in block.named_parameters():
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                torch.testing.assert_close(g, theirs[name].grad, **TOL, msg=lambda m: f"{name}: {m}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
+def test_expert_parallel_on_another_module_is_refused_before_anything_moves(world, device):
+    block = init(qwen2_moe(2 * world.size)).to(device)
+    mesh = DeviceMesh(range(world.size)).to_torch(device.type)
+    with pytest.raises(ParallelizeError, match="apply the style to the block's `experts`"):
+        parallelize_module(block, mesh, {"gate": ExpertParallel()})
+    assert not isinstance(block.experts.gate_up_proj, DTensor)
