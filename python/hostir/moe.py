@@ -69,6 +69,7 @@ class MoELayer:
         activation: str = "silu",
         capacity: int | None = None,
         capacity_factor: float | None = None,
+        overlap: bool = True,
         **execute_kwargs: Any,
     ):
         self.mesh = mesh if isinstance(mesh, ir.DeviceMesh) else ir.DeviceMesh(list(mesh))
@@ -91,6 +92,7 @@ class MoELayer:
         except ValueError:
             raise UsageError(f"MoELayer: unknown activation {activation!r}") from None
         self.experts, self.capacity, self.capacity_factor = experts, capacity, capacity_factor
+        self.overlap = overlap
         self.execute_kwargs = execute_kwargs
         self.fusions: dict[tuple, FusionDefinition] = {}
 
@@ -126,14 +128,15 @@ class MoELayer:
             up = fd.define_tensor([D, El, ffn, hidden], dtype)
             down = fd.define_tensor([D, El, hidden, ffn], dtype)
             slot, source = fd.ops.route(indices, E, C, groups=D)
+            swap = [0, 1, 3, 2]
+            gate_t, up_t, down_t = (fd.ops.permute(w, swap) for w in (gate, up, down))
             # [source rank, destination rank, its expert, slot, H].
             sent = fd.ops.take(x, source, batch=1, features=1)
             received = fd.ops.set(sent)
-            swap = [0, 1, 3, 2]
-            g = fd.ops.matmul(received, fd.ops.permute(gate, swap))
-            u = fd.ops.matmul(received, fd.ops.permute(up, swap))
+            g = fd.ops.matmul(received, gate_t)
+            u = fd.ops.matmul(received, up_t)
             h = fd.ops.mul(getattr(fd.ops, self.activation.value)(g), u)
-            y = fd.ops.matmul(h, fd.ops.permute(down, swap))
+            y = fd.ops.matmul(h, down_t)
             back = fd.ops.set(y)
             picked = fd.ops.take(back, slot, batch=1, features=1)
             out = fd.ops.sum(fd.ops.mul(picked, weights), [2])
@@ -143,6 +146,10 @@ class MoELayer:
         for tv, axis in ((x, 0), (indices, 0), (weights, 0), (gate, 0), (up, 0), (down, 0), (received, 1), (back, 0)):
             tv.set_device_mesh(self.mesh)
             tv.axis(axis).parallelize(ir.ParallelType.mesh_x)
+        if self.overlap:
+            # The experts walk the source ranks: each rank's tokens are
+            # computed as they arrive (a ring of the dispatch's pieces).
+            received.axis(0).parallelize(ir.ParallelType.stream)
         fd.executor.label = f" (expert-parallel MoE, {E} experts over {D} ranks, top-{k})"
         self.fusions[key] = fd
         return fd

@@ -332,6 +332,16 @@ def _schedule(fusion, inputs, comm, asked, device, runs_on: Callable[[str, int],
     if not decomposable(fusion):
         return None
     D = comm.world_size
+    moved = _all_to_all_hint(fusion, inputs, D)
+    if moved is not None:
+        # A walked all-to-all (a MoE layer's dispatch): one piece per peer,
+        # no chunks (`decompose_device_axis`).
+        rows, k, n, itemsize = moved
+        backend = backends.of_process_group(comm.backend).name
+        return choose(
+            model_for(comm), D, rows, k, n, itemsize, p2p_reason(comm, device), backend, runs_on, replay,
+            "gather", chunk_options=(1,),
+        )
     scattered = _reduce_hint(fusion, inputs, D)
     rows, k, n, itemsize = scattered or _gather_hint(fusion, inputs, D)
     summed = scattered is None and _sums_over_ranks(fusion)
@@ -378,6 +388,7 @@ def choose(
     runs_on: Callable[[str, int], str] | None = None,
     replay: bool = False,
     side: str = "gather",
+    chunk_options: tuple[int, ...] = (1, 2, 4),
 ) -> Schedule:
     """The schedule for a gather or reduce side of `rows` x `k` shards per
     rank (times an n-wide weight), on D ranks: the fastest predicted of the
@@ -401,7 +412,7 @@ def choose(
     )
     candidates = [(sequential, "sequential", 1, backend)]
     for transport in transports:
-        for chunks in (1, 2, 4):
+        for chunks in chunk_options:
             if rows % chunks:
                 continue
             runner = runs_on(transport, chunks)
@@ -487,6 +498,28 @@ def _reduce_hint(fusion, inputs, D: int) -> tuple[int, int, int, int] | None:
         w = inputs[position[id(other)]] if id(other) in position else None
         n = (w.shape[-2] if isinstance(e, ir.LinearOp) else w.shape[-1]) if w is not None and w.dim() >= 2 else k
         return rows, n, k, t.element_size()
+    return None
+
+
+def _all_to_all_hint(fusion, inputs, D: int) -> tuple[int, int, int, int] | None:
+    """A `set` that moves a sharded axis walked as a stream axis (a MoE
+    layer's dispatch, `hostir.moe`): each step moves one peer's piece,
+    rows x k (its fixed extents: the slots by the features), into the
+    products the walk runs on it (n: the widths of the products that read
+    the piece or follow it, summed: gate, up and down). None for any other
+    fusion, or one whose walked tensor has a symbolic extent."""
+    for e in fusion.exprs:
+        if not (isinstance(e, ir.Set) and e.out.stream_axes() and e.out.device_axes()):
+            continue
+        extents = [d.extent for d in e.out.logical_runtime()]
+        if not all(x.is_constant for x in extents):
+            return None
+        k = extents[-1].value
+        rows = max(1, layout.numel(x.value for x in extents[:-1]) // D // D)
+        widths = [p.out.logical_runtime()[-1].extent for p in fusion.exprs if isinstance(p, ir.MatmulOp)]
+        n = sum(w.value for w in widths if w.is_constant) or k
+        itemsize = torch.empty(0, dtype=e.out.dtype).element_size()
+        return rows, k, n, itemsize
     return None
 
 

@@ -168,15 +168,29 @@ def _stream_axis(tv) -> ir.IterDomain | None:
 
 def _gather_axis(e, graph) -> tuple[ir.IterDomain, ir.IterDomain] | None:
     """(x's mesh_x axis, xg's stream axis) if `e` is `xg = set(x)` that
-    gathers the axis the stream walks."""
+    gathers the axis the stream walks, or moves it (an all-to-all: xg
+    sharded on another axis, which x holds whole, `_moved_axis`)."""
     if not isinstance(e, ir.Set) or e.input.mesh is None:
         return None
     s = _stream_axis(e.out)
-    if s is None or e.out.device_axes():
+    if s is None or (e.out.device_axes() and _moved_axis(e, graph) is None):
         return None
     for d in e.input.device_axes():
         if graph.mapped(d, s):
             return d, s
+    return None
+
+
+def _moved_axis(e: ir.Set, graph) -> ir.IterDomain | None:
+    """For `xg = set(x)` whose one sharded axis is one x holds whole on
+    every rank (an all-to-all), that axis of xg; else None."""
+    out = [d for d in e.out.logical if d.is_device_parallel and d.leaves is None]
+    if len(out) != 1 or len(e.out.device_axes()) != 1 or len(e.input.device_axes()) != 1:
+        return None
+    (m,) = out
+    for d in e.input.logical:
+        if graph.mapped(d, m):
+            return m if not layout.device_types(d) and d.leaves is None else None
     return None
 
 
@@ -455,6 +469,11 @@ class _Builder:
         end = ir.EndCoalescing(self.c.next_name("comm"))
         body += [ir.StartCoalescing(), *posts, end, ir.Wait(end)]
 
+    def _unsharded(self, body: list, piece: ir.TensorView, axis: ir.IterDomain) -> ir.TensorView:
+        """`piece` without its sharded `axis` (this rank's size-1 slice):
+        what an all-to-all's pieces move as, plain local tensors."""
+        return self._select(body, piece, self._axis_of(piece, axis), ir.Scalar.constant(0))
+
     # -- the gather side
     def _slots(self, tv: ir.TensorView, axis: ir.IterDomain) -> tuple[ir.TensorView, ir.IterDomain]:
         """A buffer of `tv`'s loop axes with `axis` moved first (serial),
@@ -474,11 +493,21 @@ class _Builder:
         D = mesh.size
         kind = self.schedule.decomposition
         outs = [xg] + [e.out for e in group]
+        # An all-to-all: xg is sharded on an axis x holds whole; each step
+        # receives the peer's piece of that axis for this rank, and sends
+        # this rank's piece for the peer.
+        moved = _moved_axis(set_op, self.graph)
+        if moved is not None and (kind == "collective" or self.schedule.chunks > 1):
+            raise DecompositionError(
+                "an all-to-all walked as a stream axis decomposes as a ring of one piece per peer or "
+                f"sequentially, not as collectives or in chunks:\n{printer.format_expr_head(set_op)}"
+            )
         if kind == "sequential":
             for tv in outs:
                 self.c.push_back(ir.Allocate(tv, ir.MemoryType.global_))
             flat = {tv: self._serial_alias(tv) for tv in outs}
-            comm = self._comm(ir.CommunicationType.Allgather, flat[xg], x, mesh.devices, schedule=self._head("sequential"))
+            type_ = ir.CommunicationType.Allgather if moved is None else ir.CommunicationType.AllToAll
+            comm = self._comm(type_, flat[xg], x, mesh.devices, schedule=self._head("sequential"))
             self.c.push_back(comm)
             self.c.push_back(ir.Wait(comm))
             for e in group:
@@ -543,8 +572,10 @@ class _Builder:
         # piece as a dim of its own keeps the copy).
         mine_slot = self._select(local, buf, bs, pos)
         kept, slot_dims = _dims_without(x, dx), _dims_without(xg, s)
+        # An all-to-all's own piece is a slice of the shard: copied.
         in_place = (
-            kept is not None
+            moved is None
+            and kept is not None
             and slot_dims is not None
             and len(kept) == len(slot_dims)
             and all(len(a) == len(b) and all(self.graph.mapped(i, j) for i, j in zip(a, b)) for a, b in zip(kept, slot_dims))
@@ -554,9 +585,15 @@ class _Builder:
             # No push names it as its place on the peers: not needed.
             local.pop()
             mine_slot = None
+        xm = None if moved is None else self._axis_of(xl, moved)
+        if moved is not None and xm is None:
+            raise DecompositionError(f"{printer.format_tv(x)} has no axis matching the all-to-all's moved axis")
         if fills:
             mine = mine_slot if buf is xg else self._select(local, xg, s, pos)
-            local.append(ir.Set(mine, xl))
+            if xm is None:
+                local.append(ir.Set(mine, xl))
+            else:
+                local.append(ir.Set(self._unsharded(local, mine, moved), self._select(local, xl, xm, pos)))
         else:
             mine = xl
         saved, self.schedule = self.schedule, self.schedule.with_chunks(1)
@@ -576,7 +613,15 @@ class _Builder:
                 send = self._chunk(body, xl, xl_row, chunk, parts)
                 if mine_slot is not None:
                     into = self._chunk(body, mine_slot, self._axis_of(mine_slot, row_ref), chunk, parts)
-            self._exchange(body, send, self._rank_at(to, first), slot, self._rank_at(frm, first), into)
+            recv = slot
+            if xm is not None:
+                # All-to-all: this rank's piece for the peer it sends to;
+                # the pieces move as this rank's slice of the moved axis.
+                send = self._select(body, send, self._axis_of(send, moved), to)
+                recv = self._unsharded(body, slot, moved)
+                if into is not None and backends.get(self._transport()).capabilities.one_sided:
+                    into = self._unsharded(body, into, moved)
+            self._exchange(body, send, self._rank_at(to, first), recv, self._rank_at(frm, first), into)
             if buf is not xg:
                 landed = slot
                 slot = self._select(body, xg, s, frm)

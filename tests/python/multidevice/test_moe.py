@@ -85,9 +85,54 @@ def test_layer_matches_the_unsharded_layer(world, device, capacity):
         torch.testing.assert_close(ours.grad, theirs.grad[r * El : (r + 1) * El], **TOL)
 
 
+@pytest.mark.parametrize("schedule", ["sequential", "ring", "ring:direction=-1"])
+def test_dispatch_walked_as_a_ring_matches(world, device, schedule):
+    """The experts walk the source ranks (`overlap`): each rank's tokens
+    arrive in a ring of the dispatch's pieces and are computed as they
+    land; forward and backward as the layer without the walk."""
+    D, r = world.size, world.rank
+    T, H, F, E, k = 6, 8, 12, 4 * D, 2
+    El = E // D
+    x, indices, weights = routed(D, T, H, E, k, device)
+    experts = [torch.randn(E, F, H, device=device), torch.randn(E, F, H, device=device)]
+    experts.append(torch.randn(E, H, F, device=device))
+    mine = [x[r], weights[r]] + [w[r * El : (r + 1) * El] / 3 for w in experts]
+    ours = [t.clone().requires_grad_() for t in mine]
+    plain = [t.clone().requires_grad_() for t in mine]
+    mesh = DeviceMesh(range(D))
+    walked = MoELayer(mesh, E, schedule=schedule, **kwargs(device))
+    out = walked(ours[0], indices[r], *ours[1:])
+    expected = MoELayer(mesh, E, overlap=False, **kwargs(device))(plain[0], indices[r], *plain[1:])
+    torch.testing.assert_close(out, expected, **TOL)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    for a, b in zip(ours, plain):
+        torch.testing.assert_close(a.grad, b.grad, **TOL)
+    program = walked.fusion(T, k, H, F, torch.float32).host_ir(
+        inputs=[t.unsqueeze(0) for t in (mine[0], indices[r], mine[1].unsqueeze(-1), *mine[2:])], schedule=schedule
+    )
+    if schedule == "sequential":
+        assert program.count("type=AllToAll") == 2
+    else:
+        # The dispatch is a ring of sends and receives; the combine one AllToAll.
+        assert program.count("type=AllToAll") == 1
+        assert "(ring, chunks=" in program and "type=send" in program
+
+
+@pytest.mark.parametrize("schedule", ["collective", "ring:chunks=2"])
+def test_a_walked_dispatch_refuses_collectives_and_chunks(world, device, schedule):
+    D = world.size
+    layer = MoELayer(DeviceMesh(range(D)), 2 * D, schedule=schedule, **kwargs(device))
+    x, indices, weights = routed(D, 4, 8, 2 * D, 2, device)
+    experts = [torch.randn(2, 6, 8, device=device)] * 2 + [torch.randn(2, 8, 6, device=device)]
+    with pytest.raises(Exception, match="a ring of one piece per peer or sequentially"):
+        layer(x[world.rank], indices[world.rank], weights[world.rank], *experts)
+
+
 def test_dispatch_and_combine_are_all_to_alls_forward_and_backward(world, device):
     D = world.size
-    layer = MoELayer(DeviceMesh(range(D)), 2 * D, **kwargs(device))
+    layer = MoELayer(DeviceMesh(range(D)), 2 * D, overlap=False, **kwargs(device))
     fd = layer.fusion(6, 2, 8, 12, torch.float32)
     forward = fd.host_ir()
     assert forward.count("type=AllToAll") == 2
