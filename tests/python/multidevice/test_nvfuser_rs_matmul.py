@@ -257,13 +257,36 @@ def test_reduce_scatter_p2p_with_nvfusers_partials_layout(world, device, sched):
     )
 
 
-def test_partials_returned_keep_nvfusers_layout(world, device):
+@pytest.mark.parametrize("sched", ["ring", "sequential"])
+def test_partials_returned_keep_nvfusers_layout(world, device, sched):
     """Partials the fusion also returns are not re-annotated: their layout is
-    what the caller gets, so the matmul stays a resharding op the lowering
-    refuses to walk as a stream (no silent change of a returned tensor)."""
+    what the caller gets. The matmul reshards, and `insert_reshardings`
+    moves its operands (the cheaper side here): A's row block j goes to
+    rank j, an all-to-all walked along the stream axis (a ring of sends
+    and receives per stream index, or one AllToAll sequentially), B is
+    gathered, and each rank computes its row block's partials for every K
+    piece; the sum is then local."""
+    D = world.size
+    fd, tv0, tv1 = reduce_scatter_p2p(D, partials="nvfuser", returned=True)
+    a_t, b_t, c_t = _data(D, device)
+    inputs = [shard_tensor(a_t, tv0), shard_tensor(b_t, tv1)]
+    partials = torch.matmul(a_t, b_t.unsqueeze(1))  # [d, j, M/D, N]
+    for _ in range(2):  # back to back: the second call reuses every buffer
+        out, p = fd.execute(inputs, schedule=sched)
+        exact(out, c_t[world.rank : world.rank + 1])
+        exact(p, partials[:, world.rank : world.rank + 1])
+    dump = fd.host_ir(inputs=inputs, schedule=sched)
+    if sched == "ring":
+        assert "P2PCommunication" in _loop(dump) and collectives(dump) == [], dump
+    else:
+        assert collectives(dump) == ["AllToAll", "Allgather"], dump
+
+
+def test_returned_partials_refuse_collectives(world, device):
+    """The all-to-all of returned partials has no collective form."""
     D = world.size
     fd, tv0, tv1 = reduce_scatter_p2p(D, partials="nvfuser", returned=True)
     a_t, b_t, _ = _data(D, device)
     inputs = [shard_tensor(a_t, tv0), shard_tensor(b_t, tv1)]
-    with pytest.raises(LoweringError, match="a stream loop cannot walk a sharded axis"):
-        fd.execute(inputs, schedule="ring")
+    with pytest.raises(LoweringError, match="a ring of one piece per peer or sequentially"):
+        fd.execute(inputs, schedule="collective")
