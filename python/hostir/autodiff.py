@@ -35,13 +35,18 @@ What the forward saves: the inputs the rules read are passed as they are
 (each rank's shard); an operand that the forward gathered with a `set` is
 saved as the shard and gathered again in the backward (where a stream axis
 on the gathered tensor makes it a ring overlapped with the first backward
-matmul), unless `keep_gathered` asks for the gathered tensor itself.
+matmul), unless `keep_gathered` asks for the gathered tensor itself. A
+`set` that only moves a sharded axis (an all-to-all) makes a tensor no
+larger than its input's shard: that tensor is saved, and nothing is sent
+again.
 
 Rules: set; every unary kind, by the gradient its declaration carries
 (`UnaryKind.grad`, `hostir.kinds`); binary add, sub, mul, div (with
 broadcasting); sum, max, min (ties share the gradient equally, as torch's
-amax/amin do); matmul; linear (bias included); permute, reshape, slice,
-select, broadcast_in_dim and expand. An op without a rule is a
+amax/amin do); matmul (a weight broadcast over batch axes gets its gradient summed over
+them); linear (bias included); permute, reshape, slice, select,
+broadcast_in_dim and expand; take and put_add (each the other's
+transpose); topk and route, whose integer outputs carry no gradient. An op without a rule is a
 `NoTransposeRuleError` naming the op's dump line when the backward is first
 derived.
 

@@ -41,7 +41,13 @@ Hugging Face plans (`"colwise"`, `"rowwise"`, `"colwise_rep"`,
 - `nn.Embedding` under those styles, `SequenceParallel`,
   `PrepareModuleInput`, `PrepareModuleOutput` and any other style run as
   torch runs them (they redistribute activations between the layers);
-- a `ColwiseParallel` or `RowwiseParallel` on any other module is a
+- a MoE block's experts module under hostir's `ExpertParallel` (Hugging
+  Face's `Qwen2MoeExperts`, `MixtralExperts`, ...) gets its experts
+  sharded over the mesh and runs as `hostir.moe.MoELayer`: each rank's
+  tokens dispatched to their experts' ranks and combined back, forward and
+  backward (`docs/moe.md`);
+- a `ColwiseParallel` or `RowwiseParallel` on any other module, or an
+  `ExpertParallel` on a module without experts' weights, is a
   `ParallelizeError` at `parallelize_module` time, naming the module and
   the style, before any parameter moves.
 
@@ -165,8 +171,8 @@ def _matches(module: nn.Module, path: str):
 
 
 def _check(module: nn.Module, plan, prefix: str, D: int) -> None:
-    """Refuse, before anything moves, a Linear style on a module hostir
-    cannot run it on."""
+    """Refuse, before anything moves, a Linear style or `ExpertParallel` on
+    a module hostir cannot run it on (D: the mesh's size)."""
     items = plan.items() if isinstance(plan, dict) else [("", plan)]
     for key, style in items:
         targets = [("", module)] if key == "" else _matches(module, key)
