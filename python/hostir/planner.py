@@ -503,24 +503,33 @@ def _reduce_hint(fusion, inputs, D: int) -> tuple[int, int, int, int] | None:
 
 def _all_to_all_hint(fusion, inputs, D: int) -> tuple[int, int, int, int] | None:
     """A `set` that moves a sharded axis walked as a stream axis (a MoE
-    layer's dispatch, `hostir.moe`): each step moves one peer's piece,
-    rows x k (its fixed extents: the slots by the features), into the
-    products the walk runs on it (n: the widths of the products that read
-    the piece or follow it, summed: gate, up and down). None for any other
-    fusion, or one whose walked tensor has a symbolic extent."""
-    for e in fusion.exprs:
-        if not (isinstance(e, ir.Set) and e.out.stream_axes() and e.out.device_axes()):
-            continue
-        extents = [d.extent for d in e.out.logical_runtime()]
-        if not all(x.is_constant for x in extents):
-            return None
-        k = extents[-1].value
-        rows = max(1, layout.numel(x.value for x in extents[:-1]) // D // D)
-        widths = [p.out.logical_runtime()[-1].extent for p in fusion.exprs if isinstance(p, ir.MatmulOp)]
-        n = sum(w.value for w in widths if w.is_constant) or k
-        itemsize = torch.empty(0, dtype=e.out.dtype).element_size()
-        return rows, k, n, itemsize
-    return None
+    layer's dispatch, `hostir.moe`): each step moves one peer's piece of
+    `rows` x H (its fixed extents: the slots by the features), and its
+    result back where the program returns it (the combine: k = 2H moved
+    per row), and runs the products of the walk on it, counted as one
+    GEMM of rows x k x n with the products' flops (gate, up and down:
+    rows x 3HF). None for any other fusion, or one whose walked tensor has
+    a symbolic extent."""
+    walks = [e for e in fusion.exprs if isinstance(e, ir.Set) and e.out.stream_axes() and e.out.device_axes()]
+    if not walks:
+        return None
+    e = walks[0]
+    extents = [d.extent for d in e.out.logical_runtime()]
+    if not all(x.is_constant for x in extents):
+        return None
+    h = extents[-1].value
+    rows = max(1, layout.numel(x.value for x in extents[:-1]) // D // D)
+    moves = [x for x in fusion.exprs if isinstance(x, ir.Set) and x.out.device_axes()]
+    k = h * (2 if len(moves) > 1 else 1)
+    flops = 0
+    for p in fusion.exprs:
+        if isinstance(p, ir.MatmulOp):
+            n_axis, k_axis = p.out.logical_runtime()[-1].extent, p.a.logical_runtime()[-1].extent
+            if n_axis.is_constant and k_axis.is_constant:
+                flops += n_axis.value * k_axis.value
+    n = max(1, flops // k) if flops else h
+    itemsize = torch.empty(0, dtype=e.out.dtype).element_size()
+    return rows, k, n, itemsize
 
 
 def _gather_hint(fusion, inputs, D: int) -> tuple[int, int, int, int]:

@@ -94,8 +94,13 @@ def decompose_device_axis(
         if gather is not None:
             start = i
             group, i = _run_of(exprs, i + 1, gather[1], graph)
+            back = None
+            if i < len(exprs) and schedule.decomposition == "ring" and _returns_pieces(e, exprs[i], group, graph):
+                # An all-to-all's pieces, computed, sent back where they
+                # came from (a MoE layer's combine): in the same steps.
+                back, i = exprs[i], i + 1
             escapes = _read_elsewhere(e.out, container, exprs[:start] + exprs[i:])
-            _Builder(result, graph, schedule, backend, chunking).gather(e, gather, group, escapes)
+            _Builder(result, graph, schedule, backend, chunking).gather(e, gather, group, escapes, back)
             continue
         reduce = _reduce_run(exprs, i, graph)
         if reduce is not None:
@@ -179,6 +184,20 @@ def _gather_axis(e, graph) -> tuple[ir.IterDomain, ir.IterDomain] | None:
         if graph.mapped(d, s):
             return d, s
     return None
+
+
+def _returns_pieces(walk: ir.Set, e, group: list, graph) -> bool:
+    """Whether `e`, right after the ops `group` that a walked all-to-all
+    `walk` feeds, is the all-to-all back: a `set` of the group's last
+    result that moves the walked axis back to be sharded (each peer's
+    piece returned to the peer it came from)."""
+    if not group or _moved_axis(walk, graph) is None:
+        return False
+    if not isinstance(e, ir.Set) or e.input is not group[-1].out or e.out.stream_axes():
+        return False
+    moved = _moved_axis(e, graph)
+    s = _stream_axis(e.input)
+    return moved is not None and s is not None and graph.mapped(moved, s)
 
 
 def _moved_axis(e: ir.Set, graph) -> ir.IterDomain | None:
@@ -469,6 +488,24 @@ class _Builder:
         end = ir.EndCoalescing(self.c.next_name("comm"))
         body += [ir.StartCoalescing(), *posts, end, ir.Wait(end)]
 
+    def _result(self, body: list, back: ir.Set, s: ir.IterDomain, index) -> ir.TensorView:
+        """The piece of the walked result (`back`'s input) for source
+        `index`, as a plain local tensor."""
+        y = back.input
+        piece = self._select(body, y, self._axis_of(y, s), index)
+        (sharded,) = [d for d in piece.logical if d.is_device_parallel]
+        return self._select(body, piece, sharded, ir.Scalar.constant(0))
+
+    def _returned(self, body: list, back: ir.Set, index) -> ir.TensorView:
+        """Where the result rank `index` computed for this rank's piece
+        lands: this rank's shard of `back`'s output, at `index` along the
+        axis the result was sharded on."""
+        out, y = back.out, back.input
+        (sharded,) = [d for d in out.logical if d.is_device_parallel]
+        mine = self._select(body, out, sharded, ir.Scalar.constant(0))
+        (computed_on,) = [d for d in y.logical if d.is_device_parallel]
+        return self._select(body, mine, self._axis_of(mine, computed_on), index)
+
     def _unsharded(self, body: list, piece: ir.TensorView, axis: ir.IterDomain) -> ir.TensorView:
         """`piece` without its sharded `axis` (this rank's size-1 slice):
         what an all-to-all's pieces move as, plain local tensors."""
@@ -483,10 +520,13 @@ class _Builder:
         domain.insert(0, domain.pop(at))
         return ir.TensorView(self.c, domain, tv.dtype, ir.MemoryType.global_, mesh=tv.mesh), domain[0]
 
-    def gather(self, set_op: ir.Set, axes, group: list, escapes: bool = True) -> None:
+    def gather(self, set_op: ir.Set, axes, group: list, escapes: bool = True, back: ir.Set | None = None) -> None:
         """`escapes`: whether the gathered tensor is needed whole after the
         ops of `group` (else the ring leaves this rank's own slot of it
-        unfilled: its ops read the rank's shard in place)."""
+        unfilled: its ops read the rank's shard in place). `back`: for a
+        ring of an all-to-all, the all-to-all that returns the group's
+        result piece by piece (`_returns_pieces`), each step sending the
+        piece it computed to the peer it came from."""
         dx, s = axes
         x, xg = set_op.input, set_op.out
         mesh, first = self._mesh(set_op, x)
@@ -529,6 +569,11 @@ class _Builder:
         self.c.push_back(ir.Allocate(xg, memory))
         for tv in outs[1:]:
             self.c.push_back(ir.Allocate(tv, ir.MemoryType.global_))
+        if back is not None:
+            # Where the peers' results for this rank's pieces land (pushed
+            # into, on a one-sided transport).
+            one_sided = backends.get(self._transport()).capabilities.needs_symmetric_buffers
+            self.c.push_back(ir.Allocate(back.out, ir.MemoryType.symmetric if one_sided else ir.MemoryType.global_))
         parts = self.schedule.chunks
         row_ref = self._row_axis(xg, s)
         # This rank's shard, without its size-1 mesh_x axis.
@@ -599,6 +644,9 @@ class _Builder:
         saved, self.schedule = self.schedule, self.schedule.with_chunks(1)
         self._ops_on(local, group, s, pos, ir.Scalar.constant(0), row_ref, {xg: mine})
         self.schedule = saved
+        if back is not None:
+            # This rank's own result stays: copied into its place.
+            local.append(ir.Set(self._returned(local, back, pos), self._result(local, back, s, pos)))
         d = self.schedule.direction
 
         def body_of(index):
@@ -628,7 +676,17 @@ class _Builder:
                 if parts > 1:
                     slot = self._chunk(body, slot, self._axis_of(slot, row_ref), chunk, parts)
                 body.append(ir.Set(slot, landed))
-            return self._ops_on(body, group, s, frm, chunk, row_ref, {xg: slot})
+            self._ops_on(body, group, s, frm, chunk, row_ref, {xg: slot})
+            if back is not None:
+                # The result of the piece from `frm` goes back to it; the
+                # result of this rank's piece that `to` computed arrives.
+                one_sided = backends.get(self._transport()).capabilities.one_sided
+                home = self._returned(body, back, pos) if one_sided else None
+                self._exchange(
+                    body, self._result(body, back, s, frm), self._rank_at(frm, first),
+                    self._returned(body, back, to), self._rank_at(to, first), home,
+                )
+            return body
 
         self._pipeline(parts, D * parts, body_of, self._head("ring"), local_first=local)
 
