@@ -21,6 +21,13 @@ of `experts / D` experts: `gate` and `up` [E/D, F, H], `down` [E/D, H, F]
 4. combine: the AllToAll back, each pair's result taken from its slot,
    weighted and summed over the k choices.
 
+With `overlap` (the default) the received tokens' source axis is a stream
+axis: the experts walk the source ranks, and dispatch and combine become
+one ring (`decompose_device_axis`): each step receives one peer's tokens,
+runs the experts on them and sends the results back, while the other
+steps move (the schedule's `transport=cuda` moves them on the copy
+engine). `schedule="sequential"` keeps the two AllToAlls.
+
 Every size is fixed by the tokens per rank and `capacity` (by default the
 worst case, `T`: no pair is ever dropped, and the result is exactly the
 unsharded layer's), so the program is graph-capturable and agreed across
@@ -59,8 +66,9 @@ class MoELayer:
     choices (neither: the tokens per rank, nothing ever dropped; never
     more). Calling it runs the layer on this rank's tokens (see the
     module's doc); the fusions are made per (tokens, choices per token,
-    sizes, dtypes) and kept. `execute_kwargs` go to every `execute` (a
-    backend, `number_of_streams`, ...)."""
+    sizes, dtypes) and kept. `overlap`: walk the source ranks (see the
+    module's doc). `execute_kwargs` go to every `execute` (a backend, a
+    schedule, `number_of_streams`, ...)."""
 
     def __init__(
         self,
