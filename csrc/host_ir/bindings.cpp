@@ -121,6 +121,8 @@ Instr instr(int opcode, const py::dict& f) {
   i.a_dim = field(f, "a_dim", -1);
   i.b_dim = field(f, "b_dim", -1);
   i.bias_dim = field(f, "bias_dim", -1);
+  i.like = field(f, "like", -1);
+  i.like_dim = field(f, "like_dim", -1);
   i.start = field(f, "start", -1);
   i.stop = field(f, "stop", -1);
   i.end = field(f, "end", -1);
@@ -189,6 +191,19 @@ Instr instr(int opcode, const py::dict& f) {
     i.self_copy = f["self_copy"].cast<bool>();
     i.view_out = field<bool>(f, "view_out", false);
     i.out_may_be_given = field<bool>(f, "out_may_be_given", false);
+  }
+  if (i.op == Opcode::kTopK) {
+    i.k = f["k"].cast<int64_t>();
+  }
+  if (i.op == Opcode::kRoute) {
+    i.experts = f["experts"].cast<int64_t>();
+    i.capacity = f["capacity"].cast<int64_t>();
+    i.what = f["what"].cast<std::string>();
+    i.groups = f["groups"].cast<int64_t>();
+  }
+  if (i.op == Opcode::kTake || i.op == Opcode::kPutAdd) {
+    i.batch = f["batch"].cast<int64_t>();
+    i.features = f["features"].cast<int64_t>();
   }
   if (i.op == Opcode::kTransfer) {
     i.h2d = f["h2d"].cast<bool>();
@@ -372,7 +387,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return runs;
           })
       .def_property_readonly("ops_executed", &hostir::Executor::opsExecuted);
-  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kChunk) + 1;
+  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kPutAdd) + 1;
   m.attr("UNARY_KINDS") = py::tuple(py::cast(hostir::unaryKindNames()));
   m.attr("BINARY_KINDS") = py::tuple(py::cast(hostir::binaryKindNames()));
   m.attr("TRANSPORTS") = py::tuple(py::cast(hostir::transportNames()));

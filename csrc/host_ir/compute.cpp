@@ -1,5 +1,6 @@
 // The compute ops of a run, the C++ twins of python/hostir/runtime/
-// evaluator.py's: binary, unary, reduction, matmul, linear and permute, with
+// evaluator.py's: binary, unary, reduction, matmul, linear, permute and the
+// index ops of a mixture-of-experts layer (topk, route, take, put_add), with
 // ATen's out= variants where an op writes into a bound output, and the
 // layouts that read an operand with its logical axes (`_operand`) and put
 // a result into its output (`_store`); the chunk views of a stream loop,
@@ -8,6 +9,7 @@
 #include "transports/transport.h"
 
 #include <algorithm>
+#include <array>
 #include <optional>
 #include <utility>
 
@@ -424,6 +426,120 @@ void matmulOrLinear(Run& run, const Instr& ins) {
       [&](at::Tensor& o) { at::matmul_out(o, a, b); });
 }
 
+// -- the index ops (fusion_ops.py's `topk_indices`, `route`, `take_rows` and
+// `put_add_rows`, the same ATen calls), each at full rank, as the evaluator
+// runs them; each writes into its output, if bound, by a copy.
+
+// Operand `k` of `ins`, in `slot`, at full rank (`dim`: the dim a select
+// removed from it).
+at::Tensor fullOperand(Run& run, const Instr& ins, size_t k, int slot, int dim) {
+  return viewed(ins, k, fullRank(run.tensor(slot), dim));
+}
+
+at::TensorOptions longsOn(const at::Tensor& t) {
+  return at::TensorOptions().dtype(at::kLong).device(t.device());
+}
+
+// The pairs of router choices `indices` [*lead, T, k] ordered by expert,
+// stably (argsort); a pair's place within its expert is its position in
+// that order less the expert's first one. Each pair's slot, or each slot's
+// token.
+at::Tensor routeOf(const at::Tensor& indices, const Instr& ins) {
+  int64_t tokens = indices.size(-2);
+  int64_t k = indices.size(-1);
+  at::Tensor flat = indices.reshape({-1, tokens * k});
+  int64_t n = flat.size(1);
+  at::Tensor order = at::argsort(flat, /*stable=*/true, 1);
+  at::Tensor counts = at::zeros({flat.size(0), ins.experts}, longsOn(flat));
+  counts.scatter_add_(1, flat, at::ones_like(flat));
+  at::Tensor starts = counts.cumsum(1) - counts;
+  at::Tensor places = at::arange(n, longsOn(flat)).expand_as(flat) - starts.gather(1, flat.gather(1, order));
+  at::Tensor within = at::empty_like(flat).scatter_(1, order, places);
+  at::Tensor slot = at::where(within < ins.capacity, flat * ins.capacity + within, -1);
+  if (ins.what == "slot") {
+    return slot.reshape(indices.sizes());
+  }
+  int64_t rows = ins.experts * ins.capacity;
+  at::Tensor source = at::full({flat.size(0), rows + 1}, -1, longsOn(flat));
+  at::Tensor token = at::floor_divide(at::arange(n, longsOn(flat)), k).expand_as(flat);
+  // A dropped pair writes the extra last column, which is cut off.
+  source.scatter_(1, at::where(slot >= 0, slot, rows), token);
+  std::vector<int64_t> shape(indices.sizes().begin(), indices.sizes().end() - 2);
+  shape.insert(shape.end(), {ins.groups, ins.experts / ins.groups, ins.capacity});
+  return source.slice(1, 0, rows).reshape(shape);
+}
+
+// A tensor of `shape` as (batch elements, rows per batch element, features
+// per row): its leading `batch` dims, the dims between, its trailing
+// `features` dims.
+std::array<int64_t, 3> rowsOf(c10::IntArrayRef shape, const Instr& ins) {
+  int64_t end = static_cast<int64_t>(shape.size()) - ins.features;
+  std::array<int64_t, 3> counts = {1, 1, 1};
+  for (int64_t d = 0; d < static_cast<int64_t>(shape.size()); ++d) {
+    counts[d < ins.batch ? 0 : d < end ? 1 : 2] *= shape[d];
+  }
+  return counts;
+}
+
+// Each index as a row of the flattened [batch * rows] rows; a negative one
+// as `missing`.
+at::Tensor flatIndex(const at::Tensor& index, int64_t batch_count, int64_t rows, int64_t missing) {
+  at::Tensor idx = index.reshape({batch_count, -1});
+  at::Tensor offsets = at::arange(batch_count, longsOn(idx)).unsqueeze(1) * rows;
+  return at::where(idx >= 0, idx + offsets, missing).reshape({-1});
+}
+
+// The rows of `x` at `index`, zeros where it is negative.
+at::Tensor takeRows(const at::Tensor& x, const at::Tensor& index, const Instr& ins) {
+  auto [nb, rows, f] = rowsOf(x.sizes(), ins);
+  at::Tensor flat = flatIndex(index, nb, rows, 0);
+  at::Tensor out = x.reshape({nb * rows, f}).index_select(0, flat);
+  out.masked_fill_((index < 0).reshape({-1, 1}), 0);
+  std::vector<int64_t> shape(index.sizes().begin(), index.sizes().end());
+  shape.insert(shape.end(), x.sizes().end() - ins.features, x.sizes().end());
+  return out.reshape(shape);
+}
+
+// The rows of `x` added at `index` into zeros of `like`'s sizes; a
+// negative index adds into an extra last row, which is cut off.
+at::Tensor putAddRows(const at::Tensor& x, const at::Tensor& index, c10::IntArrayRef like, const Instr& ins) {
+  auto [nb, rows, f] = rowsOf(like, ins);
+  at::Tensor flat = flatIndex(index, nb, rows, nb * rows);
+  at::Tensor out = at::zeros({nb * rows + 1, f}, x.options());
+  out.index_add_(0, flat, x.reshape({-1, f}));
+  return out.slice(0, 0, nb * rows).view(like);
+}
+
+// Binds `fresh()` to the output, or copies it into the bound output, as
+// the evaluator's index ops do.
+template <typename Fresh>
+void storeCopy(Run& run, const Instr& ins, Fresh fresh) {
+  store(run, ins, true, fresh, [&](at::Tensor& o) { o.copy_(fresh()); });
+}
+
+void topk(Run& run, const Instr& ins) {
+  at::Tensor x = fullOperand(run, ins, 0, ins.input, ins.a_dim);
+  storeCopy(run, ins, [&]() { return std::get<1>(at::topk(x, ins.k, -1)); });
+}
+
+void route(Run& run, const Instr& ins) {
+  at::Tensor indices = fullOperand(run, ins, 0, ins.input, ins.a_dim);
+  storeCopy(run, ins, [&]() { return routeOf(indices, ins); });
+}
+
+void take(Run& run, const Instr& ins) {
+  at::Tensor x = fullOperand(run, ins, 0, ins.input, ins.a_dim);
+  at::Tensor index = fullOperand(run, ins, 1, ins.b, ins.b_dim);
+  storeCopy(run, ins, [&]() { return takeRows(x, index, ins); });
+}
+
+void putAdd(Run& run, const Instr& ins) {
+  at::Tensor x = fullOperand(run, ins, 0, ins.input, ins.a_dim);
+  at::Tensor index = fullOperand(run, ins, 1, ins.b, ins.b_dim);
+  at::Tensor like = fullOperand(run, ins, 2, ins.like, ins.like_dim);
+  storeCopy(run, ins, [&]() { return putAddRows(x, index, like.sizes(), ins); });
+}
+
 } // namespace
 
 at::Tensor applyView(const View& v, at::Tensor t) {
@@ -462,6 +578,9 @@ void prepareCompute(Instr& ins) {
   if (ins.op == Opcode::kBinary && ins.rhs.is_number) {
     ins.rhs.wrapped = wrappedNumber(ins.rhs.number);
   }
+  if (ins.op == Opcode::kRoute && ins.what != "slot" && ins.what != "source") {
+    throw Error(text("a route gives 'slot' or 'source', not '", ins.what, "'"), "ProgramError");
+  }
 }
 
 void compute(Run& run, const Instr& ins) {
@@ -481,6 +600,18 @@ void compute(Run& run, const Instr& ins) {
     case Opcode::kMatmul:
     case Opcode::kLinear:
       matmulOrLinear(run, ins);
+      break;
+    case Opcode::kTopK:
+      topk(run, ins);
+      break;
+    case Opcode::kRoute:
+      route(run, ins);
+      break;
+    case Opcode::kTake:
+      take(run, ins);
+      break;
+    case Opcode::kPutAdd:
+      putAdd(run, ins);
       break;
     default:
       throw Error(text("instruction ", run.indexOf(ins), " is no compute op"), "ProgramError");

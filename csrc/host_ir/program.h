@@ -114,6 +114,10 @@ enum class Opcode : int {
   kPermute,
   kTransfer,
   kChunk,
+  kTopK,
+  kRoute,
+  kTake,
+  kPutAdd,
 };
 
 // Shared with ir.CommunicationType (in declaration order).
@@ -236,6 +240,10 @@ struct Instr {
   int a_dim = -1;
   int b_dim = -1;
   int bias_dim = -1;
+  // PutAdd's `like`, whose sizes its result takes, and the dim a select
+  // removed from it.
+  int like = -1;
+  int like_dim = -1;
   // Matmul and linear: add the product to the bound output (beta = 1).
   bool accumulate = false;
   // A sum of a product made fresh in the program (fusion_ops.py's
@@ -272,6 +280,19 @@ struct Instr {
   OpKind op_kind = OpKind::kAdd;
   Operand lhs, rhs;
   std::vector<int64_t> dims;
+  // The index ops (compute.cpp): topk's `k`; route's `experts`,
+  // `capacity` (slots per expert), `groups` and what it gives ("slot": each
+  // pair's slot, "source": each slot's token); take's and put_add's leading
+  // `batch` and trailing `features` axes. Their operands: `input`, take's
+  // and put_add's index `b`, put_add's `like`, each at full rank (`a_dim`,
+  // `b_dim`, `like_dim`).
+  int64_t k = 0;
+  int64_t experts = 0;
+  int64_t capacity = 0;
+  int64_t groups = 1;
+  std::string what;
+  int64_t batch = 0;
+  int64_t features = 0;
   // Layouts: one view per tensor operand in the op's operand order (none:
   // every operand is read as it is bound), and the output's store.
   std::vector<View> views;

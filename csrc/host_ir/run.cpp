@@ -546,6 +546,10 @@ void Run::exec(const Instr& ins) {
     case Opcode::kReduction:
     case Opcode::kMatmul:
     case Opcode::kLinear:
+    case Opcode::kTopK:
+    case Opcode::kRoute:
+    case Opcode::kTake:
+    case Opcode::kPutAdd:
       compute(*this, ins);
       break;
     case Opcode::kTransfer:

@@ -2,7 +2,8 @@
 // Python: loops, conditionals and scalar expressions (scalar inputs among
 // them), selects into preallocated buffers,
 // the out= variants, every unary kind, operand views and partial sums,
-// extent binding, failures with loop indices, runs on a caller's logical
+// extent binding, failures with loop indices, the index ops (take,
+// put_add, route), runs on a caller's logical
 // tensors (runLogical), two threads running one Executor at once, and the
 // transport registry (a backend chosen once, an unknown one refused, one
 // registered twice or with no transport refused).
@@ -579,6 +580,93 @@ TEST(Chunks, EqualPiecesThatDoNotDivideAreABindingError) {
   EXPECT_EQ(r.failure->kind, "BindingError");
   EXPECT_EQ(r.failure->message, "axis 0 of size 5 does not split into 2 equal pieces");
   EXPECT_EQ(r.failure->instr, 0);
+}
+
+// %t2 = take(%t0, %t1), %t3 = put_add(%t2, %t1, like %t0): %t0 [rows, 3]
+// (no batch axis, one feature axis), %t1 the picked rows.
+Program takeThenPutAdd() {
+  Program p;
+  p.num_tensors = 4;
+  p.inputs = {0, 1};
+  p.outputs = {2, 3};
+  p.tensor_names = {"T0", "T1", "T2", "T3"};
+  Instr take;
+  take.op = Opcode::kTake;
+  take.out = 2;
+  take.input = 0;
+  take.b = 1;
+  take.features = 1;
+  p.instrs.push_back(take);
+  Instr put = take;
+  put.op = Opcode::kPutAdd;
+  put.out = 3;
+  put.input = 2;
+  put.like = 0;
+  p.instrs.push_back(put);
+  return p;
+}
+
+TEST(IndexOps, TakeGivesZerosAndPutAddDropsANegativeIndex) {
+  Executor executor(takeThenPutAdd());
+  at::Tensor x = at::randn({5, 3});
+  at::Tensor index = at::tensor(std::vector<int64_t>{4, -1, 0, 4});
+  RunResult r = executor.run({x, index}, {}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  at::Tensor expected = at::stack({x[4], at::zeros({3}), x[0], x[4]});
+  EXPECT_TRUE(at::equal(r.outputs[0], expected));
+  at::Tensor put = at::zeros({5, 3});
+  put[0] = x[0];
+  put[4] = x[4] + x[4];
+  EXPECT_TRUE(at::equal(r.outputs[1], put));
+  // Into bound outputs: the same values, copied.
+  at::Tensor taken = at::full({4, 3}, 7.0);
+  at::Tensor added = at::full({5, 3}, 7.0);
+  r = executor.run({x, index}, {taken, added}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_TRUE(r.outputs[0].is_same(taken) && r.outputs[1].is_same(added));
+  EXPECT_TRUE(at::equal(taken, expected) && at::equal(added, put));
+}
+
+// %t1 = route(%t0) of 3 experts with 1 slot each, giving `what`.
+Program routeOf(const char* what) {
+  Program p;
+  p.num_tensors = 2;
+  p.inputs = {0};
+  p.outputs = {1};
+  p.tensor_names = {"T0", "T1"};
+  Instr route;
+  route.op = Opcode::kRoute;
+  route.out = 1;
+  route.input = 0;
+  route.experts = 3;
+  route.capacity = 1;
+  route.what = what;
+  p.instrs.push_back(route);
+  return p;
+}
+
+TEST(IndexOps, RoutePlacesPairsInTokenOrderAndDropsPastCapacity) {
+  // Tokens 0, 1, 2 choose experts (2, 0), (0, 1), (2, 1): expert 0 takes
+  // token 0's pair, expert 1 token 1's, expert 2 token 0's; the rest drop.
+  at::Tensor indices = at::tensor(std::vector<int64_t>{2, 0, 0, 1, 2, 1}).reshape({3, 2});
+  Executor slots(routeOf("slot"));
+  RunResult r = slots.run({indices}, {}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_TRUE(at::equal(r.outputs[0], at::tensor(std::vector<int64_t>{2, 0, -1, 1, -1, -1}).reshape({3, 2})));
+  Executor sources(routeOf("source"));
+  r = sources.run({indices}, {}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_TRUE(at::equal(r.outputs[0], at::tensor(std::vector<int64_t>{0, 1, 0}).reshape({1, 3, 1})));
+}
+
+TEST(IndexOps, UnknownRouteIsRejectedWhenMade) {
+  try {
+    Executor executor(routeOf("slots"));
+    FAIL() << "an unknown route was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), "ProgramError");
+    EXPECT_STREQ(e.what(), "a route gives 'slot' or 'source', not 'slots'");
+  }
 }
 
 Window twoRankWindow() {

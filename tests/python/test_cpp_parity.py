@@ -1,9 +1,10 @@
 """The C++ executor against the Python evaluator on the ops it gained:
-every unary kind, and the layouts of sharded, split and partial-sum
-programs (one rank of a mesh here; tests/python/multidevice/
-test_cpp_parity.py runs them on 2 and more ranks). Each program runs on
-both evaluators on the same random data, and the runner says the C++
-executor ran it."""
+every unary kind, the index ops of a mixture-of-experts layer (topk,
+route, take, put_add, a backward program's included), and the layouts of
+sharded, split and partial-sum programs (one rank of a mesh here;
+tests/python/multidevice/test_cpp_parity.py runs them on 2 and more
+ranks). Each program runs on both evaluators on the same random data,
+and the runner says the C++ executor ran it."""
 
 from __future__ import annotations
 
@@ -239,6 +240,172 @@ def test_the_tie_mask_runs_in_cpp(dtype, device):
     python, compiled = _both(fd, [a_in, b_in])
     _same(python, compiled)
     torch.testing.assert_close(compiled[0], (a_in == b_in).to(dtype))
+
+
+# ---------------------------------------------------------------- index ops
+#
+# The index ops of a mixture-of-experts layer (topk, route, take, put_add):
+# compute.cpp's twins of fusion_ops.py's torch, the same ATen calls.
+
+
+def _choices(shape, experts):
+    """Distinct experts per token, as a router's top-k gives them."""
+    *lead, tokens, k = shape
+    return torch.topk(torch.rand(*lead, tokens, experts), k).indices
+
+
+def test_topk_runs_in_cpp_as_in_python(device):
+    torch.manual_seed(10)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, 16])
+        values, indices = fd.ops.topk(x, 4)
+        fd.add_output(values)
+        fd.add_output(indices)
+    data = torch.randn(3, 5, 16, device=device)
+    python, compiled = _both(fd, [data])
+    _same(python, compiled)
+    expected = torch.topk(data, 4)
+    torch.testing.assert_close(compiled[0], expected.values)
+    torch.testing.assert_close(compiled[1], expected.indices)
+
+
+@pytest.mark.parametrize("capacity", [7, 3, 1])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_route_runs_in_cpp_as_in_python(capacity, groups, device):
+    """Each pair's slot and each slot's token, a capacity small enough
+    dropping pairs, the sources grouped as `groups` ranks hold the
+    experts."""
+    torch.manual_seed(11)
+    experts = 6
+    with FusionDefinition() as fd:
+        idx = fd.define_tensor([-1, -1, 2], dtype=torch.int64)
+        slot, source = fd.ops.route(idx, experts, capacity, groups=groups)
+        fd.add_output(slot)
+        fd.add_output(source)
+    indices = _choices([2, 7, 2], experts).to(device)
+    python, compiled = _both(fd, [indices])
+    _same(python, compiled)
+    assert list(compiled[1].shape) == [2, groups, experts // groups, capacity]
+    assert bool((compiled[0] < 0).any()) == (capacity < 7)
+
+
+@pytest.mark.parametrize("batch, features", [(0, 1), (1, 1), (1, 0), (0, 0), (0, 2), (2, 1)])
+def test_take_and_put_add_run_in_cpp_as_in_python(batch, features, device):
+    """Rows by index, negative indices among them (zeros in take, dropped
+    in put_add), repeated ones added up in put_add."""
+    torch.manual_seed(12)
+    lead = [3, 2][:batch]
+    feats = [5, 2][:features]
+    x = torch.randn(*lead, 4, 2, *feats, device=device)
+    index = torch.randint(-2, 8, (*lead, 6), device=device)
+    index[..., 1] = -1
+    index[..., 3] = index[..., 4] = 7
+    with FusionDefinition() as fd:
+        tx = fd.define_tensor([-1] * x.dim())
+        ti = fd.define_tensor([-1] * index.dim(), dtype=torch.int64)
+        taken = fd.ops.take(tx, ti, batch=batch, features=features)
+        fd.add_output(taken)
+        fd.add_output(fd.ops.put_add(taken, ti, tx, batch=batch, features=features))
+    python, compiled = _both(fd, [x, index])
+    # put_add's sums of repeated rows: in index order on the CPU, by
+    # atomics on a GPU.
+    _same(python[:1], compiled[:1])
+    if device == "cpu":
+        _same(python[1:], compiled[1:])
+    torch.testing.assert_close(compiled[1], python[1])
+    flat = x.reshape(*lead, 8, -1)
+    rows = flat.gather(batch, index.clamp(min=0).unsqueeze(-1).expand(*index.shape, flat.shape[-1]))
+    expected = rows * (index >= 0).unsqueeze(-1)
+    torch.testing.assert_close(compiled[0], expected.reshape(*index.shape, *feats))
+
+
+def test_index_ops_write_into_preallocated_outputs(device):
+    torch.manual_seed(13)
+    with FusionDefinition() as fd:
+        tx = fd.define_tensor([-1, 3])
+        ti = fd.define_tensor([-1], dtype=torch.int64)
+        scores = fd.define_tensor([-1, 5])
+        idx = fd.define_tensor([-1, 2], dtype=torch.int64)
+        taken = fd.ops.take(tx, ti)
+        fd.add_output(taken)
+        fd.add_output(fd.ops.put_add(taken, ti, tx))
+        fd.add_output(fd.ops.topk(scores, 2)[1])
+        fd.add_output(fd.ops.route(idx, 4, 2, groups=2)[1])
+    inputs = [
+        torch.randn(5, 3, device=device),
+        torch.tensor([4, -1, 0, 2, 0, 3, -2], device=device),
+        torch.randn(6, 5, device=device),
+        _choices([6, 2], 4).to(device),
+    ]
+    shapes = [((7, 3), torch.float32), ((5, 3), torch.float32), ((6, 2), torch.int64), ((2, 2, 2), torch.int64)]
+    results = {}
+    for evaluator in ("python", "cpp"):
+        bufs = [torch.full(shape, 7, dtype=dtype, device=device) for shape, dtype in shapes]
+        results[evaluator] = fd.execute(inputs, outputs=bufs, evaluator=evaluator)
+        assert fd.last_runner.name == evaluator
+        assert [r.data_ptr() for r in results[evaluator]] == [b.data_ptr() for b in bufs]
+    _same(results["python"], results["cpp"])
+
+
+@pytest.mark.parametrize("number_of_streams", [1, 3])
+def test_take_and_topk_in_a_stream_loop_run_in_cpp_as_in_python(number_of_streams, device):
+    """A take and a topk walked by a stream loop over tokens: their
+    slices at full rank, the rows taken from whole."""
+    torch.manual_seed(14)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 5])
+        idx = fd.define_tensor([-1, 2], dtype=torch.int64)
+        scores = fd.define_tensor([-1, 6])
+        taken = fd.ops.take(x, idx)
+        top = fd.ops.topk(scores, 2)[1]
+        fd.add_output(taken)
+        fd.add_output(top)
+    for tv in (taken, top):
+        tv.axis(0).parallelize(ParallelType.stream)
+    inputs = [torch.randn(7, 5, device=device), torch.randint(-1, 7, (9, 2), device=device)]
+    inputs.append(torch.randn(9, 6, device=device))
+    python, compiled = _both(fd, inputs, number_of_streams=number_of_streams)
+    _same(python, compiled)
+    program = fd.host_program(inputs=inputs)
+    loops = [e for e in program.walk() if type(e).__name__ == "ForLoop"]
+    assert loops and all(any(type(b).__name__ in ("TakeOp", "TopKOp") for b in e.body) for e in loops)
+
+
+def test_backward_of_a_take_runs_in_cpp_as_in_python(monkeypatch):
+    """The backward program of a fusion with takes (a topk's values
+    included) holds put_adds: it runs in C++ with the Python evaluator's
+    gradients, and torch's."""
+    torch.manual_seed(15)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, 3])
+        ti = fd.define_tensor([-1, -1], dtype=torch.int64)
+        scores = fd.define_tensor([-1, 7])
+        fd.add_output(fd.ops.take(x, ti, batch=1))
+        fd.add_output(fd.ops.topk(scores, 3)[0])
+    x_in, s_in = torch.randn(2, 5, 3), torch.randn(4, 7)
+    index = torch.tensor([[0, 4, -1, 0], [3, 3, 1, -1]])
+    grads = {}
+    for evaluator in ("python", "cpp"):
+        monkeypatch.setenv("HOSTIR_EVALUATOR", evaluator)
+        leaves = [x_in.clone().requires_grad_(True), s_in.clone().requires_grad_(True)]
+        taken, values = fd.execute([leaves[0], index, leaves[1]])
+        (taken * torch.linspace(-1, 1, taken.numel()).reshape(taken.shape)).sum().backward(retain_graph=True)
+        values.backward(torch.linspace(-2, 2, values.numel()).reshape(values.shape))
+        (training,) = fd.__dict__["_trainings"].values()
+        assert training.forward.last_runner.name == evaluator, training.forward.last_runner
+        assert training.backward.last_runner.name == evaluator, training.backward.last_runner
+        assert any(type(e).__name__ == "PutAddOp" for e in training.backward.fusion.exprs)
+        grads[evaluator] = [leaf.grad for leaf in leaves]
+    for c, p in zip(grads["cpp"], grads["python"]):
+        torch.testing.assert_close(c, p, rtol=0, atol=0)
+    leaves = [x_in.clone().requires_grad_(True), s_in.clone().requires_grad_(True)]
+    flat = torch.where(index >= 0, index, 0)
+    taken = leaves[0].gather(1, flat.unsqueeze(-1).expand(2, 4, 3)) * (index >= 0).unsqueeze(-1)
+    values = torch.topk(leaves[1], 3).values
+    (taken * torch.linspace(-1, 1, taken.numel()).reshape(taken.shape)).sum().backward()
+    values.backward(torch.linspace(-2, 2, values.numel()).reshape(values.shape))
+    for c, leaf in zip(grads["cpp"], leaves):
+        torch.testing.assert_close(c, leaf.grad)
 
 
 # ---------------------------------------------------------------- transports

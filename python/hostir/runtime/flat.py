@@ -58,6 +58,10 @@ OPCODES = (
     "permute",
     "transfer",
     "chunk",
+    "topk",
+    "route",
+    "take",
+    "put_add",
 )
 _CODE = {name: i for i, name in enumerate(OPCODES)}
 _DTYPES = flat_communications.DTYPES
@@ -610,6 +614,78 @@ def _linear(cc, e) -> None:
         bias_dim=-1 if e.bias is None else cc.unsqueeze_dim(e.bias),
         **({"accumulate": True} if e.accumulate else {}),
         **cc.layouts(e, [e.input, e.weight] + ([] if e.bias is None else [e.bias]), full_rank=True),
+    )
+
+
+# The index ops, at full rank as the evaluator runs them: `input` (a_dim),
+# the index `b` (b_dim) and put_add's `like` (like_dim), which gives only
+# its sizes.
+
+
+@_compiles(ir.TopKOp)
+def _topk(cc, e) -> None:
+    cc.emit(
+        "topk",
+        e,
+        out=cc.tensor(e.out),
+        out_dim=cc.unsqueeze_dim(e.out),
+        input=cc.tensor(e.input),
+        a_dim=cc.unsqueeze_dim(e.input),
+        k=e.k,
+        **cc.layouts(e, [e.input], full_rank=True),
+    )
+
+
+@_compiles(ir.RouteOp)
+def _route(cc, e) -> None:
+    cc.emit(
+        "route",
+        e,
+        out=cc.tensor(e.out),
+        out_dim=cc.unsqueeze_dim(e.out),
+        input=cc.tensor(e.indices),
+        a_dim=cc.unsqueeze_dim(e.indices),
+        experts=e.experts,
+        capacity=e.capacity,
+        what=e.what,
+        groups=e.groups,
+        **cc.layouts(e, [e.indices], full_rank=True),
+    )
+
+
+@_compiles(ir.TakeOp)
+def _take(cc, e) -> None:
+    cc.emit(
+        "take",
+        e,
+        out=cc.tensor(e.out),
+        out_dim=cc.unsqueeze_dim(e.out),
+        input=cc.tensor(e.input),
+        a_dim=cc.unsqueeze_dim(e.input),
+        b=cc.tensor(e.index),
+        b_dim=cc.unsqueeze_dim(e.index),
+        batch=e.batch,
+        features=e.features,
+        **cc.layouts(e, [e.input, e.index], full_rank=True),
+    )
+
+
+@_compiles(ir.PutAddOp)
+def _put_add(cc, e) -> None:
+    cc.emit(
+        "put_add",
+        e,
+        out=cc.tensor(e.out),
+        out_dim=cc.unsqueeze_dim(e.out),
+        input=cc.tensor(e.input),
+        a_dim=cc.unsqueeze_dim(e.input),
+        b=cc.tensor(e.index),
+        b_dim=cc.unsqueeze_dim(e.index),
+        like=cc.tensor(e.like),
+        like_dim=cc.unsqueeze_dim(e.like),
+        batch=e.batch,
+        features=e.features,
+        **cc.layouts(e, [e.input, e.index, e.like], full_rank=True),
     )
 
 

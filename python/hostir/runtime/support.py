@@ -40,7 +40,8 @@ OPS: frozenset[type] = frozenset(
         ir.ForLoop, ir.IfThenElse, ir.GetCurrentStream, ir.SetCurrentStream, ir.Synchronize,
         ir.HirAliasSelect, ir.HirAliasChunk, ir.Allocate, ir.Deallocate, ir.Set, ir.UnaryOp, ir.BinaryOp,
         ir.ReductionOp, ir.MatmulOp, ir.LinearOp, ir.PermuteOp, ir.Transfer, ir.Communication,
-        ir.P2PCommunication, ir.StartCoalescing, ir.EndCoalescing, ir.Wait,
+        ir.P2PCommunication, ir.StartCoalescing, ir.EndCoalescing, ir.Wait, ir.TopKOp, ir.RouteOp, ir.TakeOp,
+        ir.PutAddOp,
     }
 )  # fmt: skip
 
