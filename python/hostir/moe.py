@@ -119,8 +119,8 @@ class MoELayer:
     ) -> FusionDefinition:
         """The layer's program for `tokens` tokens per rank (see the
         module's doc); inputs, each with a leading axis of the mesh's size
-        sharded on it: x [D, T, H], indices [D, T, k], weights [D, T, k, 1],
-        gate and up [D, E/D, F, H], down [D, E/D, H, F]; output [D, T, H]."""
+        sharded on it: x [D, T, H], indices [D, T, k], weights [D, T, 1, k],
+        gate and up [D, E/D, F, H], down [D, E/D, H, F]; output [D, T, 1, H]."""
         weights_dtype = weights_dtype or dtype
         key = (tokens, topk, hidden, ffn, dtype, weights_dtype)
         fd = self.fusions.get(key)
@@ -131,7 +131,7 @@ class MoELayer:
         with FusionDefinition() as fd:
             x = fd.define_tensor([D, tokens, hidden], dtype)
             indices = fd.define_tensor([D, tokens, k], torch.int64)
-            weights = fd.define_tensor([D, tokens, k, 1], weights_dtype)
+            weights = fd.define_tensor([D, tokens, 1, k], weights_dtype)
             gate = fd.define_tensor([D, El, ffn, hidden], dtype)
             up = fd.define_tensor([D, El, ffn, hidden], dtype)
             down = fd.define_tensor([D, El, hidden, ffn], dtype)
@@ -147,10 +147,13 @@ class MoELayer:
             y = fd.ops.matmul(h, down_t)
             back = fd.ops.set(y)
             picked = fd.ops.take(back, slot, batch=1, features=1)
-            out = fd.ops.sum(fd.ops.mul(picked, weights), [2])
-            if out.dtype != dtype:
-                out = fd.ops.cast(out, dtype)
-            fd.add_output(out)
+            # The k results weighted and summed: one batched product per
+            # token, [1, k] x [k, H] (whose gradients are products too).
+            if weights_dtype != dtype:
+                weights_as_x = fd.ops.cast(weights, dtype)
+            else:
+                weights_as_x = weights
+            fd.add_output(fd.ops.matmul(weights_as_x, picked))
         for tv, axis in ((x, 0), (indices, 0), (weights, 0), (gate, 0), (up, 0), (down, 0), (received, 1), (back, 0)):
             tv.set_device_mesh(self.mesh)
             tv.axis(axis).parallelize(ir.ParallelType.mesh_x)
@@ -183,6 +186,6 @@ class MoELayer:
             if list(t.shape) != shape:
                 raise InputError(f"MoELayer: {name} must be this rank's {El} experts, {shape}, got {list(t.shape)}")
         fd = self.fusion(T, k, H, F, x.dtype, weights.dtype)
-        inputs = [x, indices, weights.unsqueeze(-1), gate, up, down]
+        inputs = [x, indices, weights.unsqueeze(-2), gate, up, down]
         (out,) = fd.execute([t.unsqueeze(0) for t in inputs], **self.execute_kwargs)
-        return out.squeeze(0)
+        return out.view(T, H)

@@ -562,7 +562,11 @@ class _Builder:
         # that axis first and copies each shard into its place in xg, where
         # the ops read it.
         buf, bs = xg, s
-        if kind != "sequential" and not _outermost(xg, s):
+        # A symmetric buffer is a window the call after next writes again:
+        # a tensor the program returns (an output, or one saved for the
+        # backward) lands in slots of its own and is copied out of them.
+        returned = symmetric and any(xg is o for o in self.c.outputs)
+        if kind != "sequential" and (not _outermost(xg, s) or returned):
             buf, bs = self._slots(xg, s)
             self.c.push_back(ir.Allocate(buf, memory))
             memory = ir.MemoryType.global_
