@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The expert-parallel MoE layer on a machine of 2 or more GPUs, in one go:
+# build the C++ executor, run its multi-device tests (NCCL and the copy
+# engine's `cuda` transport) and goldens, bench_moe.py --check, then
+# bench_moe.py itself. Logs and results under $2 (default $OUT/moe); $1 the
+# parts, a comma list of build, tests, bench (default all: calls made in
+# quick succession keep the machine and its build).
+#   bash tools/gpu_moe.sh [parts] [out-dir] [bench_moe.py arguments...]
+set -u
+parts=${1:-build,tests,bench}; shift || true
+out=${1:-${OUT:-/tmp}/moe}; shift || true
+has() { [[ ",$parts," == *",$1,"* ]]; }
+mkdir -p "$out"
+n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+export PYTHONPATH=$PWD/python:$PWD/tests/python
+step() {  # name, limit in seconds, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" setsid "$@" > "$out/$name.log" 2>&1
+  echo "$name: rc=$? in $((SECONDS - t0)) s"
+}
+has build && step build 400 env MAX_JOBS=16 python3 setup.py build_ext --inplace
+if has tests; then
+step goldens 120 python3 -m pytest -q -p no:cacheprovider tests/python/test_moe_goldens.py tests/python/test_index_ops.py
+for transport in nccl cuda; do
+  extra=(); [ "$transport" = cuda ] && extra=(env HOSTIR_TEST_TRANSPORT=cuda)
+  step "tests_$transport" 300 "${extra[@]}" torchrun --standalone --nproc-per-node "$n" --no-python \
+    python3 -m pytest -q -p no:cacheprovider --timeout=240 \
+    tests/python/multidevice/test_moe.py tests/python/multidevice/test_nvfuser_rs_matmul.py
+done
+step bench_check 300 python3 tools/bench_moe.py --check --out-dir "$out/check"
+fi
+has bench && step bench 560 python3 tools/bench_moe.py --out-dir "$out" --time-limit 540 "$@"
+tail -n 3 "$out"/*.log
