@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import check_golden
-from hostir import DeviceMesh
+from hostir import DeviceMesh, ir
 from hostir.autodiff import derive
 from hostir.lower import lower
 from hostir.lower.schedule import Schedule
@@ -38,6 +38,21 @@ def layer(overlap: bool = True) -> MoELayer:
 def test_golden_of_the_moe_layer(name, overlap, sched):
     fd = layer(overlap).fusion(**SHAPE)
     check_golden(name, lower(fd.fusion, rank=0, backend="gloo", schedule=sched))
+
+
+def test_golden_of_the_moe_layers_training_forward_on_the_copy_engine():
+    """The forward a training call runs returns what the backward reads
+    (the received tokens, and the combined results for their shape): a
+    symmetric window is written again two calls later, so each lands in a
+    symmetric buffer of its own and is copied into the returned tensor."""
+    fd = layer().fusion(**SHAPE)
+    forward = derive(fd.fusion, [0, 2, 3, 4, 5]).forward
+    lowered = lower(forward, rank=0, backend="gloo", schedule=Schedule("ring", transport="cuda"))
+    returned = {id(t) for t in lowered.program.outputs}
+    for e in lowered.program.walk():
+        if isinstance(e, ir.Allocate) and id(e.buffer) in returned:
+            assert e.memory_type is not ir.MemoryType.symmetric, e
+    check_golden("moe_training_forward_ring_cuda", lowered)
 
 
 def test_golden_of_the_moe_layers_backward():

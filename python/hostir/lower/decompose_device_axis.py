@@ -496,11 +496,12 @@ class _Builder:
         (sharded,) = [d for d in piece.logical if d.is_device_parallel]
         return self._select(body, piece, sharded, ir.Scalar.constant(0))
 
-    def _returned(self, body: list, back: ir.Set, index) -> ir.TensorView:
+    def _returned(self, body: list, back: ir.Set, index, out: ir.TensorView | None = None) -> ir.TensorView:
         """Where the result rank `index` computed for this rank's piece
-        lands: this rank's shard of `back`'s output, at `index` along the
-        axis the result was sharded on."""
-        out, y = back.out, back.input
+        lands: this rank's shard of `back`'s output (or of `out`, its
+        landing buffer), at `index` along the axis the result was sharded
+        on."""
+        out, y = out if out is not None else back.out, back.input
         (sharded,) = [d for d in out.logical if d.is_device_parallel]
         mine = self._select(body, out, sharded, ir.Scalar.constant(0))
         (computed_on,) = [d for d in y.logical if d.is_device_parallel]
@@ -573,11 +574,18 @@ class _Builder:
         self.c.push_back(ir.Allocate(xg, memory))
         for tv in outs[1:]:
             self.c.push_back(ir.Allocate(tv, ir.MemoryType.global_))
+        land = None
         if back is not None:
             # Where the peers' results for this rank's pieces land (pushed
-            # into, on a one-sided transport).
-            one_sided = backends.get(self._transport()).capabilities.needs_symmetric_buffers
-            self.c.push_back(ir.Allocate(back.out, ir.MemoryType.symmetric if one_sided else ir.MemoryType.global_))
+            # into, on a one-sided transport); a returned one, as xg above,
+            # lands in a symmetric buffer of its own and is copied out.
+            pushed = backends.get(self._transport()).capabilities.needs_symmetric_buffers
+            if pushed and any(back.out is o for o in self.c.outputs):
+                land = self._like(back.out, {d: self._serial(d) for d in back.out.domain}, memory=ir.MemoryType.global_)
+                self.c.push_back(ir.Allocate(land, ir.MemoryType.symmetric))
+                self.c.push_back(ir.Allocate(back.out, ir.MemoryType.global_))
+            else:
+                self.c.push_back(ir.Allocate(back.out, ir.MemoryType.symmetric if pushed else ir.MemoryType.global_))
         parts = self.schedule.chunks
         row_ref = self._row_axis(xg, s)
         # This rank's shard, without its size-1 mesh_x axis.
@@ -685,11 +693,14 @@ class _Builder:
                 # The result of the piece from `frm` goes back to it; the
                 # result of this rank's piece that `to` computed arrives.
                 one_sided = backends.get(self._transport()).capabilities.one_sided
-                home = self._returned(body, back, pos) if one_sided else None
+                home = self._returned(body, back, pos, land) if one_sided else None
+                arrived = self._returned(body, back, to, land)
                 self._exchange(
                     body, self._result(body, back, s, frm), self._rank_at(frm, first),
-                    self._returned(body, back, to), self._rank_at(to, first), home,
+                    arrived, self._rank_at(to, first), home,
                 )
+                if land is not None:
+                    body.append(ir.Set(self._returned(body, back, to), arrived))
             return body
 
         self._pipeline(parts, D * parts, body_of, self._head("ring"), local_first=local)
