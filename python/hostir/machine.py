@@ -256,8 +256,12 @@ def measure(device) -> MachineModel:
     index = device.index if device.index is not None else torch.cuda.current_device()
     with torch.cuda.device(index):
         m, k, n = 8192, 8192, 4096
-        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+        # A generator of its own: the caller's random stream stays as it
+        # was (only the rank that measures would have drawn from it, and
+        # ranks seeded alike would then draw different numbers).
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+        b = torch.randn(k, n, device=device, dtype=torch.bfloat16, generator=gen)
         gemm_ms = _device_ms(lambda: torch.matmul(a, b), device)
         src = torch.empty(64 << 20, dtype=torch.uint8, device=device)
         peer = _peer_of(index)

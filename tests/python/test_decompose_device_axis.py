@@ -421,6 +421,19 @@ def test_cpu_ranks_use_the_cpu_model():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_measuring_the_gpu_leaves_the_callers_random_stream_alone(tmp_path, monkeypatch):
+    # Only the rank that measures draws its operands: from the global
+    # stream, ranks seeded alike would then draw different numbers after
+    # the first multi-device call.
+    monkeypatch.setenv("HOSTIR_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(7)
+    state = torch.cuda.get_rng_state()
+    machine.measure(torch.device("cuda", 0))
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_gpu_model_is_timed_on_the_device(tmp_path, monkeypatch):
     # A GEMM timed without host gaps runs near the chip's rate: far above
     # the ~100 TFLOP/s that launches timed from Python showed on an H100.
