@@ -94,11 +94,18 @@ variant's forward output is compared with torchtitan's (``match``).
 ``--check``: no timing; every variant's forward output and its gradients of
 x, the router and the local experts' weights must match ``reference_local``
 (``torch.testing.assert_close``; the reference's expert gradients summed
-over the ranks) on random data, at small shapes unless given; also that the
-padded variant's slot computation has no data-dependent shapes (traced
-under ``FakeTensorMode``) and, on CUDA, that its forward runs without host
-syncs (``torch.cuda.set_sync_debug_mode("error")``) and replays from a CUDA
-graph. Exits 1 if anything mismatches.
+over the ranks) on random data, at small shapes unless given. Besides the
+rows above it checks the other paths of each: ``torchtitan_loop`` and
+``allgather_rs_loop`` (the experts' loop, where ``torch._grouped_mm`` is the
+default), ``torchtitan_a2a_function`` (our autograd.Function for the
+all-to-all) and ``padded_a2a_cf<f>`` (capacity factor ``--capacity-factor``,
+else 1: pairs dropped, against a reference that drops the same pairs,
+found independently by a one-hot cumsum); and that the padded slots have
+no data-dependent shapes (traced under ``FakeTensorMode``) and, on CUDA,
+that padded_a2a's forward makes no host sync
+(``torch.cuda.set_sync_debug_mode("error")``, reported, not fatal) and
+replays from a CUDA graph (``padded_a2a_graph``). Exits 1 if anything
+mismatches (the optional graph row aside).
 
 Run from the repository root. Without a launcher the script starts itself
 under ``torchrun --standalone`` (``--ranks``, default 2 with ``--cpu``, else
@@ -605,7 +612,10 @@ class GraphedForward:
     def __call__(self, inputs: Inputs) -> torch.Tensor:
         key = tuple(t.data_ptr() for t in inputs.params())
         if key != self.key:
-            self.graph, self.key = None, None
+            self.release()
+            # The graph's pool cannot reuse the blocks the caching allocator
+            # keeps for eager calls: give those back first.
+            torch.cuda.empty_cache()
             side = torch.cuda.Stream(self.ctx.device)
             side.wait_stream(torch.cuda.current_stream(self.ctx.device))
             with torch.no_grad(), torch.cuda.stream(side):
@@ -618,6 +628,10 @@ class GraphedForward:
             self.graph, self.key = graph, key
         self.graph.replay()
         return self.out
+
+    def release(self) -> None:
+        """Drop the graph and its memory pool."""
+        self.graph, self.key, self.out = None, None, None
 
 
 def baseline_variants(args, ctx: Context, check: bool = False) -> list[Variant]:
@@ -805,6 +819,13 @@ def bench_tokens(args, ctx: Context, tokens: int) -> dict:
         steps = {name: v.step(mode) for name, v in runnable.items() if mode in v.modes}
         for name, (ms, host_ms, windows) in time_rows(ctx, steps, inputs, args).items():
             rows[name][mode] = {"ms": ms, "host_ms": host_ms, "windows_ms": windows}
+        # A variant timed in no later mode lets its memory go (the graph's pool).
+        later = args.modes[args.modes.index(mode) + 1 :]
+        for v in runnable.values():
+            if not set(later) & set(v.modes) and hasattr(v.forward, "release"):
+                v.forward.release()
+        if not ctx.cpu:
+            torch.cuda.empty_cache()
     for row in rows.values():
         base = rows.get(BASELINE, {})
         for mode in MODES:
@@ -826,8 +847,9 @@ def memory_skip(args, ctx: Context, v: Variant) -> str:
     elem = torch.empty((), dtype=ctx.dtype).element_size()
     buffer = ctx.experts * capacity * ctx.hidden * elem  # [D, E_l, C, H]
     # forward+backward keeps about 3 buffers' worth (the received rows, the
-    # gate/up activations) and makes about 3 more at its peak.
-    need = 6 * buffer
+    # gate/up activations) and makes about 3 more at its peak; the graph's
+    # pool keeps a forward's (about 4) beside what the eager rows cache.
+    need = (10 if isinstance(v.forward, GraphedForward) else 6) * buffer
     have = torch.cuda.get_device_properties(ctx.device).total_memory * 0.9
     if need > have:
         return (
@@ -1150,7 +1172,8 @@ def md_footer(record: dict) -> str:
         "torchtitan's ms / the row's. match: the forward output equals torchtitan's on every rank (bf16 or "
         "float32 tolerances). Transfers: all_to_all_single alone, dispatch [T*k, H] with this routing's splits "
         "and combine [received, H] back, and the padded buffer [E*C, H] of equal splits; GB/s = bytes a rank "
-        "sends to the other ranks (mean over ranks) / ms; tokens' GB/s counts only the rows that carry a token.",
+        "sends to the other ranks (mean over ranks) / ms; tokens' GB/s counts only the rows of tokens routed to "
+        "other ranks (drops not subtracted).",
         "",
         f"- device: {env['device']} ({env['gpu_count']} GPUs visible, {env['world_size']} ranks, {env['backend']})",
         f"- torch: {env['torch']}, CUDA: {env['cuda']}, NCCL: {env['nccl']}, python: {env['python']}, "
@@ -1355,6 +1378,23 @@ def parse_args(argv=None):
     return args
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux's /proc; none found elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
 
@@ -1398,7 +1438,15 @@ def launch(args, argv: list[str]) -> int:
         print(f"bench_moe: interrupted ({why or 'Ctrl-C'}); ending the ranks", file=sys.stderr, flush=True)
         return 130
     finally:
+        # torchrun starts each rank in a session of its own: note them before
+        # ending torchrun's, and end any that outlive it.
+        ranks_left = _descendants(proc.pid)
         kill_session(proc)
+        for pid in ranks_left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def init(args) -> Context:
