@@ -6,6 +6,8 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+
 namespace py = pybind11;
 
 namespace hostir {
@@ -200,6 +202,12 @@ Instr instr(int opcode, const py::dict& f) {
     i.capacity = f["capacity"].cast<int64_t>();
     i.what = f["what"].cast<std::string>();
     i.groups = f["groups"].cast<int64_t>();
+    i.packed = field<bool>(f, "packed", false);
+  }
+  if (i.op == Opcode::kGroupedMm || i.op == Opcode::kGroupedOuter) {
+    i.counts = f["counts"].cast<int>();
+    i.counts_dim = field(f, "counts_dim", -1);
+    i.wbatch = field<int64_t>(f, "wbatch", 0);
   }
   if (i.op == Opcode::kTake || i.op == Opcode::kPutAdd) {
     i.batch = f["batch"].cast<int64_t>();
@@ -227,6 +235,18 @@ Program program(const py::object& flat, const std::string& device, const std::ve
   auto instrs = flat.attr("instrs").cast<py::list>();
   for (size_t k = 0; k < instrs.size(); ++k) {
     p.instrs.push_back(instr(opcodes[k], instrs[k].attr("fields").cast<py::dict>()));
+  }
+  // The grouped ops take torch's grouped GEMM kernel on a CUDA device of
+  // compute capability 9.0 or more (fusion_ops.py's `_kernel_fits`).
+  bool grouped = std::any_of(p.instrs.begin(), p.instrs.end(), [](const Instr& i) {
+    return i.op == Opcode::kGroupedMm || i.op == Opcode::kGroupedOuter;
+  });
+  if (grouped && p.device.is_cuda()) {
+    auto capability = py::module_::import("torch.cuda").attr("get_device_capability")(device).cast<py::tuple>();
+    bool kernel = capability[0].cast<int>() >= 9;
+    for (Instr& i : p.instrs) {
+      i.grouped_kernel = kernel;
+    }
   }
   for (auto node : flat.attr("scalars").cast<py::list>()) {
     p.scalars.push_back(scalarNode(node.cast<py::tuple>()));
@@ -387,7 +407,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return runs;
           })
       .def_property_readonly("ops_executed", &hostir::Executor::opsExecuted);
-  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kPutAdd) + 1;
+  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kGroupedOuter) + 1;
   m.attr("UNARY_KINDS") = py::tuple(py::cast(hostir::unaryKindNames()));
   m.attr("BINARY_KINDS") = py::tuple(py::cast(hostir::binaryKindNames()));
   m.attr("TRANSPORTS") = py::tuple(py::cast(hostir::transportNames()));

@@ -1,6 +1,7 @@
 // The compute ops of a run, the C++ twins of python/hostir/runtime/
-// evaluator.py's: binary, unary, reduction, matmul, linear, permute and the
-// index ops of a mixture-of-experts layer (topk, route, take, put_add), with
+// evaluator.py's: binary, unary, reduction, matmul, linear, permute, the
+// index ops of a mixture-of-experts layer (topk, route, take, put_add) and
+// the grouped GEMM with its weights' gradient (grouped_mm, grouped_outer), with
 // ATen's out= variants where an op writes into a bound output, and the
 // layouts that read an operand with its logical axes (`_operand`) and put
 // a result into its output (`_store`); the chunk views of a stream loop,
@@ -10,6 +11,7 @@
 
 #include <algorithm>
 #include <array>
+#include <initializer_list>
 #include <optional>
 #include <utility>
 
@@ -441,9 +443,10 @@ at::TensorOptions longsOn(const at::Tensor& t) {
 }
 
 // The pairs of router choices `indices` [*lead, T, k] ordered by expert,
-// stably (argsort); a pair's place within its expert is its position in
-// that order less the expert's first one. Each pair's slot, or each slot's
-// token.
+// stably (argsort); a pair's place within its expert (within its group when
+// `packed`) is its position in that order less the expert's (the group's)
+// first one. Each pair's slot, each slot's token, or each expert's kept
+// pairs.
 at::Tensor routeOf(const at::Tensor& indices, const Instr& ins) {
   int64_t tokens = indices.size(-2);
   int64_t k = indices.size(-1);
@@ -452,20 +455,42 @@ at::Tensor routeOf(const at::Tensor& indices, const Instr& ins) {
   at::Tensor order = at::argsort(flat, /*stable=*/true, 1);
   at::Tensor counts = at::zeros({flat.size(0), ins.experts}, longsOn(flat));
   counts.scatter_add_(1, flat, at::ones_like(flat));
-  at::Tensor starts = counts.cumsum(1) - counts;
+  int64_t per = ins.experts / ins.groups;
+  at::Tensor starts;
+  at::Tensor key;
+  if (ins.packed) {
+    // A group's pairs start after the earlier groups' pairs.
+    at::Tensor group_counts = counts.view({-1, ins.groups, per}).sum(2);
+    starts = (group_counts.cumsum(1) - group_counts).repeat_interleave(per, 1);
+    key = at::floor_divide(flat, per);
+  } else {
+    starts = counts.cumsum(1) - counts;
+    key = flat;
+  }
   at::Tensor places = at::arange(n, longsOn(flat)).expand_as(flat) - starts.gather(1, flat.gather(1, order));
   at::Tensor within = at::empty_like(flat).scatter_(1, order, places);
-  at::Tensor slot = at::where(within < ins.capacity, flat * ins.capacity + within, -1);
+  at::Tensor kept = within < ins.capacity;
+  at::Tensor slot = at::where(kept, key * ins.capacity + within, -1);
   if (ins.what == "slot") {
     return slot.reshape(indices.sizes());
   }
-  int64_t rows = ins.experts * ins.capacity;
+  std::vector<int64_t> shape(indices.sizes().begin(), indices.sizes().end() - 2);
+  if (ins.what == "counts") {
+    at::Tensor out = at::zeros({flat.size(0), ins.experts}, longsOn(flat));
+    out.scatter_add_(1, flat, kept.to(at::kLong));
+    shape.insert(shape.end(), {ins.groups, per});
+    return out.reshape(shape);
+  }
+  int64_t rows = (ins.packed ? ins.groups : ins.experts) * ins.capacity;
   at::Tensor source = at::full({flat.size(0), rows + 1}, -1, longsOn(flat));
   at::Tensor token = at::floor_divide(at::arange(n, longsOn(flat)), k).expand_as(flat);
   // A dropped pair writes the extra last column, which is cut off.
   source.scatter_(1, at::where(slot >= 0, slot, rows), token);
-  std::vector<int64_t> shape(indices.sizes().begin(), indices.sizes().end() - 2);
-  shape.insert(shape.end(), {ins.groups, ins.experts / ins.groups, ins.capacity});
+  if (ins.packed) {
+    shape.insert(shape.end(), {ins.groups, ins.capacity});
+  } else {
+    shape.insert(shape.end(), {ins.groups, per, ins.capacity});
+  }
   return source.slice(1, 0, rows).reshape(shape);
 }
 
@@ -540,6 +565,154 @@ void putAdd(Run& run, const Instr& ins) {
   storeCopy(run, ins, [&]() { return putAddRows(x, index, like.sizes(), ins); });
 }
 
+// -- the grouped ops (fusion_ops.py's `grouped_mm` and `grouped_outer`, the
+// same ATen calls), at full rank as the evaluator runs them; each writes
+// into its output, if bound, by a copy.
+
+// Whether torch's grouped GEMM kernel takes `x` and these inner sizes
+// (`_kernel_fits`): bfloat16 on a CUDA device of compute capability 9.0 or
+// more (`ins.grouped_kernel`: the program's device, asked when the program
+// was made), every row stride a multiple of 16 bytes. Elsewhere a matmul
+// per group computes the same.
+bool kernelFits(const Instr& ins, const at::Tensor& x, std::initializer_list<int64_t> sizes) {
+  if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || !ins.grouped_kernel) {
+    return false;
+  }
+  int64_t item = static_cast<int64_t>(x.element_size());
+  return std::all_of(sizes.begin(), sizes.end(), [&](int64_t n) { return n * item % 16 == 0; });
+}
+
+int64_t product(c10::IntArrayRef sizes) {
+  int64_t n = 1;
+  for (int64_t s : sizes) {
+    n *= s;
+  }
+  return n;
+}
+
+// (start, end) of each group's rows, per batch element, from `counts`
+// [*batch, G] read on the host (`_group_rows` of `counts.tolist()`).
+std::vector<std::vector<std::pair<int64_t, int64_t>>> groupRows(const at::Tensor& counts, int64_t nb, int64_t groups) {
+  at::Tensor host = counts.reshape({nb, groups}).to(at::kCPU, at::kLong).contiguous();
+  const int64_t* c = host.const_data_ptr<int64_t>();
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> rows(nb);
+  for (int64_t i = 0; i < nb; ++i) {
+    int64_t end = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      int64_t start = end;
+      end += c[i * groups + g];
+      rows[i].emplace_back(start, end);
+    }
+  }
+  return rows;
+}
+
+// `ir.GroupedMmOp`: `x` [*batch, R, K], `weight` [*wbatch, G, N, K] (its
+// batch axes a suffix of `x`'s: batch element i takes weight i % nw),
+// `counts` [*batch, G]. `at::_grouped_mm` per batch element where its
+// kernel takes the operands (no host synchronization), the rows past the
+// groups' total zeroed by a mask; else one matmul per group, sized by the
+// counts read on the host. On the meta device: the result's shape only.
+at::Tensor groupedMm(const Instr& ins, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& counts) {
+  int64_t rows = x.size(-2);
+  int64_t k = x.size(-1);
+  int64_t groups = weight.size(-3);
+  int64_t n = weight.size(-2);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 2);
+  int64_t nb = product(shape);
+  int64_t nw = product(weight.sizes().slice(0, weight.dim() - 3));
+  shape.insert(shape.end(), {rows, n});
+  if (x.is_meta()) {
+    return at::empty(shape, x.options());
+  }
+  at::Tensor xs = x.reshape({nb, rows, k});
+  at::Tensor ws = weight.reshape({nw, groups, n, k});
+  if (!kernelFits(ins, x, {k, n})) {
+    at::Tensor out = at::zeros({nb, rows, n}, x.options());
+    auto bounds = groupRows(counts, nb, groups);
+    for (int64_t i = 0; i < nb; ++i) {
+      for (int64_t g = 0; g < groups; ++g) {
+        auto [start, end] = bounds[i][g];
+        at::Tensor o = out.select(0, i).slice(0, start, end);
+        at::matmul_out(o, xs.select(0, i).slice(0, start, end), ws.select(0, i % nw).select(0, g).transpose(0, 1));
+      }
+    }
+    return out.reshape(shape);
+  }
+  at::Tensor offs = counts.reshape({nb, groups}).cumsum(-1).to(at::kInt);
+  at::Tensor out = at::empty({nb, rows, n}, x.options());
+  for (int64_t i = 0; i < nb; ++i) {
+    out.select(0, i).copy_(
+        at::_grouped_mm(xs.select(0, i), ws.select(0, i % nw).transpose(-2, -1), offs.select(0, i)));
+  }
+  // `_grouped_mm` leaves the rows past the groups' total unwritten.
+  at::Tensor past = at::arange(rows, longsOn(x)).unsqueeze(0) >= offs.slice(1, -1).to(at::kLong);
+  out.masked_fill_(past.unsqueeze(-1), 0);
+  return out.reshape(shape);
+}
+
+// `ir.GroupedOuterOp`: `x` [*batch, R, N], `other` [*batch, R, K], `counts`
+// [*batch, G]; per group `x_g^T other_g` ([G, N, K], zeros for a group
+// without rows), summed over the leading batch axes past the trailing
+// `wbatch` ones (batch element i into i % nw), in float32 for a half type.
+// `at::_grouped_mm(x^T, other, offs)` where its kernel takes the operands,
+// else a matmul per group sized by the counts read on the host. On the meta
+// device: the result's shape only.
+at::Tensor groupedOuter(const Instr& ins, const at::Tensor& x, const at::Tensor& other, const at::Tensor& counts) {
+  int64_t wbatch = ins.wbatch;
+  int64_t rows = x.size(-2);
+  int64_t n = x.size(-1);
+  int64_t k = other.size(-1);
+  int64_t groups = counts.size(-1);
+  std::vector<int64_t> batch(x.sizes().begin(), x.sizes().end() - 2);
+  HOSTIR_CHECK(
+      wbatch >= 0 && wbatch <= static_cast<int64_t>(batch.size()),
+      "a grouped_outer keeping ", wbatch, " batch axes of rows with ", batch.size());
+  std::vector<int64_t> shape(batch.end() - wbatch, batch.end());
+  int64_t nb = product(batch);
+  int64_t nw = product(shape);
+  shape.insert(shape.end(), {groups, n, k});
+  if (x.is_meta()) {
+    return at::empty(shape, x.options());
+  }
+  at::Tensor xs = x.reshape({nb, rows, n});
+  at::Tensor os = other.reshape({nb, rows, k});
+  at::ScalarType dtype = x.scalar_type();
+  at::ScalarType wide = dtype == at::kHalf || dtype == at::kBFloat16 ? at::kFloat : dtype;
+  at::Tensor out = at::zeros({nw, groups, n, k}, x.options().dtype(wide));
+  if (kernelFits(ins, x, {k, n, rows})) {
+    at::Tensor offs = counts.reshape({nb, groups}).cumsum(-1).to(at::kInt);
+    for (int64_t i = 0; i < nb; ++i) {
+      out.select(0, i % nw).add_(at::_grouped_mm(xs.select(0, i).transpose(0, 1), os.select(0, i), offs.select(0, i)));
+    }
+  } else {
+    auto bounds = groupRows(counts, nb, groups);
+    for (int64_t i = 0; i < nb; ++i) {
+      for (int64_t g = 0; g < groups; ++g) {
+        auto [start, end] = bounds[i][g];
+        at::Tensor xg = xs.select(0, i).slice(0, start, end).transpose(0, 1).to(wide);
+        at::Tensor og = os.select(0, i).slice(0, start, end).to(wide);
+        out.select(0, i % nw).select(0, g).add_(at::matmul(xg, og));
+      }
+    }
+  }
+  return out.to(dtype).reshape(shape);
+}
+
+void groupedMmOp(Run& run, const Instr& ins) {
+  at::Tensor x = fullOperand(run, ins, 0, ins.input, ins.a_dim);
+  at::Tensor weight = fullOperand(run, ins, 1, ins.b, ins.b_dim);
+  at::Tensor counts = fullOperand(run, ins, 2, ins.counts, ins.counts_dim);
+  storeCopy(run, ins, [&]() { return groupedMm(ins, x, weight, counts); });
+}
+
+void groupedOuterOp(Run& run, const Instr& ins) {
+  at::Tensor x = fullOperand(run, ins, 0, ins.input, ins.a_dim);
+  at::Tensor other = fullOperand(run, ins, 1, ins.b, ins.b_dim);
+  at::Tensor counts = fullOperand(run, ins, 2, ins.counts, ins.counts_dim);
+  storeCopy(run, ins, [&]() { return groupedOuter(ins, x, other, counts); });
+}
+
 } // namespace
 
 at::Tensor applyView(const View& v, at::Tensor t) {
@@ -578,8 +751,8 @@ void prepareCompute(Instr& ins) {
   if (ins.op == Opcode::kBinary && ins.rhs.is_number) {
     ins.rhs.wrapped = wrappedNumber(ins.rhs.number);
   }
-  if (ins.op == Opcode::kRoute && ins.what != "slot" && ins.what != "source") {
-    throw Error(text("a route gives 'slot' or 'source', not '", ins.what, "'"), "ProgramError");
+  if (ins.op == Opcode::kRoute && ins.what != "slot" && ins.what != "source" && ins.what != "counts") {
+    throw Error(text("a route gives 'slot', 'source' or 'counts', not '", ins.what, "'"), "ProgramError");
   }
 }
 
@@ -612,6 +785,12 @@ void compute(Run& run, const Instr& ins) {
       break;
     case Opcode::kPutAdd:
       putAdd(run, ins);
+      break;
+    case Opcode::kGroupedMm:
+      groupedMmOp(run, ins);
+      break;
+    case Opcode::kGroupedOuter:
+      groupedOuterOp(run, ins);
       break;
     default:
       throw Error(text("instruction ", run.indexOf(ins), " is no compute op"), "ProgramError");

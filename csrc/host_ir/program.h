@@ -118,6 +118,8 @@ enum class Opcode : int {
   kRoute,
   kTake,
   kPutAdd,
+  kGroupedMm,
+  kGroupedOuter,
 };
 
 // Shared with ir.CommunicationType (in declaration order).
@@ -244,6 +246,10 @@ struct Instr {
   // removed from it.
   int like = -1;
   int like_dim = -1;
+  // The grouped ops' `counts` (int64 [*batch, G], the rows of each group),
+  // and the dim a select removed from it.
+  int counts = -1;
+  int counts_dim = -1;
   // Matmul and linear: add the product to the bound output (beta = 1).
   bool accumulate = false;
   // A sum of a product made fresh in the program (fusion_ops.py's
@@ -281,18 +287,29 @@ struct Instr {
   Operand lhs, rhs;
   std::vector<int64_t> dims;
   // The index ops (compute.cpp): topk's `k`; route's `experts`,
-  // `capacity` (slots per expert), `groups` and what it gives ("slot": each
-  // pair's slot, "source": each slot's token); take's and put_add's leading
-  // `batch` and trailing `features` axes. Their operands: `input`, take's
-  // and put_add's index `b`, put_add's `like`, each at full rank (`a_dim`,
-  // `b_dim`, `like_dim`).
+  // `capacity` (slots per expert, or per group when `packed`), `groups`,
+  // `packed` (a group's pairs fill its rows expert after expert, with no
+  // gap) and what it gives ("slot": each pair's slot, "source": each
+  // slot's token, "counts": the pairs each expert keeps); take's and
+  // put_add's leading `batch` and trailing `features` axes. Their operands:
+  // `input`, take's and put_add's index `b`, put_add's `like`, each at full
+  // rank (`a_dim`, `b_dim`, `like_dim`). The grouped ops (grouped_mm,
+  // grouped_outer): the rows `input`, the weight (grouped_mm) or the other
+  // rows (grouped_outer) `b`, the `counts`, each at full rank (`a_dim`,
+  // `b_dim`, `counts_dim`); grouped_outer's `wbatch`, the batch axes its
+  // output keeps (the trailing ones); `grouped_kernel`: the program's
+  // device has torch's grouped GEMM kernel (CUDA, compute capability 9.0 or
+  // more: bindings.cpp asks torch when it builds the program).
   int64_t k = 0;
   int64_t experts = 0;
   int64_t capacity = 0;
   int64_t groups = 1;
+  bool packed = false;
   std::string what;
   int64_t batch = 0;
   int64_t features = 0;
+  int64_t wbatch = 0;
+  bool grouped_kernel = false;
   // Layouts: one view per tensor operand in the op's operand order (none:
   // every operand is read as it is bound), and the output's store.
   std::vector<View> views;

@@ -550,6 +550,8 @@ void Run::exec(const Instr& ins) {
     case Opcode::kRoute:
     case Opcode::kTake:
     case Opcode::kPutAdd:
+    case Opcode::kGroupedMm:
+    case Opcode::kGroupedOuter:
       compute(*this, ins);
       break;
     case Opcode::kTransfer:

@@ -211,13 +211,14 @@ class Run {
 // -- the compute ops (compute.cpp)
 
 // Reads what an op computes from its text once, when the Executor is made
-// (ProgramError for an unknown kind, or a route that gives neither slots
-// nor sources), and makes the tensor of a constant number on the right of
-// a binary op.
+// (ProgramError for an unknown kind, or a route that gives neither slots,
+// sources nor counts), and makes the tensor of a constant number on the
+// right of a binary op.
 void prepareCompute(Instr& ins);
 
-// Runs a binary, unary, reduction, matmul, linear or permute op, or an
-// index op (topk, route, take, put_add).
+// Runs a binary, unary, reduction, matmul, linear or permute op, an index
+// op (topk, route, take, put_add) or a grouped op (grouped_mm,
+// grouped_outer).
 void compute(Run& run, const Instr& ins);
 
 // Binds a chunk of the input's rows (HirAliasChunk, or HirAliasSelect of

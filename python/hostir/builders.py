@@ -49,11 +49,27 @@ def _emit(fusion: Fusion, e: Expr) -> TensorView:
     return e.out
 
 
-def set_(x: TensorView, memory_type: MemoryType = MemoryType.local) -> TensorView:
-    """A copy of `x`; in `MemoryType.host` it is a device-to-host transfer."""
+def set_(
+    x: TensorView,
+    memory_type: MemoryType = MemoryType.local,
+    rows: TensorView | None = None,
+    rows_in: TensorView | None = None,
+) -> TensorView:
+    """A copy of `x`; in `MemoryType.host` it is a device-to-host transfer.
+    `rows`, `rows_in`: the real rows of each piece sent and received, when
+    it is an AllToAll sized at run time (see `ir.Set`)."""
     fusion = _owner(x)
+    if (rows is None) != (rows_in is None):
+        raise DefinitionError("a set sized at run time takes both rows and rows_in")
+    for what, t in (("rows", rows), ("rows_in", rows_in)):
+        if t is None:
+            continue
+        if not isinstance(t, TensorView) or t.dtype is not torch.int64:
+            raise DefinitionTypeError(f"set: {what} must be an int64 TensorView, got {t!r}")
+        if memory_type is not MemoryType.local:
+            raise DefinitionError("set: rows size an exchange between ranks, not a transfer to another memory")
     out = TensorView(fusion, [d.clone(fusion) for d in x.logical_runtime()], x.dtype, memory_type)
-    return _emit(fusion, Set(out, x))
+    return _emit(fusion, Set(out, x, rows, rows_in))
 
 
 def _as_operand(v) -> TensorView | Scalar:

@@ -161,7 +161,12 @@ class Communication(Expr):
     parallel_type: ParallelType = ParallelType.mesh_x
     # The schedule that chose this collective, when a decomposition did (dump only).
     schedule: str | None = None
-    INPUTS = ("input",)
+    # An AllToAll sized at run time (`ir.Set`'s `rows`): this rank's pieces'
+    # real rows, of those it sends (`rows`) and receives (`rows_in`); the
+    # tensors' own sizes are the bound.
+    rows: TensorView | None = None
+    rows_in: TensorView | None = None
+    INPUTS = ("input", "rows", "rows_in")
     OUTPUTS = ("out",)
 
     def __post_init__(self):
@@ -176,6 +181,10 @@ class Communication(Expr):
             raise DefinitionError(f"root {self.root} is not in team {self.team}")
         if self.type.reduces != (self.red_op is not None):
             raise DefinitionError(f"{self.type.value} {'needs' if self.type.reduces else 'takes no'} red_op")
+        if (self.rows is None) != (self.rows_in is None):
+            raise DefinitionError("a Communication sized at run time needs both rows and rows_in")
+        if self.rows is not None and self.type is not CommunicationType.AllToAll:
+            raise DefinitionError(f"only an AllToAll is sized at run time, not {self.type.value}")
 
     def id_pairs(self):
         if self.out.ndim == self.input.ndim:

@@ -87,13 +87,23 @@ def _zip_axes(out: TensorView, inp: TensorView) -> Iterator[tuple[IterDomain, It
 @_op
 class Set(Expr):
     """`out = in` as a copy. Writes into `out` if its buffer is bound,
-    otherwise binds a fresh copy. Runs on the current stream."""
+    otherwise binds a fresh copy. Runs on the current stream.
+
+    `rows` and `rows_in` (int64, or None) size a resharding set at run
+    time (an all-to-all of pieces whose real rows the program computed):
+    `input` is [..., B, *features] with `B` a bound, `rows` [..., *groups]
+    holds, for each piece this rank sends, how many of its leading B rows
+    are real (summed over `groups`, the axes past the input's), and
+    `rows_in` the same for each piece it receives. Only the real rows
+    move; the rows past them in `out` are zeros."""
 
     EFFECT = "copy"
 
     out: TensorView
     input: TensorView
-    INPUTS = ("input",)
+    rows: TensorView | None = None
+    rows_in: TensorView | None = None
+    INPUTS = ("input", "rows", "rows_in")
     OUTPUTS = ("out",)
 
     def id_pairs(self):
@@ -411,8 +421,18 @@ class RouteOp(Expr):
     past its expert's capacity (dropped). `what="source"`: `out` [*lead,
     groups, experts / groups, capacity], the token each slot holds, -1 for
     an empty slot: the inverse permutation, grouped as the experts are
-    placed (`groups` ranks holding `experts / groups` each). Integer
-    outputs: no gradient."""
+    placed (`groups` ranks holding `experts / groups` each).
+    `what="counts"`: `out` [*lead, groups, experts / groups], the pairs
+    each expert keeps.
+
+    `packed`: the buffer has `capacity` rows per group (a rank's experts
+    together), and a group's pairs fill them from the first row, expert
+    after expert, with no gap: slot `g * capacity + p` (p: the pairs of
+    the group's earlier experts and of earlier tokens of this one), -1
+    past the group's capacity; `source` is [*lead, groups, capacity]. The
+    counts then say where each expert's rows start and end (the exact
+    form, whose exchange is sized by them at run time). Integer outputs:
+    no gradient."""
 
     EFFECT = "compute"
 
@@ -422,6 +442,7 @@ class RouteOp(Expr):
     capacity: int
     what: str
     groups: int = 1
+    packed: bool = False
     INPUTS = ("indices",)
     OUTPUTS = ("out",)
 
@@ -485,7 +506,66 @@ class PutAddOp(Expr):
             yield from zip(out[-f:], x[-f:])
 
 
+@_op
+class GroupedMmOp(Expr):
+    """The grouped GEMM: `input` [*batch, R, K] holds, per batch element,
+    rows grouped by `counts` [*batch, G] (int64: group g's rows are the
+    `counts[g]` after the earlier groups'), and `out` [*batch, R, N] is
+    each row times its group's `weight` [*wbatch, G, N, K] transposed
+    (`torch._grouped_mm(input, weight.mT, offs=cumsum(counts))`); rows
+    past the groups' total are zeros. `wbatch` is a suffix of `batch`:
+    the weight is shared by the leading batch axes it lacks. Writes into
+    `out` if bound."""
+
+    EFFECT = "compute"
+
+    out: TensorView
+    input: TensorView
+    weight: TensorView
+    counts: TensorView
+    INPUTS = ("input", "weight", "counts")
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        out, x = self.out.logical_runtime(), self.input.logical_runtime()
+        w, c = self.weight.logical_runtime(), self.counts.logical_runtime()
+        yield from zip(out[:-1], x[:-1])
+        yield from zip(c[:-1], x[:-2])
+        yield from zip(reversed(w[:-3]), reversed(x[:-2]))
+        yield out[-1], w[-2]
+
+
+@_op
+class GroupedOuterOp(Expr):
+    """Per group, the sum of its rows' outer products: `input` [*batch, R,
+    N] and `other` [*batch, R, K] with rows grouped by `counts` [*batch,
+    G] as `GroupedMmOp` groups them, and `out` [*wbatch, G, N, K] with
+    `out[g] = input_g^T other_g`, summed over the leading batch axes that
+    `wbatch` (a suffix of `batch`) lacks: the weight's gradient of a
+    `GroupedMmOp`. A group without rows gives zeros."""
+
+    EFFECT = "compute"
+
+    out: TensorView
+    input: TensorView
+    other: TensorView
+    counts: TensorView
+    INPUTS = ("input", "other", "counts")
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        out, x = self.out.logical_runtime(), self.input.logical_runtime()
+        o, c = self.other.logical_runtime(), self.counts.logical_runtime()
+        yield from zip(x[:-1], o[:-1])
+        yield from zip(c[:-1], x[:-2])
+        yield from zip(reversed(out[:-3]), reversed(x[:-2]))
+        yield out[-2], x[-1]
+        yield out[-1], o[-1]
+
+
 INDEX_OPS = (TopKOp, RouteOp, TakeOp, PutAddOp)
+# The grouped GEMM and its weights' gradient (rows grouped by counts).
+GROUPED_OPS = (GroupedMmOp, GroupedOuterOp)
 
 
 SHAPE_OPS = (PermuteOp, ReshapeOp, SliceOp, SelectOp)
@@ -493,5 +573,8 @@ FUSION_OPS = (
     (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp)
     + SHAPE_OPS
     + INDEX_OPS
+    + GROUPED_OPS
 )
-COMPUTE_OPS = (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp) + INDEX_OPS
+COMPUTE_OPS = (
+    (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp) + INDEX_OPS + GROUPED_OPS
+)

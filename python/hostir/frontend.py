@@ -44,14 +44,30 @@ class Ops:
             if isinstance(v, ir.InputScalar) and not any(v is s for s in self._fd.fusion.inputs):
                 raise DefinitionError(f"scalar {v!r} belongs to another FusionDefinition")
 
-    def set(self, x: ir.TensorView, memory: str | None = None) -> ir.TensorView:
+    def set(self, x: ir.TensorView, memory: str | None = None, rows=None) -> ir.TensorView:
         """A copy of `x`; with `memory="host"` a copy in host memory (a
         transfer from the device), with `memory="device"` a copy in device
-        memory (a transfer of a tensor in host memory)."""
+        memory (a transfer of a tensor in host memory).
+
+        `rows=(sent, received)` sizes a resharding copy at run time: `x` is
+        [sender piece, receiver piece, B, ...] with B a bound on the rows,
+        and the int64 tensors `sent` and `received` [sender piece, receiver
+        piece, ...], sharded as `x` and as the result, count each piece's
+        real rows (summed over their axes past the two). Only those rows
+        move (an AllToAll of sizes known at run time); the rest of the
+        result is zeros. `received` is what the peers' `sent` say, so it is
+        computed by the program: the set of `sent` resharded as the
+        result."""
         self._check(x)
+        sent = received = None
+        if rows is not None:
+            if not isinstance(rows, (tuple, list)) or len(rows) != 2:
+                raise DefinitionTypeError(f"set: rows must be a pair (sent, received), got {rows!r}")
+            sent, received = rows
+            self._check(sent, received)
         if memory is None:
-            return builders.set_(x)
-        return builders.set_(x, ir.MemoryType.from_word(memory))
+            return builders.set_(x, rows=sent, rows_in=received)
+        return builders.set_(x, ir.MemoryType.from_word(memory), sent, received)
 
     def add(self, lhs, rhs) -> ir.TensorView:
         self._check(lhs, rhs)
@@ -171,7 +187,7 @@ class Ops:
         indices = index_ops.topk(x, k)
         return index_ops.take(x, indices, batch=x.logical_ndim - 1, features=0), indices
 
-    def route(self, indices: ir.TensorView, experts: int, capacity: int, groups: int = 1):
+    def route(self, indices: ir.TensorView, experts: int, capacity: int, groups: int = 1, packed: bool = False):
         """Where a mixture-of-experts layer's choices go: `indices` [...,
         tokens, k] holds each token's k experts (ids in [0, experts));
         returns `(slot, source)`: `slot` [..., tokens, k], each choice's row
@@ -181,12 +197,35 @@ class Ops:
         each row holds (-1: empty), grouped as `groups` ranks hold the
         experts. Tokens keep their order within an expert (a stable
         permutation); `take(x, source)` dispatches, `take(y, slot)`
-        combines."""
+        combines.
+
+        `packed`: `capacity` rows per group (rank) instead, filled from the
+        first, expert after expert (`source` [..., groups, capacity]): the
+        exact form, whose per-expert row counts `route_counts` gives."""
         self._check(indices)
         return (
-            index_ops.route(indices, experts, capacity, "slot"),
-            index_ops.route(indices, experts, capacity, "source", groups),
+            index_ops.route(indices, experts, capacity, "slot", groups, packed),
+            index_ops.route(indices, experts, capacity, "source", groups, packed),
         )
+
+    def route_counts(
+        self, indices: ir.TensorView, experts: int, capacity: int, groups: int = 1, packed: bool = False
+    ) -> ir.TensorView:
+        """The pairs each expert keeps under `route` with the same
+        arguments, [..., groups, experts / groups] (int64): the sizes of
+        the groups of a packed buffer's rows."""
+        self._check(indices)
+        return index_ops.route(indices, experts, capacity, "counts", groups, packed)
+
+    def grouped_mm(self, x: ir.TensorView, weight: ir.TensorView, counts: ir.TensorView) -> ir.TensorView:
+        """The grouped GEMM: `x` [*batch, R, K] holds rows grouped by
+        `counts` [*batch, G] (group g: the `counts[g]` rows after the
+        earlier groups'); each row times its group's `weight` [*wbatch, G,
+        N, K] transposed gives [*batch, R, N], zeros past the groups' rows.
+        `wbatch` is a suffix of `batch` (the weight shared by the leading
+        axes). `torch._grouped_mm` where it takes the sizes."""
+        self._check(x, weight, counts)
+        return index_ops.grouped_mm(x, weight, counts)
 
     def take(self, x: ir.TensorView, index: ir.TensorView, batch: int = 0, features: int = 1) -> ir.TensorView:
         """Rows of `x` by index: `x` is [*batch, *rows, *features] (`batch`

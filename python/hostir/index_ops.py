@@ -1,5 +1,6 @@
 """Builders of the index ops of a mixture-of-experts layer: `topk`,
-`route`, `take` and `put_add`.
+`route`, `take` and `put_add`, and of the grouped GEMM (`grouped_mm`) with
+its weights' gradient (`grouped_outer`).
 
 A layer routes each token to its `k` best experts (`topk` of the router's
 scores), places each (token, choice) pair in a slot of a buffer of
@@ -75,16 +76,21 @@ def topk(x: ir.TensorView, k: int) -> ir.TensorView:
     return _emit(ir.TopKOp(out, x, k))
 
 
-def route(indices: ir.TensorView, experts: int, capacity: int, what: str, groups: int = 1) -> ir.TensorView:
-    """Each (token, choice) pair's slot (`what="slot"`), or each slot's
-    token (`what="source"`), in a buffer of `capacity` rows per expert; see
+def route(
+    indices: ir.TensorView, experts: int, capacity: int, what: str, groups: int = 1, packed: bool = False
+) -> ir.TensorView:
+    """Each (token, choice) pair's slot (`what="slot"`), each slot's token
+    (`what="source"`), or the pairs each expert keeps (`what="counts"`), in
+    a buffer of `capacity` rows per expert (per group when `packed`); see
     `ir.RouteOp`."""
     indices = _index(indices, "route")
     experts = _count(experts, "route: experts")
     capacity = _count(capacity, "route: capacity")
     groups = _count(groups, "route: groups")
-    if what not in ("slot", "source"):
-        raise DefinitionError(f"route: what must be 'slot' or 'source', got {what!r}")
+    if what not in ("slot", "source", "counts"):
+        raise DefinitionError(f"route: what must be 'slot', 'source' or 'counts', got {what!r}")
+    if not isinstance(packed, bool):
+        raise DefinitionTypeError(f"route: packed must be a bool, got {packed!r}")
     if experts % groups:
         raise DefinitionError(f"route: {experts} experts do not divide into {groups} groups")
     axes = indices.logical_runtime()
@@ -92,9 +98,74 @@ def route(indices: ir.TensorView, experts: int, capacity: int, what: str, groups
         raise DefinitionError(f"route: the choices T{indices.name} must be [..., tokens, k], got {len(axes)} axes")
     if what == "slot":
         out = _new(indices.owner, axes, torch.int64)
+    elif what == "counts":
+        out = _new(indices.owner, axes[:-2] + [groups, experts // groups], torch.int64)
+    elif packed:
+        out = _new(indices.owner, axes[:-2] + [groups, capacity], torch.int64)
     else:
         out = _new(indices.owner, axes[:-2] + [groups, experts // groups, capacity], torch.int64)
-    return _emit(ir.RouteOp(out, indices, experts, capacity, what, groups))
+    return _emit(ir.RouteOp(out, indices, experts, capacity, what, groups, packed))
+
+
+def grouped_mm(x: ir.TensorView, weight: ir.TensorView, counts: ir.TensorView) -> ir.TensorView:
+    """Each row of `x` [*batch, R, K] times its group's `weight` [*wbatch,
+    G, N, K] transposed, the rows grouped by `counts` [*batch, G]; see
+    `ir.GroupedMmOp`."""
+    x, weight = _tensor(x, "grouped_mm"), _tensor(weight, "grouped_mm")
+    counts = _index(counts, "grouped_mm: counts")
+    xa, wa, ca = x.logical_runtime(), weight.logical_runtime(), counts.logical_runtime()
+    if x.dtype != weight.dtype:
+        raise DefinitionTypeError(f"grouped_mm: T{x.name} is {x.dtype} but the weight T{weight.name} is {weight.dtype}")
+    if len(xa) < 2 or len(wa) < 3:
+        raise DefinitionError(
+            f"grouped_mm: the rows T{x.name} must be [..., R, K] and the weight T{weight.name} [..., G, N, K], "
+            f"got {len(xa)} and {len(wa)} axes"
+        )
+    _check_groups(xa, wa[:-3], wa[-3], ca, "grouped_mm")
+    _same_size(xa[-1], wa[-1], "grouped_mm: the rows' K and the weight's K")
+    out = _new(x.owner, xa[:-1] + [wa[-2]], x.dtype)
+    return _emit(ir.GroupedMmOp(out, x, weight, counts))
+
+
+def grouped_outer(x: ir.TensorView, other: ir.TensorView, counts: ir.TensorView, wbatch: int = 0) -> ir.TensorView:
+    """Per group of rows (`counts` [*batch, G]), `x_g^T other_g` for `x`
+    [*batch, R, N] and `other` [*batch, R, K], summed over all but the
+    last `wbatch` batch axes: [*wbatch, G, N, K]; see `ir.GroupedOuterOp`."""
+    x, other = _tensor(x, "grouped_outer"), _tensor(other, "grouped_outer")
+    counts = _index(counts, "grouped_outer: counts")
+    xa, oa, ca = x.logical_runtime(), other.logical_runtime(), counts.logical_runtime()
+    if x.dtype != other.dtype:
+        raise DefinitionTypeError(f"grouped_outer: T{x.name} is {x.dtype} but T{other.name} is {other.dtype}")
+    if len(xa) < 2 or len(xa) != len(oa):
+        raise DefinitionError(
+            f"grouped_outer: T{x.name} and T{other.name} must both be [..., R, features], got {len(xa)} and "
+            f"{len(oa)} axes"
+        )
+    _count(wbatch, "grouped_outer: wbatch", 0)
+    if wbatch > len(xa) - 2:
+        raise DefinitionError(f"grouped_outer: {wbatch} weight batch axes, but the rows have {len(xa) - 2}")
+    for k, (a, b) in enumerate(zip(xa[:-1], oa[:-1])):
+        _same_size(a, b, f"grouped_outer: axis {k} of the two row tensors")
+    if len(ca) != len(xa) - 1:
+        raise DefinitionError(f"grouped_outer: the counts T{counts.name} must be [*batch, G], got {len(ca)} axes")
+    for k, (a, b) in enumerate(zip(ca[:-1], xa[:-2])):
+        _same_size(a, b, f"grouped_outer: batch axis {k} of the counts and the rows")
+    wb = xa[len(xa) - 2 - wbatch : len(xa) - 2]
+    out = _new(x.owner, wb + [ca[-1], xa[-1], oa[-1]], x.dtype)
+    return _emit(ir.GroupedOuterOp(out, x, other, counts))
+
+
+def _check_groups(xa: list, wbatch: list, groups: ir.IterDomain, ca: list, what: str) -> None:
+    batch = xa[:-2]
+    if len(wbatch) > len(batch):
+        raise DefinitionError(f"{what}: the weight has {len(wbatch)} batch axes, more than the rows' {len(batch)}")
+    for k, (a, b) in enumerate(zip(reversed(wbatch), reversed(batch))):
+        _same_size(a, b, f"{what}: trailing batch axis {k} of the weight and the rows")
+    if len(ca) != len(batch) + 1:
+        raise DefinitionError(f"{what}: the counts must be [*batch, G] ({len(batch) + 1} axes), got {len(ca)}")
+    for k, (a, b) in enumerate(zip(ca[:-1], batch)):
+        _same_size(a, b, f"{what}: batch axis {k} of the counts and the rows")
+    _same_size(ca[-1], groups, f"{what}: the counts' groups and the weight's")
 
 
 def _split(x: ir.TensorView, batch: int, features: int, what: str) -> tuple[list, list, list]:

@@ -40,7 +40,8 @@ def _lines(e: ir.Expr, pad: str) -> list[str]:
 
 
 def _set(e: ir.Set, pad):
-    return _assign(pad, e.out, f"Set( {format_tv(e.input)}, cache_op=Streaming )")
+    rows = "" if e.rows is None else f", rows = {format_tv(e.rows)}, rows_in = {format_tv(e.rows_in)}"
+    return _assign(pad, e.out, f"Set( {format_tv(e.input)}{rows}, cache_op=Streaming )")
 
 
 def _binary(e: ir.BinaryOp, pad):
@@ -127,11 +128,24 @@ def _topk(e: ir.TopKOp, pad):
 
 
 def _route(e: ir.RouteOp, pad):
-    groups = f", groups = {e.groups}" if e.what == "source" else ""
+    groups = f", groups = {e.groups}" if e.what != "slot" or e.packed else ""
+    packed = ", packed" if e.packed else ""
     return _assign(
         pad,
         e.out,
-        f"route_{e.what}( {format_tv(e.indices)}, experts = {e.experts}, capacity = {e.capacity}{groups} )",
+        f"route_{e.what}( {format_tv(e.indices)}, experts = {e.experts}, capacity = {e.capacity}{groups}{packed} )",
+    )
+
+
+def _grouped_mm(e: ir.GroupedMmOp, pad):
+    return _assign(
+        pad, e.out, f"grouped_mm( {format_tv(e.input)}, {format_tv(e.weight)}, counts = {format_tv(e.counts)} )"
+    )
+
+
+def _grouped_outer(e: ir.GroupedOuterOp, pad):
+    return _assign(
+        pad, e.out, f"grouped_outer( {format_tv(e.input)}, {format_tv(e.other)}, counts = {format_tv(e.counts)} )"
     )
 
 
@@ -234,7 +248,10 @@ def _communication(e: ir.Communication, pad):
         fields.append(f"red_op={e.red_op}")
     if e.local_reduce:
         fields.append("local_reduce=(" + " ".join(map(str, e.local_reduce)) + ")")
-    fields += [f"input={format_tv(e.input)}", f"output={format_tv(e.out)}", f"backend={e.backend}"]
+    fields += [f"input={format_tv(e.input)}", f"output={format_tv(e.out)}"]
+    if e.rows is not None:
+        fields += [f"rows={format_tv(e.rows)}", f"rows_in={format_tv(e.rows_in)}"]
+    fields.append(f"backend={e.backend}")
     if e.schedule is not None:
         fields.append(f"schedule=({e.schedule})")
     return [f"{pad}Communication {e.name} ({', '.join(fields)})"]
@@ -287,6 +304,8 @@ _FORMATS = {
     ir.TopKOp: _topk,
     ir.RouteOp: _route,
     ir.TakeOp: _take,
+    ir.GroupedMmOp: _grouped_mm,
+    ir.GroupedOuterOp: _grouped_outer,
     ir.PutAddOp: _put_add,
     ir.GetCurrentStream: _get_stream,
     ir.SetCurrentStream: _set_stream,

@@ -27,6 +27,16 @@ def _set_rule(d: Deriver, e: ir.Set, needs) -> None:
     if not wants(d, e.input, needs):
         d.contribs.pop(e.out, None)
         return
+    if e.rows is not None:
+        # An exchange sized at run time goes back with its counts swapped:
+        # each piece's real rows return to where they came from.
+        g = d.cotangent(e.out)
+        layout = d.layout(e.input).without_streams()
+        gx = builders.set_(g, rows=d.save(e.rows_in), rows_in=d.save(e.rows))
+        layout.apply(gx)
+        d.known[gx] = layout
+        d.contribute(e.input, gx)
+        return
     # The same values in the input's sharding: the lowering moves them.
     g = d.cotangent(e.out, d.layout(e.input))
     d.contribute(e.input, g)
@@ -273,6 +283,34 @@ def _select_rule(d: Deriver, e: ir.SelectOp, needs) -> None:
 def _integer_rule(d: Deriver, e, needs) -> None:
     # Positions and slots: integers, through which no gradient flows.
     d.contribs.pop(e.out, None)
+
+
+@rule(ir.GroupedMmOp)
+def _grouped_mm_rule(d: Deriver, e: ir.GroupedMmOp, needs) -> None:
+    # y = x w_g^T per group: dx = dy w_g (the weight's last two axes
+    # swapped), dw_g = dy_g^T x_g (summed over the batch the weight lacks).
+    g = d.cotangent(e.out)
+    counts = d.save(e.counts)
+    if wants(d, e.input, needs):
+        nw = e.weight.logical_ndim
+        wt = d.permute(d.save(e.weight), list(range(nw - 2)) + [nw - 1, nw - 2])
+        d.contribute(e.input, d.made(index_ops.grouped_mm(g, wt, counts)))
+    if wants(d, e.weight, needs):
+        gw = index_ops.grouped_outer(g, d.save(e.input), counts, e.weight.logical_ndim - 3)
+        d.contribute(e.weight, d.made(gw))
+
+
+@rule(ir.GroupedOuterOp)
+def _grouped_outer_rule(d: Deriver, e: ir.GroupedOuterOp, needs) -> None:
+    # o_g = a_g^T b_g: da = b o_g^T, db = a o_g, as grouped GEMMs.
+    g = d.cotangent(e.out)
+    counts = d.save(e.counts)
+    if wants(d, e.input, needs):
+        d.contribute(e.input, d.made(index_ops.grouped_mm(d.save(e.other), g, counts)))
+    if wants(d, e.other, needs):
+        n = g.logical_ndim
+        gt = d.permute(g, list(range(n - 2)) + [n - 1, n - 2])
+        d.contribute(e.other, d.made(index_ops.grouped_mm(d.save(e.input), gt, counts)))
 
 
 @rule(ir.TakeOp)

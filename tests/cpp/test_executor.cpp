@@ -3,7 +3,8 @@
 // them), selects into preallocated buffers,
 // the out= variants, every unary kind, operand views and partial sums,
 // extent binding, failures with loop indices, the index ops (take,
-// put_add, route), runs on a caller's logical
+// put_add, route: per expert or packed, slots, sources or counts), the
+// grouped ops (grouped_mm, grouped_outer), runs on a caller's logical
 // tensors (runLogical), two threads running one Executor at once, and the
 // transport registry (a backend chosen once, an unknown one refused, one
 // registered twice or with no transport refused).
@@ -665,8 +666,201 @@ TEST(IndexOps, UnknownRouteIsRejectedWhenMade) {
     FAIL() << "an unknown route was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), "ProgramError");
-    EXPECT_STREQ(e.what(), "a route gives 'slot' or 'source', not 'slots'");
+    EXPECT_STREQ(e.what(), "a route gives 'slot', 'source' or 'counts', not 'slots'");
   }
+}
+
+// %t1 = route(%t0) of 4 experts in 2 groups (2 experts each), giving
+// `what`, with `capacity` slots per group (`packed`) or per expert.
+Program groupedRouteOf(const char* what, int64_t capacity, bool packed) {
+  Program p = routeOf(what);
+  p.instrs[0].experts = 4;
+  p.instrs[0].groups = 2;
+  p.instrs[0].capacity = capacity;
+  p.instrs[0].packed = packed;
+  return p;
+}
+
+// Tokens 0..3 choose experts (0, 3), (1, 0), (2, 3), (0, 1). In expert
+// order, stably: expert 0 has tokens 0, 1, 3; expert 1 tokens 1, 3;
+// expert 2 token 2; expert 3 tokens 0, 2.
+at::Tensor fourTokens() {
+  return at::tensor(std::vector<int64_t>{0, 3, 1, 0, 2, 3, 0, 1}).reshape({4, 2});
+}
+
+RunResult runRoute(const char* what, int64_t capacity, bool packed) {
+  Executor executor(groupedRouteOf(what, capacity, packed));
+  return executor.run({fourTokens()}, {}, 1);
+}
+
+TEST(IndexOps, PackedRouteFillsEachGroupsRowsExpertAfterExpert) {
+  // Group 0 (experts 0, 1) places tokens 0, 1, 3 of expert 0 in its rows
+  // 0..2, and drops expert 1's pairs past its 3 rows; group 1 (experts 2,
+  // 3) places token 2, then tokens 0 and 2, from its first row (slot 3).
+  RunResult r = runRoute("slot", 3, true);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_TRUE(at::equal(r.outputs[0], at::tensor(std::vector<int64_t>{0, 4, -1, 1, 3, 5, 2, -1}).reshape({4, 2})))
+      << r.outputs[0];
+  r = runRoute("source", 3, true);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_TRUE(at::equal(r.outputs[0], at::tensor(std::vector<int64_t>{0, 1, 3, 2, 0, 2}).reshape({2, 3})))
+      << r.outputs[0];
+  r = runRoute("counts", 3, true);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_TRUE(at::equal(r.outputs[0], at::tensor(std::vector<int64_t>{3, 0, 1, 2}).reshape({2, 2})))
+      << r.outputs[0];
+}
+
+TEST(IndexOps, RouteCountsThePairsEachExpertKeeps) {
+  // Two slots per expert: expert 0 keeps 2 of its 3 pairs, the others all.
+  RunResult r = runRoute("counts", 2, false);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_TRUE(at::equal(r.outputs[0], at::tensor(std::vector<int64_t>{2, 2, 1, 2}).reshape({2, 2})))
+      << r.outputs[0];
+  // Per expert, the unpacked sources: [groups, experts / groups, capacity].
+  r = runRoute("source", 2, false);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_TRUE(at::equal(r.outputs[0], at::tensor(std::vector<int64_t>{0, 1, 1, 3, 2, -1, 0, 2}).reshape({2, 2, 2})))
+      << r.outputs[0];
+}
+
+// %t3 = grouped_mm(%t0, %t1, counts %t2) (`outer`: grouped_outer(%t0,
+// %t1, counts %t2) keeping `wbatch` batch axes).
+Program groupedOp(bool outer, int64_t wbatch = 0) {
+  Program p;
+  p.num_tensors = 4;
+  p.inputs = {0, 1, 2};
+  p.outputs = {3};
+  p.tensor_names = {"T0", "T1", "T2", "T3"};
+  Instr op;
+  op.op = outer ? Opcode::kGroupedOuter : Opcode::kGroupedMm;
+  op.out = 3;
+  op.input = 0;
+  op.b = 1;
+  op.counts = 2;
+  op.wbatch = wbatch;
+  // Where the device had the kernel: on the CPU a matmul per group still.
+  op.grouped_kernel = true;
+  p.instrs.push_back(op);
+  return p;
+}
+
+// Batch element i's rows grouped by counts[i]: each row times its group's
+// weight (the weight shared by both elements), zeros past the total.
+at::Tensor groupedMmByRows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& counts) {
+  at::Tensor out = at::zeros({x.size(0), x.size(1), weight.size(1)});
+  for (int64_t i = 0; i < x.size(0); ++i) {
+    int64_t row = 0;
+    for (int64_t g = 0; g < counts.size(1); ++g) {
+      for (int64_t c = 0; c < counts[i][g].item<int64_t>(); ++c, ++row) {
+        out[i][row] = at::mv(weight[g], x[i][row]);
+      }
+    }
+  }
+  return out;
+}
+
+TEST(GroupedOps, GroupedMmZerosTheRowsPastTheGroupsAndSkipsAnEmptyGroup) {
+  Executor executor(groupedOp(false));
+  // Two batch elements of 5 rows sharing one weight [2 groups, N 2, K 3]:
+  // the first's group 1 is empty, the second has one row past its groups.
+  at::Tensor x = at::randn({2, 5, 3});
+  at::Tensor weight = at::randn({2, 2, 3});
+  at::Tensor counts = at::tensor(std::vector<int64_t>{2, 0, 1, 3}).reshape({2, 2});
+  RunResult r = executor.run({x, weight, counts}, {}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  at::Tensor expected = groupedMmByRows(x, weight, counts);
+  ASSERT_EQ(r.outputs[0].sizes(), expected.sizes());
+  EXPECT_TRUE(at::allclose(r.outputs[0], expected, 1e-5, 1e-6)) << r.outputs[0] << expected;
+  EXPECT_TRUE(at::equal(r.outputs[0].narrow(1, 2, 3)[0], at::zeros({3, 2})));
+  EXPECT_TRUE(at::equal(r.outputs[0][1][4], at::zeros({2})));
+  // Into a bound output: the same values copied, its rows past the groups
+  // zeroed.
+  at::Tensor bound = at::full({2, 5, 2}, 7.0);
+  r = executor.run({x, weight, counts}, {bound}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_TRUE(r.outputs[0].is_same(bound));
+  EXPECT_TRUE(at::allclose(bound, expected, 1e-5, 1e-6)) << bound;
+}
+
+TEST(GroupedOps, GroupedMmTakesAWeightPerTrailingBatchElement) {
+  // Rows [3, 2, R 4, K 3], a weight [2, G 2, N 2, K 3] per element of the
+  // trailing batch axis: element (a, b) takes weight b.
+  Executor executor(groupedOp(false));
+  at::Tensor x = at::randn({3, 2, 4, 3});
+  at::Tensor weight = at::randn({2, 2, 2, 3});
+  at::Tensor counts = at::randint(0, 3, {3, 2, 2}, at::TensorOptions().dtype(at::kLong));
+  RunResult r = executor.run({x, weight, counts}, {}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  ASSERT_EQ(r.outputs[0].sizes(), (std::vector<int64_t>{3, 2, 4, 2}));
+  for (int64_t a = 0; a < 3; ++a) {
+    for (int64_t b = 0; b < 2; ++b) {
+      at::Tensor expected = groupedMmByRows(x[a][b].unsqueeze(0), weight[b], counts[a][b].unsqueeze(0));
+      EXPECT_TRUE(at::allclose(r.outputs[0][a][b], expected[0], 1e-5, 1e-6)) << a << ", " << b;
+    }
+  }
+}
+
+// Per batch element and group, the rows' outer products: [batch, G, N, K].
+at::Tensor groupedOuterByElement(const at::Tensor& x, const at::Tensor& other, const at::Tensor& counts) {
+  at::Tensor out = at::zeros({x.size(0), counts.size(1), x.size(2), other.size(2)});
+  for (int64_t i = 0; i < x.size(0); ++i) {
+    int64_t start = 0;
+    for (int64_t g = 0; g < counts.size(1); ++g) {
+      int64_t c = counts[i][g].item<int64_t>();
+      out[i][g] = at::matmul(x[i].narrow(0, start, c).t().to(at::kFloat), other[i].narrow(0, start, c).to(at::kFloat));
+      start += c;
+    }
+  }
+  return out;
+}
+
+TEST(GroupedOps, GroupedOuterSumsTheBatchAxesItsOutputLacks) {
+  // Rows [2, R 4, N 2] and [2, R 4, K 3]; the first element's group 1 is
+  // empty (but for the second's rows), the second's group 0 is.
+  at::Tensor x = at::randn({2, 4, 2});
+  at::Tensor other = at::randn({2, 4, 3});
+  at::Tensor counts = at::tensor(std::vector<int64_t>{3, 0, 0, 4}).reshape({2, 2});
+  at::Tensor each = groupedOuterByElement(x, other, counts);
+  Executor summed(groupedOp(true, 0));
+  RunResult r = summed.run({x, other, counts}, {}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  ASSERT_EQ(r.outputs[0].sizes(), (std::vector<int64_t>{2, 2, 3}));
+  EXPECT_TRUE(at::allclose(r.outputs[0], each.sum(0), 1e-5, 1e-6)) << r.outputs[0];
+  Executor kept(groupedOp(true, 1));
+  r = kept.run({x, other, counts}, {}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  ASSERT_EQ(r.outputs[0].sizes(), (std::vector<int64_t>{2, 2, 2, 3}));
+  EXPECT_TRUE(at::allclose(r.outputs[0], each, 1e-5, 1e-6)) << r.outputs[0];
+  EXPECT_TRUE(at::equal(r.outputs[0][0][1], at::zeros({2, 3})) && at::equal(r.outputs[0][1][0], at::zeros({2, 3})));
+}
+
+TEST(GroupedOps, GroupedOuterOfAHalfTypeSumsInFloat) {
+  // bfloat16 rows: the products summed over both elements in float32, then
+  // rounded once.
+  at::Tensor x = at::randn({2, 6, 2}).to(at::kBFloat16);
+  at::Tensor other = at::randn({2, 6, 3}).to(at::kBFloat16);
+  at::Tensor counts = at::tensor(std::vector<int64_t>{2, 4, 5, 1}).reshape({2, 2});
+  Executor executor(groupedOp(true, 0));
+  RunResult r = executor.run({x, other, counts}, {}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_EQ(r.outputs[0].scalar_type(), at::kBFloat16);
+  at::Tensor each = groupedOuterByElement(x, other, counts);
+  EXPECT_TRUE(at::equal(r.outputs[0], (each[0] + each[1]).to(at::kBFloat16))) << r.outputs[0];
+}
+
+TEST(GroupedOps, OnTheMetaDeviceTheGroupedOpsGiveShapesOnly) {
+  auto meta = at::TensorOptions().device(at::kMeta);
+  at::Tensor counts = at::empty({3, 2}, meta.dtype(at::kLong));
+  Executor mm(groupedOp(false));
+  RunResult r = mm.run({at::empty({3, 5, 4}, meta), at::empty({2, 6, 4}, meta), counts}, {}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_TRUE(r.outputs[0].is_meta());
+  EXPECT_EQ(r.outputs[0].sizes(), (std::vector<int64_t>{3, 5, 6}));
+  Executor outer(groupedOp(true, 1));
+  r = outer.run({at::empty({3, 5, 4}, meta), at::empty({3, 5, 7}, meta), counts}, {}, 1);
+  ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
+  EXPECT_EQ(r.outputs[0].sizes(), (std::vector<int64_t>{3, 2, 4, 7}));
 }
 
 Window twoRankWindow() {

@@ -1,6 +1,9 @@
 """The C++ executor against the Python evaluator on the ops it gained:
 every unary kind, the index ops of a mixture-of-experts layer (topk,
-route, take, put_add, a backward program's included), and the layouts of
+route, packed route and its counts, take, put_add, a backward program's
+included), the grouped GEMM and its weights' gradient (grouped_mm,
+grouped_outer: torch's kernel's path and the loop's, a shared weight, a
+stream loop, a backward program), and the layouts of
 sharded, split and partial-sum programs (one rank of a mesh here;
 tests/python/multidevice/test_cpp_parity.py runs them on 2 and more
 ranks). Each program runs on both evaluators on the same random data,
@@ -406,6 +409,307 @@ def test_backward_of_a_take_runs_in_cpp_as_in_python(monkeypatch):
     values.backward(torch.linspace(-2, 2, values.numel()).reshape(values.shape))
     for c, leaf in zip(grads["cpp"], leaves):
         torch.testing.assert_close(c, leaf.grad)
+
+
+def _route_reference(indices, experts, capacity, groups, packed):
+    """`route`'s slot, source and counts by a loop over each row's pairs in
+    (expert, token, choice) order: a pair's place is the pairs placed
+    before it in its expert (its group when `packed`)."""
+    *lead, tokens, k = indices.shape
+    per = experts // groups
+    rows = (groups if packed else experts) * capacity
+    flat = indices.reshape(-1, tokens, k).tolist()
+    slot = torch.full((len(flat), tokens, k), -1, dtype=torch.int64)
+    source = torch.full((len(flat), rows), -1, dtype=torch.int64)
+    counts = torch.zeros(len(flat), experts, dtype=torch.int64)
+    for b, choices in enumerate(flat):
+        placed: dict[int, int] = {}
+        for e, t, j in sorted((e, t, j) for t, row in enumerate(choices) for j, e in enumerate(row)):
+            key = e // per if packed else e
+            place = placed[key] = placed.get(key, -1) + 1
+            if place < capacity:
+                slot[b, t, j] = key * capacity + place
+                source[b, key * capacity + place] = t
+                counts[b, e] += 1
+    shape = [groups, capacity] if packed else [groups, per, capacity]
+    return slot.reshape(indices.shape), source.reshape(*lead, *shape), counts.reshape(*lead, groups, per)
+
+
+@pytest.mark.parametrize("packed, capacity", [(False, 7), (False, 2), (True, 14), (True, 4), (True, 1)])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_packed_route_and_counts_run_in_cpp_as_in_python(packed, capacity, groups, device):
+    """Each pair's slot, each slot's token and each expert's kept pairs,
+    per expert or packed per group (a group's pairs from its first row,
+    expert after expert), a capacity small enough dropping pairs."""
+    torch.manual_seed(16)
+    experts = 6
+    with FusionDefinition() as fd:
+        idx = fd.define_tensor([-1, -1, 2], dtype=torch.int64)
+        slot, source = fd.ops.route(idx, experts, capacity, groups=groups, packed=packed)
+        fd.add_output(slot)
+        fd.add_output(source)
+        fd.add_output(fd.ops.route_counts(idx, experts, capacity, groups=groups, packed=packed))
+    indices = _choices([2, 7, 2], experts).to(device)
+    python, compiled = _both(fd, [indices])
+    _same(python, compiled)
+    expected = _route_reference(indices.cpu(), experts, capacity, groups, packed)
+    for c, e in zip(compiled, expected):
+        torch.testing.assert_close(c.cpu(), e, rtol=0, atol=0)
+    assert bool((compiled[0] < 0).any()) == (int(compiled[2].sum()) < indices.numel())
+
+
+def _group_counts(batch, groups, rows):
+    """Rows per group for each batch element: group 1 empty, at most
+    `rows` in all; with several batch elements the first holds exactly
+    `rows`, and the last always fewer (rows past its groups' total)."""
+    counts = torch.randint(0, rows // (groups - 1) + 1, (*batch, groups))
+    counts[..., 1] = 0
+    flat = counts.view(-1, groups)
+    if flat.shape[0] > 1:
+        flat[0] = 0
+        flat[0, 0], flat[0, -1] = rows - rows // 2, rows // 2
+    flat[-1, -1] = 0
+    assert int(counts.sum(-1).max()) <= rows
+    return counts
+
+
+def _grouped_mm_reference(x, weight, counts):
+    """Row by row in float64: each row of x times its group's weight (the
+    weight expanded over the rows' leading batch axes), zeros past the
+    groups' rows."""
+    *batch, rows, _ = x.shape
+    ws = weight.double().expand(*batch, *weight.shape[-3:]).reshape(-1, *weight.shape[-3:])
+    xs = x.double().reshape(-1, rows, x.shape[-1])
+    out = torch.zeros(xs.shape[0], rows, weight.shape[-2], dtype=torch.float64)
+    for i, row in enumerate(counts.reshape(xs.shape[0], -1).tolist()):
+        r = 0
+        for g, c in enumerate(row):
+            for _ in range(c):
+                out[i, r] = ws[i, g] @ xs[i, r]
+                r += 1
+    return out.to(x.dtype).reshape(*batch, rows, weight.shape[-2])
+
+
+def _grouped_outer_reference(x, other, counts, wbatch):
+    """Per batch element and group in float64, the rows' outer products
+    summed, then summed over the leading batch axes the result lacks."""
+    *batch, rows, n = x.shape
+    k, groups = other.shape[-1], counts.shape[-1]
+    xs, os_ = x.double().reshape(-1, rows, n), other.double().reshape(-1, rows, k)
+    full = torch.zeros(xs.shape[0], groups, n, k, dtype=torch.float64)
+    for i, row in enumerate(counts.reshape(xs.shape[0], groups).tolist()):
+        start = 0
+        for g, c in enumerate(row):
+            full[i, g] = xs[i, start : start + c].T @ os_[i, start : start + c]
+            start += c
+    full = full.reshape(*batch, groups, n, k)
+    lead = len(batch) - wbatch
+    return (full.sum(tuple(range(lead))) if lead else full).to(x.dtype)
+
+
+def _grouped_kernel(device, dtype, *sizes) -> bool:
+    """Whether torch's grouped GEMM kernel runs (`fusion_ops.grouped_mm`'s
+    rule): bfloat16 on a CUDA device of compute capability 9.0 or more,
+    every row stride a multiple of 16 bytes; elsewhere a matmul per group."""
+    if device != "cuda" or dtype is not torch.bfloat16 or torch.cuda.get_device_capability() < (9, 0):
+        return False
+    return all(n * 2 % 16 == 0 for n in sizes)
+
+
+def _both_on_path(fd, inputs, kernel: bool):
+    """`_both`, each run profiled: both call `aten::_grouped_mm` (the
+    kernel's path) or neither does (the loop's)."""
+    from torch.profiler import profile
+
+    with profile() as python_prof:
+        python = fd.execute(inputs, evaluator="python")
+    with profile() as cpp_prof:
+        compiled = fd.execute(inputs, evaluator="cpp")
+    assert fd.last_runner.name == "cpp" and fd.last_runner.reasons == (), fd.last_runner
+    for prof in (python_prof, cpp_prof):
+        assert any(e.name == "aten::_grouped_mm" for e in prof.events()) == kernel
+    return python, compiled
+
+
+# (K, N, dtype): bfloat16 with 16-byte rows takes torch's grouped GEMM
+# kernel on a GPU of compute capability 9.0 or more; the rest (and every
+# case on the CPU) a matmul per group.
+GROUPED_MM_CASES = [(16, 32, torch.float32), (5, 6, torch.float32), (16, 8, torch.bfloat16), (4, 8, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("K, N, dtype", GROUPED_MM_CASES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("batch, wbatch", [([], 0), ([3], 1), ([3, 2], 1), ([3, 2], 0)])
+def test_grouped_mm_runs_in_cpp_as_in_python(K, N, dtype, batch, wbatch, device):
+    """Rows grouped by counts (an empty group among them, rows past the
+    groups' total zeroed) times their groups' weights, on the kernel's path
+    and on the loop's (the same in both evaluators); a weight with fewer
+    batch axes than the rows shared by the leading ones."""
+    torch.manual_seed(17)
+    G, R = 4, 10
+    wshape = [*batch[len(batch) - wbatch :], G, N, K]
+    with FusionDefinition() as fd:
+        tx = fd.define_tensor([-1] * (len(batch) + 1) + [K], dtype=dtype)
+        tw = fd.define_tensor([-1] * (wbatch + 1) + [N, K], dtype=dtype)
+        tc = fd.define_tensor([-1] * (len(batch) + 1), dtype=torch.int64)
+        fd.add_output(fd.ops.grouped_mm(tx, tw, tc))
+    x = torch.randn(*batch, R, K).to(dtype)
+    weight = torch.randn(*wshape).to(dtype)
+    counts = _group_counts(batch, G, R)
+    inputs = [t.to(device) for t in (x, weight, counts)]
+    python, compiled = _both_on_path(fd, inputs, _grouped_kernel(device, dtype, K, N))
+    _same(python, compiled)
+    expected = _grouped_mm_reference(x, weight, counts)
+    torch.testing.assert_close(compiled[0].cpu(), expected)
+    past = torch.arange(R) >= counts.sum(-1, keepdim=True)
+    assert past.any() and bool((compiled[0].cpu()[past] == 0).all())
+
+
+# (R, N, K, dtype): the kernel takes x^T [N, R] and other [R, K].
+GROUPED_OUTER_CASES = [
+    (12, 8, 4, torch.float32),
+    (12, 8, 5, torch.float32),
+    (16, 8, 16, torch.bfloat16),
+    (12, 8, 16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("R, N, K, dtype", GROUPED_OUTER_CASES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("batch, wbatch", [([], 0), ([3], 0), ([3], 1), ([3, 2], 0), ([3, 2], 1)])
+def test_grouped_outer_runs_in_cpp_as_in_python(R, N, K, dtype, batch, wbatch, device):
+    """Per group, the sum of its rows' outer products (zeros for the empty
+    group), summed over the leading batch axes the result lacks, in
+    float32 for bfloat16; on the kernel's path and on the loop's."""
+    from hostir import index_ops
+
+    torch.manual_seed(18)
+    G = 4
+    with FusionDefinition() as fd:
+        tx = fd.define_tensor([-1] * (len(batch) + 1) + [N], dtype=dtype)
+        to = fd.define_tensor([-1] * (len(batch) + 1) + [K], dtype=dtype)
+        tc = fd.define_tensor([-1] * (len(batch) + 1), dtype=torch.int64)
+        fd.add_output(index_ops.grouped_outer(tx, to, tc, wbatch))
+    x = torch.randn(*batch, R, N).to(dtype)
+    other = torch.randn(*batch, R, K).to(dtype)
+    counts = _group_counts(batch, G, R)
+    inputs = [t.to(device) for t in (x, other, counts)]
+    python, compiled = _both_on_path(fd, inputs, _grouped_kernel(device, dtype, K, N, R))
+    _same(python, compiled)
+    assert list(compiled[0].shape) == batch[len(batch) - wbatch :] + [G, N, K]
+    expected = _grouped_outer_reference(x, other, counts, wbatch)
+    # bfloat16: on the kernel's path each batch element's products are
+    # rounded before the float32 sum (a few of its ulps on the summands).
+    tol = {} if dtype is torch.float32 else {"rtol": 1.6e-2, "atol": 6e-2}
+    torch.testing.assert_close(compiled[0].cpu(), expected, **tol)
+    assert bool((compiled[0][..., 1, :, :] == 0).all())
+
+
+@pytest.mark.parametrize("number_of_streams", [1, 3])
+@pytest.mark.parametrize("K", [16, 5])
+def test_grouped_ops_in_a_stream_loop_run_in_cpp_as_in_python(number_of_streams, K, device):
+    """A grouped_mm and a grouped_outer walked by a stream loop over their
+    batch axis: each batch element's slices at full rank, the weight
+    shared by every element read whole."""
+    from hostir import index_ops
+
+    torch.manual_seed(19)
+    B, G, R, N = 3, 4, 12, 8
+    with FusionDefinition() as fd:
+        tx = fd.define_tensor([-1, -1, K])
+        tw = fd.define_tensor([G, N, K])
+        tc = fd.define_tensor([-1, G], dtype=torch.int64)
+        y = fd.ops.grouped_mm(tx, tw, tc)
+        gw = index_ops.grouped_outer(y, tx, tc, 1)
+        fd.add_output(y)
+        fd.add_output(gw)
+    for tv in (y, gw):
+        tv.axis(0).parallelize(ParallelType.stream)
+    x, weight, counts = torch.randn(B, R, K), torch.randn(G, N, K), _group_counts([B], G, R)
+    inputs = [t.to(device) for t in (x, weight, counts)]
+    python, compiled = _both(fd, inputs, number_of_streams=number_of_streams)
+    _same(python, compiled)
+    expected = _grouped_mm_reference(x, weight, counts)
+    torch.testing.assert_close(compiled[0].cpu(), expected)
+    torch.testing.assert_close(compiled[1].cpu(), _grouped_outer_reference(expected, x, counts, 1))
+    program = fd.host_program(inputs=inputs)
+    loops = [e for e in program.walk() if type(e).__name__ == "ForLoop"]
+    names = {type(b).__name__ for e in loops for b in e.body}
+    assert loops and {"GroupedMmOp", "GroupedOuterOp"} <= names
+
+
+def test_grouped_ops_write_into_preallocated_outputs(device):
+    from hostir import index_ops
+
+    torch.manual_seed(20)
+    with FusionDefinition() as fd:
+        tx = fd.define_tensor([-1, -1, 16])
+        tw = fd.define_tensor([4, 32, 16])
+        tc = fd.define_tensor([-1, 4], dtype=torch.int64)
+        y = fd.ops.grouped_mm(tx, tw, tc)
+        fd.add_output(y)
+        fd.add_output(index_ops.grouped_outer(y, tx, tc, 0))
+        idx = fd.define_tensor([-1, 2], dtype=torch.int64)
+        fd.add_output(fd.ops.route_counts(idx, 4, 3, groups=2, packed=True))
+    inputs = [torch.randn(2, 10, 16), torch.randn(4, 32, 16), _group_counts([2], 4, 10), _choices([6, 2], 4)]
+    inputs = [t.to(device) for t in inputs]
+    shapes = [((2, 10, 32), torch.float32), ((4, 32, 16), torch.float32), ((2, 2), torch.int64)]
+    results = {}
+    for evaluator in ("python", "cpp"):
+        bufs = [torch.full(shape, 7, dtype=dtype, device=device) for shape, dtype in shapes]
+        results[evaluator] = fd.execute(inputs, outputs=bufs, evaluator=evaluator)
+        assert fd.last_runner.name == evaluator
+        assert [r.data_ptr() for r in results[evaluator]] == [b.data_ptr() for b in bufs]
+    _same(results["python"], results["cpp"])
+
+
+def _grouped_mm_torch(x, weight, counts):
+    """grouped_mm by torch's autograd-able ops: per batch element, each
+    group's rows times its weight, zeros past the groups' rows."""
+    *batch, rows, _ = x.shape
+    ws = weight.expand(*batch, *weight.shape[-3:]).reshape(-1, *weight.shape[-3:])
+    xs = x.reshape(-1, rows, x.shape[-1])
+    outs = []
+    for i, row in enumerate(counts.reshape(xs.shape[0], -1).tolist()):
+        parts, start = [], 0
+        for g, c in enumerate(row):
+            parts.append(xs[i, start : start + c] @ ws[i, g].T)
+            start += c
+        parts.append(xs.new_zeros(rows - start, weight.shape[-2]))
+        outs.append(torch.cat(parts))
+    return torch.stack(outs).reshape(*batch, rows, weight.shape[-2])
+
+
+@pytest.mark.parametrize("K", [16, 5])
+def test_backward_of_a_grouped_mm_runs_in_cpp_as_in_python(K, monkeypatch):
+    """The backward program of a grouped_mm holds a grouped_mm (the rows'
+    gradient) and a grouped_outer (the weight's, summed over the batch
+    axis the weight lacks): it runs in C++ with the Python evaluator's
+    gradients, and torch's."""
+    torch.manual_seed(21)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, K])
+        w = fd.define_tensor([-1, 32, K])
+        c = fd.define_tensor([-1, -1], dtype=torch.int64)
+        fd.add_output(fd.ops.grouped_mm(x, w, c))
+    x_in, w_in, counts = torch.randn(3, 10, K), torch.randn(4, 32, K), _group_counts([3], 4, 10)
+    grad = torch.randn(3, 10, 32)
+    grads = {}
+    for evaluator in ("python", "cpp"):
+        monkeypatch.setenv("HOSTIR_EVALUATOR", evaluator)
+        leaves = [x_in.clone().requires_grad_(True), w_in.clone().requires_grad_(True)]
+        (out,) = fd.execute([leaves[0], leaves[1], counts])
+        out.backward(grad)
+        (training,) = fd.__dict__["_trainings"].values()
+        assert training.forward.last_runner.name == evaluator, training.forward.last_runner
+        assert training.backward.last_runner.name == evaluator, training.backward.last_runner
+        names = {type(e).__name__ for e in training.backward.fusion.exprs}
+        assert {"GroupedMmOp", "GroupedOuterOp"} <= names, names
+        grads[evaluator] = [leaf.grad for leaf in leaves]
+    for cg, pg in zip(grads["cpp"], grads["python"]):
+        torch.testing.assert_close(cg, pg, rtol=0, atol=0)
+    leaves = [x_in.clone().requires_grad_(True), w_in.clone().requires_grad_(True)]
+    _grouped_mm_torch(leaves[0], leaves[1], counts).backward(grad)
+    for cg, leaf in zip(grads["cpp"], leaves):
+        torch.testing.assert_close(cg, leaf.grad)
 
 
 # ---------------------------------------------------------------- transports

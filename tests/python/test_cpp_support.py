@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hostir.cpp
-from hostir import FusionDefinition, backends, planner
+from hostir import FusionDefinition, backends, ir, planner
 from hostir.kinds import BinaryKind, UnaryKind
 from hostir.runtime import flat, flat_communications, support
 
@@ -33,6 +33,33 @@ def test_the_table_says_what_the_extension_binds():
     assert _C.OPCODE_COUNT == len(flat.OPCODES)
     assert {k.value for k in UnaryKind} <= set(support.UNARY_KINDS)
     assert {k.value for k in BinaryKind} <= set(support.BINARY_KINDS)
+
+
+def test_the_grouped_ops_and_a_packed_routes_counts_run_in_the_core():
+    """The grouped GEMM, its weights' gradient and a packed route with its
+    counts are the core's: no reason, before lowering or after, and a
+    program of them is planned for the C++ runner (where it is built)."""
+    from hostir import index_ops
+    from hostir.lower import lower
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1, 16])
+        w = fd.define_tensor(shape=[4, 32, 16])
+        c = fd.define_tensor(shape=[-1, 4], dtype=torch.int64)
+        idx = fd.define_tensor(shape=[-1, -1, 2], dtype=torch.int64)
+        y = fd.ops.grouped_mm(x, w, c)
+        fd.add_output(y)
+        fd.add_output(index_ops.grouped_outer(y, x, c, 0))
+        fd.add_output(fd.ops.route_counts(idx, 4, 8, packed=True))
+        fd.add_output(fd.ops.route(idx, 4, 8, packed=True)[1])
+    ops = {type(e) for e in fd.fusion.exprs}
+    assert ops == {ir.GroupedMmOp, ir.GroupedOuterOp, ir.RouteOp} and ops <= support.OPS
+    assert support.fusion_reasons(fd.fusion) == []
+    assert flat.unsupported_reasons(lower(fd.fusion).program) == []
+    inputs = [torch.randn(2, 10, 16), torch.randn(4, 32, 16), torch.tensor([[2, 0, 3, 1], [0, 4, 4, 2]])]
+    inputs.append(torch.randint(0, 4, (2, 5, 2)))
+    plan = planner.plan(fd.fusion, inputs, torch.device("cpu"), None, planner.Request())
+    assert plan.runner.name == ("cpp" if hostir.cpp.available() else "python"), plan.runner
 
 
 def test_a_feature_flipped_on_is_no_longer_a_reason(monkeypatch):

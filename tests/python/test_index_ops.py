@@ -1,14 +1,16 @@
 """The index ops of a mixture-of-experts layer (`topk`, `route`, `take`,
-`put_add`) against eager torch on random data: values, the routing
-against a loop that places each (token, choice) pair by hand, gradients
-(gradcheck in float64) and the errors of bad definitions."""
+`put_add`) and its grouped GEMM (`grouped_mm`, with `grouped_outer` its
+weights' gradient) against eager torch on random data: values, the
+routing (padded and packed) against a loop that places each (token,
+choice) pair by hand, the grouped GEMM against a matmul per group,
+gradients (gradcheck in float64) and the errors of bad definitions."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hostir import FusionDefinition
+from hostir import FusionDefinition, index_ops
 from hostir.errors import DefinitionError, DefinitionTypeError
 
 
@@ -70,6 +72,168 @@ def test_route_places_pairs_in_token_order(capacity):
     torch.testing.assert_close(source.reshape(2, -1), sources, rtol=0, atol=0)
     if capacity < 7:
         assert (slot < 0).any(), "a capacity this small drops some pairs"
+
+
+def route_packed_by_hand(indices: torch.Tensor, experts: int, capacity: int, groups: int):
+    """The packed route, one pair at a time in (expert, token) order: a
+    group's pairs fill its `capacity` rows from the first; each expert's
+    kept pairs counted."""
+    *lead, tokens, k = indices.shape
+    flat = indices.reshape(-1, tokens, k)
+    per = experts // groups
+    slots = torch.full(flat.shape, -1, dtype=torch.int64)
+    sources = torch.full((flat.shape[0], groups, capacity), -1, dtype=torch.int64)
+    counts = torch.zeros(flat.shape[0], groups, per, dtype=torch.int64)
+    for b in range(flat.shape[0]):
+        pairs = sorted((int(flat[b, t, j]), t, j) for t in range(tokens) for j in range(k))
+        used = [0] * groups
+        for e, t, j in pairs:
+            g = e // per
+            if used[g] < capacity:
+                slots[b, t, j] = g * capacity + used[g]
+                sources[b, g, used[g]] = t
+                counts[b, g, e % per] += 1
+            used[g] += 1
+    return (
+        slots.reshape(indices.shape),
+        sources.reshape(*lead, groups, capacity),
+        counts.reshape(*lead, groups, per),
+    )
+
+
+@pytest.mark.parametrize("capacity", [14, 5, 1])
+def test_packed_route_fills_each_group_expert_after_expert(capacity):
+    torch.manual_seed(2)
+    experts, groups = 6, 3
+    indices = choices([2, 7, 2], experts)
+    with FusionDefinition() as fd:
+        idx = fd.define_tensor([-1, -1, 2], dtype=torch.int64)
+        slot, source = fd.ops.route(idx, experts, capacity, groups=groups, packed=True)
+        counts = fd.ops.route_counts(idx, experts, capacity, groups=groups, packed=True)
+        for t in (slot, source, counts):
+            fd.add_output(t)
+    got = fd.execute([indices])
+    for ours, theirs in zip(got, route_packed_by_hand(indices, experts, capacity, groups)):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    if capacity < 5:
+        assert (got[0] < 0).any(), "a capacity this small drops some pairs"
+
+
+@pytest.mark.parametrize("capacity", [7, 2])
+def test_route_counts_are_each_experts_kept_pairs(capacity):
+    torch.manual_seed(3)
+    experts, groups = 6, 2
+    indices = choices([3, 7, 2], experts)
+    with FusionDefinition() as fd:
+        idx = fd.define_tensor([-1, -1, 2], dtype=torch.int64)
+        fd.add_output(fd.ops.route_counts(idx, experts, capacity, groups=groups))
+    (counts,) = fd.execute([indices])
+    slots, _ = route_by_hand(indices, experts, capacity)
+    kept = torch.stack([((slots >= 0) & (indices == e)).sum((-2, -1)) for e in range(experts)], -1)
+    torch.testing.assert_close(counts, kept.reshape(3, groups, experts // groups), rtol=0, atol=0)
+
+
+def grouped_by_hand(x, weight, counts):
+    """A matmul per (batch element, group); zeros past the groups' rows.
+    The weight's batch axes are the rows' last ones."""
+    *xb, R, _ = x.shape
+    G, N = weight.shape[-3], weight.shape[-2]
+    xs, cs = x.reshape(-1, R, x.shape[-1]), counts.reshape(-1, G)
+    ws = weight.reshape(-1, G, N, weight.shape[-1])
+    rows = []
+    for i in range(xs.shape[0]):
+        pieces, start = [], 0
+        for g in range(G):
+            n = int(cs[i, g])
+            pieces.append(xs[i, start : start + n] @ ws[i % ws.shape[0], g].T)
+            start += n
+        pieces.append(torch.zeros(R - start, N, dtype=x.dtype))
+        rows.append(torch.cat(pieces))
+    return torch.stack(rows).reshape(*xb, R, N)
+
+
+@pytest.mark.parametrize("K, N", [(5, 6), (16, 32)])
+def test_grouped_mm_matches_a_matmul_per_group(K, N):
+    """Rows grouped by counts (an empty group, rows past the total), a
+    weight shared by the leading batch axis: values and both gradients."""
+    torch.manual_seed(6)
+    R, G = 9, 4
+    counts = torch.tensor([[[2, 0, 3, 1], [1, 1, 1, 1], [0, 0, 0, 0]], [[4, 4, 0, 1], [0, 2, 0, 5], [9, 0, 0, 0]]])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, 3, R, K])
+        w = fd.define_tensor([3, G, N, K])
+        c = fd.define_tensor([2, 3, G], dtype=torch.int64)
+        fd.add_output(fd.ops.grouped_mm(x, w, c))
+    inputs = [torch.randn(2, 3, R, K), torch.randn(3, G, N, K)]
+    ours = [t.clone().requires_grad_() for t in inputs]
+    theirs = [t.clone().requires_grad_() for t in inputs]
+    (out,) = fd.execute([*ours, counts])
+    expected = grouped_by_hand(*theirs, counts)
+    torch.testing.assert_close(out, expected)
+    assert (out[0, 2] == 0).all() and (out[0, 0, 6:] == 0).all()
+    grad = torch.randn_like(expected)
+    out.backward(grad)
+    expected.backward(grad)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="torch's grouped GEMM kernel needs a GPU of compute capability 9.0",
+)
+def test_grouped_mm_on_the_kernel_matches_a_matmul_per_group():
+    """bfloat16 on the GPU takes `torch._grouped_mm`'s kernel (no host
+    synchronization): values and gradients as a float32 matmul per group,
+    zeros past the rows."""
+    torch.manual_seed(8)
+    R, K, N, G = 64, 32, 48, 4
+    counts = torch.tensor([[10, 0, 30, 4], [0, 0, 0, 64]], device="cuda")
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, R, K], dtype=torch.bfloat16)
+        w = fd.define_tensor([G, N, K], dtype=torch.bfloat16)
+        c = fd.define_tensor([2, G], dtype=torch.int64)
+        fd.add_output(fd.ops.grouped_mm(x, w, c))
+    inputs = [torch.randn(2, R, K, device="cuda"), torch.randn(G, N, K, device="cuda") / 4]
+    ours = [t.bfloat16().requires_grad_() for t in inputs]
+    theirs = [t.bfloat16().float().requires_grad_() for t in inputs]
+    (out,) = fd.execute([*ours, counts])
+    expected = grouped_by_hand(*[t.cpu() for t in theirs], counts.cpu())
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
+    assert (out[0, 44:] == 0).all()
+    grad = torch.randn_like(expected)
+    out.backward(grad.to("cuda", torch.bfloat16))
+    expected.backward(grad.bfloat16().float())
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad.float().cpu(), b.grad.cpu(), rtol=3e-2, atol=1e-1)
+
+
+def test_gradcheck_grouped_mm_and_grouped_outer():
+    torch.manual_seed(7)
+    f64, i64 = torch.float64, torch.int64
+    counts = torch.tensor([[2, 0, 3], [1, 3, 0]])
+    gmm = _fusion_of(lambda fd, x, w, c: fd.ops.grouped_mm(x, w, c), [[2, 6, 4], [3, 5, 4], [2, 3]], [f64, f64, i64])
+    x = torch.randn(2, 6, 4, dtype=f64, requires_grad=True)
+    w = torch.randn(3, 5, 4, dtype=f64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: gmm.execute([x, w, counts])[0], (x, w))
+    # The weights' gradient, and its own backward (a double backward).
+    with FusionDefinition() as outer:
+        a = outer.define_tensor([2, 6, 5], dtype=f64)
+        b = outer.define_tensor([2, 6, 4], dtype=f64)
+        c = outer.define_tensor([2, 3], dtype=i64)
+        outer.add_output(index_ops.grouped_outer(a, b, c))
+    a = torch.randn(2, 6, 5, dtype=f64, requires_grad=True)
+    b = torch.randn(2, 6, 4, dtype=f64, requires_grad=True)
+    (o,) = outer.execute([a.detach(), b.detach(), counts])
+    expected = torch.zeros(3, 5, 4, dtype=f64)
+    for i in range(2):
+        start = 0
+        for g in range(3):
+            n = int(counts[i, g])
+            expected[g] += a[i, start : start + n].T.detach() @ b[i, start : start + n].detach()
+            start += n
+    torch.testing.assert_close(o, expected)
+    assert torch.autograd.gradcheck(lambda a, b: outer.execute([a, b, counts])[0], (a, b))
 
 
 def test_dispatch_then_combine_returns_each_kept_token():
@@ -192,4 +356,16 @@ def test_bad_definitions_name_what_is_wrong():
             fd.ops.take(x, idx, batch=1, features=1)
         with pytest.raises(DefinitionError, match="batch axis 0 of the rows and the index: sizes 4 and 3"):
             fd.ops.take(x, fd.define_tensor([3, 2], dtype=torch.int64), batch=1, features=0)
+        w = fd.define_tensor([3, 5, 6])
+        counts = fd.define_tensor([4, 3], dtype=torch.int64)
+        with pytest.raises(DefinitionError, match="what must be 'slot', 'source' or 'counts'"):
+            index_ops.route(idx, 6, 2, "rows")
+        with pytest.raises(DefinitionTypeError, match="counts: the index T.* must be int64"):
+            fd.ops.grouped_mm(fd.define_tensor([2, 4, 6]), w, fd.define_tensor([2, 3]))
+        with pytest.raises(DefinitionError, match="the counts' groups and the weight's: sizes 2 and 3"):
+            fd.ops.grouped_mm(fd.define_tensor([4, 4, 6]), w, fd.define_tensor([4, 2], dtype=torch.int64))
+        with pytest.raises(DefinitionError, match="the rows' K and the weight's K: sizes 5 and 6"):
+            fd.ops.grouped_mm(fd.define_tensor([4, 4, 5]), w, counts)
+        with pytest.raises(DefinitionTypeError, match="rows must be a pair"):
+            fd.ops.set(x, rows=counts)
         fd.add_output(fd.ops.set(x))

@@ -178,6 +178,11 @@ def _gather_axis(e, graph) -> tuple[ir.IterDomain, ir.IterDomain] | None:
     if not isinstance(e, ir.Set) or e.input.mesh is None:
         return None
     s = _stream_axis(e.out)
+    if s is not None and e.rows is not None:
+        raise DecompositionError(
+            f"an exchange sized at run time (rows=...) is not walked along a stream axis; leave "
+            f"{printer.format_tv(e.out)} without one:\n{printer.format_expr_head(e)}"
+        )
     if s is None or (e.out.device_axes() and _moved_axis(e, graph) is None):
         return None
     for d in e.input.device_axes():

@@ -406,7 +406,7 @@ def check_op(e: ir.Expr, classes) -> None:
         _refuse(e)
     if resharding:
         return
-    if isinstance(e, ir.INDEX_OPS):
+    if isinstance(e, ir.INDEX_OPS + ir.GROUPED_OPS):
         _check_whole(e)
     for o, i in e.id_pairs():
         if o.is_reduction and isinstance(e, ir.ReductionOp):

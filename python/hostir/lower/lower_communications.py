@@ -33,6 +33,8 @@ rank (its dump is what ranks hash to agree).
 
 from __future__ import annotations
 
+import torch
+
 from hostir import ir, layout, printer
 from hostir.container import HostIrContainer
 from hostir.errors import HostIrError
@@ -53,17 +55,27 @@ def lower_communications(container: HostIrContainer, backend: str = "NCCL") -> H
     return result
 
 
-def _rewrite(container: HostIrContainer, exprs, bound: set, backend: str) -> list[ir.Expr]:
+def _rewrite(container: HostIrContainer, exprs, bound: set, backend: str, in_loop: bool = False) -> list[ir.Expr]:
     new: list[ir.Expr] = []
     for e in exprs:
         if isinstance(e, ir.ForLoop):
-            new.append(e.replace(body=_rewrite(container, e.body, set(bound), backend)))
+            new.append(e.replace(body=_rewrite(container, e.body, set(bound), backend, True)))
             continue
+        if in_loop and isinstance(e, ir.Set) and e.rows is not None:
+            raise CommunicationLoweringError(
+                f"a set sized by rows moves whole pieces; a stream loop would cut them (take the stream "
+                f"axis off its tensors):\n{printer.format_expr_head(e)}"
+            )
         if isinstance(e, ir.HirAliasSelect):
             bound.add(e.out)
         if isinstance(e, ir.Allocate):
             bound.add(e.buffer)
         if not isinstance(e, (ir.Set, ir.ReductionOp)) or not is_resharding(e):
+            if isinstance(e, ir.Set) and e.rows is not None:
+                raise CommunicationLoweringError(
+                    f"a set sized by rows must move a sharded axis between the ranks (an AllToAll); this one "
+                    f"moves nothing:\n{printer.format_expr_head(e)}"
+                )
             new.append(e)
             continue
         comms = _communications(container, e, backend)
@@ -112,6 +124,7 @@ def _communications(container: HostIrContainer, e: ir.Expr, backend: str) -> lis
     out_sharded = _sharded_on(dst, pt)
 
     local_reduce = layout.local_reduce_dims(e, pt) if isinstance(e, ir.ReductionOp) else ()
+    rows, rows_in = (e.rows, e.rows_in) if isinstance(e, ir.Set) else (None, None)
 
     def make(type_, team, root=None, red_op=None):
         return ir.Communication(
@@ -125,6 +138,8 @@ def _communications(container: HostIrContainer, e: ir.Expr, backend: str) -> lis
             backend=backend,
             local_reduce=local_reduce if red_op is not None else (),
             parallel_type=pt,
+            rows=rows,
+            rows_in=rows_in,
         )
 
     def teams() -> list[tuple[int, ...]]:
@@ -171,7 +186,14 @@ def _communications(container: HostIrContainer, e: ir.Expr, backend: str) -> lis
     if in_sharded and out_sharded and sender == receiver:
         for tv in (src, dst):
             _outermost_piece(e, tv, pt)
+        if rows is not None:
+            _check_rows(e, pt)
         return [make(Type.AllToAll, team) for team in teams()]
+    if rows is not None:
+        raise CommunicationLoweringError(
+            f"a set sized by rows must be an AllToAll (a sharded axis moved to another on one mesh):\n"
+            f"{printer.format_expr_head(e)}"
+        )
     if in_sharded and out_sharded:
         _require_1d(e, sender, receiver, "SendRecv")
         if sender.size != receiver.size:
@@ -186,6 +208,40 @@ def _communications(container: HostIrContainer, e: ir.Expr, backend: str) -> lis
     _require_1d(e, sender, receiver, "Broadcast")
     root = sender.devices[0]
     return [make(Type.Broadcast, with_root(receiver, root), root=root)]
+
+
+def _check_rows(e: ir.Set, pt: ir.ParallelType) -> None:
+    """A run-time sized AllToAll's counts: `rows` sharded as the input,
+    `rows_in` as the output, each with the two mesh-sized axes that lead
+    the input (the sender's and the receiver's piece), then the bound axis
+    of rows in the input, whose real rows they count (summed over their
+    axes past the two)."""
+    for tv, like, what in ((e.rows, e.input, "rows"), (e.rows_in, e.out, "rows_in")):
+        if tv.dtype is not torch.int64:
+            raise CommunicationLoweringError(f"{what} T{tv.name} must be int64, got {tv.dtype}")
+        axes, ref = tv.logical_runtime(), like.logical_runtime()
+        if len(axes) < 2 or len(ref) < 3:
+            raise CommunicationLoweringError(
+                f"a set sized by rows moves [sender piece, receiver piece, rows, ...] with {what} [sender "
+                f"piece, receiver piece, ...]:\n{printer.format_expr_head(e)}"
+            )
+        for a, b in zip(axes[:2], ref[:2]):
+            if a.extent.is_constant and b.extent.is_constant and a.extent.value != b.extent.value:
+                raise CommunicationLoweringError(
+                    f"{what} T{tv.name} must lead with the two piece axes of T{like.name} "
+                    f"({b.extent.value}), got {a.extent.value}:\n{printer.format_expr_head(e)}"
+                )
+            if device_types(a) != device_types(b):
+                raise CommunicationLoweringError(
+                    f"{what} T{tv.name} must be sharded as T{like.name}:\n{printer.format_expr_head(e)}"
+                )
+    for tv in (e.input, e.out):
+        axes = tv.logical_runtime()
+        if not any(device_types(d) for d in axes[:2]) or any(device_types(d) for d in axes[2:]):
+            raise CommunicationLoweringError(
+                f"a set sized by rows moves T{tv.name} sharded on one of its two leading axes only:\n"
+                f"{printer.format_expr_head(e)}"
+            )
 
 
 def _require_1d(e, sender: ir.DeviceMesh, receiver: ir.DeviceMesh, what: str) -> None:

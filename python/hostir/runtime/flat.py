@@ -62,6 +62,8 @@ OPCODES = (
     "route",
     "take",
     "put_add",
+    "grouped_mm",
+    "grouped_outer",
 )
 _CODE = {name: i for i, name in enumerate(OPCODES)}
 _DTYPES = flat_communications.DTYPES
@@ -649,6 +651,7 @@ def _route(cc, e) -> None:
         capacity=e.capacity,
         what=e.what,
         groups=e.groups,
+        **({"packed": True} if e.packed else {}),
         **cc.layouts(e, [e.indices], full_rank=True),
     )
 
@@ -686,6 +689,47 @@ def _put_add(cc, e) -> None:
         batch=e.batch,
         features=e.features,
         **cc.layouts(e, [e.input, e.index, e.like], full_rank=True),
+    )
+
+
+# The grouped ops, at full rank as the evaluator runs them: the rows
+# `input` (a_dim), the weight or the other rows `b` (b_dim) and the
+# `counts` (counts_dim); grouped_outer's `wbatch`, the batch axes its
+# output keeps.
+
+
+@_compiles(ir.GroupedMmOp)
+def _grouped_mm(cc, e) -> None:
+    cc.emit(
+        "grouped_mm",
+        e,
+        out=cc.tensor(e.out),
+        out_dim=cc.unsqueeze_dim(e.out),
+        input=cc.tensor(e.input),
+        a_dim=cc.unsqueeze_dim(e.input),
+        b=cc.tensor(e.weight),
+        b_dim=cc.unsqueeze_dim(e.weight),
+        counts=cc.tensor(e.counts),
+        counts_dim=cc.unsqueeze_dim(e.counts),
+        **cc.layouts(e, [e.input, e.weight, e.counts], full_rank=True),
+    )
+
+
+@_compiles(ir.GroupedOuterOp)
+def _grouped_outer(cc, e) -> None:
+    cc.emit(
+        "grouped_outer",
+        e,
+        out=cc.tensor(e.out),
+        out_dim=cc.unsqueeze_dim(e.out),
+        input=cc.tensor(e.input),
+        a_dim=cc.unsqueeze_dim(e.input),
+        b=cc.tensor(e.other),
+        b_dim=cc.unsqueeze_dim(e.other),
+        counts=cc.tensor(e.counts),
+        counts_dim=cc.unsqueeze_dim(e.counts),
+        wbatch=e.out.logical_ndim - 3,
+        **cc.layouts(e, [e.input, e.other, e.counts], full_rank=True),
     )
 
 

@@ -29,7 +29,7 @@ def _field_text(p, name: str, value) -> str:
         return "-" if value < 0 else _scalar_text(p, value)
     if name in ("shape", "in_shape", "out_shape", "in_full", "out_full"):
         return "(" + ", ".join(_scalar_text(p, n) for n in value) + ")"
-    if name in ("out", "input", "a", "b", "bias", "buffer", "into", "like") and isinstance(value, int):
+    if name in ("out", "input", "a", "b", "bias", "buffer", "into", "like", "counts") and isinstance(value, int):
         return "-" if value < 0 else f"%t{value}"
     if name == "locals":
         return "(" + " ".join(f"%t{v}" for v in value) + ")"

@@ -5,6 +5,7 @@ each run with torch on this rank's piece of its tensors.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Callable
 
@@ -252,7 +253,9 @@ def _accumulate(frame: Frame, e, a: torch.Tensor, b: torch.Tensor) -> None:
         return
     product = torch.matmul(a, b)
     if product.numel() != out.numel():
-        raise BindingError(f"a product of shape {list(product.shape)} does not fit T{e.out.name} of shape {list(out.shape)}")
+        raise BindingError(
+            f"a product of shape {list(product.shape)} does not fit T{e.out.name} of shape {list(out.shape)}"
+        )
     out.add_(product.view(out.shape))
 
 
@@ -451,28 +454,45 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(x, k, dim=-1).indices
 
 
-def route(indices: torch.Tensor, experts: int, capacity: int, what: str, groups: int) -> torch.Tensor:
-    """`ir.RouteOp`: each pair's slot, or each slot's token. The pairs are
-    ordered by expert, stably (argsort), and a pair's place within its
-    expert is its position in that order less the expert's first one."""
+def route(
+    indices: torch.Tensor, experts: int, capacity: int, what: str, groups: int, packed: bool = False
+) -> torch.Tensor:
+    """`ir.RouteOp`: each pair's slot, each slot's token, or each expert's
+    kept pairs. The pairs are ordered by expert, stably (argsort), and a
+    pair's place within its expert (within its group when `packed`) is its
+    position in that order less the expert's (the group's) first one."""
     *lead, tokens, k = indices.shape
     flat = indices.reshape(-1, tokens * k)
     n = flat.shape[1]
     order = torch.argsort(flat, dim=1, stable=True)
     counts = torch.zeros(flat.shape[0], experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(1, flat, torch.ones_like(flat))
-    starts = counts.cumsum(1) - counts
+    per = experts // groups
+    if packed:
+        # A group's pairs start after the earlier groups' pairs.
+        group_counts = counts.view(-1, groups, per).sum(2)
+        starts = (group_counts.cumsum(1) - group_counts).repeat_interleave(per, dim=1)
+        key = flat // per
+    else:
+        starts, key = counts.cumsum(1) - counts, flat
     places = torch.arange(n, device=flat.device).expand_as(flat) - starts.gather(1, flat.gather(1, order))
     within = torch.empty_like(flat).scatter_(1, order, places)
-    slot = torch.where(within < capacity, flat * capacity + within, -1)
+    kept = within < capacity
+    slot = torch.where(kept, key * capacity + within, -1)
     if what == "slot":
         return slot.reshape(indices.shape)
-    rows = experts * capacity
+    if what == "counts":
+        out = torch.zeros(flat.shape[0], experts, dtype=torch.int64, device=flat.device)
+        out.scatter_add_(1, flat, kept.to(torch.int64))
+        return out.reshape(*lead, groups, per)
+    rows = (groups if packed else experts) * capacity
     source = torch.full((flat.shape[0], rows + 1), -1, dtype=torch.int64, device=flat.device)
     token = (torch.arange(n, device=flat.device) // k).expand_as(flat)
     # A dropped pair writes the extra last column, which is cut off.
     source.scatter_(1, torch.where(slot >= 0, slot, rows), token)
-    return source[:, :rows].reshape(*lead, groups, experts // groups, capacity)
+    if packed:
+        return source[:, :rows].reshape(*lead, groups, capacity)
+    return source[:, :rows].reshape(*lead, groups, per, capacity)
 
 
 def _rows_of(shape, batch: int, features: int) -> tuple[int, int, int]:
@@ -508,6 +528,101 @@ def put_add_rows(x: torch.Tensor, index: torch.Tensor, like, batch: int, feature
     return out[: nb * rows].view(like)
 
 
+def _kernel_fits(x: torch.Tensor, *sizes: int) -> bool:
+    """Whether torch's grouped GEMM kernel takes these operands: bfloat16
+    on a device of compute capability 9.0 or more (its CUTLASS kernel),
+    every row stride a multiple of 16 bytes. Elsewhere a matmul per group
+    computes the same."""
+    if x.device.type != "cuda" or x.dtype is not torch.bfloat16:
+        return False
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    return all(n * x.element_size() % 16 == 0 for n in sizes)
+
+
+def _group_rows(counts_row) -> list[tuple[int, int]]:
+    """(start, end) of each group's rows, from one batch element's counts
+    (host values)."""
+    ends = list(itertools.accumulate(counts_row))
+    return list(zip([0] + ends[:-1], ends))
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`ir.GroupedMmOp`: `torch._grouped_mm` per batch element where its
+    kernel takes the operands (no host synchronization), the rows past
+    the groups' total zeroed (`_grouped_mm` leaves them unwritten); else
+    one matmul per group, sized by the counts read on the host."""
+    *xb, R, K = x.shape
+    *wb, G, N, _ = weight.shape
+    nb, nw = math.prod(xb), math.prod(wb)
+    if x.device.type == "meta":
+        return torch.empty(*xb, R, N, dtype=x.dtype, device=x.device)
+    xs, ws = x.reshape(nb, R, K), weight.reshape(nw, G, N, K)
+    if not _kernel_fits(x, K, N):
+        out = torch.zeros(nb, R, N, dtype=x.dtype, device=x.device)
+        for i, row in enumerate(counts.reshape(nb, G).tolist()):
+            for g, (a, b) in enumerate(_group_rows(row)):
+                torch.matmul(xs[i, a:b], ws[i % nw, g].transpose(0, 1), out=out[i, a:b])
+        return out.reshape(*xb, R, N)
+    offs = counts.reshape(nb, G).cumsum(-1).to(torch.int32)
+    out = torch.empty(nb, R, N, dtype=x.dtype, device=x.device)
+    for i in range(nb):
+        out[i] = torch._grouped_mm(xs[i], ws[i % nw].transpose(-2, -1), offs=offs[i])
+    past = torch.arange(R, device=x.device).unsqueeze(0) >= offs[:, -1:].to(torch.int64)
+    out.masked_fill_(past.unsqueeze(-1), 0)
+    return out.reshape(*xb, R, N)
+
+
+def grouped_outer(x: torch.Tensor, other: torch.Tensor, counts: torch.Tensor, wbatch: int) -> torch.Tensor:
+    """`ir.GroupedOuterOp`: `torch._grouped_mm(x^T, other, offs)` per batch
+    element (a ragged reduction axis; a matmul per group where the kernel
+    does not take the operands), summed, in float32 for a half type, over
+    the leading batch axes the result lacks."""
+    *xb, R, N = x.shape
+    K, G = other.shape[-1], counts.shape[-1]
+    wb = xb[len(xb) - wbatch :] if wbatch else []
+    nb, nw = math.prod(xb), math.prod(wb)
+    if x.device.type == "meta":
+        return torch.empty(*wb, G, N, K, dtype=x.dtype, device=x.device)
+    xs, os_ = x.reshape(nb, R, N), other.reshape(nb, R, K)
+    wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    out = torch.zeros(nw, G, N, K, dtype=wide, device=x.device)
+    if _kernel_fits(x, K, N, R):
+        offs = counts.reshape(nb, G).cumsum(-1).to(torch.int32)
+        for i in range(nb):
+            out[i % nw] += torch._grouped_mm(xs[i].transpose(0, 1), os_[i], offs=offs[i])
+    else:
+        for i, row in enumerate(counts.reshape(nb, G).tolist()):
+            for g, (a, b) in enumerate(_group_rows(row)):
+                out[i % nw, g] += xs[i, a:b].transpose(0, 1).to(wide) @ os_[i, a:b].to(wide)
+    return out.to(x.dtype).reshape(*wb, G, N, K)
+
+
+@impl(ir.GroupedMmOp)
+def _grouped_mm(frame: Frame, e: ir.GroupedMmOp) -> None:
+    x = _operand(frame, e, e.input, full_rank=True)
+    weight = _operand(frame, e, e.weight, full_rank=True)
+    counts = _operand(frame, e, e.counts, full_rank=True)
+
+    def run():
+        return grouped_mm(x, weight, counts)
+
+    _store(frame, e, run, lambda out: out.copy_(run()), full_rank=True)
+
+
+@impl(ir.GroupedOuterOp)
+def _grouped_outer(frame: Frame, e: ir.GroupedOuterOp) -> None:
+    x = _operand(frame, e, e.input, full_rank=True)
+    other = _operand(frame, e, e.other, full_rank=True)
+    counts = _operand(frame, e, e.counts, full_rank=True)
+    wbatch = e.out.logical_ndim - 3
+
+    def run():
+        return grouped_outer(x, other, counts, wbatch)
+
+    _store(frame, e, run, lambda out: out.copy_(run()), full_rank=True)
+
+
 @impl(ir.TopKOp)
 def _topk(frame: Frame, e: ir.TopKOp) -> None:
     x = _operand(frame, e, e.input, full_rank=True)
@@ -519,7 +634,7 @@ def _route(frame: Frame, e: ir.RouteOp) -> None:
     indices = _operand(frame, e, e.indices, full_rank=True)
 
     def run():
-        return route(indices, e.experts, e.capacity, e.what, e.groups)
+        return route(indices, e.experts, e.capacity, e.what, e.groups, e.packed)
 
     _store(frame, e, run, lambda out: out.copy_(run()), full_rank=True)
 

@@ -41,7 +41,7 @@ OPS: frozenset[type] = frozenset(
         ir.HirAliasSelect, ir.HirAliasChunk, ir.Allocate, ir.Deallocate, ir.Set, ir.UnaryOp, ir.BinaryOp,
         ir.ReductionOp, ir.MatmulOp, ir.LinearOp, ir.PermuteOp, ir.Transfer, ir.Communication,
         ir.P2PCommunication, ir.StartCoalescing, ir.EndCoalescing, ir.Wait, ir.TopKOp, ir.RouteOp, ir.TakeOp,
-        ir.PutAddOp,
+        ir.PutAddOp, ir.GroupedMmOp, ir.GroupedOuterOp,
     }
 )  # fmt: skip
 
@@ -76,7 +76,8 @@ class Features:
     host_allocations: an `Allocate` in host memory.
     symmetric_allocations: an `Allocate` in symmetric memory.
     meshes_2d: a communication over a 2-D mesh.
-    runtime_roots: a communication whose root is chosen at run time."""
+    runtime_roots: a communication whose root is chosen at run time.
+    runtime_rows: an AllToAll sized at run time (`ir.Set`'s `rows`)."""
 
     float_scalars: bool = False
     bool_scalar_compute: bool = False
@@ -87,6 +88,7 @@ class Features:
     symmetric_allocations: bool = True
     meshes_2d: bool = False
     runtime_roots: bool = False
+    runtime_rows: bool = False
 
 
 FEATURES = Features()
@@ -146,6 +148,8 @@ def expr_reasons(e: ir.Expr, chunk: bool = False) -> dict[str, str]:
             found["2-D"] = f"it communicates over a 2-D mesh: {_head(e)}"
         if not (e.root is None or isinstance(e.root, int)) and not FEATURES.runtime_roots:
             found["root"] = f"its root is chosen at run time: {_head(e)}"
+    if isinstance(e, (ir.Communication, ir.Set)) and e.rows is not None and not FEATURES.runtime_rows:
+        found["rows"] = f"it exchanges rows counted at run time: {_head(e)}"
     if isinstance(e, ir.P2PCommunication) and getattr(e, "into", None) is not None and not FEATURES.into_pushes:
         found["push"] = f"it pushes into a peer's buffer: {_head(e)}"
     if isinstance(e, ir.Allocate):
@@ -163,7 +167,7 @@ def fusion_reasons(fusion: ir.Fusion) -> list[str]:
     the lowering adds depends on the schedule: `schedule_reasons`.)"""
     found = scalar_reasons(fusion.inputs, fusion.exprs)
     for e in fusion.exprs:
-        if type(e) not in OPS or isinstance(e, (ir.UnaryOp, ir.BinaryOp)):
+        if type(e) not in OPS or isinstance(e, (ir.UnaryOp, ir.BinaryOp)) or getattr(e, "rows", None) is not None:
             for kind, text in expr_reasons(e).items():
                 found.setdefault(kind, text)
     return list(found.values())

@@ -44,6 +44,7 @@ class Calls:
     isend: Callable
     irecv: Callable
     all_to_all_single: Callable
+    all_to_all: Callable
 
 
 DIST = Calls(
@@ -58,6 +59,7 @@ DIST = Calls(
     isend=dist.isend,
     irecv=dist.irecv,
     all_to_all_single=dist.all_to_all_single,
+    all_to_all=dist.all_to_all,
 )
 
 
@@ -308,6 +310,8 @@ def _post_all_to_all(calls: Calls, frame, e, group, root=None) -> Posted:
     sharded axis of its input, and puts the piece from position j at the
     j-th place of the input's sharded axis. Works on logical layouts; the
     lowering checks that both sharded pieces are outermost."""
+    if e.rows is not None:
+        return _post_all_to_all_rows(calls, frame, e, group)
     pt, team = e.parallel_type, e.team
     n = len(team)
     src = layout.to_logical(e.input, frame.get(e.input))
@@ -325,6 +329,85 @@ def _post_all_to_all(calls: Calls, frame, e, group, root=None) -> Posted:
         out.copy_(layout.to_runtime(e.out, whole).reshape(out.shape))
 
     return Posted([calls.all_to_all_single(recv, send, group=group, async_op=True)], after)
+
+
+def _post_all_to_all_rows(calls: Calls, frame, e, group) -> Posted:
+    """An AllToAll sized at run time (`ir.Set`'s `rows`): the leading two
+    axes of the logical tensors are the sender's and the receiver's piece;
+    each rank sends piece j's first `rows` rows (summed over the counts'
+    trailing axes) to team position j and receives position j's into the
+    first `rows_in` rows of its piece j, the rest zeros. The counts are
+    read on the host (one synchronization): the collectives take sizes
+    there. On a device the pieces go as they lie (`all_to_all` of views);
+    gloo, which has only the packed form, gets them packed."""
+    pt, team = e.parallel_type, e.team
+    src = layout.to_logical(e.input, frame.get(e.input))
+    out = frame.get(e.out)
+    a = _sharded_logical_axis(e.input, pt)
+    b = _sharded_logical_axis(e.out, pt)
+    sent = _piece_rows(frame, e.rows, len(team), src.shape[2], "rows")
+    got = _piece_rows(frame, e.rows_in, len(team), src.shape[2], "rows_in")
+    me = team.index(frame.communicator.rank)
+    if sent[me] != got[me]:
+        raise TransportUsageError(
+            f"this rank keeps {sent[me]} rows of its own piece by rows but {got[me]} by rows_in: "
+            f"{printer.format_tv(e.rows)} and {printer.format_tv(e.rows_in)} disagree"
+        )
+
+    def piece(t: torch.Tensor, axis: int, j: int) -> torch.Tensor:
+        at = [0, 0]
+        at[1 - axis] = j
+        return t[at[0], at[1]]
+
+    order = frame.communicator.group_order(team)
+    positions = [team.index(r) for r in order]
+    logical = layout.to_logical(e.out, out)
+    direct = logical.is_contiguous() and logical.data_ptr() == out.data_ptr()
+    whole = logical if direct else torch.empty_like(logical)
+    for j in positions:
+        piece(whole, b, j)[got[j] :].zero_()
+    ins = [_contiguous(piece(src, a, j)[: sent[j]]) for j in positions]
+    outs = [piece(whole, b, j)[: got[j]] for j in positions]
+    copy_out = None if direct else (lambda: out.copy_(layout.to_runtime(e.out, whole).reshape(out.shape)))
+    if src.device.type != "cpu":
+        return Posted([calls.all_to_all(outs, ins, group=group, async_op=True)], copy_out)
+    recv = torch.empty((sum(got),) + tuple(src.shape[3:]), dtype=src.dtype, device=src.device)
+
+    def after():
+        start = 0
+        for o, n in zip(outs, (got[j] for j in positions)):
+            o.copy_(recv[start : start + n])
+            start += n
+        if copy_out is not None:
+            copy_out()
+
+    work = calls.all_to_all_single(
+        recv,
+        torch.cat(ins),
+        output_split_sizes=[got[j] for j in positions],
+        input_split_sizes=[sent[j] for j in positions],
+        group=group,
+        async_op=True,
+    )
+    return Posted([work], after)
+
+
+def _piece_rows(frame, tv: ir.TensorView, n: int, bound: int, what: str) -> list[int]:
+    """The real rows of each of the `n` pieces, from the counts `tv` (its
+    local [1, n, ...] or [n, 1, ...]), on the host; a dry run (tensors
+    without data) moves the bound."""
+    counts = layout.to_logical(tv, frame.get(tv))
+    if counts.device.type == "meta":
+        return [bound] * n
+    per = counts.reshape(counts.shape[0] * counts.shape[1], -1).sum(1).tolist()
+    if len(per) != n:
+        raise TransportUsageError(f"{what} {printer.format_tv(tv)} counts {len(per)} pieces, not {n}")
+    for j, r in enumerate(per):
+        if not 0 <= r <= bound:
+            raise TransportUsageError(
+                f"{what} {printer.format_tv(tv)} says piece {j} has {r} rows, outside the bound [0, {bound}]"
+            )
+    return per
 
 
 def _sharded_logical_axis(tv: ir.TensorView, pt: ir.ParallelType) -> int:
