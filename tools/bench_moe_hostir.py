@@ -18,7 +18,11 @@ worst case), in each schedule:
   the program's backend (NCCL), each peer's tokens computed as they land;
 * `hostir_ring_cuda` (GPUs): the same ring on the copy engine, each piece
   pushed into the peer's symmetric buffer;
-* `hostir_auto`: the planner's choice (its head in the dump says which).
+* `hostir_auto`: the planner's choice (its head in the dump says which);
+* `hostir_exact`: the exact form (`MoELayer(exact=True)`): the per-expert
+  counts exchanged first, the tokens and the results exchanged sized by
+  them at run time, the experts as `torch._grouped_mm` over the real rows;
+  nothing dropped (its bound is the worst case), sequential.
 
 The contract (the whole of it is in `bench_moe.py`'s module docstring):
 `args` are `bench_moe.py`'s parsed arguments, `ctx` its `Context`; each
@@ -68,4 +72,12 @@ def hostir_variants(args, ctx) -> list:
                 capacity=capacity if drops else None,
             )
         )
+    exact = MoELayer(mesh, ctx.experts, exact=True, **backend)
+    out.append(
+        Variant(
+            "hostir_exact",
+            run(exact),
+            note="exact: counts exchanged first, rows sized at run time, grouped GEMMs; sequential",
+        )
+    )
     return out

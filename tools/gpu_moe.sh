@@ -2,9 +2,10 @@
 # The expert-parallel MoE layer on a machine of 2 or more GPUs, in one go:
 # build the C++ executor, run its multi-device tests (NCCL and the copy
 # engine's `cuda` transport) and goldens, bench_moe.py --check, then
-# bench_moe.py itself. Logs and results under $2 (default $OUT/moe); $1 the
-# parts, a comma list of build, tests, bench (default all: calls made in
-# quick succession keep the machine and its build).
+# bench_moe.py itself, then one traced forward per form (trace_moe.py) drawn
+# as timelines. Logs and results under $2 (default $OUT/moe); $1 the parts,
+# a comma list of build, tests, bench, trace (default build,tests,bench:
+# calls made in quick succession keep the machine and its build).
 #   bash tools/gpu_moe.sh [parts] [out-dir] [bench_moe.py arguments...]
 set -u
 parts=${1:-build,tests,bench}; shift || true
@@ -31,4 +32,11 @@ done
 step bench_check 300 python3 tools/bench_moe.py --check --out-dir "$out/check"
 fi
 has bench && step bench 560 python3 tools/bench_moe.py --out-dir "$out" --time-limit 540 "$@"
+if has trace; then
+  step trace 240 torchrun --standalone --nproc-per-node "$n" tools/trace_moe.py "$out/trace"
+  for form in "$out"/trace/*/; do
+    name=$(basename "$form")
+    step "plot_$name" 120 python3 tools/plot_timeline.py "$form" -o "$out/timeline_moe_$name.png"
+  done
+fi
 tail -n 3 "$out"/*.log

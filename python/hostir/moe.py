@@ -37,6 +37,17 @@ routers do. Its backward is derived like any fusion's: the two AllToAlls
 transpose into each other, `take` into `put_add`, and each batched matmul
 into two.
 
+The exact form (`exact=True`) moves and computes only the rows the
+routing fills: `route(..., packed=True)` packs each rank's pairs by
+destination rank, expert after expert, `route_counts` counts each
+expert's rows, the counts go first (an AllToAll of counts), the tokens and
+the results go as AllToAlls sized by them at run time (`set(...,
+rows=...)`; the transport reads the counts on the host), and the experts
+are grouped GEMMs (`grouped_mm`) over each source rank's rows. Its buffers
+are allocated at a bound (by default every pair a rank has: nothing
+dropped); the host synchronization keeps it out of a CUDA graph, and it
+runs unwalked.
+
 `hostir.parallel.parallelize_module` runs Hugging Face MoE blocks'
 experts through this class (its `ExpertParallel` style, `docs/moe.md`).
 """
@@ -67,8 +78,11 @@ class MoELayer:
     more). Calling it runs the layer on this rank's tokens (see the
     module's doc); the fusions are made per (tokens, choices per token,
     sizes, dtypes) and kept. `overlap`: walk the source ranks (see the
-    module's doc). `execute_kwargs` go to every `execute` (a backend, a
-    schedule, `number_of_streams`, ...)."""
+    module's doc; the default for the padded form). `exact`: the exact
+    form (see the module's doc), where `capacity` bounds the rows a rank
+    sends one peer (default all its pairs) and `capacity_factor` makes it
+    `ceil(factor * T * k / D)`. `execute_kwargs` go to every `execute` (a
+    backend, a schedule, `number_of_streams`, ...)."""
 
     def __init__(
         self,
@@ -77,7 +91,8 @@ class MoELayer:
         activation: str = "silu",
         capacity: int | None = None,
         capacity_factor: float | None = None,
-        overlap: bool = True,
+        overlap: bool | None = None,
+        exact: bool = False,
         **execute_kwargs: Any,
     ):
         self.mesh = mesh if isinstance(mesh, ir.DeviceMesh) else ir.DeviceMesh(list(mesh))
@@ -100,14 +115,31 @@ class MoELayer:
         except ValueError:
             raise UsageError(f"MoELayer: unknown activation {activation!r}") from None
         self.experts, self.capacity, self.capacity_factor = experts, capacity, capacity_factor
-        self.overlap = overlap
+        if not isinstance(exact, bool):
+            raise UsageError(f"MoELayer: exact must be a bool, got {exact!r}")
+        if exact and overlap:
+            raise UsageError(
+                "MoELayer: the exact form's exchanges are sized at run time and run as they are "
+                "(sequentially); overlap needs the capacity-padded form (exact=False)"
+            )
+        self.exact = exact
+        self.overlap = not exact if overlap is None else bool(overlap)
         self.execute_kwargs = execute_kwargs
         self.fusions: dict[tuple, FusionDefinition] = {}
 
     def slots(self, tokens: int, topk: int) -> int:
         """The rows per (source rank, expert) for `tokens` tokens of `topk`
         choices: the capacity, the capacity factor's, or the tokens (an
-        expert takes a token at most once)."""
+        expert takes a token at most once). In the exact form, the bound
+        on the rows a rank sends one peer: the capacity, the capacity
+        factor's share (`ceil(factor * T * k / D)`), or all its pairs."""
+        if self.exact:
+            pairs = tokens * topk
+            if self.capacity is not None:
+                return min(self.capacity, pairs)
+            if self.capacity_factor is not None:
+                return max(1, min(pairs, math.ceil(self.capacity_factor * pairs / self.D)))
+            return pairs
         if self.capacity is not None:
             return min(self.capacity, tokens)
         if self.capacity_factor is not None:
@@ -128,6 +160,10 @@ class MoELayer:
             return fd
         D, E, k = self.D, self.experts, topk
         El, C = E // D, self.slots(tokens, topk)
+        if self.exact:
+            fd = self._exact_fusion(tokens, topk, hidden, ffn, dtype, weights_dtype)
+            self.fusions[key] = fd
+            return fd
         with FusionDefinition() as fd:
             x = fd.define_tensor([D, tokens, hidden], dtype)
             indices = fd.define_tensor([D, tokens, k], torch.int64)
@@ -163,6 +199,48 @@ class MoELayer:
             received.axis(0).parallelize(ir.ParallelType.stream)
         fd.executor.label = f" (expert-parallel MoE, {E} experts over {D} ranks, top-{k})"
         self.fusions[key] = fd
+        return fd
+
+    def _exact_fusion(self, tokens, topk, hidden, ffn, dtype, weights_dtype) -> FusionDefinition:
+        """The exact form: each rank's pairs packed by destination rank,
+        expert after expert (`route(..., packed=True)`), the per-expert
+        counts exchanged first (an AllToAll of counts), the tokens and the
+        results exchanged sized by them, and the experts as grouped GEMMs
+        over the real rows."""
+        D, E, k = self.D, self.experts, topk
+        El, B = E // D, self.slots(tokens, topk)
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([D, tokens, hidden], dtype)
+            indices = fd.define_tensor([D, tokens, k], torch.int64)
+            weights = fd.define_tensor([D, tokens, 1, k], weights_dtype)
+            gate = fd.define_tensor([D, El, ffn, hidden], dtype)
+            up = fd.define_tensor([D, El, ffn, hidden], dtype)
+            down = fd.define_tensor([D, El, hidden, ffn], dtype)
+            slot, source = fd.ops.route(indices, E, B, groups=D, packed=True)
+            # [source rank, destination rank, its expert]: the rows sent.
+            counts = fd.ops.route_counts(indices, E, B, groups=D, packed=True)
+            # [source rank, destination rank, B, H], B a bound on the rows.
+            sent = fd.ops.take(x, source, batch=1, features=1)
+            if D > 1:
+                counts_in = fd.ops.set(counts)
+                received = fd.ops.set(sent, rows=(counts, counts_in))
+            else:
+                counts_in, received = counts, sent
+            g = fd.ops.grouped_mm(received, gate, counts_in)
+            u = fd.ops.grouped_mm(received, up, counts_in)
+            h = fd.ops.mul(getattr(fd.ops, self.activation.value)(g), u)
+            y = fd.ops.grouped_mm(h, down, counts_in)
+            back = fd.ops.set(y, rows=(counts_in, counts)) if D > 1 else y
+            picked = fd.ops.take(back, slot, batch=1, features=1)
+            weights_as_x = fd.ops.cast(weights, dtype) if weights_dtype != dtype else weights
+            fd.add_output(fd.ops.matmul(weights_as_x, picked))
+        placed = [(x, 0), (indices, 0), (weights, 0), (gate, 0), (up, 0), (down, 0), (counts, 0), (sent, 0)]
+        if D > 1:
+            placed += [(counts_in, 1), (received, 1), (back, 0)]
+        for tv, axis in placed:
+            tv.set_device_mesh(self.mesh)
+            tv.axis(axis).parallelize(ir.ParallelType.mesh_x)
+        fd.executor.label = f" (expert-parallel MoE, exact, {E} experts over {D} ranks, top-{k})"
         return fd
 
     def __call__(self, x, indices, weights, gate, up, down) -> torch.Tensor:

@@ -229,11 +229,14 @@ class ExpertParallel(_styles().ParallelStyle):
     as torch runs it, on each rank's own tokens: data parallel, so their
     gradients are each rank's own (sum them across ranks as DDP or FSDP
     do). `capacity`: slots per expert and source rank (None: as many as
-    the tokens, nothing dropped)."""
+    the tokens, nothing dropped). `exact`: the layer's exact form instead
+    (the counts exchanged first, only the real rows moved, the experts as
+    grouped GEMMs; `capacity` then bounds the rows a rank sends a peer)."""
 
-    def __init__(self, capacity: int | None = None, **execute_kwargs):
+    def __init__(self, capacity: int | None = None, exact: bool = False, **execute_kwargs):
         super().__init__()
         self.capacity = capacity
+        self.exact = exact
         self.execute_kwargs = execute_kwargs
 
     def check(self, module: nn.Module, fqn: str, D: int) -> None:
@@ -273,6 +276,7 @@ class ExpertParallel(_styles().ParallelStyle):
             module.gate_up_proj.shape[0],
             _activation_of(module),
             self.capacity,
+            exact=self.exact,
             **kwargs,
         )
         module._hostir_moe = layer

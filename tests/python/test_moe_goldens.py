@@ -63,3 +63,44 @@ def test_golden_of_the_moe_layers_backward():
     fd = layer().fusion(**SHAPE)
     backward = derive(fd.fusion, [0, 2, 3, 4, 5]).backward
     check_golden("moe_backward", lower(backward, rank=0, backend="gloo"))
+
+
+def test_golden_of_the_exact_moe_layer_forward_and_backward():
+    """The exact form: the per-expert counts exchanged first (an AllToAll
+    of counts), then the tokens and the results sized by them (`rows=`,
+    `rows_in=`), the experts as grouped GEMMs over the real rows; the
+    backward sends the gradients the same two ways with the counts
+    swapped, and the weights' gradients are grouped outer products."""
+    fd = MoELayer(DeviceMesh(range(2)), 4, exact=True).fusion(**SHAPE)
+    check_golden("moe_exact", lower(fd.fusion, rank=0, backend="gloo"))
+    backward = derive(fd.fusion, [0, 2, 3, 4, 5]).backward
+    check_golden("moe_exact_backward", lower(backward, rank=0, backend="gloo"))
+
+
+def test_a_sized_exchange_is_refused_where_it_cannot_run():
+    """An exchange sized at run time moves whole pieces once: walked along
+    a stream axis, or one that moves nothing, is a lowering error that
+    says so (a walk or a stream loop would cut the pieces the counts
+    describe)."""
+    from hostir import FusionDefinition
+    from hostir.lower.record import LoweringError
+
+    def program(stream: bool, moves: bool = True):
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([2, 2, 6, 8])
+            rows = fd.define_tensor([2, 2, 3], dtype=torch.int64)
+            rows_in = fd.ops.set(rows)
+            y = fd.ops.set(x, rows=(rows, rows_in))
+            fd.add_output(y)
+        for tv, axis in ((x, 0), (rows, 0), (rows_in, 1 if moves else 0), (y, 1 if moves else 0)):
+            tv.set_device_mesh(DeviceMesh(range(2)))
+            tv.axis(axis).parallelize(ir.ParallelType.mesh_x)
+        if stream:
+            y.axis(0).parallelize(ir.ParallelType.stream)
+        return fd
+
+    lower(program(stream=False).fusion, rank=0, backend="gloo")
+    with pytest.raises(LoweringError, match="an exchange sized at run time .* is not walked"):
+        lower(program(stream=True).fusion, rank=0, backend="gloo")
+    with pytest.raises(LoweringError, match="a set sized by rows must move a sharded axis"):
+        lower(program(stream=False, moves=False).fusion, rank=0, backend="gloo")

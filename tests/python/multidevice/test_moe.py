@@ -86,6 +86,76 @@ def test_layer_matches_the_unsharded_layer(world, device, capacity):
         torch.testing.assert_close(ours.grad, theirs.grad[r * El : (r + 1) * El], **TOL)
 
 
+def reference_exact(x, indices, weights, gate, up, down, bound):
+    """The layer token by token where each source rank sends each peer at
+    most `bound` pairs, packed by expert (a pair past them, counted in
+    expert order, then token order, contributes nothing)."""
+    D, T, _ = x.shape
+    k, E = indices.shape[-1], gate.shape[0]
+    El = E // D
+    out = torch.zeros_like(x)
+    for d in range(D):
+        pairs = sorted(((int(indices[d, t, j]), t, j) for t in range(T) for j in range(k)))
+        sent = {}
+        for e, t, j in pairs:
+            peer = e // El
+            sent[peer] = sent.get(peer, 0) + 1
+            if sent[peer] > bound:
+                continue
+            h = torch.nn.functional.silu(gate[e] @ x[d, t]) * (up[e] @ x[d, t])
+            out[d, t] = out[d, t] + weights[d, t, j] * (down[e] @ h)
+    return out
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_exact_layer_matches_the_unsharded_layer(world, device, capacity):
+    """The exact form: counts exchanged first, then only the real rows
+    (sized at run time), grouped GEMMs over them; outputs and every
+    gradient as the unsharded layer, and with a bound that drops pairs as
+    the same loop dropping them."""
+    D, r = world.size, world.rank
+    T, H, F, E, k = 7, 8, 12, 2 * D, 2
+    El = E // D
+    x, indices, weights = routed(D, T, H, E, k, device)
+    gate, up = torch.randn(E, F, H, device=device) / 3, torch.randn(E, F, H, device=device) / 3
+    down = torch.randn(E, H, F, device=device) / 3
+    whole = [t.clone().requires_grad_() for t in (x, weights, gate, up, down)]
+    bound = T * k if capacity is None else capacity
+    expected = reference_exact(whole[0], indices, *whole[1:], bound=bound)
+    mine = [x[r], weights[r]] + [w[r * El : (r + 1) * El] for w in (gate, up, down)]
+    mine = [t.clone().requires_grad_() for t in mine]
+    layer = MoELayer(DeviceMesh(range(D)), E, capacity=capacity, exact=True, **kwargs(device))
+    out = layer(mine[0], indices[r], *mine[1:])
+    torch.testing.assert_close(out, expected[r], **TOL)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    out.backward(grad[r])
+    torch.testing.assert_close(mine[0].grad, whole[0].grad[r], **TOL)
+    torch.testing.assert_close(mine[1].grad, whole[1].grad[r], **TOL)
+    for ours, theirs in zip(mine[2:], whole[2:]):
+        torch.testing.assert_close(ours.grad, theirs.grad[r * El : (r + 1) * El], **TOL)
+
+
+def test_exact_exchanges_are_sized_by_counts_forward_and_backward(world, device):
+    """The exact form's programs: an AllToAll of the counts, then the
+    token and result AllToAlls sized by them (`rows=`), the experts as
+    grouped GEMMs; the backward sends the same two ways back, sized by
+    the same counts swapped, and its weights' gradients are grouped outer
+    products."""
+    D = world.size
+    layer = MoELayer(DeviceMesh(range(D)), 2 * D, exact=True, **kwargs(device))
+    fd = layer.fusion(6, 2, 8, 12, torch.float32)
+    forward = fd.host_ir()
+    comms = [line for line in forward.splitlines() if "type=AllToAll" in line]
+    assert len(comms) == 3, forward
+    assert sum("rows=" in line for line in comms) == 2, forward
+    assert forward.count("grouped_mm(") == 3 and "route_counts(" in forward, forward
+    backward = FusionExecutor(derive(fd.fusion, [0, 2, 3, 4, 5]).backward).host_ir()
+    comms = [line for line in backward.splitlines() if "type=AllToAll" in line]
+    assert len(comms) == 2 and all("rows=" in line for line in comms), backward
+    assert backward.count("grouped_outer(") == 3, backward
+
+
 # HOSTIR_TEST_TRANSPORT=cuda runs the rings over the copy-engine transport
 # (tools/gpu_check.py --part suite does, on the GPU machines).
 RING_TRANSPORT = f":transport={os.environ['HOSTIR_TEST_TRANSPORT']}" if os.environ.get("HOSTIR_TEST_TRANSPORT") else ""
@@ -214,13 +284,14 @@ def sum_local_grads(block):
             dist.all_reduce(p.grad)
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["padded", "exact"])
 @pytest.mark.parametrize("make", [qwen2_moe, mixtral], ids=["qwen2_moe", "mixtral"])
-def test_hugging_face_block_matches_unsharded(world, device, make):
+def test_hugging_face_block_matches_unsharded(world, device, make, exact):
     D, r = world.size, world.rank
     ref = init(make(2 * D)).to(device)
     block = copy.deepcopy(ref)
     mesh = DeviceMesh(range(D)).to_torch(device.type)
-    parallelize_module(block, mesh, {"experts": ExpertParallel()})
+    parallelize_module(block, mesh, {"experts": ExpertParallel(exact=exact)})
     assert isinstance(block.experts.gate_up_proj, DTensor)
     # One step per parameter: torch 2.11's foreach step refuses a list
     # mixing DTensors (the experts) and plain tensors (the router).
