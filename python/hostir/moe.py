@@ -81,8 +81,14 @@ class MoELayer:
     module's doc; the default for the padded form). `exact`: the exact
     form (see the module's doc), where `capacity` bounds the rows a rank
     sends one peer (default all its pairs) and `capacity_factor` makes it
-    `ceil(factor * T * k / D)`. `execute_kwargs` go to every `execute` (a
-    backend, a schedule, `number_of_streams`, ...)."""
+    `ceil(factor * T * k / D)`. `check_indices`: refuse expert ids
+    outside [0, experts) before anything runs, at the cost of reading them
+    on the host (a synchronization on a GPU); None, the default, checks
+    where that costs nothing new: tokens on the CPU, and the exact form,
+    which reads its counts on the host anyway (a rank that refuses its
+    call leaves its peers to time out in their first exchange).
+    `execute_kwargs` go to every `execute` (a backend, a schedule,
+    `number_of_streams`, ...)."""
 
     def __init__(
         self,
@@ -93,6 +99,7 @@ class MoELayer:
         capacity_factor: float | None = None,
         overlap: bool | None = None,
         exact: bool = False,
+        check_indices: bool | None = None,
         **execute_kwargs: Any,
     ):
         self.mesh = mesh if isinstance(mesh, ir.DeviceMesh) else ir.DeviceMesh(list(mesh))
@@ -124,6 +131,7 @@ class MoELayer:
             )
         self.exact = exact
         self.overlap = not exact if overlap is None else bool(overlap)
+        self.check_indices = check_indices
         self.execute_kwargs = execute_kwargs
         self.fusions: dict[tuple, FusionDefinition] = {}
 
@@ -263,6 +271,14 @@ class MoELayer:
         for name, t, shape in (("gate", gate, [El, F, H]), ("up", up, [El, F, H]), ("down", down, [El, H, F])):
             if list(t.shape) != shape:
                 raise InputError(f"MoELayer: {name} must be this rank's {El} experts, {shape}, got {list(t.shape)}")
+        check = self.check_indices
+        if check is None:
+            check = indices.device.type == "cpu" or self.exact
+        if check and T * k:
+            low, high = int(indices.min()), int(indices.max())
+            if low < 0 or high >= self.experts:
+                bad = low if low < 0 else high
+                raise InputError(f"MoELayer: expert id {bad} in indices is outside [0, {self.experts})")
         fd = self.fusion(T, k, H, F, x.dtype, weights.dtype)
         inputs = [x, indices, weights.unsqueeze(-2), gate, up, down]
         (out,) = fd.execute([t.unsqueeze(0) for t in inputs], **self.execute_kwargs)

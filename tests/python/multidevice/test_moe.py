@@ -241,6 +241,14 @@ def test_bad_calls_are_refused_before_any_communication(world, device):
         layer(x, idx, w, gate, gate, down[:, :, :3])
     with pytest.raises(Exception, match="do not divide over"):
         MoELayer(DeviceMesh(range(D)), 2 * D + 1)
+    for exact in (False, True):
+        checked = MoELayer(DeviceMesh(range(D)), 2 * D, exact=exact, check_indices=True, **kwargs(device))
+        with pytest.raises(Exception, match=f"expert id {2 * D} in indices is outside \\[0, {2 * D}\\)"):
+            checked(x, idx + 2 * D, w, gate, gate, down)
+        with pytest.raises(Exception, match=r"expert id -1 in indices is outside"):
+            checked(x, idx - 1, w, gate, gate, down)
+    with pytest.raises(Exception, match="exact form's exchanges are sized at run time"):
+        MoELayer(DeviceMesh(range(D)), 2 * D, exact=True, overlap=True)
 
 
 # ------------------------------------------------------------ Hugging Face blocks
