@@ -337,9 +337,11 @@ def _post_all_to_all_rows(calls: Calls, frame, e, group) -> Posted:
     each rank sends piece j's first `rows` rows (summed over the counts'
     trailing axes) to team position j and receives position j's into the
     first `rows_in` rows of its piece j, the rest zeros. The counts are
-    read on the host (one synchronization): the collectives take sizes
-    there. On a device the pieces go as they lie (`all_to_all` of views);
-    gloo, which has only the packed form, gets them packed."""
+    read on the host (one synchronization): the messages take their sizes
+    there. The pieces go as they lie, one message per peer with rows to
+    send or receive, batched (`batch_isend_irecv`: one NCCL group, or
+    gloo's asynchronous messages); its own piece is a copy. A dry run
+    records the exchange at the bound."""
     pt, team = e.parallel_type, e.team
     src = layout.to_logical(e.input, frame.get(e.input))
     out = frame.get(e.out)
@@ -359,37 +361,21 @@ def _post_all_to_all_rows(calls: Calls, frame, e, group) -> Posted:
         at[1 - axis] = j
         return t[at[0], at[1]]
 
-    order = frame.communicator.group_order(team)
-    positions = [team.index(r) for r in order]
     logical = layout.to_logical(e.out, out)
     direct = logical.is_contiguous() and logical.data_ptr() == out.data_ptr()
     whole = logical if direct else torch.empty_like(logical)
-    for j in positions:
-        piece(whole, b, j)[got[j] :].zero_()
-    ins = [_contiguous(piece(src, a, j)[: sent[j]]) for j in positions]
-    outs = [piece(whole, b, j)[: got[j]] for j in positions]
+    ins = [_contiguous(piece(src, a, j)[: sent[j]]) for j in range(len(team))]
+    outs = [piece(whole, b, j)[: got[j]] for j in range(len(team))]
     copy_out = None if direct else (lambda: out.copy_(layout.to_runtime(e.out, whole).reshape(out.shape)))
-    if src.device.type != "cpu":
+    if src.device.type == "meta":
         return Posted([calls.all_to_all(outs, ins, group=group, async_op=True)], copy_out)
-    recv = torch.empty((sum(got),) + tuple(src.shape[3:]), dtype=src.dtype, device=src.device)
-
-    def after():
-        start = 0
-        for o, n in zip(outs, (got[j] for j in positions)):
-            o.copy_(recv[start : start + n])
-            start += n
-        if copy_out is not None:
-            copy_out()
-
-    work = calls.all_to_all_single(
-        recv,
-        torch.cat(ins),
-        output_split_sizes=[got[j] for j in positions],
-        input_split_sizes=[sent[j] for j in positions],
-        group=group,
-        async_op=True,
-    )
-    return Posted([work], after)
+    for j in range(len(team)):
+        piece(whole, b, j)[got[j] :].zero_()
+    outs[me].copy_(ins[me])
+    ops = [dist.P2POp(dist.isend, ins[j], team[j], group) for j in range(len(team)) if j != me and sent[j]]
+    ops += [dist.P2POp(dist.irecv, outs[j], team[j], group) for j in range(len(team)) if j != me and got[j]]
+    works = list(dist.batch_isend_irecv(ops)) if ops else []
+    return Posted(works, copy_out)
 
 
 def _piece_rows(frame, tv: ir.TensorView, n: int, bound: int, what: str) -> list[int]:
