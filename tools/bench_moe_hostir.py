@@ -19,6 +19,10 @@ worst case), in each schedule:
 * `hostir_ring_cuda` (GPUs): the same ring on the copy engine, each piece
   pushed into the peer's symmetric buffer;
 * `hostir_auto`: the planner's choice (its head in the dump says which);
+* `hostir_ring_cuda_graph` (GPUs, forward only): the copy-engine ring's
+  program replayed from CUDA graphs (`hostir.runtime.graphs.capture`, one
+  per call parity); the routing runs eagerly each call and is copied into
+  the graphs' inputs;
 * `hostir_exact`: the exact form (`MoELayer(exact=True)`): the per-expert
   counts exchanged first, the tokens and the results exchanged sized by
   them at run time, the experts as `torch._grouped_mm` over the real rows;
@@ -31,6 +35,53 @@ in `ctx.dtype`; every rank returns the same variants in the same order.
 """
 
 from __future__ import annotations
+
+
+class GraphedLayer:
+    """A `MoELayer`'s program replayed from CUDA graphs: captured on the
+    first call for a set of inputs (`graphs.capture`, which runs it eagerly
+    twice first), then each call routes eagerly, copies the routing into
+    the graphs' input buffers and replays."""
+
+    def __init__(self, ctx, layer, schedule: str) -> None:
+        self.ctx, self.layer, self.schedule = ctx, layer, schedule
+        self.key = None
+        self.replay = None
+        self.buffers = None
+
+    def __call__(self, inp):
+        import torch
+        from bench_moe import route
+
+        from hostir.runtime import graphs
+
+        weights, indices = route(inp.x, inp.router, self.ctx.topk)
+        key = tuple(t.data_ptr() for t in inp.params())
+        if key != self.key:
+            self.release()
+            torch.cuda.empty_cache()
+            F, (T, H) = self.ctx.ffn, inp.x.shape
+            gate_up = inp.gate_up.detach()
+            self.buffers = [
+                inp.x.detach().clone(),
+                indices.clone(),
+                weights.unsqueeze(-2).clone(),
+                gate_up[:, :F].contiguous(),
+                gate_up[:, F:].contiguous(),
+                inp.down.detach().contiguous(),
+            ]
+            fd = self.layer.fusion(T, self.ctx.topk, H, F, inp.x.dtype, weights.dtype)
+            inputs = [t.unsqueeze(0) for t in self.buffers]
+            self.replay = graphs.capture(fd, inputs, schedule=self.schedule)
+            self.key = key
+        self.buffers[1].copy_(indices)
+        self.buffers[2].copy_(weights.unsqueeze(-2))
+        (out,) = self.replay()
+        return out.view(inp.x.shape)
+
+    def release(self) -> None:
+        """Drop the graphs, their memory pools and the input buffers."""
+        self.replay, self.buffers, self.key = None, None, None
 
 
 def hostir_variants(args, ctx) -> list:
@@ -69,6 +120,19 @@ def hostir_variants(args, ctx) -> list:
                 run(layer),
                 note=f"{note}; schedule {schedule or 'chosen by the planner'}",
                 optional=name == "hostir_ring_cuda",
+                capacity=capacity if drops else None,
+            )
+        )
+    if not ctx.cpu:
+        schedule = "ring:transport=cuda"
+        graphed = MoELayer(mesh, ctx.experts, capacity=capacity, schedule=schedule)
+        out.append(
+            Variant(
+                "hostir_ring_cuda_graph",
+                GraphedLayer(ctx, graphed, schedule),
+                note=f"C={capacity}; schedule {schedule}; forward replayed from CUDA graphs",
+                modes=("fwd",),
+                optional=True,
                 capacity=capacity if drops else None,
             )
         )
