@@ -187,6 +187,16 @@ Instr instr(int opcode, const py::dict& f) {
     if (f.contains("in_view")) {
       i.in_view = view(f["in_view"].cast<py::dict>());
     }
+    if (f.contains("rows")) {
+      i.rows = f["rows"].cast<int>();
+      i.rows_in = f["rows_in"].cast<int>();
+      i.rows_view = view(f["rows_view"].cast<py::dict>());
+      i.rows_in_view = view(f["rows_in_view"].cast<py::dict>());
+      i.out_view = view(f["out_view"].cast<py::dict>());
+      i.me = f["me"].cast<int64_t>();
+      i.rows_text = f["rows_text"].cast<std::string>();
+      i.rows_in_text = f["rows_in_text"].cast<std::string>();
+    }
     i.chunks = field<int64_t>(f, "chunks", 0);
     i.identity = f["identity"].cast<double>();
     i.peer = f["peer"].cast<int64_t>();

@@ -591,8 +591,10 @@ int64_t product(c10::IntArrayRef sizes) {
 }
 
 // (start, end) of each group's rows, per batch element, from `counts`
-// [*batch, G] read on the host (`_group_rows` of `counts.tolist()`).
-std::vector<std::vector<std::pair<int64_t, int64_t>>> groupRows(const at::Tensor& counts, int64_t nb, int64_t groups) {
+// [*batch, G] read on the host (`_group_rows` of `counts.tolist()`), which
+// must be >= 0 and total at most `limit` rows.
+std::vector<std::vector<std::pair<int64_t, int64_t>>> groupRows(
+    const at::Tensor& counts, int64_t nb, int64_t groups, int64_t limit) {
   at::Tensor host = counts.reshape({nb, groups}).to(at::kCPU, at::kLong).contiguous();
   const int64_t* c = host.const_data_ptr<int64_t>();
   std::vector<std::vector<std::pair<int64_t, int64_t>>> rows(nb);
@@ -600,6 +602,9 @@ std::vector<std::vector<std::pair<int64_t, int64_t>>> groupRows(const at::Tensor
     int64_t end = 0;
     for (int64_t g = 0; g < groups; ++g) {
       int64_t start = end;
+      HOSTIR_CHECK(
+          c[i * groups + g] >= 0 && end + c[i * groups + g] <= limit, "grouped rows: the counts of batch element ", i,
+          " must be >= 0 and total at most the ", limit, " rows");
       end += c[i * groups + g];
       rows[i].emplace_back(start, end);
     }
@@ -629,7 +634,7 @@ at::Tensor groupedMm(const Instr& ins, const at::Tensor& x, const at::Tensor& we
   at::Tensor ws = weight.reshape({nw, groups, n, k});
   if (!kernelFits(ins, x, {k, n})) {
     at::Tensor out = at::zeros({nb, rows, n}, x.options());
-    auto bounds = groupRows(counts, nb, groups);
+    auto bounds = groupRows(counts, nb, groups, rows);
     for (int64_t i = 0; i < nb; ++i) {
       for (int64_t g = 0; g < groups; ++g) {
         auto [start, end] = bounds[i][g];
@@ -686,7 +691,7 @@ at::Tensor groupedOuter(const Instr& ins, const at::Tensor& x, const at::Tensor&
       out.select(0, i % nw).add_(at::_grouped_mm(xs.select(0, i).transpose(0, 1), os.select(0, i), offs.select(0, i)));
     }
   } else {
-    auto bounds = groupRows(counts, nb, groups);
+    auto bounds = groupRows(counts, nb, groups, rows);
     for (int64_t i = 0; i < nb; ++i) {
       for (int64_t g = 0; g < groups; ++g) {
         auto [start, end] = bounds[i][g];

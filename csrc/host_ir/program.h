@@ -337,6 +337,19 @@ struct Instr {
   // the input's logical view.
   std::vector<int64_t> recv_perm;
   View in_view;
+  // An AllToAll sized at run time (`ir.Set`'s `rows`): the counts of the
+  // rows this rank sends each team position (`rows`) and receives from it
+  // (`rows_in`), int64 tensor slots (-1: an AllToAll of whole pieces),
+  // each read through its logical view; the output's logical view; this
+  // rank's team position (`me`); the counts' dump text, for errors.
+  int rows = -1;
+  int rows_in = -1;
+  View rows_view;
+  View rows_in_view;
+  View out_view;
+  int64_t me = -1;
+  std::string rows_text;
+  std::string rows_in_text;
   int64_t chunks = 0;
   double identity = 0.0;
   int64_t peer = -1;  // group rank (SendRecv), else a scalar node (P2P)

@@ -514,8 +514,10 @@ class GroupedMmOp(Expr):
     each row times its group's `weight` [*wbatch, G, N, K] transposed
     (`torch._grouped_mm(input, weight.mT, offs=cumsum(counts))`); rows
     past the groups' total are zeros. `wbatch` is a suffix of `batch`:
-    the weight is shared by the leading batch axes it lacks. Writes into
-    `out` if bound."""
+    the weight is shared by the leading batch axes it lacks. The counts
+    must be >= 0 and total at most R: a matmul per group (which reads them
+    on the host) refuses others; the kernel, which reads them on the
+    device, cannot. Writes into `out` if bound."""
 
     EFFECT = "compute"
 

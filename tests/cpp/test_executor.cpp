@@ -7,7 +7,8 @@
 // grouped ops (grouped_mm, grouped_outer), runs on a caller's logical
 // tensors (runLogical), two threads running one Executor at once, and the
 // transport registry (a backend chosen once, an unknown one refused, one
-// registered twice or with no transport refused).
+// registered twice or with no transport refused), and the checks of an
+// AllToAll's counts sized at run time.
 #include "../../csrc/host_ir/program.h"
 #include "../../csrc/host_ir/transports/transport.h"
 
@@ -959,6 +960,76 @@ TEST(Transports, TeamOfOneKeepsItsInputOnEveryTransport) {
     ASSERT_FALSE(r.failure.has_value()) << r.failure->message;
     EXPECT_TRUE(at::equal(r.outputs[0], x)) << backend;
   }
+}
+
+// An AllToAll sized at run time over a team of two, this rank its first
+// position: %t0 = x [1, 2, 3, 2] (sender, receiver, bound 3, hidden), the
+// counts %t1 = rows (as x) and %t2 = rows_in (as the output), %t3 = the
+// output [2, 1, 3, 2]. Its group is never reached: every case below fails
+// the counts' checks before anything is posted.
+Program sizedAllToAll() {
+  Program p;
+  p.num_tensors = 4;
+  p.inputs = {0, 1, 2};
+  p.outputs = {3};
+  p.tensor_names = {"T0", "T1", "T2", "T3"};
+  p.groups.push_back(c10::intrusive_ptr<c10d::ProcessGroup>());
+  Instr alloc;
+  alloc.op = Opcode::kAllocate;
+  alloc.out = 3;
+  alloc.shape = {constNode(p, 2), constNode(p, 1), constNode(p, 3), constNode(p, 2)};
+  p.instrs.push_back(alloc);
+  Instr comm;
+  comm.op = Opcode::kCommunication;
+  comm.comm_type = CommType::kAllToAll;
+  comm.backend = "gloo";
+  comm.group = 0;
+  comm.team_size = 2;
+  comm.input = 0;
+  comm.out = 3;
+  comm.in_axis = 0;
+  comm.out_axis = 1;
+  comm.perm = {0, 1};
+  comm.recv_perm = {0, 1};
+  comm.rows = 1;
+  comm.rows_in = 2;
+  comm.me = 0;
+  comm.rows_text = "R";
+  comm.rows_in_text = "Rin";
+  p.instrs.push_back(comm);
+  Instr wait;
+  wait.op = Opcode::kWait;
+  wait.posted = 1;
+  wait.text = "Communication 0";
+  p.instrs.push_back(wait);
+  return p;
+}
+
+// The failure of a sized AllToAll on counts `rows` and `rows_in`.
+Failure sizedFailure(const at::Tensor& rows, const at::Tensor& rows_in) {
+  Executor executor(sizedAllToAll());
+  RunResult r = executor.run({at::randn({1, 2, 3, 2}), rows, rows_in}, {}, 1);
+  EXPECT_TRUE(r.failure.has_value());
+  return r.failure.value_or(Failure());
+}
+
+at::Tensor longs(std::vector<int64_t> values, std::vector<int64_t> shape) {
+  return at::tensor(values, at::TensorOptions().dtype(at::kLong)).reshape(shape);
+}
+
+TEST(Transports, SizedAllToAllChecksItsCountsAsThePythonTransport) {
+  // Counts summed over their trailing axes: 2 and 1 sent, 3 and 0 received.
+  Failure f = sizedFailure(longs({1, 1, 0, 1}, {1, 2, 2}), longs({3, 0}, {2, 1}));
+  EXPECT_EQ(f.instr, 1);
+  EXPECT_EQ(f.kind, "TransportUsageError");
+  EXPECT_EQ(f.message, "this rank keeps 2 rows of its own piece by rows but 3 by rows_in: R and Rin disagree");
+  f = sizedFailure(longs({4, 0}, {1, 2}), longs({4, 0}, {2, 1}));
+  EXPECT_EQ(f.kind, "TransportUsageError");
+  EXPECT_EQ(f.message, "rows R says piece 0 has 4 rows, outside the bound [0, 3]");
+  f = sizedFailure(longs({1, 1}, {1, 2}), longs({1, -1}, {2, 1}));
+  EXPECT_EQ(f.message, "rows_in Rin says piece 1 has -1 rows, outside the bound [0, 3]");
+  f = sizedFailure(longs({1, 1, 1}, {1, 3}), longs({1, 1}, {2, 1}));
+  EXPECT_EQ(f.message, "rows R counts 3 pieces, not 2");
 }
 
 // StartCoalescing, a P2P send of %t0 to rank 0, EndCoalescing, its Wait.

@@ -62,6 +62,30 @@ def test_the_grouped_ops_and_a_packed_routes_counts_run_in_the_core():
     assert plan.runner.name == ("cpp" if hostir.cpp.available() else "python"), plan.runner
 
 
+def test_an_all_to_all_sized_at_run_time_runs_in_the_core(monkeypatch):
+    """The exact MoE form's AllToAlls, sized by counts the program computed
+    (`set(..., rows=...)`), are the core's (`FEATURES.runtime_rows`): no
+    reason before lowering or after, forward and backward; turned off, the
+    feature is the reason, named by the AllToAll."""
+    from hostir import DeviceMesh
+    from hostir.autodiff import derive
+    from hostir.lower import lower
+    from hostir.moe import MoELayer
+
+    assert support.FEATURES.runtime_rows
+    fd = MoELayer(DeviceMesh(range(2)), 4, exact=True).fusion(6, 2, 8, 12, torch.float32)
+    backward = derive(fd.fusion, [0, 2, 3, 4, 5]).backward
+    for fusion in (fd.fusion, backward):
+        assert support.fusion_reasons(fusion) == []
+        assert flat.unsupported_reasons(lower(fusion, rank=0, backend="gloo").program) == []
+    monkeypatch.setattr(support, "FEATURES", dataclasses.replace(support.FEATURES, runtime_rows=False))
+    for fusion in (fd.fusion, backward):
+        (reason,) = support.fusion_reasons(fusion)
+        assert reason.startswith("it exchanges rows counted at run time: ") and "rows_in" in reason, reason
+        lowered = flat.unsupported_reasons(lower(fusion, rank=0, backend="gloo").program)
+        assert len(lowered) == 1 and lowered[0].startswith("it exchanges rows counted at run time: "), lowered
+
+
 def test_a_feature_flipped_on_is_no_longer_a_reason(monkeypatch):
     with FusionDefinition() as fd:
         x = fd.define_tensor(shape=[-1, -1])

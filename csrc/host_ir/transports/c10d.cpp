@@ -366,6 +366,165 @@ Posted allToAll(Run& run, const Instr& ins, const Group& group) {
   return posted;
 }
 
+// Piece j of a sized AllToAll's logical tensor `t` sharded on its leading
+// axis `axis` (0 or 1): t[0, j] or t[j, 0], as torch_dist.py's `piece`.
+at::Tensor piece(const at::Tensor& t, int64_t axis, int64_t j) {
+  return axis == 0 ? t.select(0, 0).select(0, j) : t.select(0, j).select(0, 0);
+}
+
+// The real rows of each of a sized AllToAll's `n` pieces, by the counts
+// `counts` (logical [1, n, ...] or [n, 1, ...]), summed over their trailing
+// axes: an int64 tensor of [n] where the counts have n pieces (still on
+// the counts' device), as torch_dist.py's `_piece_rows` before its host read.
+at::Tensor pieceRows(const at::Tensor& counts) {
+  HOSTIR_CHECK(
+      counts.dim() >= 2, "the counts of a sized AllToAll need two leading piece axes, got shape ", counts.sizes());
+  return counts.reshape({counts.size(0) * counts.size(1), -1}).sum(1).to(at::kLong);
+}
+
+// The checks of `_piece_rows` on counts read on the host: as many pieces as
+// the team has, each in [0, bound].
+std::vector<int64_t> checkedRows(
+    const at::Tensor& host,
+    int64_t n,
+    int64_t bound,
+    const char* what,
+    const std::string& name) {
+  int64_t count = host.numel();
+  if (count != n) {
+    throw Error(text(what, " ", name, " counts ", count, " pieces, not ", n), "TransportUsageError");
+  }
+  const int64_t* data = host.data_ptr<int64_t>();
+  std::vector<int64_t> per(data, data + count);
+  for (int64_t j = 0; j < n; ++j) {
+    if (per[j] < 0 || per[j] > bound) {
+      throw Error(
+          text(what, " ", name, " says piece ", j, " has ", per[j], " rows, outside the bound [0, ", bound, "]"),
+          "TransportUsageError");
+    }
+  }
+  return per;
+}
+
+// An AllToAll sized at run time (`ir.Set`'s `rows`), as torch_dist.py's
+// `_post_all_to_all_rows`: the leading two logical axes are the sender's
+// and the receiver's piece; this rank sends piece j's first rows[j] rows
+// (summed over the counts' trailing axes) to team position j and receives
+// position j's into the first rows_in[j] rows of its piece j, the rest
+// zeros. The counts are read on the host (one synchronization, both at
+// once) and checked as `_piece_rows` checks them: the messages take their
+// sizes there. The pieces go as they lie,
+// one message per peer with rows to send or receive, batched (as
+// `batch_isend_irecv`: one NCCL group, or gloo's asynchronous messages);
+// its own piece is a copy. So both runners put the same messages on the
+// wire, on every backend.
+Posted allToAllRows(Run& run, const Instr& ins, const Group& group) {
+  Posted posted;
+  const int64_t n = ins.team_size;
+  at::Tensor src = applyView(ins.in_view, run.tensor(ins.input));
+  at::Tensor out = run.tensor(ins.out);
+  const int64_t a = ins.in_axis;
+  const int64_t b = ins.out_axis;
+  HOSTIR_CHECK(
+      src.dim() >= 3 && a < 2 && b < 2,
+      "a sized AllToAll moves [sender piece, receiver piece, rows, ...] sharded on one of its two leading axes, got "
+      "shape ",
+      src.sizes());
+  const int64_t bound = src.size(2);
+  at::Tensor counts = applyView(ins.rows_view, run.tensor(ins.rows));
+  at::Tensor counts_in = applyView(ins.rows_in_view, run.tensor(ins.rows_in));
+  // (A dry run, which moves the bound, is the Python evaluator's alone.)
+  at::Tensor per = pieceRows(counts);
+  at::Tensor per_in = pieceRows(counts_in);
+  at::Tensor host = at::cat({per, per_in}).cpu();
+  const int64_t split = per.numel();
+  std::vector<int64_t> sent = checkedRows(host.narrow(0, 0, split).contiguous(), n, bound, "rows", ins.rows_text);
+  std::vector<int64_t> got =
+      checkedRows(host.narrow(0, split, host.numel() - split).contiguous(), n, bound, "rows_in", ins.rows_in_text);
+  const int64_t me = ins.me;
+  if (sent.at(me) != got.at(me)) {
+    throw Error(
+        text("this rank keeps ", sent[me], " rows of its own piece by rows but ", got[me], " by rows_in: ",
+             ins.rows_text, " and ", ins.rows_in_text, " disagree"),
+        "TransportUsageError");
+  }
+  // The output with its logical axes: `out` itself where it is contiguous,
+  // else a staging buffer copied into it once the exchange is done.
+  std::vector<int64_t> logical_shape;
+  if (ins.out_view.logical.empty()) {
+    logical_shape = out.sizes().vec();
+  } else {
+    for (const auto& dims : ins.out_view.logical) {
+      int64_t size = 1;
+      for (int64_t d : dims) {
+        size *= out.size(d);
+      }
+      logical_shape.push_back(size);
+    }
+  }
+  const bool direct = out.is_contiguous();
+  at::Tensor whole = direct ? out.view(logical_shape) : at::empty(logical_shape, out.options());
+  std::function<void()> copy_out;
+  if (!direct) {
+    at::Tensor target = out;
+    copy_out = [whole, target]() mutable { target.copy_(whole.reshape(target.sizes())); };
+  }
+  // By team position: the rows sent to j and those received from j.
+  std::vector<at::Tensor> sends, recvs;
+  sends.reserve(n);
+  recvs.reserve(n);
+  for (int64_t j = 0; j < n; ++j) {
+    at::Tensor mine = piece(whole, b, j);
+    mine.slice(0, got[j]).zero_();
+    sends.push_back(contiguous(piece(src, a, j).slice(0, 0, sent[j])));
+    recvs.push_back(mine.slice(0, 0, got[j]));
+  }
+  recvs[me].copy_(sends[me]);
+  // One message per peer with rows to send or receive (team position j is
+  // group rank recv_perm[j]), batched: one NCCL group, or the messages'
+  // works waited on together (gloo does not coalesce).
+  std::vector<std::pair<int64_t, bool>> messages;  // (team position, send)
+  for (int64_t j = 0; j < n; ++j) {
+    if (j != me && sent[j] > 0) {
+      messages.emplace_back(j, true);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    if (j != me && got[j] > 0) {
+      messages.emplace_back(j, false);
+    }
+  }
+  if (!messages.empty()) {
+    // As batch_isend_irecv: one group where the device's backend coalesces.
+    const bool coalesce = src.is_cuda() && group->getBackend(src.device().type())->supportsCoalescing();
+    if (coalesce) {
+      group->startCoalescing(src.device().type());
+    }
+    for (const auto& [j, is_send] : messages) {
+      std::vector<at::Tensor> bufs{is_send ? sends[j] : recvs[j]};
+      checkCarries(group, bufs[0]);
+      int peer = static_cast<int>(ins.recv_perm.at(j));
+      auto work = is_send ? group->send(bufs, peer, 0) : group->recv(bufs, peer, 0);
+      if (!coalesce && work) {
+        posted.works.push_back(std::move(work));
+      }
+    }
+    if (coalesce) {
+      auto work = group->endCoalescing(src.device().type());
+      if (work) {
+        posted.works.push_back(std::move(work));
+      }
+    }
+  }
+  // The pieces sent and received live until the Wait.
+  posted.after = [sends, recvs, copy_out]() {
+    if (copy_out) {
+      copy_out();
+    }
+  };
+  return posted;
+}
+
 Posted sendRecv(Run& run, const Instr& ins, const Group& group) {
   Posted posted;
   if (ins.self_copy) {
@@ -406,7 +565,7 @@ class C10dTransport : public Transport {
       case CommType::kReduce:
         return reduce(run, ins, group);
       case CommType::kAllToAll:
-        return allToAll(run, ins, group);
+        return ins.rows >= 0 ? allToAllRows(run, ins, group) : allToAll(run, ins, group);
       case CommType::kSendRecv:
         return sendRecv(run, ins, group);
     }

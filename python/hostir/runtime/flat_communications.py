@@ -5,7 +5,8 @@ group, its roots as group ranks, its permutations in the group's order and
 its backend (which C++ transport posts it); a P2P names its peer, its
 backend and, for a push into a peer's window, its place there (`into`);
 a coalescing group's ends name the backend of its first member; a Wait the
-instruction it completes. Also the runtime shapes and logical groups the
+instruction it completes. An AllToAll sized at run time also names its
+counts (`rows`, `rows_in`). Also the runtime shapes and logical groups the
 communications and the compute ops share. The functions take the
 compiler (`flat._Compiler`) as `cc`; `flat` registers them.
 """
@@ -121,6 +122,19 @@ def communication(cc, e: ir.Communication) -> None:
         f["in_view"] = {"logical": logical_groups(e.input), "cuts": []}
         f["in_axis"] = _logical_mesh_axis(e.input, e.parallel_type)
         f["out_axis"] = _logical_mesh_axis(e.out, e.parallel_type)
+        if e.rows is not None:
+            # Sized at run time (`ir.Set`'s `rows`): the counts of the rows
+            # sent and received, read through their logical axes as the
+            # transport reads them, the output's logical axes, this rank's
+            # team position, and the counts' text for its errors.
+            f["rows"] = cc.tensor(e.rows)
+            f["rows_in"] = cc.tensor(e.rows_in)
+            f["rows_view"] = {"logical": logical_groups(e.rows), "cuts": []}
+            f["rows_in_view"] = {"logical": logical_groups(e.rows_in), "cuts": []}
+            f["out_view"] = {"logical": logical_groups(e.out), "cuts": []}
+            f["me"] = e.team.index(rank)
+            f["rows_text"] = printer.format_tv(e.rows)
+            f["rows_in_text"] = printer.format_tv(e.rows_in)
     elif t is ir.CommunicationType.SendRecv:
         # The receiver is the team's other rank, whichever order the team lists.
         others = [r for r in e.team if r != e.root]

@@ -29,7 +29,9 @@ def _field_text(p, name: str, value) -> str:
         return "-" if value < 0 else _scalar_text(p, value)
     if name in ("shape", "in_shape", "out_shape", "in_full", "out_full"):
         return "(" + ", ".join(_scalar_text(p, n) for n in value) + ")"
-    if name in ("out", "input", "a", "b", "bias", "buffer", "into", "like", "counts") and isinstance(value, int):
+    if name in ("out", "input", "a", "b", "bias", "buffer", "into", "like", "counts", "rows", "rows_in") and isinstance(
+        value, int
+    ):
         return "-" if value < 0 else f"%t{value}"
     if name == "locals":
         return "(" + " ".join(f"%t{v}" for v in value) + ")"
@@ -45,7 +47,7 @@ def _field_text(p, name: str, value) -> str:
         return _COMMUNICATION_TYPES[value]
     if name == "views":
         return "(" + " ".join(_view_text(v) for v in value) + ")"
-    if name == "in_view":
+    if name in ("in_view", "out_view", "rows_view", "rows_in_view"):
         return _view_text(value)
     if name == "store":
         flags = [f for f in ("partial", "slice") if value[f]]
@@ -84,7 +86,7 @@ def _view_text(v: dict) -> str:
     return "{" + " ".join(parts) + "}"
 
 
-_HIDDEN = {"stream_index", "stream_slot", "stream_key", "text"}
+_HIDDEN = {"stream_index", "stream_slot", "stream_key", "text", "rows_text", "rows_in_text"}
 
 
 def _stream_text(fields: dict) -> str:

@@ -540,9 +540,11 @@ def _kernel_fits(x: torch.Tensor, *sizes: int) -> bool:
     return all(n * x.element_size() % 16 == 0 for n in sizes)
 
 
-def _group_rows(counts_row) -> list[tuple[int, int]]:
+def _group_rows(counts_row, rows: int) -> list[tuple[int, int]]:
     """(start, end) of each group's rows, from one batch element's counts
-    (host values)."""
+    (host values), which must be >= 0 and total at most `rows`."""
+    if any(c < 0 for c in counts_row) or sum(counts_row) > rows:
+        raise ShapeError(f"grouped rows: counts {counts_row} must be >= 0 and total at most the {rows} rows")
     ends = list(itertools.accumulate(counts_row))
     return list(zip([0] + ends[:-1], ends))
 
@@ -561,7 +563,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     if not _kernel_fits(x, K, N):
         out = torch.zeros(nb, R, N, dtype=x.dtype, device=x.device)
         for i, row in enumerate(counts.reshape(nb, G).tolist()):
-            for g, (a, b) in enumerate(_group_rows(row)):
+            for g, (a, b) in enumerate(_group_rows(row, R)):
                 torch.matmul(xs[i, a:b], ws[i % nw, g].transpose(0, 1), out=out[i, a:b])
         return out.reshape(*xb, R, N)
     offs = counts.reshape(nb, G).cumsum(-1).to(torch.int32)
@@ -593,7 +595,7 @@ def grouped_outer(x: torch.Tensor, other: torch.Tensor, counts: torch.Tensor, wb
             out[i % nw] += torch._grouped_mm(xs[i].transpose(0, 1), os_[i], offs=offs[i])
     else:
         for i, row in enumerate(counts.reshape(nb, G).tolist()):
-            for g, (a, b) in enumerate(_group_rows(row)):
+            for g, (a, b) in enumerate(_group_rows(row, R)):
                 out[i % nw, g] += xs[i, a:b].transpose(0, 1).to(wide) @ os_[i, a:b].to(wide)
     return out.to(x.dtype).reshape(*wb, G, N, K)
 

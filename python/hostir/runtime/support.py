@@ -88,7 +88,7 @@ class Features:
     symmetric_allocations: bool = True
     meshes_2d: bool = False
     runtime_roots: bool = False
-    runtime_rows: bool = False
+    runtime_rows: bool = True
 
 
 FEATURES = Features()

@@ -1,14 +1,17 @@
 """The C++ executor against the Python evaluator on every rank: AllToAll,
 unary ops on sharded tensors, the forward and backward programs of
 `hostir.parallel`'s Linears (split axes, sharded operands, partial sums
-completed by an Allreduce, permutes), and every communication type and P2P
+completed by an Allreduce, permutes), every communication type and P2P
 on the c10d transport (the parity test of csrc/host_ir/transports/c10d.cpp),
+and AllToAlls sized at run time (alone, with counts that disagree, and the
+exact MoE layer's forward and backward),
 each run on both evaluators on the same random data, with the runner saying
 the C++ executor ran it."""
 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -20,9 +23,14 @@ import hostir
 from hostir import DeviceMesh, FusionDefinition, ParallelType, cpp, ir, shard_tensor
 from hostir.container import HostIrContainer
 from hostir.kinds import UnaryKind
+from hostir.moe import MoELayer
 from hostir.parallel import parallelize_module
 from hostir.runtime.evaluator import HostIrEvaluator
 from hostir.runtime.streams import streams_for
+
+from .test_moe import TOL as MOE_TOL
+from .test_moe import kwargs as moe_kwargs
+from .test_moe import reference_exact, routed
 
 pytestmark = pytest.mark.skipif(not cpp.available(), reason=f"the C++ executor is not built: {cpp.reason()}")
 
@@ -312,3 +320,115 @@ def test_p2p_posts_on_the_c10d_transport_as_in_python(world, device, coalesced):
     expected = "NCCL" if torch.cuda.is_available() else "gloo"
     named = {i.op: i.fields.get("backend") for i in evaluator._flat.instrs if "backend" in i.fields}
     assert named == ({"start_coalescing": expected, "p2p": expected, "end_coalescing": expected} if coalesced else {"p2p": expected})
+
+
+# ------------------------------------------------------------ AllToAlls sized at run time
+#
+# `set(x, rows=(sent, received))`: the C++ transport reads the counts on the
+# host, checks them as torch_dist.py's `_piece_rows` does, moves only the
+# real rows and zeros the rest, as the Python transport.
+
+
+def _sized_all_to_all(world, mesh, bound: int, hidden: int):
+    """y = set(x, rows=(rows, rows_in)): x [sender, receiver, bound, hidden]
+    sharded on the sender, y on the receiver; rows [sender, receiver] as x,
+    rows_in as y."""
+    D = world.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[D, D, bound, hidden])
+        rows = fd.define_tensor(shape=[D, D], dtype=torch.int64)
+        rows_in = fd.define_tensor(shape=[D, D], dtype=torch.int64)
+        y = fd.ops.set(x, rows=(rows, rows_in))
+        fd.add_output(y)
+    for tv, axis in ((x, 0), (rows, 0), (rows_in, 1), (y, 1)):
+        tv.set_device_mesh(mesh)
+        tv.axis(axis).parallelize(ParallelType.mesh_x)
+    return fd, x, rows, rows_in, y
+
+
+@pytest.mark.parametrize("reversed_team", [False, True], ids=["team", "reversed team"])
+def test_all_to_all_sized_at_run_time(world, device, reversed_team):
+    """Each sender's piece for each receiver moves its first counts[s, d]
+    rows (0 to the bound, its own piece included), the rest of the output
+    zeros; the same on both runners, twice (the second call prepared), over
+    a team in the group's order and one listing the ranks backwards."""
+    D, B, H = world.size, 5, 3
+    mesh = DeviceMesh(list(reversed(range(D))) if reversed_team else range(D))
+    fd, x, rows, rows_in, y = _sized_all_to_all(world, mesh, B, H)
+    full = torch.randn(D, D, B, H, device=device)
+    counts = torch.randint(0, B + 1, (D, D), device=device)
+    counts[0, -1], counts[-1, 0] = 0, B  # an empty piece and a full one
+    expected = torch.zeros_like(full)
+    for s in range(D):
+        for d in range(D):
+            expected[s, d, : counts[s, d]] = full[s, d, : counts[s, d]]
+    mine = [shard_tensor(full, x), shard_tensor(counts, rows), shard_tensor(counts, rows_in)]
+    for _ in range(2):
+        (out,) = both(fd, mine)
+        torch.testing.assert_close(out, shard_tensor(expected, y), rtol=0, atol=0)
+    assert "rows=" in fd.host_ir()
+
+
+def test_a_sized_all_to_all_whose_counts_disagree_on_the_own_piece_raises_on_every_rank(world, device):
+    """rows and rows_in disagree on each rank's own piece: every rank raises
+    before it posts anything, with the same message on both runners."""
+    D, B, H = world.size, 4, 2
+    fd, x, rows, rows_in, _ = _sized_all_to_all(world, DeviceMesh(range(D)), B, H)
+    full = torch.randn(D, D, B, H, device=device)
+    counts = torch.randint(0, B + 1, (D, D), device=device)
+    wrong = counts.clone()
+    wrong.diagonal().copy_((counts.diagonal() + 1) % (B + 1))
+    mine = [shard_tensor(full, x), shard_tensor(counts, rows), shard_tensor(wrong, rows_in)]
+    r = world.rank
+    expected = f"this rank keeps {int(counts[r, r])} rows of its own piece by rows but {int(wrong[r, r])} by rows_in"
+    said = {}
+    for evaluator in ("python", "cpp"):
+        with pytest.raises(Exception, match="this rank keeps") as caught:
+            fd.execute(mine, evaluator=evaluator)
+        assert fd.last_runner.name == evaluator
+        (said[evaluator],) = re.findall(r"this rank keeps .* disagree", str(caught.value))
+        assert said[evaluator].startswith(expected), said[evaluator]
+    assert said["cpp"] == said["python"], said
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_exact_moe_layer_forward_and_backward_run_in_cpp(world, device, capacity):
+    """`MoELayer(exact=True)`: its forward (counts exchanged, then the tokens
+    and results sized by them) and its backward (the same exchanges with
+    the counts swapped, grouped outer products) run on the C++ executor and
+    give what the Python evaluator gives, bit for bit, and what the
+    token-by-token layer gives; with capacity 3, a bound that drops pairs."""
+    D, r = world.size, world.rank
+    T, H, F, E, k = 7, 8, 12, 2 * D, 2
+    El = E // D
+    x, indices, weights = routed(D, T, H, E, k, device)
+    gate, up = torch.randn(E, F, H, device=device) / 3, torch.randn(E, F, H, device=device) / 3
+    down = torch.randn(E, H, F, device=device) / 3
+    whole = [t.clone().requires_grad_() for t in (x, weights, gate, up, down)]
+    bound = T * k if capacity is None else capacity
+    expected = reference_exact(whole[0], indices, *whole[1:], bound=bound)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    results = {}
+    for evaluator in ("python", "cpp"):
+        mine = [x[r], weights[r]] + [w[r * El : (r + 1) * El] for w in (gate, up, down)]
+        mine = [t.clone().requires_grad_() for t in mine]
+        layer = MoELayer(
+            DeviceMesh(range(D)), E, capacity=capacity, exact=True, evaluator=evaluator, **moe_kwargs(device)
+        )
+        out = layer(mine[0], indices[r], *mine[1:])
+        out.backward(grad[r])
+        (training,) = layer.fusion(T, k, H, F, torch.float32).__dict__["_trainings"].values()
+        for program in (training.forward, training.backward):
+            runner = program.last_runner
+            assert runner.name == evaluator and (evaluator == "python" or runner.reasons == ()), runner
+        assert "rows=" in training.forward.host_ir() and "rows=" in training.backward.host_ir()
+        results[evaluator] = [out.detach()] + [t.grad for t in mine]
+    for p, c in zip(results["python"], results["cpp"]):
+        torch.testing.assert_close(c, p, rtol=0, atol=0)
+    out, *grads = results["cpp"]
+    torch.testing.assert_close(out, expected[r].detach(), **MOE_TOL)
+    torch.testing.assert_close(grads[0], whole[0].grad[r], **MOE_TOL)
+    torch.testing.assert_close(grads[1], whole[1].grad[r], **MOE_TOL)
+    for ours, theirs in zip(grads[2:], whole[2:]):
+        torch.testing.assert_close(ours, theirs.grad[r * El : (r + 1) * El], **MOE_TOL)
