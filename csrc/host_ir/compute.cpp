@@ -517,11 +517,17 @@ at::Tensor flatIndex(const at::Tensor& index, int64_t batch_count, int64_t rows,
 // The rows of `x` at `index`, zeros where it is negative.
 at::Tensor takeRows(const at::Tensor& x, const at::Tensor& index, const Instr& ins) {
   auto [nb, rows, f] = rowsOf(x.sizes(), ins);
-  at::Tensor flat = flatIndex(index, nb, rows, 0);
-  at::Tensor out = x.reshape({nb * rows, f}).index_select(0, flat);
-  out.masked_fill_((index < 0).reshape({-1, 1}), 0);
   std::vector<int64_t> shape(index.sizes().begin(), index.sizes().end());
   shape.insert(shape.end(), x.sizes().end() - ins.features, x.sizes().end());
+  // A negative index reads a zero row: one appended to the rows where they
+  // are fewer than the picks (a copy of the smaller tensor), else the picks
+  // it gave are zeroed after the gather (`take_rows`).
+  if (nb * rows < index.numel()) {
+    at::Tensor padded = at::cat({x.reshape({nb * rows, f}), at::zeros({1, f}, x.options())});
+    return padded.index_select(0, flatIndex(index, nb, rows, nb * rows)).reshape(shape);
+  }
+  at::Tensor out = x.reshape({nb * rows, f}).index_select(0, flatIndex(index, nb, rows, 0));
+  out.masked_fill_((index < 0).reshape({-1, 1}), 0);
   return out.reshape(shape);
 }
 
@@ -645,14 +651,17 @@ at::Tensor groupedMm(const Instr& ins, const at::Tensor& x, const at::Tensor& we
     return out.reshape(shape);
   }
   at::Tensor offs = counts.reshape({nb, groups}).cumsum(-1).to(at::kInt);
+  // `_grouped_mm` leaves the rows past the groups' total unwritten: one
+  // pass puts each element's product, or a zero past the rows.
+  at::Tensor real = (at::arange(rows, longsOn(x)).unsqueeze(0) < offs.slice(1, -1).to(at::kLong)).unsqueeze(-1);
   at::Tensor out = at::empty({nb, rows, n}, x.options());
+  at::Tensor zero = at::zeros({}, x.options());
   for (int64_t i = 0; i < nb; ++i) {
-    out.select(0, i).copy_(
-        at::_grouped_mm(xs.select(0, i), ws.select(0, i % nw).transpose(-2, -1), offs.select(0, i)));
+    at::Tensor o = out.select(0, i);
+    at::where_out(
+        o, real.select(0, i),
+        at::_grouped_mm(xs.select(0, i), ws.select(0, i % nw).transpose(-2, -1), offs.select(0, i)), zero);
   }
-  // `_grouped_mm` leaves the rows past the groups' total unwritten.
-  at::Tensor past = at::arange(rows, longsOn(x)).unsqueeze(0) >= offs.slice(1, -1).to(at::kLong);
-  out.masked_fill_(past.unsqueeze(-1), 0);
   return out.reshape(shape);
 }
 

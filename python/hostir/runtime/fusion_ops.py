@@ -510,12 +510,17 @@ def _flat_index(index: torch.Tensor, batch_count: int, rows: int, missing: int) 
 
 
 def take_rows(x: torch.Tensor, index: torch.Tensor, batch: int, features: int) -> torch.Tensor:
-    """`ir.TakeOp`."""
+    """`ir.TakeOp`. A negative index reads a zero row: one appended to the
+    rows where they are fewer than the picks (a copy of the smaller
+    tensor), else the picks it gave are zeroed after the gather."""
     nb, rows, f = _rows_of(x.shape, batch, features)
-    flat = _flat_index(index, nb, rows, 0)
-    out = x.reshape(nb * rows, f).index_select(0, flat)
+    shape = (*index.shape, *x.shape[x.dim() - features :])
+    if nb * rows < index.numel():
+        padded = torch.cat([x.reshape(nb * rows, f), x.new_zeros(1, f)])
+        return padded.index_select(0, _flat_index(index, nb, rows, nb * rows)).reshape(shape)
+    out = x.reshape(nb * rows, f).index_select(0, _flat_index(index, nb, rows, 0))
     out.masked_fill_((index < 0).reshape(-1, 1), 0)
-    return out.reshape(*index.shape, *x.shape[x.dim() - features :])
+    return out.reshape(shape)
 
 
 def put_add_rows(x: torch.Tensor, index: torch.Tensor, like, batch: int, features: int) -> torch.Tensor:
@@ -567,11 +572,12 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
                 torch.matmul(xs[i, a:b], ws[i % nw, g].transpose(0, 1), out=out[i, a:b])
         return out.reshape(*xb, R, N)
     offs = counts.reshape(nb, G).cumsum(-1).to(torch.int32)
+    real = (torch.arange(R, device=x.device).unsqueeze(0) < offs[:, -1:].to(torch.int64)).unsqueeze(-1)
     out = torch.empty(nb, R, N, dtype=x.dtype, device=x.device)
+    zero = x.new_zeros(())
     for i in range(nb):
-        out[i] = torch._grouped_mm(xs[i], ws[i % nw].transpose(-2, -1), offs=offs[i])
-    past = torch.arange(R, device=x.device).unsqueeze(0) >= offs[:, -1:].to(torch.int64)
-    out.masked_fill_(past.unsqueeze(-1), 0)
+        # One pass puts each element's product, or a zero past the rows.
+        torch.where(real[i], torch._grouped_mm(xs[i], ws[i % nw].transpose(-2, -1), offs=offs[i]), zero, out=out[i])
     return out.reshape(*xb, R, N)
 
 
