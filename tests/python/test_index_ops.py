@@ -119,6 +119,38 @@ def test_packed_route_fills_each_group_expert_after_expert(capacity):
         assert (got[0] < 0).any(), "a capacity this small drops some pairs"
 
 
+@pytest.mark.parametrize("evaluator", ["python", "cpp"])
+def test_the_route_ops_of_one_choice_sort_it_once(evaluator):
+    """slot, source and counts of the same choices share one sort in a run
+    (each result handed out once: a repeated op gets a tensor of its own),
+    on both runners."""
+    from hostir import cpp
+
+    if evaluator == "cpp" and not cpp.available():
+        pytest.skip(cpp.reason())
+    torch.manual_seed(9)
+    experts, groups, capacity = 6, 2, 9
+    indices = choices([2, 7, 2], experts)
+    with FusionDefinition() as fd:
+        idx = fd.define_tensor([-1, -1, 2], dtype=torch.int64)
+        slot, source = fd.ops.route(idx, experts, capacity, groups=groups, packed=True)
+        counts = fd.ops.route_counts(idx, experts, capacity, groups=groups, packed=True)
+        again = fd.ops.route_counts(idx, experts, capacity, groups=groups, packed=True)
+        for t in (slot, source, counts, again):
+            fd.add_output(t)
+    fd.execute([indices], evaluator=evaluator)
+    with torch.profiler.profile() as prof:
+        got = fd.execute([indices], evaluator=evaluator)
+    assert fd.last_runner.name == evaluator
+    sorts = [e for e in prof.events() if e.name == "aten::argsort"]
+    assert len(sorts) == 2, [e.name for e in prof.events()][:40]  # the three ops once, the repeat once more
+    for ours, theirs in zip(got, route_packed_by_hand(indices, experts, capacity, groups) + (None,)):
+        if theirs is not None:
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    torch.testing.assert_close(got[3], got[2], rtol=0, atol=0)
+    assert got[3].data_ptr() != got[2].data_ptr()
+
+
 @pytest.mark.parametrize("capacity", [7, 2])
 def test_route_counts_are_each_experts_kept_pairs(capacity):
     torch.manual_seed(3)

@@ -106,6 +106,7 @@ class Frame:
         "coalescing",
         "call_parity",
         "observers",
+        "shared",
     )
 
     def __init__(self, evaluator):
@@ -127,6 +128,9 @@ class Frame:
         # The evaluator's observers, and the profiler's when it watches this
         # run (none, the usual case, runs every op bare).
         self.observers: tuple = ()
+        # Work ops of this run share (the three route ops of one router's
+        # choices sort them once): key -> results.
+        self.shared: dict = {}
 
     # -- the two accessors
     def get(self, val, default=_REQUIRED):

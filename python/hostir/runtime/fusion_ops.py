@@ -458,8 +458,17 @@ def route(
     indices: torch.Tensor, experts: int, capacity: int, what: str, groups: int, packed: bool = False
 ) -> torch.Tensor:
     """`ir.RouteOp`: each pair's slot, each slot's token, or each expert's
-    kept pairs. The pairs are ordered by expert, stably (argsort), and a
-    pair's place within its expert (within its group when `packed`) is its
+    kept pairs (`route_all`'s one for `what`)."""
+    slot, source, counts = route_all(indices, experts, capacity, groups, packed)
+    return {"slot": slot, "source": source, "counts": counts}[what]
+
+
+def route_all(
+    indices: torch.Tensor, experts: int, capacity: int, groups: int, packed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three results of `ir.RouteOp` (slot, source, counts) from one
+    sort. The pairs are ordered by expert, stably (argsort), and a pair's
+    place within its expert (within its group when `packed`) is its
     position in that order less the expert's (the group's) first one."""
     *lead, tokens, k = indices.shape
     flat = indices.reshape(-1, tokens * k)
@@ -479,20 +488,19 @@ def route(
     within = torch.empty_like(flat).scatter_(1, order, places)
     kept = within < capacity
     slot = torch.where(kept, key * capacity + within, -1)
-    if what == "slot":
-        return slot.reshape(indices.shape)
-    if what == "counts":
-        out = torch.zeros(flat.shape[0], experts, dtype=torch.int64, device=flat.device)
-        out.scatter_add_(1, flat, kept.to(torch.int64))
-        return out.reshape(*lead, groups, per)
+    kept_counts = torch.zeros(flat.shape[0], experts, dtype=torch.int64, device=flat.device)
+    kept_counts.scatter_add_(1, flat, kept.to(torch.int64))
     rows = (groups if packed else experts) * capacity
     source = torch.full((flat.shape[0], rows + 1), -1, dtype=torch.int64, device=flat.device)
     token = (torch.arange(n, device=flat.device) // k).expand_as(flat)
     # A dropped pair writes the extra last column, which is cut off.
     source.scatter_(1, torch.where(slot >= 0, slot, rows), token)
-    if packed:
-        return source[:, :rows].reshape(*lead, groups, capacity)
-    return source[:, :rows].reshape(*lead, groups, per, capacity)
+    source = source[:, :rows]
+    return (
+        slot.reshape(indices.shape),
+        source.reshape(*lead, groups, capacity) if packed else source.reshape(*lead, groups, per, capacity),
+        kept_counts.reshape(*lead, groups, per),
+    )
 
 
 def _rows_of(shape, batch: int, features: int) -> tuple[int, int, int]:
@@ -640,9 +648,22 @@ def _topk(frame: Frame, e: ir.TopKOp) -> None:
 @impl(ir.RouteOp)
 def _route(frame: Frame, e: ir.RouteOp) -> None:
     indices = _operand(frame, e, e.indices, full_rank=True)
+    # The route ops of one router's choices (a MoE layer's slot, source and
+    # counts) share one sort: the first computes all three for this run,
+    # the others take theirs while the choices and the stream are the same.
+    stream = torch.cuda.current_stream(indices.device) if indices.is_cuda else None
+    key = ("route", indices.data_ptr(), tuple(indices.shape), indices._version, stream, e.experts, e.capacity)
+    key += (e.groups, e.packed)
+    which = ("slot", "source", "counts").index(e.what)
 
     def run():
-        return route(indices, e.experts, e.capacity, e.what, e.groups, e.packed)
+        found = frame.shared.get(key)
+        if found is None or found[which] is None:
+            found = frame.shared[key] = list(route_all(indices, e.experts, e.capacity, e.groups, e.packed))
+        # Each result is handed out once: a second op asking for it gets
+        # a tensor of its own.
+        result, found[which] = found[which], None
+        return result
 
     _store(frame, e, run, lambda out: out.copy_(run()), full_rank=True)
 
