@@ -561,7 +561,8 @@ void route(Run& run, const Instr& ins) {
   // others take theirs while the choices and the stream are the same.
   std::ostringstream key;
   key << "route " << indices.data_ptr() << " " << indices.sizes() << " " << indices._version() << " "
-      << (indices.is_cuda() ? run.currentStream().id() : -1) << " " << ins.experts << " " << ins.capacity << " "
+      << c10::impl::VirtualGuardImpl(indices.device().type()).getStream(indices.device()).id() << " " << ins.experts
+      << " " << ins.capacity << " "
       << ins.groups << " " << ins.packed;
   storeCopy(run, ins, [&]() {
     auto& found = run.shared()[key.str()];
