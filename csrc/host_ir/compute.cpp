@@ -13,7 +13,6 @@
 #include <array>
 #include <initializer_list>
 #include <optional>
-#include <sstream>
 #include <utility>
 
 namespace hostir {
@@ -446,9 +445,9 @@ at::TensorOptions longsOn(const at::Tensor& t) {
 // The pairs of router choices `indices` [*lead, T, k] ordered by expert,
 // stably (argsort); a pair's place within its expert (within its group when
 // `packed`) is its position in that order less the expert's (the group's)
-// first one. Each pair's slot, each slot's token and each expert's kept
-// pairs, from one sort (`route_all`).
-std::vector<at::Tensor> routeAll(const at::Tensor& indices, const Instr& ins) {
+// first one. Each pair's slot, each slot's token, or each expert's kept
+// pairs.
+at::Tensor routeOf(const at::Tensor& indices, const Instr& ins) {
   int64_t tokens = indices.size(-2);
   int64_t k = indices.size(-1);
   at::Tensor flat = indices.reshape({-1, tokens * k});
@@ -472,27 +471,27 @@ std::vector<at::Tensor> routeAll(const at::Tensor& indices, const Instr& ins) {
   at::Tensor within = at::empty_like(flat).scatter_(1, order, places);
   at::Tensor kept = within < ins.capacity;
   at::Tensor slot = at::where(kept, key * ins.capacity + within, -1);
-  std::vector<int64_t> lead(indices.sizes().begin(), indices.sizes().end() - 2);
-  at::Tensor kept_counts = at::zeros({flat.size(0), ins.experts}, longsOn(flat));
-  kept_counts.scatter_add_(1, flat, kept.to(at::kLong));
-  std::vector<int64_t> counts_shape = lead;
-  counts_shape.insert(counts_shape.end(), {ins.groups, per});
+  if (ins.what == "slot") {
+    return slot.reshape(indices.sizes());
+  }
+  std::vector<int64_t> shape(indices.sizes().begin(), indices.sizes().end() - 2);
+  if (ins.what == "counts") {
+    at::Tensor out = at::zeros({flat.size(0), ins.experts}, longsOn(flat));
+    out.scatter_add_(1, flat, kept.to(at::kLong));
+    shape.insert(shape.end(), {ins.groups, per});
+    return out.reshape(shape);
+  }
   int64_t rows = (ins.packed ? ins.groups : ins.experts) * ins.capacity;
   at::Tensor source = at::full({flat.size(0), rows + 1}, -1, longsOn(flat));
   at::Tensor token = at::floor_divide(at::arange(n, longsOn(flat)), k).expand_as(flat);
   // A dropped pair writes the extra last column, which is cut off.
   source.scatter_(1, at::where(slot >= 0, slot, rows), token);
-  std::vector<int64_t> source_shape = lead;
   if (ins.packed) {
-    source_shape.insert(source_shape.end(), {ins.groups, ins.capacity});
+    shape.insert(shape.end(), {ins.groups, ins.capacity});
   } else {
-    source_shape.insert(source_shape.end(), {ins.groups, per, ins.capacity});
+    shape.insert(shape.end(), {ins.groups, per, ins.capacity});
   }
-  return {slot.reshape(indices.sizes()), source.slice(1, 0, rows).reshape(source_shape), kept_counts.reshape(counts_shape)};
-}
-
-int64_t routeWhich(const Instr& ins) {
-  return ins.what == "slot" ? 0 : ins.what == "source" ? 1 : 2;
+  return source.slice(1, 0, rows).reshape(shape);
 }
 
 // A tensor of `shape` as (batch elements, rows per batch element, features
@@ -556,25 +555,7 @@ void topk(Run& run, const Instr& ins) {
 
 void route(Run& run, const Instr& ins) {
   at::Tensor indices = fullOperand(run, ins, 0, ins.input, ins.a_dim);
-  // The route ops of one router's choices (a MoE layer's slot, source and
-  // counts) share one sort: the first computes all three for this run, the
-  // others take theirs while the choices and the stream are the same.
-  std::ostringstream key;
-  key << "route " << indices.data_ptr() << " " << indices.sizes() << " " << indices._version() << " "
-      << c10::impl::VirtualGuardImpl(indices.device().type()).getStream(indices.device()).id() << " " << ins.experts
-      << " " << ins.capacity << " "
-      << ins.groups << " " << ins.packed;
-  storeCopy(run, ins, [&]() {
-    auto& found = run.shared()[key.str()];
-    int64_t which = routeWhich(ins);
-    if (found.empty() || !found[which].defined()) {
-      found = routeAll(indices, ins);
-    }
-    // Each result is handed out once: a second op asking gets its own.
-    at::Tensor result = found[which];
-    found[which] = at::Tensor();
-    return result;
-  });
+  storeCopy(run, ins, [&]() { return routeOf(indices, ins); });
 }
 
 void take(Run& run, const Instr& ins) {

@@ -10,8 +10,6 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <functional>
-#include <map>
-#include <string>
 
 namespace hostir {
 
@@ -125,11 +123,6 @@ class Run {
   int64_t indexOf(const Instr& ins) const {
     return &ins - p_.instrs.data();
   }
-  // Results ops of this run share, by key (the three route ops of one
-  // router's choices sort them once): each result is handed out once.
-  std::map<std::string, std::vector<at::Tensor>>& shared() {
-    return shared_;
-  }
   const c10::intrusive_ptr<c10d::ProcessGroup>& worldGroup();
 
  private:
@@ -211,7 +204,6 @@ class Run {
   const Instr* coalescing_ = nullptr;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   std::vector<at::Tensor> kept_;  // compact copies of views being sent
-  std::map<std::string, std::vector<at::Tensor>> shared_;
   std::function<bool()> gate_;
   bool gated_ = false;
 };

@@ -651,6 +651,7 @@ def _route(frame: Frame, e: ir.RouteOp) -> None:
     # The route ops of one router's choices (a MoE layer's slot, source and
     # counts) share one sort: the first computes all three for this run,
     # the others take theirs while the choices and the stream are the same.
+    # (The C++ executor computes each op's own.)
     stream = torch.cuda.current_stream(indices.device) if indices.is_cuda else None
     key = ("route", indices.data_ptr(), tuple(indices.shape), indices._version, stream, e.experts, e.capacity)
     key += (e.groups, e.packed)
