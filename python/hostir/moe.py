@@ -229,22 +229,20 @@ class MoELayer:
             counts = fd.ops.route_counts(indices, E, B, groups=D, packed=True)
             # [source rank, destination rank, B, H], B a bound on the rows.
             sent = fd.ops.take(x, source, batch=1, features=1)
-            if D > 1:
-                counts_in = fd.ops.set(counts)
-                received = fd.ops.set(sent, rows=(counts, counts_in))
-            else:
-                counts_in, received = counts, sent
+            counts_in = fd.ops.set(counts)
+            # On one rank every pair stays: the bound is all of them, so
+            # the exchange needs no counts.
+            received = fd.ops.set(sent, rows=(counts, counts_in) if D > 1 else None)
             g = fd.ops.grouped_mm(received, gate, counts_in)
             u = fd.ops.grouped_mm(received, up, counts_in)
             h = fd.ops.mul(getattr(fd.ops, self.activation.value)(g), u)
             y = fd.ops.grouped_mm(h, down, counts_in)
-            back = fd.ops.set(y, rows=(counts_in, counts)) if D > 1 else y
+            back = fd.ops.set(y, rows=(counts_in, counts) if D > 1 else None)
             picked = fd.ops.take(back, slot, batch=1, features=1)
             weights_as_x = fd.ops.cast(weights, dtype) if weights_dtype != dtype else weights
             fd.add_output(fd.ops.matmul(weights_as_x, picked))
         placed = [(x, 0), (indices, 0), (weights, 0), (gate, 0), (up, 0), (down, 0), (counts, 0), (sent, 0)]
-        if D > 1:
-            placed += [(counts_in, 1), (received, 1), (back, 0)]
+        placed += [(counts_in, 1), (received, 1), (back, 0)]
         for tv, axis in placed:
             tv.set_device_mesh(self.mesh)
             tv.axis(axis).parallelize(ir.ParallelType.mesh_x)

@@ -104,3 +104,27 @@ def test_a_sized_exchange_is_refused_where_it_cannot_run():
         lower(program(stream=True).fusion, rank=0, backend="gloo")
     with pytest.raises(LoweringError, match="a set sized by rows must move a sharded axis"):
         lower(program(stream=False, moves=False).fusion, rank=0, backend="gloo")
+
+
+def test_the_exact_layer_on_one_rank_matches_torch():
+    """On one rank every pair stays (the exchanges are plain copies):
+    outputs and every gradient as eager torch's."""
+    torch.manual_seed(11)
+    T, H, F, E, k = 5, 8, 12, 4, 2
+    x = torch.randn(T, H)
+    indices = torch.topk(torch.rand(T, E), k).indices
+    inputs = [x, torch.rand(T, k), torch.randn(E, F, H) / 3, torch.randn(E, F, H) / 3, torch.randn(E, H, F) / 3]
+    ours = [t.clone().requires_grad_() for t in inputs]
+    theirs = [t.clone().requires_grad_() for t in inputs]
+    out = MoELayer(DeviceMesh([0]), E, exact=True)(ours[0], indices, *ours[1:])
+    xt, wt, gt, ut, dt = theirs
+    h = torch.nn.functional.silu(torch.einsum("th,efh->tef", xt, gt)) * torch.einsum("th,efh->tef", xt, ut)
+    every = torch.einsum("tef,ehf->teh", h, dt)
+    chosen = torch.zeros(T, E).scatter_add(1, indices, wt)
+    expected = torch.einsum("te,teh->th", chosen, every)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(expected)
+    out.backward(grad)
+    expected.backward(grad)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad)
