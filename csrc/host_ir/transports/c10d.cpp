@@ -414,7 +414,7 @@ std::vector<int64_t> checkedRows(
 // zeros. The counts are read on the host (one synchronization, both at
 // once) and checked as `_piece_rows` checks them: the messages take their
 // sizes there. The pieces go as they lie,
-// one message per peer with rows to send or receive, batched (as
+// one message to and from each peer (empty where a piece has no rows), batched (as
 // `batch_isend_irecv`: one NCCL group, or gloo's asynchronous messages);
 // its own piece is a copy. So both runners put the same messages on the
 // wire, on every backend.
@@ -483,14 +483,16 @@ Posted allToAllRows(Run& run, const Instr& ins, const Group& group) {
   // One message per peer with rows to send or receive (team position j is
   // group rank recv_perm[j]), batched: one NCCL group, or the messages'
   // works waited on together (gloo does not coalesce).
+  // A message to and from every peer, an empty one where a piece has no
+  // rows: every rank posts as many (a sequence-checking wrapper counts them).
   std::vector<std::pair<int64_t, bool>> messages;  // (team position, send)
   for (int64_t j = 0; j < n; ++j) {
-    if (j != me && sent[j] > 0) {
+    if (j != me) {
       messages.emplace_back(j, true);
     }
   }
   for (int64_t j = 0; j < n; ++j) {
-    if (j != me && got[j] > 0) {
+    if (j != me) {
       messages.emplace_back(j, false);
     }
   }

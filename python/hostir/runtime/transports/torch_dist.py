@@ -338,10 +338,10 @@ def _post_all_to_all_rows(calls: Calls, frame, e, group) -> Posted:
     trailing axes) to team position j and receives position j's into the
     first `rows_in` rows of its piece j, the rest zeros. The counts are
     read on the host (one synchronization): the messages take their sizes
-    there. The pieces go as they lie, one message per peer with rows to
-    send or receive, batched (`batch_isend_irecv`: one NCCL group, or
-    gloo's asynchronous messages); its own piece is a copy. A dry run
-    records the exchange at the bound."""
+    there. The pieces go as they lie, one message to and from each peer
+    (empty where a piece has no rows), batched (`batch_isend_irecv`: one
+    NCCL group, or gloo's asynchronous messages); its own piece is a copy.
+    A dry run records the exchange at the bound."""
     pt, team = e.parallel_type, e.team
     src = layout.to_logical(e.input, frame.get(e.input))
     out = frame.get(e.out)
@@ -372,8 +372,11 @@ def _post_all_to_all_rows(calls: Calls, frame, e, group) -> Posted:
     for j in range(len(team)):
         piece(whole, b, j)[got[j] :].zero_()
     outs[me].copy_(ins[me])
-    ops = [dist.P2POp(dist.isend, ins[j], team[j], group) for j in range(len(team)) if j != me and sent[j]]
-    ops += [dist.P2POp(dist.irecv, outs[j], team[j], group) for j in range(len(team)) if j != me and got[j]]
+    # A message to and from every peer, an empty one where a piece has no
+    # rows: every rank posts as many (a sequence-checking wrapper,
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL, counts them).
+    ops = [dist.P2POp(dist.isend, ins[j], team[j], group) for j in range(len(team)) if j != me]
+    ops += [dist.P2POp(dist.irecv, outs[j], team[j], group) for j in range(len(team)) if j != me]
     works = list(dist.batch_isend_irecv(ops)) if ops else []
     return Posted(works, copy_out)
 
