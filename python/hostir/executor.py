@@ -175,6 +175,11 @@ class FusionExecutor:
             lowered = self._program_for(inputs, resharding, kwargs).lowered
             assert lowered is not None
             return lowered
+        if kwargs:
+            raise UsageError(
+                f"lowered_program: {', '.join(sorted(kwargs))} shape the program of a call: give the call's "
+                f"inputs too (without them, the default program is lowered and these would be ignored)"
+            )
         if self._multi_device():
             rank = communicator.rank()
             backend = backends.of_process_group("nccl" if torch.cuda.is_available() else "gloo").name

@@ -37,9 +37,37 @@ def _set_rule(d: Deriver, e: ir.Set, needs) -> None:
         d.known[gx] = layout
         d.contribute(e.input, gx)
         return
+    if _walked_all_to_all(d, e):
+        # The forward walked this all-to-all's received pieces (a MoE
+        # layer's dispatch): the cotangents are summed piece by piece in
+        # the received layout, and the set back is explicit, so that the
+        # lowering walks the backward the same way: each piece's gradient
+        # computed as it arrives and returned to the rank it came from.
+        g = d.cotangent(e.out)
+        gx = builders.set_(g)
+        layout = d.layout(e.input)
+        layout.apply(gx)
+        d.known[gx] = layout
+        d.contribute(e.input, gx)
+        return
     # The same values in the input's sharding: the lowering moves them.
     g = d.cotangent(e.out, d.layout(e.input))
     d.contribute(e.input, g)
+
+
+def _walked_all_to_all(d: Deriver, e: ir.Set) -> bool:
+    """Whether `e` is an all-to-all whose output the forward walks: sharded
+    on one axis its input holds whole, its input sharded on one axis it
+    holds whole, with a stream piece on that axis of the output."""
+    lo, li = d.layout(e.out), d.layout(e.input)
+    if lo.mesh is None or li.mesh is None or lo.mesh != li.mesh or len(lo.axes) != len(li.axes):
+        return False
+    sharded_out = [a for a in range(len(lo.axes)) if lo.device_types(a)]
+    sharded_in = [a for a in range(len(li.axes)) if li.device_types(a)]
+    if len(sharded_out) != 1 or len(sharded_in) != 1 or sharded_out == sharded_in:
+        return False
+    (walked,) = sharded_in
+    return lo.streamed([walked]) and not li.device_types(sharded_out[0])
 
 
 @rule(ir.UnaryOp)

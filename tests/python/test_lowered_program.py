@@ -119,3 +119,14 @@ def test_the_executor_keeps_the_record_of_each_program():
     assert program.lowered.program is program.container
     assert program.lowered.digest == lower(fd.fusion).digest
     assert str(fd.executor.lowered_program().program) == str(fd.host_program()) == fd.host_ir()
+
+
+def test_call_keywords_without_the_calls_inputs_are_refused():
+    """`host_ir(schedule=...)` without inputs would lower the default
+    program and drop the keyword: it is refused, naming the keyword."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.relu(x))
+    with pytest.raises(Exception, match="schedule shape the program of a call: give the call's inputs"):
+        fd.host_ir(schedule="sequential")
+    assert "relu" in fd.host_ir(inputs=[torch.randn(3, 5)], schedule="sequential")

@@ -55,14 +55,26 @@ def test_golden_of_the_moe_layers_training_forward_on_the_copy_engine():
     check_golden("moe_training_forward_ring_cuda", lowered)
 
 
-def test_golden_of_the_moe_layers_backward():
+@pytest.mark.parametrize(
+    "name, sched", [("moe_backward", None), ("moe_backward_ring_cuda", Schedule("ring", transport="cuda"))]
+)
+def test_golden_of_the_moe_layers_backward(name, sched):
     """Combine's transpose (the output gradient dispatched back to the
     experts' ranks), the experts' backward, dispatch's transpose (the
-    tokens' gradients combined back): two AllToAlls, a put_add for each
-    take, and nothing sent again for the saved received tokens."""
+    tokens' gradients combined back), walked as the forward is: one ring
+    whose steps each receive a peer's output gradients, run the experts'
+    backward on them and return the tokens' gradients to that peer; the
+    weights' gradients read the walked tensors whole after the ring; a
+    put_add for each take, and nothing sent again for the saved received
+    tokens."""
     fd = layer().fusion(**SHAPE)
     backward = derive(fd.fusion, [0, 2, 3, 4, 5]).backward
-    check_golden("moe_backward", lower(backward, rank=0, backend="gloo"))
+    lowered = lower(backward, rank=0, backend="gloo", schedule=sched)
+    (ring,) = [e for e in lowered.program.exprs if isinstance(e, ir.ForLoop) and e.schedule]
+    sends = [e for e in ir.walk(ring.body) if isinstance(e, ir.P2PCommunication) and e.type == "send"]
+    assert len(sends) == 2, "each step receives a peer's gradients and returns the tokens' gradients"
+    assert not any(isinstance(e, ir.Communication) for e in lowered.program.walk())
+    check_golden(name, lowered)
 
 
 def test_golden_of_the_exact_moe_layer_forward_and_backward():

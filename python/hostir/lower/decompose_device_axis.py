@@ -92,6 +92,13 @@ def decompose_device_axis(
         e = exprs[i]
         gather = _gather_axis(e, graph)
         if gather is not None:
+            if schedule.decomposition == "ring" and _moved_axis(e, graph) is not None:
+                reordered = _gathered_to_return(exprs, i, gather[1], graph)
+                if reordered is not exprs:
+                    # Ops hoisted above the walk come first, each as any
+                    # other op; then the walk, its ops now contiguous.
+                    exprs = reordered
+                    continue
             start = i
             group, i = _run_of(exprs, i + 1, gather[1], graph)
             back = None
@@ -203,6 +210,45 @@ def _returns_pieces(walk: ir.Set, e, group: list, graph) -> bool:
     moved = _moved_axis(e, graph)
     s = _stream_axis(e.input)
     return moved is not None and s is not None and graph.mapped(moved, s)
+
+
+def _gathered_to_return(exprs: list, at: int, axis: ir.IterDomain, graph) -> list:
+    """`exprs` reordered so that the walked all-to-all `exprs[at]`, the ops
+    that walk its pieces and the all-to-all that returns their result
+    (`_returns_pieces`) are contiguous, where ops between them that walk
+    nothing allow it (a MoE layer's backward, whose weight gradients read
+    the walked tensors whole): an op that reads nothing the walk fills
+    moves above it, one that does (or reads such an op's result) below the
+    all-to-all back. Each op keeps its order among those it moves with,
+    and every op still follows what it reads. `exprs` itself where nothing
+    moves or no all-to-all back closes the walk."""
+    walk = exprs[at]
+    group: list = []
+    above: list = []
+    below: list = []
+    filled = {walk.out}  # what the steps fill piece by piece
+    deferred: set = set()  # results of ops moved below
+    for j in range(at + 1, len(exprs)):
+        e = exprs[j]
+        if not isinstance(e, ir.FUSION_OPS):
+            return exprs
+        if group and _returns_pieces(walk, e, group, graph):
+            if not above and not below:
+                return exprs
+            return exprs[:at] + above + [walk] + group + [e] + below + exprs[j + 1 :]
+        if is_resharding(e):
+            return exprs
+        reads = {v for v in e.inputs() if isinstance(v, ir.TensorView)}
+        s = _stream_axis(e.outputs()[0])
+        if s is not None and graph.mapped(s, axis) and not reads & deferred:
+            group.append(e)
+            filled.add(e.out)
+        elif reads & (filled | deferred):
+            below.append(e)
+            deferred.add(e.out)
+        else:
+            above.append(e)
+    return exprs
 
 
 def _moved_axis(e: ir.Set, graph) -> ir.IterDomain | None:

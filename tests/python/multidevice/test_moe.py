@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hostir import DeviceMesh
+from hostir import DeviceMesh, backends
 from hostir.autodiff import derive
 from hostir.executor import FusionExecutor
+from hostir.lower import lower
+from hostir.lower.schedule import parse as parse_schedule
 from hostir.moe import MoELayer
 from hostir.parallel import ExpertParallel, ParallelizeError, parallelize_module
 
@@ -191,13 +193,19 @@ def test_dispatch_walked_as_a_ring_matches(world, device, schedule):
     program = walked.fusion(T, k, H, F, torch.float32).host_ir(
         inputs=[t.unsqueeze(0) for t in (mine[0], indices[r], mine[1].unsqueeze(-2), *mine[2:])], schedule=schedule
     )
-    if schedule == "sequential":
-        assert program.count("type=AllToAll") == 2
-    else:
-        # Dispatch and combine are one ring: each step receives a peer's
-        # tokens, runs the experts on them and sends the results back.
-        assert program.count("type=AllToAll") == 0
-        assert "(ring, chunks=" in program and program.count("type=send") == 2
+    backward = derive(walked.fusion(T, k, H, F, torch.float32).fusion, [0, 2, 3, 4, 5]).backward
+    backend = backends.of_process_group("nccl" if device.type == "cuda" else "gloo").name
+    backward = str(lower(backward, rank=r, backend=backend, schedule=parse_schedule(schedule)).program)
+    for walk in (program, backward):
+        if schedule == "sequential":
+            assert walk.count("type=AllToAll") == 2
+        else:
+            # Dispatch and combine are one ring: each step receives a
+            # peer's tokens (in the backward, the output's gradients), runs
+            # the experts on them and sends the results (the tokens'
+            # gradients) back.
+            assert walk.count("type=AllToAll") == 0, walk
+            assert "(ring, chunks=" in walk and walk.count("type=send") == 2, walk
 
 
 @pytest.mark.parametrize("schedule", ["collective", "ring:chunks=2"])
