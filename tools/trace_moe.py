@@ -15,6 +15,12 @@ hidden 4096, ffn 1536, 64 experts, top 8) and runs, in order:
 
 Each form's trace lands in OUT/<form> (one file per rank); the ranks end
 together (a barrier), and the process group is destroyed.
+
+With `--backward`, each form instead runs one forward and backward under
+`torch.profiler` (after warm-ups) and rank 0 writes the ops' table, sorted
+by their device time, to OUT/<form>_fwd_bwd.txt: where a training step of
+the layer spends its time, op by op (the stream timeline shows the
+forward's overlap; this shows the backward's costs).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--capacity-factor", type=float, default=2.0)
     ap.add_argument("--forms", default="sequential,ring,ring:transport=cuda,exact")
+    ap.add_argument("--backward", action="store_true", help="profile one forward+backward per form instead")
     args = ap.parse_args()
     D, r = hostir.world_size(), hostir.rank()
     dev = torch.device("cuda", hostir.local_rank())
@@ -60,12 +67,15 @@ def main() -> None:
             else:
                 layer = MoELayer(mesh, E, capacity_factor=args.capacity_factor, schedule=form)
                 kwargs = {"schedule": form}
+            name = form.replace(":", "_").replace("=", "_")
+            if args.backward:
+                profile_step(layer, (x, indices, weights, gate, up, down), f"{args.out}/{name}_fwd_bwd.txt", r)
+                continue
             with torch.no_grad():
                 for _ in range(3):
                     layer(x, indices, weights, gate, up, down)
                 torch.cuda.synchronize()
                 fd = layer.fusion(T, k, H, F, torch.bfloat16, weights.dtype)
-                name = form.replace(":", "_").replace("=", "_")
                 inputs = [x, indices, weights.unsqueeze(-2), gate, up, down]
                 fd.execute([t.unsqueeze(0) for t in inputs], trace=f"{args.out}/{name}", **kwargs)
                 torch.cuda.synchronize()
@@ -75,6 +85,33 @@ def main() -> None:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def profile_step(layer: MoELayer, inputs: tuple, path: str, rank: int) -> None:
+    """One forward and backward of `layer` under torch.profiler, after
+    three warm-ups; rank 0 writes the ops' table by device time to `path`."""
+    x, indices, weights, gate, up, down = inputs
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, gate, up, down)]
+
+    def step():
+        xl, wl, gl, ul, dl = leaves
+        out = layer(xl, indices, wl, gl, ul, dl)
+        out.backward(torch.ones_like(out))
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        torch.cuda.synchronize()
+    if rank == 0:
+        import pathlib
+
+        pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=60)
+        pathlib.Path(path).write_text(table)
+        print(f"profiled one forward+backward into {path}", flush=True)
 
 
 if __name__ == "__main__":
