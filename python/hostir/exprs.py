@@ -456,7 +456,13 @@ class TakeOp(Expr):
     (`batch` leading axes, `features` trailing ones, the rows between them
     counted as one flat axis), `index` [*batch, *picks] (int64), and
     `out[b, p, f] = input[b, index[b, p], f]`, zeros where the index is
-    negative. Its transpose is `PutAddOp`. Writes into `out` if bound."""
+    negative. Its transpose is `PutAddOp`, or, with `inverse`, a take of
+    the picks summed: `inverse` [*batch, *rows, m] (int64) lists for each
+    row of `input` the flat picks that read it, -1 padding the rest, so
+    that `put_add(g, index)` is `take(g, inverse)` summed over its m axis
+    (a gather and a sum instead of a scatter of colliding adds; a MoE
+    layer's dispatch has it: each token's k slots). The take itself does
+    not read it. Writes into `out` if bound."""
 
     EFFECT = "compute"
 
@@ -465,7 +471,8 @@ class TakeOp(Expr):
     index: TensorView
     batch: int
     features: int
-    INPUTS = ("input", "index")
+    inverse: TensorView | None = None
+    INPUTS = ("input", "index", "inverse")
     OUTPUTS = ("out",)
 
     def id_pairs(self):
@@ -475,6 +482,8 @@ class TakeOp(Expr):
         yield from zip(out[: len(index)], index)
         if f:
             yield from zip(out[-f:], x[-f:])
+        if self.inverse is not None:
+            yield from zip(out[:b], self.inverse.logical_runtime()[:b])
 
 
 @_op

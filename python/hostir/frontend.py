@@ -227,14 +227,25 @@ class Ops:
         self._check(x, weight, counts)
         return index_ops.grouped_mm(x, weight, counts)
 
-    def take(self, x: ir.TensorView, index: ir.TensorView, batch: int = 0, features: int = 1) -> ir.TensorView:
+    def take(
+        self,
+        x: ir.TensorView,
+        index: ir.TensorView,
+        batch: int = 0,
+        features: int = 1,
+        inverse: ir.TensorView | None = None,
+    ) -> ir.TensorView:
         """Rows of `x` by index: `x` is [*batch, *rows, *features] (`batch`
         leading and `features` trailing axes; the axes between are the
         rows, counted as one flat axis), `index` [*batch, *picks] (int64);
         the result [*batch, *picks, *features] holds row `index[b, p]` of
-        batch element b at p, zeros where the index is negative."""
-        self._check(x, index)
-        return index_ops.take(x, index, batch, features)
+        batch element b at p, zeros where the index is negative.
+        `inverse` [*batch, *rows, m] (int64), optional: for each row of
+        `x`, the flat picks that read it (-1 padding), which makes the
+        gradient a gather and a sum over m instead of a scatter of adds
+        (`route`'s slot is the inverse of its source)."""
+        self._check(x, index, *([] if inverse is None else [inverse]))
+        return index_ops.take(x, index, batch, features, inverse)
 
     def put_add(
         self, x: ir.TensorView, index: ir.TensorView, like: ir.TensorView, batch: int = 0, features: int = 1

@@ -192,15 +192,27 @@ def _check_batch(batch_axes: list, index: ir.TensorView, what: str) -> list:
     return ia
 
 
-def take(x: ir.TensorView, index: ir.TensorView, batch: int = 0, features: int = 1) -> ir.TensorView:
-    """The rows of `x` at `index` (zeros where it is negative); see
-    `ir.TakeOp`."""
+def take(
+    x: ir.TensorView, index: ir.TensorView, batch: int = 0, features: int = 1, inverse: ir.TensorView | None = None
+) -> ir.TensorView:
+    """The rows of `x` at `index` (zeros where it is negative); `inverse`,
+    each row's picks, makes its transpose a gather (see `ir.TakeOp`)."""
     x = _tensor(x, "take")
     index = _index(index, "take")
-    b, _, f = _split(x, batch, features, "take")
+    b, rows, f = _split(x, batch, features, "take")
     ia = _check_batch(b, index, "take")
+    if inverse is not None:
+        inverse = _index(inverse, "take")
+        va = inverse.logical_runtime()
+        if len(va) != len(b) + len(rows) + 1:
+            raise DefinitionError(
+                f"take: the inverse T{inverse.name} must be [*batch, *rows, picks per row] "
+                f"({len(b) + len(rows) + 1} axes), got {len(va)}"
+            )
+        for k, (a, r) in enumerate(zip(va, b + rows)):
+            _same_size(a, r, f"take: axis {k} of the inverse and of the rows")
     out = _new(x.owner, ia + f, x.dtype)
-    return _emit(ir.TakeOp(out, x, index, batch, features))
+    return _emit(ir.TakeOp(out, x, index, batch, features, inverse))
 
 
 def put_add(x: ir.TensorView, index: ir.TensorView, like: ir.TensorView, batch: int = 0, features: int = 1):

@@ -183,7 +183,8 @@ class MoELayer:
             swap = [0, 1, 3, 2]
             gate_t, up_t, down_t = (fd.ops.permute(w, swap) for w in (gate, up, down))
             # [source rank, destination rank, its expert, slot, H].
-            sent = fd.ops.take(x, source, batch=1, features=1)
+            # `slot` lists each token's slots: the gradient gathers them.
+            sent = fd.ops.take(x, source, batch=1, features=1, inverse=slot)
             received = fd.ops.set(sent)
             g = fd.ops.matmul(received, gate_t)
             u = fd.ops.matmul(received, up_t)
@@ -228,7 +229,7 @@ class MoELayer:
             # [source rank, destination rank, its expert]: the rows sent.
             counts = fd.ops.route_counts(indices, E, B, groups=D, packed=True)
             # [source rank, destination rank, B, H], B a bound on the rows.
-            sent = fd.ops.take(x, source, batch=1, features=1)
+            sent = fd.ops.take(x, source, batch=1, features=1, inverse=slot)
             counts_in = fd.ops.set(counts)
             # On one rank every pair stays: the bound is all of them, so
             # the exchange needs no counts.

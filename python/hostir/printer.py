@@ -151,6 +151,8 @@ def _grouped_outer(e: ir.GroupedOuterOp, pad):
 
 def _take(e: ir.TakeOp, pad):
     where = f"batch = {e.batch}, features = {e.features}"
+    if e.inverse is not None:
+        where = f"inverse = {format_tv(e.inverse)}, {where}"
     return _assign(pad, e.out, f"take( {format_tv(e.input)}, {format_tv(e.index)}, {where} )")
 
 

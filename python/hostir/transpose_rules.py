@@ -346,7 +346,13 @@ def _take_rule(d: Deriver, e: ir.TakeOp, needs) -> None:
     g = d.cotangent(e.out)
     if not wants(d, e.input, needs):
         return
-    gx = index_ops.put_add(g, d.save(e.index), d.shaped_like(e.input), e.batch, e.features)
+    if e.inverse is not None:
+        # Each row gathers the picks that read it, and sums them: no
+        # colliding adds (and the sum accumulates in float32).
+        picked = d.made(index_ops.take(g, d.save(e.inverse), e.batch, e.features))
+        gx = builders.reduction("sum", picked, [e.inverse.logical_ndim - 1])
+    else:
+        gx = index_ops.put_add(g, d.save(e.index), d.shaped_like(e.input), e.batch, e.features)
     d.contribute(e.input, d.made(gx))
 
 

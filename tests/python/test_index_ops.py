@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hostir import FusionDefinition, index_ops
+from hostir import FusionDefinition, index_ops, printer
 from hostir.errors import DefinitionError, DefinitionTypeError
 
 
@@ -371,6 +371,46 @@ def test_gradients_of_a_routed_layer_match_torch():
         torch.testing.assert_close(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("capacity", [3, 10])
+def test_a_dispatch_given_each_tokens_slots_has_the_same_gradient(capacity):
+    """take(x, source, inverse=slot): the gradient gathers each token's
+    slots and sums them (no scatter); it equals put_add's and torch's,
+    dropped pairs (capacity 3) included, and the take reads as before."""
+    torch.manual_seed(6)
+    tokens, hidden, experts, k = 9, 5, 4, 2
+    indices = choices([2, tokens, k], experts)
+
+    def layer(inverse: bool):
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([2, tokens, hidden], torch.float64)
+            idx = fd.define_tensor([2, tokens, k], dtype=torch.int64)
+            slot, source = fd.ops.route(idx, experts, capacity)
+            rows = fd.ops.take(x, source, batch=1, inverse=slot if inverse else None)
+            fd.add_output(fd.ops.mul(rows, rows))
+        return fd
+
+    with_inverse, plain = layer(True), layer(False)
+    assert "inverse = T" in printer.print_fusion(with_inverse.fusion)
+    x = torch.randn(2, tokens, hidden, dtype=torch.float64)
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (out,) = with_inverse.execute([ours, indices])
+    (expected,) = plain.execute([theirs, indices])
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(ours.grad, theirs.grad)
+    # Against torch: each token's gradient is the sum over its kept slots.
+    _, source = route_by_hand(indices, experts, capacity)
+    rows = torch.stack([x[b][source[b].clamp(min=0)] * (source[b] >= 0).unsqueeze(-1) for b in range(2)])
+    by_hand = torch.zeros_like(x)
+    for b in range(2):
+        kept = source[b] >= 0
+        by_hand[b].index_add_(0, source[b][kept], (2 * rows[b] * grad[b].reshape(-1, hidden))[kept])
+    torch.testing.assert_close(ours.grad, by_hand)
+    assert torch.autograd.gradcheck(lambda t: with_inverse.execute([t, indices])[0], (x.clone().requires_grad_(),))
+
+
 def test_bad_definitions_name_what_is_wrong():
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 6])
@@ -383,6 +423,10 @@ def test_bad_definitions_name_what_is_wrong():
             fd.ops.route(idx, 6, 2, groups=4)
         with pytest.raises(DefinitionError, match="capacity must be an int >= 1"):
             fd.ops.route(idx, 6, 0)
+        with pytest.raises(DefinitionError, match="the inverse T.* must be \\[\\*batch, \\*rows, picks per row\\]"):
+            fd.ops.take(x, idx, inverse=fd.define_tensor([4, 2, 1], dtype=torch.int64))
+        with pytest.raises(DefinitionError, match="axis 0 of the inverse and of the rows: sizes 3 and 4"):
+            fd.ops.take(x, idx, inverse=fd.define_tensor([3, 2], dtype=torch.int64))
         with pytest.raises(DefinitionError, match="no row axis"):
             fd.ops.take(x, idx, batch=1, features=1)
         with pytest.raises(DefinitionError, match="batch axis 0 of the rows and the index: sizes 4 and 3"):
