@@ -693,13 +693,33 @@ at::Tensor groupedOuter(const Instr& ins, const at::Tensor& x, const at::Tensor&
   at::Tensor os = other.reshape({nb, rows, k});
   at::ScalarType dtype = x.scalar_type();
   at::ScalarType wide = dtype == at::kHalf || dtype == at::kBFloat16 ? at::kFloat : dtype;
-  at::Tensor out = at::zeros({nw, groups, n, k}, x.options().dtype(wide));
-  if (kernelFits(ins, x, {k, n, rows})) {
+  if (nb > 0 && kernelFits(ins, x, {k, n, rows})) {
     at::Tensor offs = counts.reshape({nb, groups}).cumsum(-1).to(at::kInt);
-    for (int64_t i = 0; i < nb; ++i) {
-      out.select(0, i % nw).add_(at::_grouped_mm(xs.select(0, i).transpose(0, 1), os.select(0, i), offs.select(0, i)));
+    auto productOf = [&](int64_t i) {
+      return at::_grouped_mm(xs.select(0, i).transpose(0, 1), os.select(0, i), offs.select(0, i));
+    };
+    std::vector<at::Tensor> sums;
+    for (int64_t w = 0; w < nw; ++w) {
+      // Batch elements w, w + nw, ... share weight w. Two products are
+      // added as ATen adds a half type, in float32 rounded once (what a
+      // float32 sum would give); more, in a float32 sum.
+      int64_t terms = nb / nw;
+      at::Tensor acc = productOf(w);
+      if (terms == 2) {
+        acc = acc + productOf(w + nw);
+      } else if (terms > 2) {
+        acc = acc.to(wide);
+        for (int64_t i = w + nw; i < nb; i += nw) {
+          acc.add_(productOf(i));
+        }
+        acc = acc.to(dtype);
+      }
+      sums.push_back(acc);
     }
-  } else {
+    return (nw == 1 ? sums[0] : at::stack(sums)).reshape(shape);
+  }
+  at::Tensor out = at::zeros({nw, groups, n, k}, x.options().dtype(wide));
+  {
     auto bounds = groupRows(counts, nb, groups, rows);
     for (int64_t i = 0; i < nb; ++i) {
       for (int64_t g = 0; g < groups; ++g) {

@@ -7,6 +7,8 @@ gradients (gradcheck in float64) and the errors of bad definitions."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -237,6 +239,38 @@ def test_grouped_mm_on_the_kernel_matches_a_matmul_per_group():
     expected.backward(grad.bfloat16().float())
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.grad.float().cpu(), b.grad.cpu(), rtol=3e-2, atol=1e-1)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="torch's grouped GEMM kernel needs a GPU of compute capability 9.0",
+)
+@pytest.mark.parametrize("batch, wbatch", [([1], 0), ([2], 0), ([3], 0), ([2, 2], 1), ([3, 2], 1)])
+def test_grouped_outer_on_the_kernel_sums_the_batch_as_float32(batch, wbatch):
+    """The weights' gradient on the kernel: each group's x^T other, summed
+    over the batch elements sharing a weight (one, two: added once; more:
+    in float32), as a float64 product per group; empty groups zero."""
+    from hostir.runtime.fusion_ops import grouped_outer
+
+    torch.manual_seed(9)
+    R, N, K, G = 64, 32, 48, 4
+    x = torch.randn(*batch, R, N, device="cuda").bfloat16()
+    other = torch.randn(*batch, R, K, device="cuda").bfloat16()
+    counts = torch.randint(0, 16, (*batch, G), device="cuda")
+    counts[..., 1] = 0
+    out = grouped_outer(x, other, counts, wbatch)
+    nb = x[..., 0, 0].numel()
+    nw = math.prod(batch[len(batch) - wbatch :]) if wbatch else 1
+    expected = torch.zeros(nw, G, N, K, dtype=torch.float64)
+    xs, os_, cs = x.reshape(nb, R, N).cpu().double(), other.reshape(nb, R, K).cpu().double(), counts.reshape(nb, G)
+    for i in range(nb):
+        start = 0
+        for g, c in enumerate(cs[i].tolist()):
+            expected[i % nw, g] += xs[i, start : start + c].T @ os_[i, start : start + c]
+            start += c
+    assert out.shape == (*batch[len(batch) - wbatch :], G, N, K) if wbatch else out.shape == (G, N, K)
+    torch.testing.assert_close(out.reshape(nw, G, N, K).double().cpu(), expected, rtol=2e-2, atol=5e-2)
+    assert (out.reshape(nw, G, N, K)[:, 1] == 0).all()
 
 
 def test_gradcheck_grouped_mm_and_grouped_outer():

@@ -602,12 +602,30 @@ def grouped_outer(x: torch.Tensor, other: torch.Tensor, counts: torch.Tensor, wb
         return torch.empty(*wb, G, N, K, dtype=x.dtype, device=x.device)
     xs, os_ = x.reshape(nb, R, N), other.reshape(nb, R, K)
     wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    out = torch.zeros(nw, G, N, K, dtype=wide, device=x.device)
-    if _kernel_fits(x, K, N, R):
+    if nb and _kernel_fits(x, K, N, R):
         offs = counts.reshape(nb, G).cumsum(-1).to(torch.int32)
-        for i in range(nb):
-            out[i % nw] += torch._grouped_mm(xs[i].transpose(0, 1), os_[i], offs=offs[i])
-    else:
+
+        def product(i: int) -> torch.Tensor:
+            return torch._grouped_mm(xs[i].transpose(0, 1), os_[i], offs=offs[i])
+
+        sums = []
+        for w in range(nw):
+            # Batch elements w, w + nw, ... share weight w. Two products
+            # are added as torch adds a half type, in float32 rounded once
+            # (what a float32 sum would give); more, in a float32 sum.
+            terms = range(w, nb, nw)
+            acc = product(w)
+            if len(terms) == 2:
+                acc = acc + product(w + nw)
+            elif len(terms) > 2:
+                acc = acc.to(wide)
+                for i in terms[1:]:
+                    acc += product(i)
+                acc = acc.to(x.dtype)
+            sums.append(acc)
+        return (sums[0] if nw == 1 else torch.stack(sums)).reshape(*wb, G, N, K)
+    out = torch.zeros(nw, G, N, K, dtype=wide, device=x.device)
+    if nb:
         for i, row in enumerate(counts.reshape(nb, G).tolist()):
             for g, (a, b) in enumerate(_group_rows(row, R)):
                 out[i % nw, g] += xs[i, a:b].transpose(0, 1).to(wide) @ os_[i, a:b].to(wide)
