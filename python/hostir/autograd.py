@@ -382,6 +382,10 @@ class _Node(torch.autograd.Function):
         ctx.record = record
         ctx.outputs = [(None if r is None else (r.shape, r.dtype, r.device)) for r in user]
         ctx.count = len(inputs)
+        # A program may run elsewhere than its inputs (CPU tensors of a
+        # mesh program on a GPU machine, copied there): each gradient goes
+        # back to its input's device, as autograd requires.
+        ctx.devices = [t.device if isinstance(t, torch.Tensor) else None for t in inputs]
         ctx.specs = specs
         for r in user:
             if r is not None and not r.is_floating_point():
@@ -415,6 +419,8 @@ class _Node(torch.autograd.Function):
         per_input: list[Any] = [None] * ctx.count
         specs = ctx.specs
         for i, g in zip(d.grad_inputs, results):
+            if g is not None and ctx.devices[i] is not None and g.device != ctx.devices[i]:
+                g = g.to(ctx.devices[i])
             if specs is None or specs[i] is None or g is None:
                 per_input[i] = g
             else:
