@@ -172,13 +172,16 @@ class MoELayer:
             fd = self._exact_fusion(tokens, topk, hidden, ffn, dtype, weights_dtype)
             self.fusions[key] = fd
             return fd
+        # The mesh axis of a one-rank mesh is left symbolic: a constant
+        # size 1 would make it a broadcast axis, not the rank's piece.
+        R = D if D > 1 else -1
         with FusionDefinition() as fd:
-            x = fd.define_tensor([D, tokens, hidden], dtype)
-            indices = fd.define_tensor([D, tokens, k], torch.int64)
-            weights = fd.define_tensor([D, tokens, 1, k], weights_dtype)
-            gate = fd.define_tensor([D, El, ffn, hidden], dtype)
-            up = fd.define_tensor([D, El, ffn, hidden], dtype)
-            down = fd.define_tensor([D, El, hidden, ffn], dtype)
+            x = fd.define_tensor([R, tokens, hidden], dtype)
+            indices = fd.define_tensor([R, tokens, k], torch.int64)
+            weights = fd.define_tensor([R, tokens, 1, k], weights_dtype)
+            gate = fd.define_tensor([R, El, ffn, hidden], dtype)
+            up = fd.define_tensor([R, El, ffn, hidden], dtype)
+            down = fd.define_tensor([R, El, hidden, ffn], dtype)
             slot, source = fd.ops.route(indices, E, C, groups=D)
             swap = [0, 1, 3, 2]
             gate_t, up_t, down_t = (fd.ops.permute(w, swap) for w in (gate, up, down))

@@ -118,9 +118,11 @@ def test_a_sized_exchange_is_refused_where_it_cannot_run():
         lower(program(stream=False, moves=False).fusion, rank=0, backend="gloo")
 
 
-def test_the_exact_layer_on_one_rank_matches_torch():
+@pytest.mark.parametrize("exact", [True, False])
+def test_the_layer_on_one_rank_matches_torch(exact):
     """On one rank every pair stays (the exchanges are plain copies):
-    outputs and every gradient as eager torch's."""
+    outputs and every gradient as eager torch's, in the exact form and
+    the padded one (whose weights' gradients sum over the one source)."""
     torch.manual_seed(11)
     T, H, F, E, k = 5, 8, 12, 4, 2
     x = torch.randn(T, H)
@@ -130,7 +132,7 @@ def test_the_exact_layer_on_one_rank_matches_torch():
     theirs = [t.clone().requires_grad_() for t in inputs]
     # On a GPU machine a mesh program runs on the communicator's GPU (the
     # CPU inputs copied there): compared on the CPU.
-    out = MoELayer(DeviceMesh([0]), E, exact=True)(ours[0], indices, *ours[1:]).cpu()
+    out = MoELayer(DeviceMesh([0]), E, exact=exact)(ours[0], indices, *ours[1:]).cpu()
     xt, wt, gt, ut, dt = theirs
     h = torch.nn.functional.silu(torch.einsum("th,efh->tef", xt, gt)) * torch.einsum("th,efh->tef", xt, ut)
     every = torch.einsum("tef,ehf->teh", h, dt)
