@@ -445,8 +445,8 @@ at::TensorOptions longsOn(const at::Tensor& t) {
 // The pairs of router choices `indices` [*lead, T, k] ordered by expert,
 // stably (argsort); a pair's place within its expert (within its group when
 // `packed`) is its position in that order less the expert's (the group's)
-// first one. Each pair's slot, each slot's token or pair, or each
-// expert's kept pairs.
+// first one. Each pair's slot, each slot's token, or each expert's kept
+// pairs.
 at::Tensor routeOf(const at::Tensor& indices, const Instr& ins) {
   int64_t tokens = indices.size(-2);
   int64_t k = indices.size(-1);
@@ -482,21 +482,16 @@ at::Tensor routeOf(const at::Tensor& indices, const Instr& ins) {
     return out.reshape(shape);
   }
   int64_t rows = (ins.packed ? ins.groups : ins.experts) * ins.capacity;
-  at::Tensor pairs = at::full({flat.size(0), rows + 1}, -1, longsOn(flat));
+  at::Tensor source = at::full({flat.size(0), rows + 1}, -1, longsOn(flat));
+  at::Tensor token = at::floor_divide(at::arange(n, longsOn(flat)), k).expand_as(flat);
   // A dropped pair writes the extra last column, which is cut off.
-  pairs.scatter_(1, at::where(slot >= 0, slot, rows), at::arange(n, longsOn(flat)).expand_as(flat));
-  pairs = pairs.slice(1, 0, rows);
+  source.scatter_(1, at::where(slot >= 0, slot, rows), token);
   if (ins.packed) {
     shape.insert(shape.end(), {ins.groups, ins.capacity});
   } else {
     shape.insert(shape.end(), {ins.groups, per, ins.capacity});
   }
-  if (ins.what == "pairs") {
-    // Each slot's pair, with a trailing axis of one (a take's inverse).
-    shape.push_back(1);
-    return pairs.reshape(shape);
-  }
-  return at::where(pairs >= 0, at::floor_divide(pairs, k), -1).reshape(shape);
+  return source.slice(1, 0, rows).reshape(shape);
 }
 
 // A tensor of `shape` as (batch elements, rows per batch element, features
@@ -790,9 +785,8 @@ void prepareCompute(Instr& ins) {
   if (ins.op == Opcode::kBinary && ins.rhs.is_number) {
     ins.rhs.wrapped = wrappedNumber(ins.rhs.number);
   }
-  if (ins.op == Opcode::kRoute && ins.what != "slot" && ins.what != "source" && ins.what != "pairs" &&
-      ins.what != "counts") {
-    throw Error(text("a route gives 'slot', 'source', 'pairs' or 'counts', not '", ins.what, "'"), "ProgramError");
+  if (ins.op == Opcode::kRoute && ins.what != "slot" && ins.what != "source" && ins.what != "counts") {
+    throw Error(text("a route gives 'slot', 'source' or 'counts', not '", ins.what, "'"), "ProgramError");
   }
 }
 

@@ -422,9 +422,6 @@ class RouteOp(Expr):
     groups, experts / groups, capacity], the token each slot holds, -1 for
     an empty slot: the inverse permutation, grouped as the experts are
     placed (`groups` ranks holding `experts / groups` each).
-    `what="pairs"`: as `source` with a trailing axis of one, each slot's
-    pair `t * k + j` (-1 for an empty slot): the inverse of the combine's
-    `take(y, slot)` (`TakeOp.inverse`).
     `what="counts"`: `out` [*lead, groups, experts / groups], the pairs
     each expert keeps.
 

@@ -217,17 +217,6 @@ class Ops:
         self._check(indices)
         return index_ops.route(indices, experts, capacity, "counts", groups, packed)
 
-    def route_pairs(
-        self, indices: ir.TensorView, experts: int, capacity: int, groups: int = 1, packed: bool = False
-    ) -> ir.TensorView:
-        """Each row's (token, choice) pair `t * k + j` under `route` with
-        the same arguments (-1: empty), shaped as its `source` with a
-        trailing axis of one (int64): the inverse of the combine's
-        `take(y, slot)`, which makes its gradient a gather
-        (`take(..., inverse=)`)."""
-        self._check(indices)
-        return index_ops.route(indices, experts, capacity, "pairs", groups, packed)
-
     def grouped_mm(self, x: ir.TensorView, weight: ir.TensorView, counts: ir.TensorView) -> ir.TensorView:
         """The grouped GEMM: `x` [*batch, R, K] holds rows grouped by
         `counts` [*batch, G] (group g: the `counts[g]` rows after the

@@ -80,15 +80,15 @@ def route(
     indices: ir.TensorView, experts: int, capacity: int, what: str, groups: int = 1, packed: bool = False
 ) -> ir.TensorView:
     """Each (token, choice) pair's slot (`what="slot"`), each slot's token
-    (`what="source"`) or pair (`what="pairs"`), or the pairs each expert
-    keeps (`what="counts"`), in a buffer of `capacity` rows per expert (per
-    group when `packed`); see `ir.RouteOp`."""
+    (`what="source"`), or the pairs each expert keeps (`what="counts"`), in
+    a buffer of `capacity` rows per expert (per group when `packed`); see
+    `ir.RouteOp`."""
     indices = _index(indices, "route")
     experts = _count(experts, "route: experts")
     capacity = _count(capacity, "route: capacity")
     groups = _count(groups, "route: groups")
-    if what not in ("slot", "source", "pairs", "counts"):
-        raise DefinitionError(f"route: what must be 'slot', 'source', 'pairs' or 'counts', got {what!r}")
+    if what not in ("slot", "source", "counts"):
+        raise DefinitionError(f"route: what must be 'slot', 'source' or 'counts', got {what!r}")
     if not isinstance(packed, bool):
         raise DefinitionTypeError(f"route: packed must be a bool, got {packed!r}")
     if experts % groups:
@@ -100,10 +100,10 @@ def route(
         out = _new(indices.owner, axes, torch.int64)
     elif what == "counts":
         out = _new(indices.owner, axes[:-2] + [groups, experts // groups], torch.int64)
+    elif packed:
+        out = _new(indices.owner, axes[:-2] + [groups, capacity], torch.int64)
     else:
-        rows = [groups, capacity] if packed else [groups, experts // groups, capacity]
-        # Each slot's pair has a trailing axis of one: a take's inverse.
-        out = _new(indices.owner, axes[:-2] + rows + ([1] if what == "pairs" else []), torch.int64)
+        out = _new(indices.owner, axes[:-2] + [groups, experts // groups, capacity], torch.int64)
     return _emit(ir.RouteOp(out, indices, experts, capacity, what, groups, packed))
 
 

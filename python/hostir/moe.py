@@ -194,9 +194,7 @@ class MoELayer:
             h = fd.ops.mul(getattr(fd.ops, self.activation.value)(g), u)
             y = fd.ops.matmul(h, down_t)
             back = fd.ops.set(y)
-            # Each slot's pair: the combine's gradient gathers them too.
-            pairs = fd.ops.route_pairs(indices, E, C, groups=D)
-            picked = fd.ops.take(back, slot, batch=1, features=1, inverse=pairs)
+            picked = fd.ops.take(back, slot, batch=1, features=1)
             # The k results weighted and summed: one batched product per
             # token, [1, k] x [k, H] (whose gradients are products too).
             if weights_dtype != dtype:
@@ -244,8 +242,7 @@ class MoELayer:
             h = fd.ops.mul(getattr(fd.ops, self.activation.value)(g), u)
             y = fd.ops.grouped_mm(h, down, counts_in)
             back = fd.ops.set(y, rows=(counts_in, counts) if D > 1 else None)
-            pairs = fd.ops.route_pairs(indices, E, B, groups=D, packed=True)
-            picked = fd.ops.take(back, slot, batch=1, features=1, inverse=pairs)
+            picked = fd.ops.take(back, slot, batch=1, features=1)
             weights_as_x = fd.ops.cast(weights, dtype) if weights_dtype != dtype else weights
             fd.add_output(fd.ops.matmul(weights_as_x, picked))
         placed = [(x, 0), (indices, 0), (weights, 0), (gate, 0), (up, 0), (down, 0), (counts, 0), (sent, 0)]

@@ -667,7 +667,7 @@ TEST(IndexOps, UnknownRouteIsRejectedWhenMade) {
     FAIL() << "an unknown route was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), "ProgramError");
-    EXPECT_STREQ(e.what(), "a route gives 'slot', 'source', 'pairs' or 'counts', not 'slots'");
+    EXPECT_STREQ(e.what(), "a route gives 'slot', 'source' or 'counts', not 'slots'");
   }
 }
 

@@ -412,16 +412,15 @@ def test_backward_of_a_take_runs_in_cpp_as_in_python(monkeypatch):
 
 
 def _route_reference(indices, experts, capacity, groups, packed):
-    """`route`'s slot, source, pairs and counts by a loop over each row's
-    pairs in (expert, token, choice) order: a pair's place is the pairs
-    placed before it in its expert (its group when `packed`)."""
+    """`route`'s slot, source and counts by a loop over each row's pairs in
+    (expert, token, choice) order: a pair's place is the pairs placed
+    before it in its expert (its group when `packed`)."""
     *lead, tokens, k = indices.shape
     per = experts // groups
     rows = (groups if packed else experts) * capacity
     flat = indices.reshape(-1, tokens, k).tolist()
     slot = torch.full((len(flat), tokens, k), -1, dtype=torch.int64)
     source = torch.full((len(flat), rows), -1, dtype=torch.int64)
-    pairs = torch.full((len(flat), rows), -1, dtype=torch.int64)
     counts = torch.zeros(len(flat), experts, dtype=torch.int64)
     for b, choices in enumerate(flat):
         placed: dict[int, int] = {}
@@ -431,23 +430,17 @@ def _route_reference(indices, experts, capacity, groups, packed):
             if place < capacity:
                 slot[b, t, j] = key * capacity + place
                 source[b, key * capacity + place] = t
-                pairs[b, key * capacity + place] = t * k + j
                 counts[b, e] += 1
     shape = [groups, capacity] if packed else [groups, per, capacity]
-    return (
-        slot.reshape(indices.shape),
-        source.reshape(*lead, *shape),
-        counts.reshape(*lead, groups, per),
-        pairs.reshape(*lead, *shape, 1),
-    )
+    return slot.reshape(indices.shape), source.reshape(*lead, *shape), counts.reshape(*lead, groups, per)
 
 
 @pytest.mark.parametrize("packed, capacity", [(False, 7), (False, 2), (True, 14), (True, 4), (True, 1)])
 @pytest.mark.parametrize("groups", [1, 3])
 def test_packed_route_and_counts_run_in_cpp_as_in_python(packed, capacity, groups, device):
-    """Each pair's slot, each slot's token and pair, and each expert's kept
-    pairs, per expert or packed per group (a group's pairs from its first
-    row, expert after expert), a capacity small enough dropping pairs."""
+    """Each pair's slot, each slot's token and each expert's kept pairs,
+    per expert or packed per group (a group's pairs from its first row,
+    expert after expert), a capacity small enough dropping pairs."""
     torch.manual_seed(16)
     experts = 6
     with FusionDefinition() as fd:
@@ -456,7 +449,6 @@ def test_packed_route_and_counts_run_in_cpp_as_in_python(packed, capacity, group
         fd.add_output(slot)
         fd.add_output(source)
         fd.add_output(fd.ops.route_counts(idx, experts, capacity, groups=groups, packed=packed))
-        fd.add_output(fd.ops.route_pairs(idx, experts, capacity, groups=groups, packed=packed))
     indices = _choices([2, 7, 2], experts).to(device)
     python, compiled = _both(fd, [indices])
     _same(python, compiled)

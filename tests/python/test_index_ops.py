@@ -467,7 +467,7 @@ def test_bad_definitions_name_what_is_wrong():
             fd.ops.take(x, fd.define_tensor([3, 2], dtype=torch.int64), batch=1, features=0)
         w = fd.define_tensor([3, 5, 6])
         counts = fd.define_tensor([4, 3], dtype=torch.int64)
-        with pytest.raises(DefinitionError, match="what must be 'slot', 'source', 'pairs' or 'counts'"):
+        with pytest.raises(DefinitionError, match="what must be 'slot', 'source' or 'counts'"):
             index_ops.route(idx, 6, 2, "rows")
         with pytest.raises(DefinitionTypeError, match="counts: the index T.* must be int64"):
             fd.ops.grouped_mm(fd.define_tensor([2, 4, 6]), w, fd.define_tensor([2, 3]))

@@ -457,17 +457,17 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
 def route(
     indices: torch.Tensor, experts: int, capacity: int, what: str, groups: int, packed: bool = False
 ) -> torch.Tensor:
-    """`ir.RouteOp`: each pair's slot, each slot's token or pair, or each
-    expert's kept pairs (`route_all`'s one for `what`)."""
-    slot, source, pairs, counts = route_all(indices, experts, capacity, groups, packed)
-    return {"slot": slot, "source": source, "pairs": pairs, "counts": counts}[what]
+    """`ir.RouteOp`: each pair's slot, each slot's token, or each expert's
+    kept pairs (`route_all`'s one for `what`)."""
+    slot, source, counts = route_all(indices, experts, capacity, groups, packed)
+    return {"slot": slot, "source": source, "counts": counts}[what]
 
 
 def route_all(
     indices: torch.Tensor, experts: int, capacity: int, groups: int, packed: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The four results of `ir.RouteOp` (slot, source, pairs, counts) from
-    one sort. The pairs are ordered by expert, stably (argsort), and a pair's
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three results of `ir.RouteOp` (slot, source, counts) from one
+    sort. The pairs are ordered by expert, stably (argsort), and a pair's
     place within its expert (within its group when `packed`) is its
     position in that order less the expert's (the group's) first one."""
     *lead, tokens, k = indices.shape
@@ -491,16 +491,14 @@ def route_all(
     kept_counts = torch.zeros(flat.shape[0], experts, dtype=torch.int64, device=flat.device)
     kept_counts.scatter_add_(1, flat, kept.to(torch.int64))
     rows = (groups if packed else experts) * capacity
-    pairs = torch.full((flat.shape[0], rows + 1), -1, dtype=torch.int64, device=flat.device)
+    source = torch.full((flat.shape[0], rows + 1), -1, dtype=torch.int64, device=flat.device)
+    token = (torch.arange(n, device=flat.device) // k).expand_as(flat)
     # A dropped pair writes the extra last column, which is cut off.
-    pairs.scatter_(1, torch.where(slot >= 0, slot, rows), torch.arange(n, device=flat.device).expand_as(flat))
-    pairs = pairs[:, :rows]
-    source = torch.where(pairs >= 0, pairs // k, -1)
-    shape = [*lead, groups, capacity] if packed else [*lead, groups, per, capacity]
+    source.scatter_(1, torch.where(slot >= 0, slot, rows), token)
+    source = source[:, :rows]
     return (
         slot.reshape(indices.shape),
-        source.reshape(shape),
-        pairs.reshape(*shape, 1),
+        source.reshape(*lead, groups, capacity) if packed else source.reshape(*lead, groups, per, capacity),
         kept_counts.reshape(*lead, groups, per),
     )
 
@@ -675,7 +673,7 @@ def _route(frame: Frame, e: ir.RouteOp) -> None:
     stream = torch.cuda.current_stream(indices.device) if indices.is_cuda else None
     key = ("route", indices.data_ptr(), tuple(indices.shape), indices._version, stream, e.experts, e.capacity)
     key += (e.groups, e.packed)
-    which = ("slot", "source", "pairs", "counts").index(e.what)
+    which = ("slot", "source", "counts").index(e.what)
 
     def run():
         found = frame.shared.get(key)

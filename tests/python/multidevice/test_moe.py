@@ -227,12 +227,12 @@ def test_dispatch_and_combine_are_all_to_alls_forward_and_backward(world, device
     assert "route_slot(" in forward and "route_source(" in forward and "take(" in forward
     backward = FusionExecutor(derive(fd.fusion, [0, 2, 3, 4, 5]).backward).host_ir()
     # Combine's transpose dispatches the output's gradient, dispatch's
-    # combines the tokens' gradients back: two AllToAlls; each take, given
-    # its inverse (each slot's pair, each token's slots), transposes into a
-    # take of those and a sum: no put_add.
+    # combines the tokens' gradients back: two AllToAlls; the combine's
+    # take transposes into a put_add, the dispatch's (given each token's
+    # slots, `inverse`) into a take of the slots summed over the choices.
     assert backward.count("type=AllToAll") == 2, backward
-    assert backward.count("put_add(") == 0, backward
-    assert backward.count("take(") == 2 and "reduction(" in backward, backward
+    assert backward.count("put_add(") == 1, backward
+    assert backward.count("take(") == 1 and "reduction(" in backward, backward
 
 
 def test_bad_calls_are_refused_before_any_communication(world, device):
