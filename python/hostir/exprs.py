@@ -462,7 +462,8 @@ class TakeOp(Expr):
     that `put_add(g, index)` is `take(g, inverse)` summed over its m axis
     (a gather and a sum instead of a scatter of colliding adds; a MoE
     layer's dispatch has it: each token's k slots). The take itself does
-    not read it. Writes into `out` if bound."""
+    not read it, and nothing checks it against `index`: the gradient
+    trusts it. Writes into `out` if bound."""
 
     EFFECT = "compute"
 

@@ -243,7 +243,8 @@ class Ops:
         `inverse` [*batch, *rows, m] (int64), optional: for each row of
         `x`, the flat picks that read it (-1 padding), which makes the
         gradient a gather and a sum over m instead of a scatter of adds
-        (`route`'s slot is the inverse of its source)."""
+        (`route`'s slot is the inverse of its source). It is not checked
+        against `index`: a wrong inverse gives a wrong gradient."""
         self._check(x, index, *([] if inverse is None else [inverse]))
         return index_ops.take(x, index, batch, features, inverse)
 
