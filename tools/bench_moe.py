@@ -260,6 +260,8 @@ class Variant:
     modes: tuple[str, ...] = MODES
     optional: bool = False
     capacity: int | None = None  # padded variants: C, where it drops tokens (checked against a reference that drops)
+    # Said of the row after its first forward (the schedule a planner chose), added to its note.
+    describe: Callable[[], str] | None = None
 
     def step(self, mode: str) -> Callable[[Inputs], torch.Tensor]:
         if mode == "fwd":
@@ -804,6 +806,8 @@ def bench_tokens(args, ctx: Context, tokens: int) -> dict:
             row["status"] = "failed: " + "; ".join(errors)
             continue
         row["status"] = "ok"
+        if v.describe is not None:
+            row["note"] = f"{row['note']}; {v.describe()}"
         runnable[v.name] = v
         if v.name == BASELINE:
             reference = out.detach().clone()

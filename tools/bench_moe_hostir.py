@@ -121,6 +121,7 @@ def hostir_variants(args, ctx) -> list:
                 note=f"{note}; schedule {schedule or 'chosen by the planner'}",
                 optional=name == "hostir_ring_cuda",
                 capacity=capacity if drops else None,
+                describe=None if schedule else chosen(layer),
             )
         )
     if not ctx.cpu:
@@ -145,3 +146,19 @@ def hostir_variants(args, ctx) -> list:
         )
     )
     return out
+
+
+def chosen(layer):
+    """What the planner chose for the latest call of `layer` (a
+    `MoELayer`): its schedule and the model's figures (the loop's head in
+    the dump)."""
+
+    def describe() -> str:
+        (fd,) = layer.fusions.values()
+        schedule = fd.executor.last_schedule
+        if schedule is None:
+            return "planner: nothing to decompose"
+        head = f"{schedule.decomposition}, chunks={schedule.chunks}, transport={schedule.transport or 'backend'}"
+        return f"planner: {head}" + (f" ({schedule.note})" if schedule.note else "")
+
+    return describe

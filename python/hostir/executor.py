@@ -148,8 +148,12 @@ class FusionExecutor:
         self._fake_reports: dict = {}
         self._graphs = CudaGraphs()
         self._prepared = prepared.PreparedCalls(self._lock)
-        # What ran the latest call, and why (None before the first).
+        # What ran the latest call, and why (None before the first); the
+        # schedule its program was lowered with (the one asked, or the
+        # planner's choice with the model's figures in its note; None where
+        # the program walks no device axis).
         self.last_runner: Runner | None = None
+        self.last_schedule = None
         # Names the program in dumps: "" for a fusion's own, " (backward)" ...
         self.label = ""
 
@@ -680,6 +684,7 @@ class FusionExecutor:
         CUDA graph (captured here on the first call of a signature)."""
         program = call.program
         self.last_runner = program.runner
+        self.last_schedule = None if program.lowered is None else program.lowered.options.schedule
         nos = call.number_of_streams
         if bound is _LOGICAL:
             try:

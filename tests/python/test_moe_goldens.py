@@ -144,3 +144,15 @@ def test_the_layer_on_one_rank_matches_torch(exact):
     expected.backward(grad)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_the_planner_sees_the_walked_dispatch():
+    """The padded layer's walked dispatch is a device axis the planner
+    schedules (`decomposable`), though its input has no mesh until sharding
+    propagation places it; the exact form walks nothing."""
+    from hostir import planner
+
+    assert planner.decomposable(layer().fusion(**SHAPE).fusion)
+    assert not planner.decomposable(layer(overlap=False).fusion(**SHAPE).fusion)
+    exact = MoELayer(DeviceMesh(range(2)), 4, exact=True).fusion(**SHAPE)
+    assert not planner.decomposable(exact.fusion)

@@ -149,6 +149,10 @@ def walks_device_axis(exprs) -> bool:
     for e in exprs:
         if _gather_axis(e, graph) is not None:
             return True
+        if isinstance(e, ir.Set) and e.out.stream_axes() and e.out.device_axes():
+            # An all-to-all walked as a stream axis (a MoE layer's
+            # dispatch), whose input sharding propagation has yet to place.
+            return True
         if isinstance(e, ir.ReductionOp):
             s = _stream_axis(e.input)
             if s is not None and any(graph.mapped(d, s) for d in e.out.device_axes()):
