@@ -38,11 +38,14 @@ def _set_rule(d: Deriver, e: ir.Set, needs) -> None:
         d.contribute(e.input, gx)
         return
     if _walked_all_to_all(d, e):
-        # The forward walked this all-to-all's received pieces (a MoE
-        # layer's dispatch): the cotangents are summed piece by piece in
-        # the received layout, and the set back is explicit, so that the
-        # lowering walks the backward the same way: each piece's gradient
-        # computed as it arrives and returned to the rank it came from.
+        # The forward walked this all-to-all (a MoE layer's dispatch, or
+        # the combine that returns its pieces): the cotangent is summed in
+        # the output's layout (the dispatch's: piece by piece, as received)
+        # and moved back by an explicit set into the input's (the
+        # combine's: walked), so that the backward is a walk the planner
+        # schedules and the lowering decomposes as the forward's: each
+        # piece's gradient computed as it arrives and returned to the rank
+        # it came from.
         g = d.cotangent(e.out)
         gx = builders.set_(g)
         layout = d.layout(e.input)
@@ -56,9 +59,11 @@ def _set_rule(d: Deriver, e: ir.Set, needs) -> None:
 
 
 def _walked_all_to_all(d: Deriver, e: ir.Set) -> bool:
-    """Whether `e` is an all-to-all whose output the forward walks: sharded
-    on one axis its input holds whole, its input sharded on one axis it
-    holds whole, with a stream piece on that axis of the output."""
+    """Whether `e` is an all-to-all the forward walks: its output sharded
+    on one axis its input holds whole and its input on one axis its output
+    holds whole, with a stream piece on the output's axis that the input
+    shards (the pieces received one by one) or on the input's axis that
+    the output shards (the pieces returned one by one)."""
     lo, li = d.layout(e.out), d.layout(e.input)
     if lo.mesh is None or li.mesh is None or lo.mesh != li.mesh or len(lo.axes) != len(li.axes):
         return False
@@ -66,8 +71,9 @@ def _walked_all_to_all(d: Deriver, e: ir.Set) -> bool:
     sharded_in = [a for a in range(len(li.axes)) if li.device_types(a)]
     if len(sharded_out) != 1 or len(sharded_in) != 1 or sharded_out == sharded_in:
         return False
-    (walked,) = sharded_in
-    return lo.streamed([walked]) and not li.device_types(sharded_out[0])
+    if li.device_types(sharded_out[0]) or lo.device_types(sharded_in[0]):
+        return False
+    return lo.streamed(sharded_in) or li.streamed(sharded_out)
 
 
 @rule(ir.UnaryOp)

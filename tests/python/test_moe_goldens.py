@@ -149,10 +149,14 @@ def test_the_layer_on_one_rank_matches_torch(exact):
 def test_the_planner_sees_the_walked_dispatch():
     """The padded layer's walked dispatch is a device axis the planner
     schedules (`decomposable`), though its input has no mesh until sharding
-    propagation places it; the exact form walks nothing."""
+    propagation places it, and so is its backward's (the combine's
+    transpose, an explicit set into the walked layout); the exact form
+    walks nothing."""
     from hostir import planner
 
-    assert planner.decomposable(layer().fusion(**SHAPE).fusion)
+    fd = layer().fusion(**SHAPE)
+    assert planner.decomposable(fd.fusion)
+    assert planner.decomposable(derive(fd.fusion, [0, 2, 3, 4, 5]).backward)
     assert not planner.decomposable(layer(overlap=False).fusion(**SHAPE).fusion)
     exact = MoELayer(DeviceMesh(range(2)), 4, exact=True).fusion(**SHAPE)
     assert not planner.decomposable(exact.fusion)
