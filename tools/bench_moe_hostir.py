@@ -155,9 +155,9 @@ def chosen(layer):
 
     def describe() -> str:
         (fd,) = layer.fusions.values()
-        schedule = fd.executor.last_schedule
+        schedule = fd.last_schedule
         if schedule is None:
-            return "planner: nothing to decompose"
+            return "planner: no choice (the lowering's default)"
         head = f"{schedule.decomposition}, chunks={schedule.chunks}, transport={schedule.transport or 'backend'}"
         return f"planner: {head}" + (f" ({schedule.note})" if schedule.note else "")
 

@@ -151,7 +151,7 @@ class FusionExecutor:
         # What ran the latest call, and why (None before the first); the
         # schedule its program was lowered with (the one asked, or the
         # planner's choice with the model's figures in its note; None where
-        # the program walks no device axis).
+        # the planner had nothing to choose: the lowering's default).
         self.last_runner: Runner | None = None
         self.last_schedule = None
         # Names the program in dumps: "" for a fusion's own, " (backward)" ...

@@ -428,6 +428,15 @@ class FusionDefinition:
         return self.executor.last_runner
 
     @property
+    def last_schedule(self):
+        """The schedule the latest `execute`'s program was lowered with (a
+        `hostir.lower.schedule.Schedule`: the one asked for, or the
+        planner's choice, whose `note` holds the model's figures); None
+        before the first call or where the planner had nothing to choose
+        (the lowering's default then)."""
+        return self.executor.last_schedule
+
+    @property
     def num_programs(self) -> int:
         """How many lowered programs are cached (one per input signature and
         per set of static sizes)."""

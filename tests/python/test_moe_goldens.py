@@ -160,3 +160,24 @@ def test_the_planner_sees_the_walked_dispatch():
     assert not planner.decomposable(layer(overlap=False).fusion(**SHAPE).fusion)
     exact = MoELayer(DeviceMesh(range(2)), 4, exact=True).fusion(**SHAPE)
     assert not planner.decomposable(exact.fusion)
+
+
+@pytest.mark.parametrize("asked", [None, "sequential"])
+def test_last_schedule_says_what_a_call_ran(asked):
+    """`fd.last_schedule` is the schedule the latest call's program was
+    lowered with: the one asked for, or the planner's, with its figures
+    (one rank: no peer to overlap with, so the sequential program, which
+    wins the tie)."""
+    torch.manual_seed(12)
+    T, H, F, E, k = 5, 8, 12, 4, 2
+    kwargs = {} if asked is None else {"schedule": asked}
+    moe = MoELayer(DeviceMesh([0]), E, **kwargs)
+    indices = torch.topk(torch.rand(T, E), k).indices
+    args = [torch.randn(T, H), torch.rand(T, k), torch.randn(E, F, H), torch.randn(E, F, H), torch.randn(E, H, F)]
+    moe(args[0], indices, *args[1:])
+    (fd,) = moe.fusions.values()
+    if asked is None:
+        assert fd.last_schedule.decomposition == "sequential", fd.last_schedule
+        assert fd.last_schedule.note.startswith("a ring would take"), fd.last_schedule
+    else:
+        assert fd.last_schedule == Schedule("sequential")
