@@ -34,8 +34,10 @@ unsharded layer's), so the program is graph-capturable and agreed across
 ranks like any other; with a smaller `capacity` pairs past an expert's
 capacity are dropped (their contribution is zero), as capacity-factor
 routers do. Its backward is derived like any fusion's: the two AllToAlls
-transpose into each other, `take` into `put_add`, and each batched matmul
-into two.
+transpose into each other (walked as the forward's with `overlap`: one
+ring whose steps return each peer's tokens' gradients), dispatch's `take`
+(given each token's slots) into a gather of those slots summed, combine's
+into `put_add`, and each batched matmul into two.
 
 The exact form (`exact=True`) moves and computes only the rows the
 routing fills: `route(..., packed=True)` packs each rank's pairs by
