@@ -169,21 +169,13 @@ class MoELayer:
         if fd is not None:
             return fd
         D, E, k = self.D, self.experts, topk
-        El, C = E // D, self.slots(tokens, topk)
+        C = self.slots(tokens, topk)
         if self.exact:
             fd = self._exact_fusion(tokens, topk, hidden, ffn, dtype, weights_dtype)
             self.fusions[key] = fd
             return fd
-        # The mesh axis of a one-rank mesh is left symbolic: a constant
-        # size 1 would make it a broadcast axis, not the rank's piece.
-        R = D if D > 1 else -1
         with FusionDefinition() as fd:
-            x = fd.define_tensor([R, tokens, hidden], dtype)
-            indices = fd.define_tensor([R, tokens, k], torch.int64)
-            weights = fd.define_tensor([R, tokens, 1, k], weights_dtype)
-            gate = fd.define_tensor([R, El, ffn, hidden], dtype)
-            up = fd.define_tensor([R, El, ffn, hidden], dtype)
-            down = fd.define_tensor([R, El, hidden, ffn], dtype)
+            x, indices, weights, gate, up, down = self._inputs(fd, tokens, k, hidden, ffn, dtype, weights_dtype)
             slot, source = fd.ops.route(indices, E, C, groups=D)
             swap = [0, 1, 3, 2]
             gate_t, up_t, down_t = (fd.ops.permute(w, swap) for w in (gate, up, down))
@@ -215,6 +207,20 @@ class MoELayer:
         self.fusions[key] = fd
         return fd
 
+    def _inputs(self, fd: FusionDefinition, tokens, k, hidden, ffn, dtype, weights_dtype) -> tuple:
+        """Both forms' inputs (see `fusion`): x, indices, weights, gate, up,
+        down. The mesh axis of a one-rank mesh is left symbolic: a constant
+        size 1 would make it a broadcast axis, not the rank's piece."""
+        R, El = (self.D if self.D > 1 else -1), self.experts // self.D
+        return (
+            fd.define_tensor([R, tokens, hidden], dtype),
+            fd.define_tensor([R, tokens, k], torch.int64),
+            fd.define_tensor([R, tokens, 1, k], weights_dtype),
+            fd.define_tensor([R, El, ffn, hidden], dtype),
+            fd.define_tensor([R, El, ffn, hidden], dtype),
+            fd.define_tensor([R, El, hidden, ffn], dtype),
+        )
+
     def _exact_fusion(self, tokens, topk, hidden, ffn, dtype, weights_dtype) -> FusionDefinition:
         """The exact form: each rank's pairs packed by destination rank,
         expert after expert (`route(..., packed=True)`), the per-expert
@@ -222,14 +228,9 @@ class MoELayer:
         results exchanged sized by them, and the experts as grouped GEMMs
         over the real rows."""
         D, E, k = self.D, self.experts, topk
-        El, B = E // D, self.slots(tokens, topk)
+        B = self.slots(tokens, topk)
         with FusionDefinition() as fd:
-            x = fd.define_tensor([D, tokens, hidden], dtype)
-            indices = fd.define_tensor([D, tokens, k], torch.int64)
-            weights = fd.define_tensor([D, tokens, 1, k], weights_dtype)
-            gate = fd.define_tensor([D, El, ffn, hidden], dtype)
-            up = fd.define_tensor([D, El, ffn, hidden], dtype)
-            down = fd.define_tensor([D, El, hidden, ffn], dtype)
+            x, indices, weights, gate, up, down = self._inputs(fd, tokens, k, hidden, ffn, dtype, weights_dtype)
             slot, source = fd.ops.route(indices, E, B, groups=D, packed=True)
             # [source rank, destination rank, its expert]: the rows sent.
             counts = fd.ops.route_counts(indices, E, B, groups=D, packed=True)
