@@ -819,6 +819,8 @@ def bench_tokens(args, ctx: Context, tokens: int) -> dict:
             row["match"] = None
             row["note"] = (row["note"] + "; drops pairs: not compared").lstrip("; ")
         del out
+    if args.profile:
+        profile_rows(ctx, runnable, inputs, args, tokens)
     for mode in args.modes:
         steps = {name: v.step(mode) for name, v in runnable.items() if mode in v.modes}
         for name, (ms, host_ms, windows) in time_rows(ctx, steps, inputs, args).items():
@@ -840,6 +842,36 @@ def bench_tokens(args, ctx: Context, tokens: int) -> dict:
     if not ctx.cpu:
         torch.cuda.empty_cache()
     return {"tokens": tokens, "rows": list(rows.values()), "comm": comm}
+
+
+def profile_rows(ctx: Context, runnable: dict, inputs: Inputs, args, tokens: int) -> None:
+    """One call of each runnable variant in the last of ``--modes`` under
+    torch.profiler (after its warm-ups); rank 0 writes the ops' table by
+    device time to ``<--profile>/T<tokens>_<variant>_<mode>.txt``: where a
+    variant's time goes, op by op, beside the others of the same run."""
+    mode = args.modes[-1]
+    folder = pathlib.Path(args.profile)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if not ctx.cpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for name, v in runnable.items():
+        if mode not in v.modes:
+            continue
+        step = v.step(mode)
+        for _ in range(args.warmup):
+            step(inputs)
+        ctx.sync()
+        ctx.barrier()
+        with torch.profiler.profile(activities=activities) as prof:
+            step(inputs)
+            ctx.sync()
+        if ctx.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            sort = "self_cpu_time_total" if ctx.cpu else "self_device_time_total"
+            table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60)
+            (folder / f"T{tokens}_{name}_{mode.replace('+', '_')}.txt").write_text(table)
+        del prof
+        ctx.barrier()
 
 
 def memory_skip(args, ctx: Context, v: Variant) -> str:
@@ -1310,6 +1342,12 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default="fwd,fwd+bwd", help="comma list of fwd, fwd+bwd (default both)")
     ap.add_argument(
         "--variants", default="", help="comma list of shell patterns: only the matching rows run (default all)"
+    )
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="also profile one call per variant (the last of --modes) into DIR, a table of ops per variant",
     )
     ap.add_argument("--check", action="store_true", help="check every variant against reference_local; no timing")
     ap.add_argument("--cpu", action="store_true", help="the small form: gloo, float32, CPU, tiny shapes")
