@@ -869,9 +869,34 @@ def profile_rows(ctx: Context, runnable: dict, inputs: Inputs, args, tokens: int
             folder.mkdir(parents=True, exist_ok=True)
             sort = "self_cpu_time_total" if ctx.cpu else "self_device_time_total"
             table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60)
-            (folder / f"T{tokens}_{name}_{mode.replace('+', '_')}.txt").write_text(table)
+            text = table + "\n\nBy the range that launched it (a host op of hostir's program, an autograd node):\n"
+            text += by_range(prof, not ctx.cpu)
+            (folder / f"T{tokens}_{name}_{mode.replace('+', '_')}.txt").write_text(text)
         del prof
         ctx.barrier()
+
+
+def by_range(prof, device: bool, rows: int = 60) -> str:
+    """The profiled self time (device time where `device`) of each torch op
+    summed under its nearest enclosing range that is not a torch op (a
+    host op of hostir's program such as ``matmul T30``, or an autograd
+    node), a line per (range, op), largest first."""
+    totals: dict[tuple[str, str], list[float]] = {}
+    for ev in prof.events():
+        t = ev.self_device_time_total if device else ev.self_cpu_time_total
+        if t <= 0:
+            continue
+        p = ev
+        while p is not None and p.name.startswith(("aten::", "c10d::", "cudaLaunch", "cuda")):
+            p = p.cpu_parent
+        key = (p.name if p is not None else "-", ev.name)
+        entry = totals.setdefault(key, [0.0, 0])
+        entry[0] += t
+        entry[1] += 1
+    lines = [f"{'ms':>9} {'calls':>5}  range / op"]
+    for (where, op), (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"{t / 1e3:9.3f} {n:5d}  {where[:60]} / {op[:70]}")
+    return "\n".join(lines) + "\n"
 
 
 def memory_skip(args, ctx: Context, v: Variant) -> str:
