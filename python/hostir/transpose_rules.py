@@ -189,14 +189,36 @@ def _matmul_rule(d: Deriver, e: ir.MatmulOp, needs) -> None:
             ga = builders.matmul(gg, bt)
         d.contribute(a, d.made(_unbroadcast(d, ga, a)))
     if wants(d, b, needs):
-        at = d.save_permuted(a, _swap_last(na))
-        at, gg = d.contraction_ready(at, [na - 1], g, [ng - 2])
-        gb = builders.matmul(at, gg)
+        # b the transpose of a weight w (x @ w^T, as layers keep [N, K]
+        # weights): w's gradient is g^T a, made in w's own layout, rather
+        # than (a^T g) transposed back by the permute's rule, a view whose
+        # copy into w's layout would cost a pass over the weight.
+        w = _transposed_from(d, b, needs)
+        if w is not None:
+            at = d.save(a, contracted=[na - 2])
+            gt = d.permute(g, _swap_last(ng))
+            gt, at = d.contraction_ready(gt, [ng - 1], at, [na - 2])
+            target, gb = w, builders.matmul(gt, at)
+        else:
+            at = d.save_permuted(a, _swap_last(na))
+            at, gg = d.contraction_ready(at, [na - 1], g, [ng - 2])
+            target, gb = b, builders.matmul(at, gg)
         if nb == 2 and ng > 2:
             gb = builders.reduction("sum", gb, list(range(ng - 2)))
         else:
-            gb = _unbroadcast(d, gb, b)
-        d.contribute(b, d.made(gb))
+            gb = _unbroadcast(d, gb, target)
+        d.contribute(target, d.made(gb))
+
+
+def _transposed_from(d: Deriver, b: ir.TensorView, needs) -> ir.TensorView | None:
+    """The tensor `b` transposes (a permute of its last two axes, whose
+    input wants a gradient), else None. The matmul's share of the gradient
+    then goes to that tensor directly; any other reader of `b` still
+    contributes to `b`, which the permute's rule passes on."""
+    e = d.producer.get(b)
+    if not isinstance(e, ir.PermuteOp) or b.logical_ndim < 2 or list(e.dims) != _swap_last(b.logical_ndim):
+        return None
+    return e.input if wants(d, e.input, needs) else None
 
 
 @rule(ir.LinearOp)
