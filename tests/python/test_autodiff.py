@@ -128,6 +128,43 @@ def test_matmul_rule(a_shape, b_shape):
     check(fd, leaf(*a_shape), leaf(*b_shape))
 
 
+@pytest.mark.parametrize(
+    "x_shape,w_shape",
+    [([3, 4], [5, 4]), ([2, 3, 4], [2, 5, 4]), ([2, 3, 4], [5, 4])],
+    ids=["2d", "batched", "broadcast_weight"],
+)
+@pytest.mark.parametrize("also_plain", [False, True], ids=["transposed_only", "also_read_plain"])
+def test_matmul_by_a_transposed_weight(x_shape, w_shape, also_plain):
+    """`x @ w^T`: w's gradient is made in w's own layout (the product's
+    operands swapped, no permute after it), so the gradient handed to
+    autograd is contiguous; with w also read untransposed, both shares
+    reach it. Checked by gradcheck and against eager torch."""
+    from hostir import autodiff, ir
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * len(x_shape), F64)
+        w = fd.define_tensor([-1] * len(w_shape), F64)
+        wt = fd.ops.permute(w, list(range(len(w_shape) - 2)) + [len(w_shape) - 1, len(w_shape) - 2])
+        fd.add_output(fd.ops.matmul(x, wt))
+        if also_plain:
+            fd.add_output(fd.ops.mul(w, w))
+    xs, ws = leaf(*x_shape), leaf(*w_shape)
+    check(fd, xs, ws)
+    d = autodiff.derive(fd.fusion, [0, 1])
+    (gw,) = [g for i, g in zip(d.grad_inputs, d.backward.outputs) if i == 1]
+    producer = {e.out: e for e in d.backward.exprs}
+    assert not isinstance(producer.get(gw), ir.PermuteOp)
+    outs = fd.execute([xs, ws])
+    grads = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads)
+    assert ws.grad.is_contiguous()
+    xr, wr = xs.detach().clone().requires_grad_(), ws.detach().clone().requires_grad_()
+    refs = [xr @ wr.transpose(-1, -2)] + ([wr * wr] if also_plain else [])
+    torch.autograd.backward(refs, grads)
+    torch.testing.assert_close(ws.grad, wr.grad)
+    torch.testing.assert_close(xs.grad, xr.grad)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead", [[3], [2, 3], [1, 3]], ids=["2d", "3d", "3d_batch_of_one"])
 def test_linear_rule(bias, lead):
