@@ -847,8 +847,9 @@ def bench_tokens(args, ctx: Context, tokens: int) -> dict:
 def profile_rows(ctx: Context, runnable: dict, inputs: Inputs, args, tokens: int) -> None:
     """One call of each runnable variant in the last of ``--modes`` under
     torch.profiler (after its warm-ups); rank 0 writes the ops' table by
-    device time to ``<--profile>/T<tokens>_<variant>_<mode>.txt``: where a
-    variant's time goes, op by op, beside the others of the same run."""
+    device time, and that time by the host op that launched it
+    (`by_range`), to ``<--profile>/T<tokens>_<variant>_<mode>.txt``: where
+    a variant's time goes, op by op, beside the others of the same run."""
     mode = args.modes[-1]
     folder = pathlib.Path(args.profile)
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -877,12 +878,17 @@ def profile_rows(ctx: Context, runnable: dict, inputs: Inputs, args, tokens: int
 
 
 def by_range(prof, device: bool, rows: int = 60) -> str:
-    """The profiled self time (device time where `device`) of each torch op
-    summed under its nearest enclosing range that is not a torch op (a
-    host op of hostir's program such as ``matmul T30``, or an autograd
-    node), a line per (range, op), largest first."""
+    """The profiled self time (device time where `device`) of each host-side
+    torch op, summed under its nearest enclosing range that is not a torch
+    op (a host op of hostir's program such as ``matmul T30``, or an
+    autograd node), a line per (range, op), largest first. A host op's
+    device time is that of the kernels and copies it launched; the device's
+    own events (the kernels again, and each range's span on the device,
+    which can take in other streams' work) are not counted twice."""
     totals: dict[tuple[str, str], list[float]] = {}
     for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CPU:
+            continue
         t = ev.self_device_time_total if device else ev.self_cpu_time_total
         if t <= 0:
             continue
