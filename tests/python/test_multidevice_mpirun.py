@@ -71,10 +71,10 @@ def _suite(launcher: str, nprocs: int, limit: float, evaluator: str) -> tuple[in
 @pytest.mark.parametrize(
     "launcher, nprocs, limit",
     [
-        pytest.param("openmpi", 2, 150, id="np2", marks=requires_mpirun),
+        pytest.param("openmpi", 2, 300, id="np2", marks=requires_mpirun),
         pytest.param("openmpi", 3, 450, id="np3", marks=requires_mpirun),
         pytest.param("openmpi", 4, 600, id="np4", marks=requires_mpirun),
-        pytest.param("mpich", 2, 150, id="mpich-np2"),
+        pytest.param("mpich", 2, 300, id="mpich-np2"),
     ],
 )
 def test_multidevice_suite_under_mpirun(launcher, nprocs, limit, evaluator):

@@ -26,7 +26,8 @@ in its namespace killed; torchrun and mpirun) or drops off the network (its
 link set down; torchrun): within the timeout every process of the surviving
 node(s) must be gone, each rank having recorded `PeerLostError` or
 `CommunicatorTimeout`, except ranks that mpirun killed after reporting the
-lost daemon itself.
+lost daemon itself and ranks that torchrun ended (SIGTERM) after their node's
+other rank failed.
 
 Where namespaces cannot be made (not root, no `ip`, no CAP_NET_ADMIN, no veth
 support) the tests are skipped with the reason. Namespace names are unique
@@ -416,6 +417,17 @@ def failures(tmp_path: pathlib.Path) -> dict[int, dict[str, str]]:
     return {int(p.stem.removeprefix("failed-rank")): json.loads(p.read_text()) for p in tmp_path.glob("failed-rank*.json")}
 
 
+# A rank in the failure summary of torchrun's agent, ended by its SIGTERM.
+_TORCHRUN_TERMINATED = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*-15\b", re.MULTILINE)
+
+
+def terminated_by_torchrun(log: str) -> set[int]:
+    """The ranks torchrun's agent ended with SIGTERM: when one of its ranks
+    fails, the agent ends the node's other ranks at once, and a rank still
+    waiting in its collective is then gone before it could see the lost peer."""
+    return {int(m.group(1)) for m in _TORCHRUN_TERMINATED.finditer(log)}
+
+
 # Open MPI's message when it ends a job because a node's daemon is gone.
 _MPIRUN_ENDED_THE_JOB = "PRTE has lost communication with a remote daemon"
 
@@ -464,6 +476,13 @@ def test_a_lost_node_ends_the_other_nodes_ranks_within_the_timeout(nodes, tmp_pa
         # mpirun saw the daemon go first, said so, and killed its ranks;
         # a rank that saw the lost peer before that has recorded why.
         ranks = sorted(failed)
+    if launcher == "torchrun":
+        # A rank that torchrun ended after its node-local peer failed has no
+        # record; every node still has a rank that saw the loss itself.
+        for node in ended:
+            terminated = terminated_by_torchrun(read(job.logs[node.index])) & set(ranks_of(node))
+            assert terminated != set(ranks_of(node)), f"torchrun ended every rank of {node.namespace}:\n{context}"
+            ranks = [rank for rank in ranks if rank not in terminated or rank in failed]
     assert sorted(failed) == ranks, f"expected the errors of ranks {ranks}, got {failed}:\n{context}"
     for rank in ranks:
         assert re.match(expected, failed[rank]["error"]), (rank, failed[rank])
@@ -473,5 +492,5 @@ def test_a_lost_node_ends_the_other_nodes_ranks_within_the_timeout(nodes, tmp_pa
             assert "the connection to a peer closed" in failed[rank]["message"], (rank, failed[rank])
     if how == "unplugged":
         for node in ended:
-            errors = [failed[rank]["error"] for rank in ranks_of(node)]
+            errors = [failed[rank]["error"] for rank in ranks_of(node) if rank in failed]
             assert "CommunicatorTimeout" in errors, f"no rank of {node.namespace} timed out: {errors}\n{context}"
