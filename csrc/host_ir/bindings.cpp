@@ -139,6 +139,7 @@ Instr instr(int opcode, const py::dict& f) {
   i.symmetric = field(f, "symmetric", false);
   i.accumulate = field(f, "accumulate", false);
   i.view_sum = field(f, "view_sum", false);
+  i.sum_dims = field(f, "sum_dims", std::vector<int64_t>{});
   i.parts = field(f, "parts", -1);
   i.equal = field(f, "equal", false);
   i.kind = field(f, "kind", std::string());

@@ -9,6 +9,8 @@
 #include "run.h"
 #include "transports/transport.h"
 
+#include <ATen/ExpandUtils.h>
+
 #include <algorithm>
 #include <array>
 #include <initializer_list>
@@ -385,6 +387,68 @@ void accumulate(Run& run, const Instr& ins, const at::Tensor& a, const at::Tenso
   out.add_(product.view(out.sizes()));
 }
 
+// `matmul(a, b).sum(dims, dtype)` over batch dims of the product, without
+// the product: the summed batch indices walked in turn, each a batched GEMM
+// into the result (beta = 1 after the first); over summed dims of extent 1,
+// the product's view. fusion_ops.py's `sum_of_products` does the same.
+at::Tensor sumOfProducts(
+    const at::Tensor& a,
+    const at::Tensor& b,
+    const std::vector<int64_t>& dims,
+    at::ScalarType dtype) {
+  if (a.dim() < 2 || b.dim() < 2 || dtype != a.scalar_type() || dtype != b.scalar_type()) {
+    return at::matmul(a, b).sum(dims, false, dtype);
+  }
+  std::vector<int64_t> batch = at::infer_size(a.sizes().slice(0, a.dim() - 2), b.sizes().slice(0, b.dim() - 2));
+  auto nbatch = static_cast<int64_t>(batch.size());
+  bool unit = true;
+  for (int64_t d : dims) {
+    if (d >= nbatch) {
+      return at::matmul(a, b).sum(dims, false, dtype);
+    }
+    unit = unit && batch[d] == 1;
+  }
+  if (dims.empty()) {
+    return at::matmul(a, b).sum(dims, false, dtype);
+  }
+  if (unit) {
+    return at::matmul(a, b).squeeze(dims);
+  }
+  std::vector<int64_t> order(dims.begin(), dims.end());
+  std::vector<int64_t> kept_sizes;
+  int64_t summed = 1;
+  int64_t kept = 1;
+  for (int64_t d : dims) {
+    summed *= batch[d];
+  }
+  for (int64_t d = 0; d < nbatch; ++d) {
+    if (std::find(dims.begin(), dims.end(), d) == dims.end()) {
+      order.push_back(d);
+      kept_sizes.push_back(batch[d]);
+      kept *= batch[d];
+    }
+  }
+  order.push_back(nbatch);
+  order.push_back(nbatch + 1);
+  auto flat = [&](const at::Tensor& t) {
+    std::vector<int64_t> shape(batch);
+    shape.push_back(t.size(-2));
+    shape.push_back(t.size(-1));
+    return t.expand(shape).permute(order).reshape({summed, kept, t.size(-2), t.size(-1)});
+  };
+  at::Tensor a3 = flat(a);
+  at::Tensor b3 = flat(b);
+  kept_sizes.push_back(a.size(-2));
+  kept_sizes.push_back(b.size(-1));
+  at::Tensor out = at::empty(kept_sizes, a.options());
+  at::Tensor rows = out.view({kept, a.size(-2), b.size(-1)});
+  at::bmm_out(rows, a3[0], b3[0]);
+  for (int64_t i = 1; i < summed; ++i) {
+    rows.baddbmm_(a3[i], b3[i]);
+  }
+  return out;
+}
+
 void matmulOrLinear(Run& run, const Instr& ins) {
   at::Tensor a = viewed(ins, 0, fullRank(run.tensor(ins.a), ins.a_dim));
   at::Tensor b = viewed(ins, 1, fullRank(run.tensor(ins.b), ins.b_dim));
@@ -395,6 +459,11 @@ void matmulOrLinear(Run& run, const Instr& ins) {
   bool linear = ins.op == Opcode::kLinear;
   if (ins.accumulate) {
     accumulate(run, ins, a, linear ? b.t() : b, linear && (bias.has_value() || b.dim() > 2));
+    return;
+  }
+  if (!ins.sum_dims.empty()) {
+    auto fresh = [&]() { return sumOfProducts(a, b, ins.sum_dims, ins.dtype); };
+    store(run, ins, true, fresh, [&](at::Tensor& o) { o.copy_(fresh()); });
     return;
   }
   if (linear && b.dim() > 2) {

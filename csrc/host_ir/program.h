@@ -255,6 +255,10 @@ struct Instr {
   // A sum of a product made fresh in the program (fusion_ops.py's
   // `sums_that_view`): over axes of extent 1 it binds the input's view.
   bool view_sum = false;
+  // Matmul: the product's batch dims a sum over them alone reads; the
+  // instruction then makes that sum (`out` is the sum's, `dtype` its dtype),
+  // never the product (fusion_ops.py's `summed_products`).
+  std::vector<int64_t> sum_dims;
   // Loops: index slot, start/stop nodes, end of body, slots to unbind.
   int index = -1;
   int start = -1;

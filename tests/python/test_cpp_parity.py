@@ -815,13 +815,23 @@ def test_a_sum_over_extent_one_of_an_input_copies_it(evaluator, device):
 
 
 def test_the_sums_that_view_are_of_fresh_products_only():
-    """`sums_that_view` takes a sum of a matmul's fresh output, never one of
-    an input; the flat program marks it for the C++ executor."""
+    """`sums_that_view` takes a sum of a matmul's or linear's fresh output,
+    never one of an input; the flat program marks it for the C++ executor
+    (a matmul's sum over its batch axes runs in the matmul instead:
+    tests/python/test_summed_products.py)."""
     from hostir.lower import lower
     from hostir.runtime.flat import compile_program
     from hostir.runtime.fusion_ops import sums_that_view
 
     container = lower(_product_sum().fusion).program
+    sums = [e for e in container.walk() if type(e).__name__ == "ReductionOp"]
+    assert len(sums) == 1 and sums_that_view(container) == {id(sums[0])}
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        w = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.sum(fd.ops.linear(x, w), [0]))
+    container = lower(fd.fusion).program
     sums = [e for e in container.walk() if type(e).__name__ == "ReductionOp"]
     assert len(sums) == 1 and sums_that_view(container) == {id(sums[0])}
     marked = [i.fields.get("view_sum") for i in compile_program(container).instrs if i.op == "reduction"]

@@ -18,6 +18,7 @@ from hostir.autodiff import derive
 from hostir.lower import lower
 from hostir.lower.schedule import Schedule
 from hostir.moe import MoELayer
+from hostir.runtime.fusion_ops import summed_products
 
 # 2 ranks, 4 experts (2 each), 6 tokens of 2 choices, H 8, F 12.
 SHAPE = dict(tokens=6, topk=2, hidden=8, ffn=12, dtype=torch.float32)
@@ -74,6 +75,10 @@ def test_golden_of_the_moe_layers_backward(name, sched):
     sends = [e for e in ir.walk(ring.body) if isinstance(e, ir.P2PCommunication) and e.type == "send"]
     assert len(sends) == 2, "each step receives a peer's gradients and returns the tokens' gradients"
     assert not any(isinstance(e, ir.Communication) for e in lowered.program.walk())
+    # The three weights' gradients, each a product per source rank summed
+    # over the sources, run as one batched GEMM a source into the sum.
+    sums = summed_products(lowered.program).sums.values()
+    assert len(sums) == 3 and {id(r.out) for r in sums} <= {id(t) for t in lowered.program.outputs}
     check_golden(name, lowered)
 
 

@@ -39,7 +39,7 @@ from hostir.runtime import host_ops as host_ops
 from hostir.runtime import profiling, transports
 from hostir.runtime.communications import local_views as local_views
 from hostir.runtime.fusion_ops import _local_slices as _local_slices
-from hostir.runtime.fusion_ops import sums_that_view
+from hostir.runtime.fusion_ops import summed_products, sums_that_view
 from hostir.runtime.frame import _HANDLERS as _HANDLERS
 from hostir.runtime.frame import BindingError as BindingError
 from hostir.runtime.frame import Frame as Frame
@@ -102,6 +102,7 @@ class HostIrEvaluator:
         self.alias = container.aliases.resolved()
         self.number_of_streams = container.named_scalars().get("numberOfStreams")
         self.sums_that_view = sums_that_view(container)
+        self.summed_products = summed_products(container)
         self.body_locals = self._find_body_locals(container)
         # For each slice bound by a HirAliasSelect: the dim of its source it
         # cuts and whether it selects one index or a chunk of rows.

@@ -32,7 +32,7 @@ from hostir.runtime.flat_communications import (
     logical_groups,
 )
 from hostir.runtime.evaluator import BindingError, MissingHandlerError, _local_slices, local_views
-from hostir.runtime.fusion_ops import sums_that_view
+from hostir.runtime.fusion_ops import summed_products, sums_that_view
 
 # Opcodes shared with csrc/host_ir/program.h (enum class Opcode).
 OPCODES = (
@@ -109,6 +109,7 @@ class _Compiler:
     def __init__(self, container: HostIrContainer, communicator, rank: int | None = None):
         self.container = container
         self.sums_that_view = sums_that_view(container)
+        self.summed_products = summed_products(container)
         self.comm = communicator
         # The rank the program was pruned for (None: it holds every rank's part).
         self.rank = rank
@@ -498,6 +499,8 @@ def _allocate(cc, e) -> None:
 
 @_compiles(ir.Deallocate)
 def _deallocate(cc, e) -> None:
+    if id(e) in cc.summed_products.skipped:
+        return  # a product its sum's matmul never makes
     cc.emit("deallocate", e, out=cc.tensor(e.buffer))
 
 
@@ -545,6 +548,8 @@ def _binary(cc, e) -> None:
 
 @_compiles(ir.ReductionOp)
 def _reduction(cc, e) -> None:
+    if id(e) in cc.summed_products.skipped:
+        return  # made by its matmul
     cc.emit(
         "reduction",
         e,
@@ -587,6 +592,26 @@ def _permute(cc, e) -> None:
 
 @_compiles(ir.MatmulOp)
 def _matmul(cc, e) -> None:
+    total = cc.summed_products.sums.get(id(e))
+    if total is not None:
+        # The matmul and the sum over its batch axes that alone reads it, as
+        # one: operands read as the matmul's, the result stored as the sum's.
+        views = cc.layouts(e, [e.a, e.b], full_rank=True).get("views")
+        cc.emit(
+            "matmul",
+            e,
+            out=cc.tensor(total.out),
+            out_dim=cc.unsqueeze_dim(total.out),
+            a=cc.tensor(e.a),
+            a_dim=cc.unsqueeze_dim(e.a),
+            b=cc.tensor(e.b),
+            b_dim=cc.unsqueeze_dim(e.b),
+            sum_dims=[i for i, d in enumerate(total.out.logical) if d.is_reduction],
+            dtype=_DTYPES[total.out.dtype],
+            **({"views": views} if views else {}),
+            **{k: v for k, v in cc.layouts(total, [total.input]).items() if k == "store"},
+        )
+        return
     cc.emit(
         "matmul",
         e,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -194,8 +195,108 @@ def sums_that_view(container) -> frozenset[int]:
     )
 
 
+@dataclass(frozen=True)
+class SummedProducts:
+    """Matmuls whose product only a sum over its batch axes reads: each runs
+    as that sum, one batched GEMM per summed index accumulating into the
+    sum's output (`sum_of_products`), so the product is never made whole
+    and no pass over it sums it. `sums`: matmul id -> its sum; `skipped`:
+    the ids of those sums and of the product's Deallocates, which have
+    nothing left to do."""
+
+    sums: dict[int, ir.ReductionOp]
+    skipped: frozenset[int]
+
+
+def summed_products(container) -> SummedProducts:
+    """The matmul/sum pairs of `container` that run as one: a matmul (not
+    accumulating, whole) whose output is made there, read by nothing but a
+    sum of the same dtype over batch axes of the product that follows it in
+    the same scope with only Deallocates between (so its output is written
+    where it would have been). A weight's gradient of a batched product
+    broadcast over a source axis, summed over the sources, is one."""
+    resolve = container.aliases.resolve
+    held = {resolve(tv) for tv in container.inputs + container.outputs}
+    source = {e.out: e.input for e in container.walk() if isinstance(e, (ir.HirAliasSelect, ir.HirAliasChunk))}
+    multi_device = bool(container.meshes())
+    readers: dict = {}
+    made: dict = {}
+    freed: dict = {}
+    for e in container.walk():
+        if isinstance(e, ir.Allocate):
+            held.add(resolve(e.buffer))
+        for tv in e.outputs():
+            made[resolve(tv)] = made.get(resolve(tv), 0) + 1
+        if isinstance(e, ir.Deallocate):
+            freed.setdefault(e.buffer, []).append(id(e))
+            continue
+        for v in e.inputs():
+            if isinstance(v, ir.TensorView):
+                readers.setdefault(resolve(v), []).append(e)
+    sums: dict[int, ir.ReductionOp] = {}
+    skipped: set[int] = set()
+    scopes = [container.exprs] + [body for e in container.walk() for body in ir.bodies(e)]
+    for scope in scopes:
+        for i, m in enumerate(scope):
+            if not isinstance(m, ir.MatmulOp) or m.accumulate or m.partial is not None:
+                continue
+            product = m.out
+            if resolve(product) is not product or product in held or product in source or made.get(product) != 1:
+                continue
+            r = next((x for x in scope[i + 1 :] if not isinstance(x, ir.Deallocate)), None)
+            if not (
+                isinstance(r, ir.ReductionOp)
+                and r.kind is ReductionKind.sum
+                and r.input is product
+                and [id(x) for x in readers.get(product, ())] == [id(r)]
+                and r.out.dtype == product.dtype
+                and getattr(r, "partial", None) is None
+                and r.out not in source
+                and not (multi_device and _local_slices(r, source))
+            ):
+                continue
+            dims = [k for k, d in enumerate(r.out.logical) if d.is_reduction]
+            batch = len(product.logical_runtime()) - 2
+            if not dims or any(k >= batch for k in dims):
+                continue
+            sums[id(m)] = r
+            skipped.add(id(r))
+            skipped.update(freed.get(product, ()))
+    return SummedProducts(sums, frozenset(skipped))
+
+
+def sum_of_products(a: torch.Tensor, b: torch.Tensor, dims: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """`torch.matmul(a, b).sum(dims, dtype=dtype)` for `dims` among the
+    product's batch dims, without the product: the summed batch indices
+    walked in turn, each a batched GEMM into the result (beta = 1 after the
+    first). Over summed dims of extent 1, the product's view. Operands that
+    are not batched matrices, or a dtype that is not theirs, take torch's
+    two steps. The C++ executor's `sumOfProducts` does the same."""
+    if a.dim() < 2 or b.dim() < 2 or dtype != a.dtype or dtype != b.dtype:
+        return torch.matmul(a, b).sum(dims, dtype=dtype)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    if not dims or any(d >= len(batch) for d in dims):
+        return torch.matmul(a, b).sum(dims, dtype=dtype)
+    if all(batch[d] == 1 for d in dims):
+        return torch.matmul(a, b).squeeze(dims)
+    keep = [d for d in range(len(batch)) if d not in dims]
+    order = [*dims, *keep, len(batch), len(batch) + 1]
+    summed = math.prod(batch[d] for d in dims)
+    kept = math.prod(batch[d] for d in keep)
+    a3 = a.expand(*batch, *a.shape[-2:]).permute(order).reshape(summed, kept, *a.shape[-2:])
+    b3 = b.expand(*batch, *b.shape[-2:]).permute(order).reshape(summed, kept, *b.shape[-2:])
+    out = a.new_empty(*[batch[d] for d in keep], a.shape[-2], b.shape[-1])
+    rows = out.view(kept, a.shape[-2], b.shape[-1])
+    torch.bmm(a3[0], b3[0], out=rows)
+    for i in range(1, summed):
+        rows.baddbmm_(a3[i], b3[i])
+    return out
+
+
 @impl(ir.ReductionOp)
 def _reduction(frame: Frame, e: ir.ReductionOp) -> None:
+    if id(e) in frame.evaluator.summed_products.skipped:
+        return  # made by its matmul
     src = _operand(frame, e, e.input)
     dims = [i for i, d in enumerate(e.out.logical) if d.is_reduction]
 
@@ -230,6 +331,12 @@ def _matmul(frame: Frame, e: ir.MatmulOp) -> None:
     b = _operand(frame, e, e.b, full_rank=True)
     if e.accumulate:
         _accumulate(frame, e, a, b)
+        return
+    total = frame.evaluator.summed_products.sums.get(id(e))
+    if total is not None:
+        dims = [k for k, d in enumerate(total.out.logical) if d.is_reduction]
+        fresh = lambda: sum_of_products(a, b, dims, total.out.dtype)  # noqa: E731
+        _store(frame, total, fresh, lambda out: out.copy_(fresh()))
         return
     _store(frame, e, lambda: torch.matmul(a, b), lambda out: torch.matmul(a, b, out=out), full_rank=True)
 

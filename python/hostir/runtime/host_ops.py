@@ -100,5 +100,7 @@ def _allocate(frame: Frame, e: ir.Allocate) -> None:
 
 @impl(ir.Deallocate)
 def _deallocate(frame: Frame, e: ir.Deallocate) -> None:
+    if id(e) in frame.evaluator.summed_products.skipped:
+        return  # a product its sum's matmul never made
     frame.get(e.buffer)
     frame.bind(e.buffer, None)
