@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hostir import FusionDefinition, cpp
 from hostir.lower import lower
@@ -55,6 +57,35 @@ def test_a_sum_over_batch_axes_of_a_product_is_torchs(a_shape, b_shape, dims, ev
     (second,) = fd.execute([a2, b2], evaluator=evaluator)
     torch.testing.assert_close(second, (a2 @ b2).sum(dims))
     torch.testing.assert_close(first, kept, rtol=0, atol=0)
+
+
+@st.composite
+def products(draw):
+    """Batched operands, either broadcast over any batch dim (size 1 or
+    missing), and a non-empty set of the product's batch dims to sum."""
+    batch = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    m, k, n = (draw(st.integers(1, 4)) for _ in range(3))
+
+    def operand(rows, cols):
+        lead = draw(st.integers(0, len(batch)))
+        dims = [b if draw(st.booleans()) else 1 for b in batch[len(batch) - lead :]]
+        return torch.randn(*dims, rows, cols, dtype=torch.float64)
+
+    a, b = operand(m, k), operand(k, n)
+    if a.dim() == 2 and b.dim() == 2:
+        a = a.unsqueeze(0).expand(batch[-1], m, k).clone()
+    shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    dims = draw(st.lists(st.integers(0, len(shape) - 1), min_size=1, max_size=len(shape), unique=True))
+    return a, b, sorted(dims)
+
+
+@settings(max_examples=200, deadline=None)
+@given(products())
+def test_sum_of_products_is_the_sum_of_the_product(case):
+    """Any batch shapes, broadcast or not, any summed batch dims: torch's
+    product summed."""
+    a, b, dims = case
+    torch.testing.assert_close(sum_of_products(a, b, dims, torch.float64), (a @ b).sum(dims))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
