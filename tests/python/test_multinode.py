@@ -494,3 +494,33 @@ def test_a_lost_node_ends_the_other_nodes_ranks_within_the_timeout(nodes, tmp_pa
         for node in ended:
             errors = [failed[rank]["error"] for rank in ranks_of(node) if rank in failed]
             assert "CommunicatorTimeout" in errors, f"no rank of {node.namespace} timed out: {errors}\n{context}"
+
+
+def test_the_ranks_torchrun_terminated_are_read_from_its_failure_summary():
+    """torchrun's summary when rank 0 failed and its agent then ended rank 1
+    (as a 2-node run printed it): rank 1 was terminated, rank 0 was not."""
+    summary = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+/work/tests/python/multinode_worker.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-28_19:56:57
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 27309)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 27309
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-28_19:56:57
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 27307)
+  error_file: <N/A>
+============================================================
+"""
+    assert terminated_by_torchrun(summary) == {1}
+    assert terminated_by_torchrun(summary.replace("exitcode  : -15", "exitcode  : 1")) == set()
