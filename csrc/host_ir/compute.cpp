@@ -363,6 +363,87 @@ void reduction(Run& run, const Instr& ins) {
       });
 }
 
+// fusion_ops.py's UNEXPANDED_MIN and UNEXPANDED_MAX_CALLS.
+constexpr int64_t kUnexpandedMin = int64_t{1} << 18;
+constexpr int64_t kUnexpandedMaxCalls = 64;
+
+// `matmul(a, b)` (into `out` if given), but where one operand is broadcast
+// over leading batch dims that the other holds (the experts' weights beside
+// tokens from every source rank), one matmul per leading index with the
+// shared operand as it is: ATen's matmul copies it once per index to make
+// one batched GEMM. fusion_ops.py's `matmul_unexpanded` does the same.
+at::Tensor matmulUnexpanded(const at::Tensor& a, const at::Tensor& b, at::Tensor* out) {
+  auto plain = [&]() { return out == nullptr ? at::matmul(a, b) : at::matmul_out(*out, a, b); };
+  if (a.dim() < 3 || b.dim() < 3) {
+    return plain();
+  }
+  std::vector<int64_t> batch = at::infer_size(a.sizes().slice(0, a.dim() - 2), b.sizes().slice(0, b.dim() - 2));
+  auto n = static_cast<int64_t>(batch.size());
+  auto padded = [&](const at::Tensor& t) {
+    std::vector<int64_t> dims(n + 2 - t.dim(), 1);
+    dims.insert(dims.end(), t.sizes().begin(), t.sizes().end() - 2);
+    return dims;
+  };
+  std::vector<int64_t> a_batch = padded(a);
+  std::vector<int64_t> b_batch = padded(b);
+  int64_t lead = 0;
+  int shared = 0;  // 1: a is shared, 2: b is
+  while (lead < n && a_batch[lead] != b_batch[lead]) {
+    int side = b_batch[lead] == 1 ? 2 : 1;
+    if (shared != 0 && side != shared) {
+      break;
+    }
+    shared = side;
+    ++lead;
+  }
+  int64_t calls = 1;
+  for (int64_t d = 0; d < lead; ++d) {
+    calls *= batch[d];
+  }
+  std::vector<int64_t> shape(batch);
+  shape.push_back(a.size(-2));
+  shape.push_back(b.size(-1));
+  const at::Tensor& one_of = shared == 1 ? a : b;
+  if (shared == 0 ||
+      !std::equal(a_batch.begin() + lead, a_batch.end(), b_batch.begin() + lead, b_batch.end()) ||
+      calls > kUnexpandedMaxCalls || one_of.numel() < kUnexpandedMin ||
+      (out != nullptr && out->sizes() != at::IntArrayRef(shape))) {
+    return plain();
+  }
+  // The shared operand without its leading dims (each of size 1).
+  std::vector<int64_t> full = shared == 1 ? a_batch : b_batch;
+  full.push_back(one_of.size(-2));
+  full.push_back(one_of.size(-1));
+  at::Tensor one = one_of.reshape(full);
+  for (int64_t d = 0; d < lead; ++d) {
+    one = one.select(0, 0);
+  }
+  at::Tensor result = out != nullptr
+      ? *out
+      : at::empty(shape, a.options().dtype(at::promote_types(a.scalar_type(), b.scalar_type())));
+  std::vector<int64_t> index(lead);
+  for (int64_t i = 0; i < calls; ++i) {
+    // The leading index of call i, in row-major order.
+    int64_t rest = i;
+    for (int64_t d = lead - 1; d >= 0; --d) {
+      index[d] = rest % batch[d];
+      rest /= batch[d];
+    }
+    at::Tensor other = shared == 1 ? b : a;
+    at::Tensor into = result;
+    for (int64_t d = 0; d < lead; ++d) {
+      other = other.select(0, index[d]);
+      into = into.select(0, index[d]);
+    }
+    if (shared == 2) {
+      at::matmul_out(into, other, one);
+    } else {
+      at::matmul_out(into, one, other);
+    }
+  }
+  return result;
+}
+
 // `out += a @ b` on the bound output, which holds the product's elements
 // in its order (its runtime layout may add size-1 dims): with a 2-D `b`,
 // one GEMM with beta = 1 (`a`'s leading dims folded into its rows), the sum
@@ -493,8 +574,8 @@ void matmulOrLinear(Run& run, const Instr& ins) {
       run,
       ins,
       true,
-      [&]() { return at::matmul(a, b); },
-      [&](at::Tensor& o) { at::matmul_out(o, a, b); });
+      [&]() { return matmulUnexpanded(a, b, nullptr); },
+      [&](at::Tensor& o) { matmulUnexpanded(a, b, &o); });
 }
 
 // -- the index ops (fusion_ops.py's `topk_indices`, `route`, `take_rows` and

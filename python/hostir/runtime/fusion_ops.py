@@ -293,6 +293,57 @@ def sum_of_products(a: torch.Tensor, b: torch.Tensor, dims: list[int], dtype: to
     return out
 
 
+# The least elements of an operand shared across leading batch dims for
+# `matmul_unexpanded` to walk them: below it, torch's one call and its copy
+# of the operand cost less than a call per index. The C++ executor's
+# kUnexpandedMin is the same.
+UNEXPANDED_MIN = 1 << 18
+# The most leading indices it walks (a call each).
+UNEXPANDED_MAX_CALLS = 64
+
+
+def matmul_unexpanded(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`torch.matmul(a, b)` (into `out` if given), but where one operand is
+    broadcast over leading batch dims that the other holds (the experts'
+    weights beside tokens from every source rank), one matmul per leading
+    index with the shared operand as it is: torch's matmul copies it once
+    per index to make one batched GEMM (`expand(...).reshape(...)`), which
+    for a layer's weights costs more than the GEMMs' extra launches. The
+    C++ executor's `matmulUnexpanded` does the same."""
+    if a.dim() < 3 or b.dim() < 3:
+        return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
+    batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    n = len(batch)
+    a_batch = (1,) * (n + 2 - a.dim()) + tuple(a.shape[:-2])
+    b_batch = (1,) * (n + 2 - b.dim()) + tuple(b.shape[:-2])
+    lead, shared = 0, None
+    while lead < n and a_batch[lead] != b_batch[lead]:
+        side = b if b_batch[lead] == 1 else a
+        if shared is not None and side is not shared:
+            break
+        shared, lead = side, lead + 1
+    calls = math.prod(batch[:lead])
+    shape = (*batch, a.shape[-2], b.shape[-1])
+    if (
+        shared is None
+        or a_batch[lead:] != b_batch[lead:]
+        or calls > UNEXPANDED_MAX_CALLS
+        or shared.numel() < UNEXPANDED_MIN
+        or (out is not None and tuple(out.shape) != shape)
+    ):
+        return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
+    # The shared operand without its leading dims (each of size 1).
+    one = shared.reshape((a_batch if shared is a else b_batch) + tuple(shared.shape[-2:]))[(0,) * lead]
+    if out is None:
+        out = a.new_empty(shape, dtype=torch.promote_types(a.dtype, b.dtype))
+    for index in itertools.product(*(range(size) for size in batch[:lead])):
+        if shared is b:
+            torch.matmul(a[index], one, out=out[index])
+        else:
+            torch.matmul(one, b[index], out=out[index])
+    return out
+
+
 @impl(ir.ReductionOp)
 def _reduction(frame: Frame, e: ir.ReductionOp) -> None:
     if id(e) in frame.evaluator.summed_products.skipped:
@@ -338,7 +389,7 @@ def _matmul(frame: Frame, e: ir.MatmulOp) -> None:
         fresh = lambda: sum_of_products(a, b, dims, total.out.dtype)  # noqa: E731
         _store(frame, total, fresh, lambda out: out.copy_(fresh()))
         return
-    _store(frame, e, lambda: torch.matmul(a, b), lambda out: torch.matmul(a, b, out=out), full_rank=True)
+    _store(frame, e, lambda: matmul_unexpanded(a, b), lambda out: matmul_unexpanded(a, b, out), full_rank=True)
 
 
 def _accumulate(frame: Frame, e, a: torch.Tensor, b: torch.Tensor) -> None:
