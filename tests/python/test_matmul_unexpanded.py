@@ -90,3 +90,19 @@ def test_a_weight_shared_by_the_sources_is_never_copied(weight_first, evaluator)
     assert largest_allocation(eager) >= S * w_in.nbytes
     largest = largest_allocation(lambda: fd.execute([x_in, w_in], evaluator=evaluator))
     assert largest < 2 * w_in.nbytes, f"an allocation of {largest} bytes: the weight copied per source"
+
+
+def test_operands_that_want_gradients_take_torchs_recorded_ops():
+    """With grad mode on and an operand that requires grad (out= ops refuse
+    to be recorded), both walks give torch's result and its gradients."""
+    x = torch.randn(S, E, M, K, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(E, K, N, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(S, E, M, N, dtype=torch.float64)
+    got = torch.autograd.grad(matmul_unexpanded(x, w), (x, w), g)
+    want = torch.autograd.grad(torch.matmul(x, w), (x, w), g)
+    torch.testing.assert_close(got, want)
+    y = torch.randn(S, E, K, N, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(E, M, N, dtype=torch.float64)
+    got = torch.autograd.grad(fusion_ops.sum_of_products(x, y, [0], torch.float64), (x, y), h)
+    want = torch.autograd.grad(torch.matmul(x, y).sum(0), (x, y), h)
+    torch.testing.assert_close(got, want)

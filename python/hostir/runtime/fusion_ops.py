@@ -265,6 +265,12 @@ def summed_products(container) -> SummedProducts:
     return SummedProducts(sums, frozenset(skipped))
 
 
+def _records_grad(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether autograd records an op on `a` and `b` (an out= op refuses
+    them): torch's own op then, as a direct evaluator run with grad on."""
+    return torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+
+
 def sum_of_products(a: torch.Tensor, b: torch.Tensor, dims: list[int], dtype: torch.dtype) -> torch.Tensor:
     """`torch.matmul(a, b).sum(dims, dtype=dtype)` for `dims` among the
     product's batch dims, without the product: the summed batch indices
@@ -272,7 +278,7 @@ def sum_of_products(a: torch.Tensor, b: torch.Tensor, dims: list[int], dtype: to
     first). Over summed dims of extent 1, the product's view. Operands that
     are not batched matrices, or a dtype that is not theirs, take torch's
     two steps. The C++ executor's `sumOfProducts` does the same."""
-    if a.dim() < 2 or b.dim() < 2 or dtype != a.dtype or dtype != b.dtype:
+    if a.dim() < 2 or b.dim() < 2 or dtype != a.dtype or dtype != b.dtype or _records_grad(a, b):
         return torch.matmul(a, b).sum(dims, dtype=dtype)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     if not dims or any(d >= len(batch) for d in dims):
@@ -310,7 +316,7 @@ def matmul_unexpanded(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None
     per index to make one batched GEMM (`expand(...).reshape(...)`), which
     for a layer's weights costs more than the GEMMs' extra launches. The
     C++ executor's `matmulUnexpanded` does the same."""
-    if a.dim() < 3 or b.dim() < 3:
+    if a.dim() < 3 or b.dim() < 3 or _records_grad(a, b):
         return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     n = len(batch)
