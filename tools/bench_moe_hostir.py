@@ -100,8 +100,10 @@ def hostir_variants(args, ctx) -> list:
     def run(layer):
         def forward(inp):
             weights, indices = route(inp.x, inp.router, ctx.topk)
-            gate_up = inp.gate_up
-            return layer(inp.x, indices, weights, gate_up[:, :F], gate_up[:, F:], inp.down)
+            # One split (its backward is one concatenation), as
+            # hostir.parallel.ExpertParallel passes the fused weights.
+            gate, up = inp.gate_up.split(F, dim=1)
+            return layer(inp.x, indices, weights, gate, up, inp.down)
 
         return forward
 

@@ -306,6 +306,24 @@ def sum_local_grads(block):
             dist.all_reduce(p.grad)
 
 
+def parents_of_the_leaf(out: torch.Tensor, leaf: torch.Tensor) -> list[str]:
+    """The autograd nodes whose gradients reach `leaf` through the node
+    that reads it (its accumulator's parent, DTensor's `to_local`)."""
+    seen, stack, edges = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is not None:
+                edges.append((node, child))
+                stack.append(child)
+    (accumulator,) = {c for _, c in edges if getattr(c, "variable", None) is leaf}
+    readers = {n for n, c in edges if c is accumulator}
+    return sorted(n.name() for n, c in edges if c in readers)
+
+
 @pytest.mark.parametrize("exact", [False, True], ids=["padded", "exact"])
 @pytest.mark.parametrize("make", [qwen2_moe, mixtral], ids=["qwen2_moe", "mixtral"])
 def test_hugging_face_block_matches_unsharded(world, device, make, exact):
@@ -327,6 +345,10 @@ def test_hugging_face_block_matches_unsharded(world, device, make, exact):
         grad = torch.randn_like(expected)
         out.backward(grad[r])
         expected.backward(grad)
+        if step == 0:
+            # gate_up reaches the layer as one split, whose backward
+            # concatenates the two gradients: no slice's zero-filled buffer.
+            assert parents_of_the_leaf(out, block.experts.gate_up_proj) == ["SplitBackward0"]
         sum_local_grads(block)
         if step == 0:
             theirs = dict(ref.named_parameters())
