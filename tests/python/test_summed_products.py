@@ -127,6 +127,7 @@ def test_the_pair_runs_as_one_matmul_instruction():
     assert [i.op for i in instrs if i.op in ("matmul", "reduction")] == ["matmul"]
     (instr,) = [i for i in instrs if i.op == "matmul"]
     assert instr.fields["sum_dims"] == [0]
+    assert [type(e).__name__ for e in program.walk()] == ["MatmulOp", "ReductionOp", "Deallocate"]
     assert not [i for i in instrs if i.op == "deallocate"]
 
 
