@@ -592,38 +592,26 @@ def _permute(cc, e) -> None:
 
 @_compiles(ir.MatmulOp)
 def _matmul(cc, e) -> None:
+    # A matmul and the sum over its batch axes that alone reads it run as
+    # one: operands read as the matmul's, the result stored as the sum's.
     total = cc.summed_products.sums.get(id(e))
-    if total is not None:
-        # The matmul and the sum over its batch axes that alone reads it, as
-        # one: operands read as the matmul's, the result stored as the sum's.
-        views = cc.layouts(e, [e.a, e.b], full_rank=True).get("views")
-        cc.emit(
-            "matmul",
-            e,
-            out=cc.tensor(total.out),
-            out_dim=cc.unsqueeze_dim(total.out),
-            a=cc.tensor(e.a),
-            a_dim=cc.unsqueeze_dim(e.a),
-            b=cc.tensor(e.b),
-            b_dim=cc.unsqueeze_dim(e.b),
-            sum_dims=[i for i, d in enumerate(total.out.logical) if d.is_reduction],
-            dtype=_DTYPES[total.out.dtype],
-            **({"views": views} if views else {}),
-            **{k: v for k, v in cc.layouts(total, [total.input]).items() if k == "store"},
-        )
-        return
-    cc.emit(
-        "matmul",
-        e,
-        out=cc.tensor(e.out),
-        out_dim=cc.unsqueeze_dim(e.out),
+    out = e.out if total is None else total.out
+    fields = dict(
+        out=cc.tensor(out),
+        out_dim=cc.unsqueeze_dim(out),
         a=cc.tensor(e.a),
         a_dim=cc.unsqueeze_dim(e.a),
         b=cc.tensor(e.b),
         b_dim=cc.unsqueeze_dim(e.b),
-        **({"accumulate": True} if e.accumulate else {}),
-        **cc.layouts(e, [e.a, e.b], full_rank=True),
     )
+    layouts = cc.layouts(e, [e.a, e.b], full_rank=True)
+    if total is None:
+        fields.update({"accumulate": True} if e.accumulate else {}, **layouts)
+    else:
+        fields.update(sum_dims=[i for i, d in enumerate(out.logical) if d.is_reduction], dtype=_DTYPES[out.dtype])
+        fields.update({k: v for k, v in layouts.items() if k == "views"})
+        fields.update({k: v for k, v in cc.layouts(total, [total.input]).items() if k == "store"})
+    cc.emit("matmul", e, **fields)
 
 
 @_compiles(ir.LinearOp)
