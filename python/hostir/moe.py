@@ -47,8 +47,10 @@ the results go as AllToAlls sized by them at run time (`set(...,
 rows=...)`; the transport reads the counts on the host), and the experts
 are grouped GEMMs (`grouped_mm`) over each source rank's rows. Its buffers
 are allocated at a bound (by default every pair a rank has: nothing
-dropped); the host synchronization keeps it out of a CUDA graph, and it
-runs unwalked.
+dropped); the host synchronization keeps it out of a CUDA graph. With
+`overlap=True` it is walked instead: after the counts, each ring step
+moves one peer's whole piece at the bound (real rows first, zeros after;
+no host synchronization) and runs the grouped GEMMs on its real rows.
 
 `hostir.parallel.parallelize_module` runs Hugging Face MoE blocks'
 experts through this class (its `ExpertParallel` style, `docs/moe.md`).
@@ -80,15 +82,17 @@ class MoELayer:
     more). Calling it runs the layer on this rank's tokens (see the
     module's doc); the fusions are made per (tokens, choices per token,
     sizes, dtypes) and kept. `overlap`: walk the source ranks (see the
-    module's doc; the default for the padded form). `exact`: the exact
+    module's doc; the default for the padded form, not for the exact
+    one, whose walk moves whole pieces at the bound). `exact`: the exact
     form (see the module's doc), where `capacity` bounds the rows a rank
     sends one peer (default all its pairs) and `capacity_factor` makes it
     `ceil(factor * T * k / D)`. `check_indices`: refuse expert ids
     outside [0, experts) before anything runs, at the cost of reading them
     on the host (a synchronization on a GPU); None, the default, checks
-    where that costs nothing new: tokens on the CPU, and the exact form,
-    which reads its counts on the host anyway (a rank that refuses its
-    call leaves its peers to time out in their first exchange).
+    where that costs nothing new: tokens on the CPU, and the exact form
+    unwalked, which reads its counts on the host anyway (a rank that
+    refuses its call leaves its peers to time out in their first
+    exchange).
     `execute_kwargs` go to every `execute` (a backend, a schedule,
     `number_of_streams`, ...)."""
 
@@ -126,11 +130,6 @@ class MoELayer:
         self.experts, self.capacity, self.capacity_factor = experts, capacity, capacity_factor
         if not isinstance(exact, bool):
             raise UsageError(f"MoELayer: exact must be a bool, got {exact!r}")
-        if exact and overlap:
-            raise UsageError(
-                "MoELayer: the exact form's exchanges are sized at run time and run as they are "
-                "(sequentially); overlap needs the capacity-padded form (exact=False)"
-            )
         self.exact = exact
         self.overlap = not exact if overlap is None else bool(overlap)
         self.check_indices = check_indices
@@ -237,14 +236,16 @@ class MoELayer:
             # [source rank, destination rank, B, H], B a bound on the rows.
             sent = fd.ops.take(x, source, batch=1, features=1, inverse=slot)
             counts_in = fd.ops.set(counts)
-            # On one rank every pair stays: the bound is all of them, so
-            # the exchange needs no counts.
-            received = fd.ops.set(sent, rows=(counts, counts_in) if D > 1 else None)
+            # Sized by the counts, unless walked (whole pieces of B rows,
+            # zeros past the real ones) or on one rank, where every pair
+            # stays and the bound is all of them.
+            sized = D > 1 and not self.overlap
+            received = fd.ops.set(sent, rows=(counts, counts_in) if sized else None)
             g = fd.ops.grouped_mm(received, gate, counts_in)
             u = fd.ops.grouped_mm(received, up, counts_in)
             h = fd.ops.mul(getattr(fd.ops, self.activation.value)(g), u)
             y = fd.ops.grouped_mm(h, down, counts_in)
-            back = fd.ops.set(y, rows=(counts_in, counts) if D > 1 else None)
+            back = fd.ops.set(y, rows=(counts_in, counts) if sized else None)
             picked = fd.ops.take(back, slot, batch=1, features=1)
             weights_as_x = fd.ops.cast(weights, dtype) if weights_dtype != dtype else weights
             fd.add_output(fd.ops.matmul(weights_as_x, picked))
@@ -253,7 +254,13 @@ class MoELayer:
         for tv, axis in placed:
             tv.set_device_mesh(self.mesh)
             tv.axis(axis).parallelize(ir.ParallelType.mesh_x)
-        fd.executor.label = f" (expert-parallel MoE, exact, {E} experts over {D} ranks, top-{k})"
+        if self.overlap:
+            # The experts walk the source ranks as in the padded form; the
+            # counts, exchanged whole before the walk, are read a source
+            # rank's row at a step.
+            received.axis(0).parallelize(ir.ParallelType.stream)
+        walked = ", walked" if self.overlap else ""
+        fd.executor.label = f" (expert-parallel MoE, exact{walked}, {E} experts over {D} ranks, top-{k})"
         return fd
 
     def __call__(self, x, indices, weights, gate, up, down) -> torch.Tensor:
@@ -278,7 +285,7 @@ class MoELayer:
                 raise InputError(f"MoELayer: {name} must be this rank's {El} experts, {shape}, got {list(t.shape)}")
         check = self.check_indices
         if check is None:
-            check = indices.device.type == "cpu" or self.exact
+            check = indices.device.type == "cpu" or (self.exact and not self.overlap)
         if check and T * k:
             low, high = int(indices.min()), int(indices.max())
             if low < 0 or high >= self.experts:

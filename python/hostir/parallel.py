@@ -231,7 +231,9 @@ class ExpertParallel(_styles().ParallelStyle):
     do). `capacity`: slots per expert and source rank (None: as many as
     the tokens, nothing dropped). `exact`: the layer's exact form instead
     (the counts exchanged first, only the real rows moved, the experts as
-    grouped GEMMs; `capacity` then bounds the rows a rank sends a peer)."""
+    grouped GEMMs; `capacity` then bounds the rows a rank sends a peer).
+    Other keywords go to the layer (`overlap=True` with `exact=True`
+    walks the exact form; `capacity_factor`) or to its `execute`."""
 
     def __init__(self, capacity: int | None = None, exact: bool = False, **execute_kwargs):
         super().__init__()

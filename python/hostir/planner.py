@@ -508,8 +508,10 @@ def _all_to_all_hint(fusion, inputs, D: int) -> tuple[int, int, int, int] | None
     result back where the program returns it (the combine: k = 2H moved
     per row), and runs the products of the walk on it, counted as one
     GEMM of rows x k x n with the products' flops (gate, up and down:
-    rows x 3HF). None for any other fusion, or one whose walked tensor has
-    a symbolic extent."""
+    rows x 3HF; a grouped GEMM's, which computes only the rows the
+    routing fills, scaled by the share of the piece they fill on average:
+    a rank's pairs over the D pieces of the routing's bound). None for any
+    other fusion, or one whose walked tensor has a symbolic extent."""
     walks = [e for e in fusion.exprs if isinstance(e, ir.Set) and e.out.stream_axes() and e.out.device_axes()]
     if not walks:
         return None
@@ -521,15 +523,31 @@ def _all_to_all_hint(fusion, inputs, D: int) -> tuple[int, int, int, int] | None
     rows = max(1, layout.numel(x.value for x in extents[:-1]) // D // D)
     moves = [x for x in fusion.exprs if isinstance(x, ir.Set) and x.out.device_axes()]
     k = h * (2 if len(moves) > 1 else 1)
-    flops = 0
+    flops = 0.0
+    fill = _grouped_fill(fusion, D)
     for p in fusion.exprs:
-        if isinstance(p, ir.MatmulOp):
-            n_axis, k_axis = p.out.logical_runtime()[-1].extent, p.a.logical_runtime()[-1].extent
+        if isinstance(p, (ir.MatmulOp, ir.GroupedMmOp)):
+            first = p.a if isinstance(p, ir.MatmulOp) else p.input
+            n_axis, k_axis = p.out.logical_runtime()[-1].extent, first.logical_runtime()[-1].extent
             if n_axis.is_constant and k_axis.is_constant:
-                flops += n_axis.value * k_axis.value
-    n = max(1, flops // k) if flops else h
+                flops += n_axis.value * k_axis.value * (fill if isinstance(p, ir.GroupedMmOp) else 1.0)
+    n = max(1, int(flops // k)) if flops else h
     itemsize = torch.empty(0, dtype=e.out.dtype).element_size()
     return rows, k, n, itemsize
+
+
+def _grouped_fill(fusion, D: int) -> float:
+    """The share of a walked piece the routing fills on average: a rank's
+    pairs (T x k) over its D pieces of `capacity` rows (the packed route's
+    bound), at most 1; 1 where the fusion has no packed route (a backward,
+    whose routing was saved: its compute is then counted whole)."""
+    for e in fusion.exprs:
+        if isinstance(e, ir.RouteOp) and e.packed:
+            extents = [d.extent for d in e.indices.logical_runtime()]
+            if all(x.is_constant for x in extents[-2:]):
+                pairs = extents[-2].value * extents[-1].value
+                return min(1.0, pairs / (D * e.capacity))
+    return 1.0
 
 
 def _gather_hint(fusion, inputs, D: int) -> tuple[int, int, int, int]:

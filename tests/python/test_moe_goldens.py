@@ -9,6 +9,8 @@ its synchronizations (`check_golden`)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -94,6 +96,24 @@ def test_golden_of_the_exact_moe_layer_forward_and_backward():
     check_golden("moe_exact_backward", lower(backward, rank=0, backend="gloo"))
 
 
+def walked_exact() -> MoELayer:
+    return MoELayer(DeviceMesh(range(2)), 4, exact=True, overlap=True, capacity_factor=1.5)
+
+
+@pytest.mark.parametrize("sched", [Schedule("ring", transport="cuda")])
+def test_golden_of_the_exact_moe_layer_walked(sched):
+    """The exact form walked: the counts exchanged first (the one
+    AllToAll), then the padded form's ring over whole pieces of B rows
+    (no `rows=`: nothing read on the host), each step's experts three
+    grouped GEMMs over the piece's rows, by the source rank's row of the
+    counts; the backward walks the same ring on the saved counts and
+    makes the weights' gradients (grouped outer products) after it."""
+    fd = walked_exact().fusion(**SHAPE)
+    check_golden("moe_exact_ring_cuda", lower(fd.fusion, rank=0, backend="gloo", schedule=sched))
+    backward = derive(fd.fusion, [0, 2, 3, 4, 5]).backward
+    check_golden("moe_exact_backward_ring_cuda", lower(backward, rank=0, backend="gloo", schedule=sched))
+
+
 def test_a_sized_exchange_is_refused_where_it_cannot_run():
     """An exchange sized at run time moves whole pieces once: walked along
     a stream axis, or one that moves nothing, is a lowering error that
@@ -123,11 +143,12 @@ def test_a_sized_exchange_is_refused_where_it_cannot_run():
         lower(program(stream=False, moves=False).fusion, rank=0, backend="gloo")
 
 
-@pytest.mark.parametrize("exact", [True, False])
-def test_the_layer_on_one_rank_matches_torch(exact):
+@pytest.mark.parametrize("exact, overlap", [(True, None), (True, True), (False, None)])
+def test_the_layer_on_one_rank_matches_torch(exact, overlap):
     """On one rank every pair stays (the exchanges are plain copies):
-    outputs and every gradient as eager torch's, in the exact form and
-    the padded one (whose weights' gradients sum over the one source)."""
+    outputs and every gradient as eager torch's, in the exact form (and
+    walked) and the padded one (whose weights' gradients sum over the one
+    source)."""
     torch.manual_seed(11)
     T, H, F, E, k = 5, 8, 12, 4, 2
     x = torch.randn(T, H)
@@ -137,7 +158,7 @@ def test_the_layer_on_one_rank_matches_torch(exact):
     theirs = [t.clone().requires_grad_() for t in inputs]
     # On a GPU machine a mesh program runs on the communicator's GPU (the
     # CPU inputs copied there): compared on the CPU.
-    out = MoELayer(DeviceMesh([0]), E, exact=exact)(ours[0], indices, *ours[1:]).cpu()
+    out = MoELayer(DeviceMesh([0]), E, exact=exact, overlap=overlap)(ours[0], indices, *ours[1:]).cpu()
     xt, wt, gt, ut, dt = theirs
     h = torch.nn.functional.silu(torch.einsum("th,efh->tef", xt, gt)) * torch.einsum("th,efh->tef", xt, ut)
     every = torch.einsum("tef,ehf->teh", h, dt)
@@ -165,6 +186,26 @@ def test_the_planner_sees_the_walked_dispatch():
     assert not planner.decomposable(layer(overlap=False).fusion(**SHAPE).fusion)
     exact = MoELayer(DeviceMesh(range(2)), 4, exact=True).fusion(**SHAPE)
     assert not planner.decomposable(exact.fusion)
+    walked = walked_exact().fusion(**SHAPE)
+    assert planner.decomposable(walked.fusion)
+    assert planner.decomposable(derive(walked.fusion, [0, 2, 3, 4, 5]).backward)
+
+
+def test_the_planner_counts_a_walked_grouped_gemm_by_the_rows_it_fills():
+    """A step's compute in the planner's model (`_all_to_all_hint`: rows x
+    k x n): the padded form's three products over the piece's slots; the
+    walked exact form's grouped GEMMs over the share of its bound B that
+    a rank's pairs fill on average (T k / (D B)), beside the combine's
+    weighting (k choices by H)."""
+    from hostir.planner import _all_to_all_hint
+
+    T, k, H, F, D = SHAPE["tokens"], SHAPE["topk"], SHAPE["hidden"], SHAPE["ffn"], 2
+    B = math.ceil(1.5 * T * k / D)
+    rows, moved, n, itemsize = _all_to_all_hint(walked_exact().fusion(**SHAPE).fusion, None, D)
+    assert (rows, moved, itemsize) == (B, 2 * H, 4)
+    assert n == int((3 * H * F * T * k / (D * B) + H * k) // (2 * H))
+    rows, moved, n, _ = _all_to_all_hint(layer().fusion(**SHAPE).fusion, None, D)
+    assert (rows, moved, n) == (2 * T, 2 * H, (3 * H * F + H * k) // (2 * H))
 
 
 @pytest.mark.parametrize("asked", [None, "sequential"])
@@ -186,3 +227,45 @@ def test_last_schedule_says_what_a_call_ran(asked):
         assert fd.last_schedule.note.startswith("a ring would take"), fd.last_schedule
     else:
         assert fd.last_schedule == Schedule("sequential")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="torch's grouped GEMM kernel: a GPU of compute capability 9.0 or more",
+)
+def test_the_walked_exact_layer_replays_from_a_cuda_graph_on_one_gpu():
+    """The exact form walked reads nothing on the host (the routing, the
+    gathers and torch's grouped GEMM kernel in bfloat16): on one GPU its
+    program is captured in CUDA graphs, and each replay on new tokens and
+    routing copied into the captured inputs gives the eager call's output
+    and torch's layer."""
+    from hostir.runtime import graphs
+
+    torch.manual_seed(13)
+    T, H, F, E, k = 64, 64, 32, 4, 2
+    gpu, bf16 = torch.device("cuda"), torch.bfloat16
+    layer = MoELayer(DeviceMesh([0]), E, exact=True, overlap=True, capacity_factor=1.5)
+    experts = [torch.randn(E, F, H, device=gpu, dtype=bf16) / 8 for _ in range(2)]
+    experts.append(torch.randn(E, H, F, device=gpu, dtype=bf16) / 6)
+
+    def call():
+        x = torch.randn(T, H, device=gpu, dtype=bf16)
+        weights, indices = torch.topk(torch.rand(T, E, device=gpu), k)
+        return x, indices, weights.to(bf16)
+
+    captured = list(call())
+    captured[2] = captured[2].unsqueeze(-2)
+    replay = graphs.capture(layer.fusion(T, k, H, F, bf16), [t.unsqueeze(0) for t in captured + experts])
+    for step in range(3):
+        x, indices, weights = call()
+        for buffer, new in zip(captured, (x, indices, weights.unsqueeze(-2))):
+            buffer.copy_(new)
+        (out,) = replay()
+        out = out.view(T, H)
+        torch.testing.assert_close(out, layer(x, indices, weights, *experts), msg=lambda m: f"replay {step}: {m}")
+        gate, up, down = (w.float() for w in experts)
+        h = torch.nn.functional.silu(torch.einsum("th,efh->tef", x.float(), gate))
+        every = torch.einsum("tef,ehf->teh", h * torch.einsum("th,efh->tef", x.float(), up), down)
+        chosen = torch.zeros(T, E, device=gpu).scatter_add(1, indices, weights.float())
+        expected = torch.einsum("te,teh->th", chosen, every)
+        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2, msg=lambda m: f"replay {step}: {m}")

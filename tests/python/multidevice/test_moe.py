@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hostir import DeviceMesh, backends
+from hostir import DeviceMesh, backends, ir
 from hostir.autodiff import derive
 from hostir.executor import FusionExecutor
 from hostir.lower import lower
@@ -109,12 +109,19 @@ def reference_exact(x, indices, weights, gate, up, down, bound):
     return out
 
 
+# HOSTIR_TEST_TRANSPORT=cuda runs the rings over the copy-engine transport
+# (tools/gpu_check.py --part suite does, on the GPU machines).
+RING_TRANSPORT = f":transport={os.environ['HOSTIR_TEST_TRANSPORT']}" if os.environ.get("HOSTIR_TEST_TRANSPORT") else ""
+
+
+@pytest.mark.parametrize("walked", [False, True], ids=["sized", "walked"])
 @pytest.mark.parametrize("capacity", [None, 3])
-def test_exact_layer_matches_the_unsharded_layer(world, device, capacity):
+def test_exact_layer_matches_the_unsharded_layer(world, device, capacity, walked):
     """The exact form: counts exchanged first, then only the real rows
-    (sized at run time), grouped GEMMs over them; outputs and every
-    gradient as the unsharded layer, and with a bound that drops pairs as
-    the same loop dropping them."""
+    (sized at run time), grouped GEMMs over them; walked (`overlap`), a
+    ring of whole pieces of the bound's rows, grouped GEMMs over each
+    piece's real rows. Outputs and every gradient as the unsharded layer,
+    and with a bound that drops pairs as the same loop dropping them."""
     D, r = world.size, world.rank
     T, H, F, E, k = 7, 8, 12, 2 * D, 2
     El = E // D
@@ -126,7 +133,8 @@ def test_exact_layer_matches_the_unsharded_layer(world, device, capacity):
     expected = reference_exact(whole[0], indices, *whole[1:], bound=bound)
     mine = [x[r], weights[r]] + [w[r * El : (r + 1) * El] for w in (gate, up, down)]
     mine = [t.clone().requires_grad_() for t in mine]
-    layer = MoELayer(DeviceMesh(range(D)), E, capacity=capacity, exact=True, **kwargs(device))
+    walk = {"overlap": True, "schedule": "ring" + RING_TRANSPORT} if walked else {}
+    layer = MoELayer(DeviceMesh(range(D)), E, capacity=capacity, exact=True, **walk, **kwargs(device))
     out = layer(mine[0], indices[r], *mine[1:])
     torch.testing.assert_close(out, expected[r], **TOL)
     grad = torch.randn_like(expected)
@@ -158,9 +166,61 @@ def test_exact_exchanges_are_sized_by_counts_forward_and_backward(world, device)
     assert backward.count("grouped_outer(") == 3, backward
 
 
-# HOSTIR_TEST_TRANSPORT=cuda runs the rings over the copy-engine transport
-# (tools/gpu_check.py --part suite does, on the GPU machines).
-RING_TRANSPORT = f":transport={os.environ['HOSTIR_TEST_TRANSPORT']}" if os.environ.get("HOSTIR_TEST_TRANSPORT") else ""
+def test_exact_form_walked_is_one_ring_forward_and_backward(world, device):
+    """The exact form walked: the counts are the one AllToAll, before the
+    ring; each step moves a whole piece (no `rows=`) and runs the three
+    grouped GEMMs on it. The backward reads the saved counts, walks the
+    same ring (each step returns the tokens' gradients) and makes the
+    weights' gradients (grouped outer products) after it."""
+    D = world.size
+    layer = MoELayer(DeviceMesh(range(D)), 2 * D, exact=True, overlap=True, capacity_factor=1.5)
+    fd = layer.fusion(6, 2, 8, 12, torch.float32)
+    backward = derive(fd.fusion, [0, 2, 3, 4, 5]).backward
+    for fusion, counts_exchanged, outers in ((fd.fusion, 1, 0), (backward, 0, 3)):
+        program = lower(fusion, rank=world.rank, backend="gloo", schedule=parse_schedule("ring")).program
+        (ring,) = [e for e in program.exprs if isinstance(e, ir.ForLoop) and e.schedule]
+        inside = list(ir.walk(ring.body))
+        sends = [e for e in inside if isinstance(e, ir.P2PCommunication) and e.type == "send"]
+        assert len(sends) == 2, program
+        assert sum(isinstance(e, ir.GroupedMmOp) for e in inside) == 3, program
+        assert not any(isinstance(e, ir.GroupedOuterOp) for e in inside), program
+        assert sum(isinstance(e, ir.GroupedOuterOp) for e in program.walk()) == outers, program
+        exchanges = [e for e in program.walk() if isinstance(e, ir.Communication)]
+        assert len(exchanges) == counts_exchanged and "rows=" not in str(program), program
+
+
+def test_exact_form_walked_replays_from_a_cuda_graph(world, device):
+    """The exact form walked reads nothing on the host (the grouped GEMMs
+    on torch's kernel, bfloat16 on compute capability 9.0 and up): its
+    program is captured in CUDA graphs and each replay, on new tokens and
+    routing copied into the captured inputs, gives the eager call's
+    output."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        pytest.skip("torch's grouped GEMM kernel: a GPU of compute capability 9.0 or more")
+    from hostir.runtime import graphs
+
+    D = world.size
+    T, H, F, E, k = 64, 64, 32, 4 * D, 2
+    schedule = "ring" + RING_TRANSPORT
+    layer = MoELayer(DeviceMesh(range(D)), E, exact=True, overlap=True, capacity_factor=2.0, schedule=schedule)
+    bf16 = torch.bfloat16
+
+    def call():
+        x, indices, weights = routed(1, T, H, E, k, device)
+        return x[0].to(bf16), indices[0], weights[0].to(bf16)
+
+    experts = [torch.randn(E // D, F, H, device=device, dtype=bf16) / 8 for _ in range(2)]
+    experts.append(torch.randn(E // D, H, F, device=device, dtype=bf16) / 6)
+    x, indices, weights = call()
+    captured = [x, indices, weights.unsqueeze(-2), *experts]
+    replay = graphs.capture(layer.fusion(T, k, H, F, bf16), [t.unsqueeze(0) for t in captured], schedule=schedule)
+    for step in range(3):
+        x, indices, weights = call()
+        for buffer, new in zip(captured, (x, indices, weights.unsqueeze(-2))):
+            buffer.copy_(new)
+        (out,) = replay()
+        expected = layer(x, indices, weights, *experts)
+        torch.testing.assert_close(out.view(T, H), expected, msg=lambda m: f"replay {step}: {m}")
 
 
 @pytest.mark.parametrize(
@@ -251,14 +311,14 @@ def test_bad_calls_are_refused_before_any_communication(world, device):
         layer(x, idx, w, gate, gate, down[:, :, :3])
     with pytest.raises(Exception, match="do not divide over"):
         MoELayer(DeviceMesh(range(D)), 2 * D + 1)
-    for exact in (False, True):
-        checked = MoELayer(DeviceMesh(range(D)), 2 * D, exact=exact, check_indices=True, **kwargs(device))
+    for exact, overlap in ((False, None), (True, None), (True, True)):
+        checked = MoELayer(
+            DeviceMesh(range(D)), 2 * D, exact=exact, overlap=overlap, check_indices=True, **kwargs(device)
+        )
         with pytest.raises(Exception, match=f"expert id {2 * D} in indices is outside \\[0, {2 * D}\\)"):
             checked(x, idx + 2 * D, w, gate, gate, down)
         with pytest.raises(Exception, match=r"expert id -1 in indices is outside"):
             checked(x, idx - 1, w, gate, gate, down)
-    with pytest.raises(Exception, match="exact form's exchanges are sized at run time"):
-        MoELayer(DeviceMesh(range(D)), 2 * D, exact=True, overlap=True)
 
 
 # ------------------------------------------------------------ Hugging Face blocks
@@ -324,14 +384,18 @@ def parents_of_the_leaf(out: torch.Tensor, leaf: torch.Tensor) -> list[str]:
     return sorted(n.name() for n, c in edges if c in readers)
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["padded", "exact"])
+@pytest.mark.parametrize(
+    "style",
+    [{}, {"exact": True}, {"exact": True, "overlap": True, "schedule": "ring" + RING_TRANSPORT}],
+    ids=["padded", "exact", "exact_walked"],
+)
 @pytest.mark.parametrize("make", [qwen2_moe, mixtral], ids=["qwen2_moe", "mixtral"])
-def test_hugging_face_block_matches_unsharded(world, device, make, exact):
+def test_hugging_face_block_matches_unsharded(world, device, make, style):
     D, r = world.size, world.rank
     ref = init(make(2 * D)).to(device)
     block = copy.deepcopy(ref)
     mesh = DeviceMesh(range(D)).to_torch(device.type)
-    parallelize_module(block, mesh, {"experts": ExpertParallel(exact=exact)})
+    parallelize_module(block, mesh, {"experts": ExpertParallel(**style)})
     assert isinstance(block.experts.gate_up_proj, DTensor)
     # One step per parameter: torch 2.11's foreach step refuses a list
     # mixing DTensors (the experts) and plain tensors (the router).
