@@ -2,7 +2,13 @@
 `grouped_mm` (`fusion_ops.grouped_mm`: `torch._grouped_mm` per batch
 element, then the rows past the groups' total zeroed) against
 `torch._grouped_mm` alone over the real rows, and its weights' gradient
-(`grouped_outer`) against `_grouped_mm` of the transposed rows.
+(`grouped_outer`) against `_grouped_mm` of the transposed rows; beside
+them, the capacity-padded form's experts on the same bound: every slot
+computed (B / E rows an expert, each source a batched GEMM beside the
+shared weights, `fusion_ops.matmul_unexpanded`), and its weights'
+gradient summed over the sources (`fusion_ops.sum_of_products`). A step
+of the exact form's walk computes the first two; a step of the padded
+form's walk, at the same bytes, the last two.
 
     python3 tools/bench_grouped_mm.py [--rows 131072] [--fill 0.5] [--out FILE.md]
 
@@ -20,7 +26,7 @@ import statistics
 
 import torch
 
-from hostir.runtime.fusion_ops import grouped_mm, grouped_outer
+from hostir.runtime.fusion_ops import grouped_mm, grouped_outer, matmul_unexpanded, sum_of_products
 
 
 def timed(fn, iters: int, repeats: int) -> float:
@@ -70,11 +76,19 @@ def main() -> None:
         for i in range(S):
             torch._grouped_mm(dy[i].transpose(0, 1), x[i], offs=offs[i])
 
+    # The padded form's layout of the same bound: B / G slots an expert.
+    xp, dyp = x.view(S, G, R // G, H), dy.view(S, G, R // G, F)
+    wt = w.transpose(-2, -1)
     cases = [
         ("torch._grouped_mm, the real rows", raw),
         ("hostir grouped_mm (zeros past the rows)", lambda: grouped_mm(x, w, counts)),
+        ("padded: batched GEMM over every slot", lambda: matmul_unexpanded(xp, wt)),
         ("torch._grouped_mm, weights' gradient", raw_outer),
         ("hostir grouped_outer", lambda: grouped_outer(dy, x, counts, 0)),
+        (
+            "padded: weights' gradient over every slot, summed over the sources",
+            lambda: sum_of_products(dyp.transpose(-2, -1), xp, [0], torch.bfloat16),
+        ),
     ]
     for name, fn in cases:
         rows.append((name, timed(fn, args.iters, args.repeats)))

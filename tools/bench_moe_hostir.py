@@ -26,7 +26,15 @@ worst case), in each schedule:
 * `hostir_exact`: the exact form (`MoELayer(exact=True)`): the per-expert
   counts exchanged first, the tokens and the results exchanged sized by
   them at run time, the experts as `torch._grouped_mm` over the real rows;
-  nothing dropped (its bound is the worst case), sequential.
+  nothing dropped (its bound is the worst case), sequential;
+* `hostir_exact_ring`, `hostir_exact_ring_cuda` (GPUs): the exact form
+  walked (`MoELayer(exact=True, overlap=True)`): the counts exchanged
+  first, then a ring of whole pieces of B rows per peer (the packed
+  bound: `--capacity-factor`'s `ceil(f * T * k / D)`, else every pair a
+  rank has), the experts as grouped GEMMs over each piece's real rows;
+  no host synchronization;
+* `hostir_exact_ring_cuda_graph` (GPUs, forward only): that ring replayed
+  from CUDA graphs.
 
 The contract (the whole of it is in `bench_moe.py`'s module docstring):
 `args` are `bench_moe.py`'s parsed arguments, `ctx` its `Context`; each
@@ -86,7 +94,7 @@ class GraphedLayer:
 
 def hostir_variants(args, ctx) -> list:
     """hostir's variants of the expert-parallel MoE layer."""
-    from bench_moe import Variant, capacity_of, route
+    from bench_moe import MODES, Variant, capacity_of, route
 
     from hostir import DeviceMesh
     from hostir.moe import MoELayer
@@ -147,6 +155,34 @@ def hostir_variants(args, ctx) -> list:
             note="exact: counts exchanged first, rows sized at run time, grouped GEMMs; sequential",
         )
     )
+    walked = [("hostir_exact_ring", "ring")]
+    if not ctx.cpu:
+        walked += [("hostir_exact_ring_cuda", "ring:transport=cuda"), ("hostir_exact_ring_cuda_graph", None)]
+    for name, schedule in walked:
+        graph = name.endswith("_graph")
+        schedule = schedule or "ring:transport=cuda"
+        layer = MoELayer(
+            mesh,
+            ctx.experts,
+            exact=True,
+            overlap=True,
+            capacity_factor=args.capacity_factor,
+            schedule=schedule,
+            **backend,
+        )
+        bound = layer.slots(ctx.tokens, ctx.topk)
+        note = f"B={bound}" + (" (pairs past B for a peer dropped)" if drops else " (every pair, nothing dropped)")
+        out.append(
+            Variant(
+                name,
+                GraphedLayer(ctx, layer, schedule) if graph else run(layer),
+                note=f"exact, walked: {note}; schedule {schedule}"
+                + ("; forward replayed from CUDA graphs" if graph else ""),
+                modes=("fwd",) if graph else MODES,
+                optional=name != "hostir_exact_ring",
+                capacity=bound if drops else None,
+            )
+        )
     return out
 
 
