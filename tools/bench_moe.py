@@ -53,7 +53,7 @@ through torch autograd, every input and weight requiring grad):
   expert = position - offset: no host sync, so the layer can be captured in
   a CUDA graph; ``padded_a2a_graph`` (CUDA, forward only) replays one.
 * hostir's rows: whatever ``tools/bench_moe_hostir.py``'s
-  ``hostir_variants(args, ctx)`` returns (nothing yet), run like the rows above.
+  ``hostir_variants(args, ctx, check)`` returns, run like the rows above.
 
 The Variant contract (for ``bench_moe_hostir.py``): ``Variant(name,
 forward, forward_backward=None, note="", modes=("fwd", "fwd+bwd"),
@@ -692,7 +692,7 @@ def baseline_variants(args, ctx: Context, check: bool = False) -> list[Variant]:
 def all_variants(args, ctx: Context, check: bool = False) -> list[Variant]:
     import bench_moe_hostir
 
-    out = baseline_variants(args, ctx, check) + list(bench_moe_hostir.hostir_variants(args, ctx))
+    out = baseline_variants(args, ctx, check) + list(bench_moe_hostir.hostir_variants(args, ctx, check))
     if args.variants:
         out = [v for v in out if any(fnmatch.fnmatchcase(v.name, p) for p in args.variants)]
     names = [v.name for v in out]

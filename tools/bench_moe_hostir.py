@@ -1,8 +1,8 @@
 """hostir's rows of `tools/bench_moe.py`: the layer as `hostir.moe.MoELayer`.
 
-`bench_moe.py` calls `hostir_variants(args, ctx)` once per token count, after
-its own torch baselines are built, and runs every `Variant` it returns
-exactly as it runs the baselines: checked against `reference_local` under
+`bench_moe.py` calls `hostir_variants(args, ctx, check)` once per token
+count, after its own torch baselines are built, and runs every `Variant` it
+returns exactly as it runs the baselines: checked against `reference_local` under
 `--check`, its forward output compared with `torchtitan`'s, then timed forward
 (under `torch.no_grad()`) and forward+backward, with a "speedup vs
 torchtitan" column.
@@ -92,8 +92,10 @@ class GraphedLayer:
         self.replay, self.buffers, self.key = None, None, None
 
 
-def hostir_variants(args, ctx) -> list:
-    """hostir's variants of the expert-parallel MoE layer."""
+def hostir_variants(args, ctx, check: bool = False) -> list:
+    """hostir's variants of the expert-parallel MoE layer; with `check`,
+    the walked exact form at its worst-case bound (the references drop
+    pairs per expert, as the padded form does, not per peer)."""
     from bench_moe import MODES, Variant, capacity_of, route
 
     from hostir import DeviceMesh
@@ -158,6 +160,7 @@ def hostir_variants(args, ctx) -> list:
     walked = [("hostir_exact_ring", "ring")]
     if not ctx.cpu:
         walked += [("hostir_exact_ring_cuda", "ring:transport=cuda"), ("hostir_exact_ring_cuda_graph", None)]
+    factor = None if check else args.capacity_factor
     for name, schedule in walked:
         graph = name.endswith("_graph")
         schedule = schedule or "ring:transport=cuda"
@@ -166,12 +169,12 @@ def hostir_variants(args, ctx) -> list:
             ctx.experts,
             exact=True,
             overlap=True,
-            capacity_factor=args.capacity_factor,
+            capacity_factor=factor,
             schedule=schedule,
             **backend,
         )
         bound = layer.slots(ctx.tokens, ctx.topk)
-        note = f"B={bound}" + (" (pairs past B for a peer dropped)" if drops else " (every pair, nothing dropped)")
+        note = f"B={bound}" + (" (pairs past B for a peer dropped)" if factor else " (every pair, nothing dropped)")
         out.append(
             Variant(
                 name,
@@ -180,7 +183,7 @@ def hostir_variants(args, ctx) -> list:
                 + ("; forward replayed from CUDA graphs" if graph else ""),
                 modes=("fwd",) if graph else MODES,
                 optional=name != "hostir_exact_ring",
-                capacity=bound if drops else None,
+                capacity=bound if factor else None,
             )
         )
     return out
