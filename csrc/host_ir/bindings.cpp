@@ -223,6 +223,7 @@ Instr instr(int opcode, const py::dict& f) {
   if (i.op == Opcode::kTake || i.op == Opcode::kPutAdd) {
     i.batch = f["batch"].cast<int64_t>();
     i.features = f["features"].cast<int64_t>();
+    i.distinct = field<bool>(f, "distinct", false);
   }
   if (i.op == Opcode::kTransfer) {
     i.h2d = f["h2d"].cast<bool>();

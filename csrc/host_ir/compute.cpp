@@ -665,6 +665,24 @@ at::Tensor flatIndex(const at::Tensor& index, int64_t batch_count, int64_t rows,
 }
 
 // The rows of `x` at `index`, zeros where it is negative.
+// `t` viewed as 8-byte words where its rows allow it, else `t` itself: a
+// select or fill whose mask is broadcast along the rows moves words at
+// about a copy's bandwidth, 2-byte elements at less than half
+// (fusion_ops.py's `as_words`).
+at::Tensor asWords(const at::Tensor& t) {
+  int64_t size = t.element_size();
+  if (size >= 8 || t.dim() == 0 || t.stride(-1) != 1 || t.size(-1) * size % 8 != 0 ||
+      t.storage_offset() * size % 8 != 0) {
+    return t;
+  }
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    if (t.stride(d) * size % 8 != 0) {
+      return t;
+    }
+  }
+  return t.view(at::kLong);
+}
+
 at::Tensor takeRows(const at::Tensor& x, const at::Tensor& index, const Instr& ins) {
   auto [nb, rows, f] = rowsOf(x.sizes(), ins);
   std::vector<int64_t> shape(index.sizes().begin(), index.sizes().end());
@@ -677,17 +695,29 @@ at::Tensor takeRows(const at::Tensor& x, const at::Tensor& index, const Instr& i
     return padded.index_select(0, flatIndex(index, nb, rows, nb * rows)).reshape(shape);
   }
   at::Tensor out = x.reshape({nb * rows, f}).index_select(0, flatIndex(index, nb, rows, 0));
-  out.masked_fill_((index < 0).reshape({-1, 1}), 0);
+  asWords(out).masked_fill_((index < 0).reshape({-1, 1}), 0);
   return out.reshape(shape);
 }
 
 // The rows of `x` added at `index` into zeros of `like`'s sizes; a
-// negative index adds into an extra last row, which is cut off.
+// negative index adds into an extra last row, which is cut off. `distinct`
+// (each row named at most once): copied in as words, no atomic adds.
 at::Tensor putAddRows(const at::Tensor& x, const at::Tensor& index, c10::IntArrayRef like, const Instr& ins) {
   auto [nb, rows, f] = rowsOf(like, ins);
   at::Tensor flat = flatIndex(index, nb, rows, nb * rows);
   at::Tensor out = at::zeros({nb * rows + 1, f}, x.options());
-  out.index_add_(0, flat, x.reshape({-1, f}));
+  at::Tensor src = x.reshape({-1, f});
+  if (ins.distinct) {
+    at::Tensor words = asWords(src);
+    at::Tensor into = asWords(out);
+    if (words.scalar_type() != into.scalar_type()) {
+      words = src;
+      into = out;
+    }
+    into.index_copy_(0, flat, words);
+  } else {
+    out.index_add_(0, flat, src);
+  }
   return out.slice(0, 0, nb * rows).view(like);
 }
 
@@ -802,15 +832,19 @@ at::Tensor groupedMm(const Instr& ins, const at::Tensor& x, const at::Tensor& we
   }
   at::Tensor offs = counts.reshape({nb, groups}).cumsum(-1).to(at::kInt);
   // `_grouped_mm` leaves the rows past the groups' total unwritten: one
-  // pass puts each element's product, or a zero past the rows.
+  // pass puts each element's product, or a zero past the rows, as 8-byte
+  // words (`asWords`; a row is a multiple of 16 bytes where the kernel runs).
   at::Tensor real = (at::arange(rows, longsOn(x)).unsqueeze(0) < offs.slice(1, -1).to(at::kLong)).unsqueeze(-1);
   at::Tensor out = at::empty({nb, rows, n}, x.options());
-  at::Tensor zero = at::zeros({}, x.options());
   for (int64_t i = 0; i < nb; ++i) {
-    at::Tensor o = out.select(0, i);
-    at::where_out(
-        o, real.select(0, i),
-        at::_grouped_mm(xs.select(0, i), ws.select(0, i % nw).transpose(-2, -1), offs.select(0, i)), zero);
+    at::Tensor product = at::_grouped_mm(xs.select(0, i), ws.select(0, i % nw).transpose(-2, -1), offs.select(0, i));
+    at::Tensor words = asWords(product);
+    at::Tensor into = asWords(out.select(0, i));
+    if (words.scalar_type() != into.scalar_type()) {
+      words = product;
+      into = out.select(0, i);
+    }
+    at::where_out(into, real.select(0, i), words, at::zeros({}, words.options()));
   }
   return out.reshape(shape);
 }

@@ -295,7 +295,8 @@ struct Instr {
   // `packed` (a group's pairs fill its rows expert after expert, with no
   // gap) and what it gives ("slot": each pair's slot, "source": each
   // slot's token, "counts": the pairs each expert keeps); take's and
-  // put_add's leading `batch` and trailing `features` axes. Their operands:
+  // put_add's leading `batch` and trailing `features` axes, and put_add's
+  // `distinct` (its index names each row at most once). Their operands:
   // `input`, take's and put_add's index `b`, put_add's `like`, each at full
   // rank (`a_dim`, `b_dim`, `like_dim`). The grouped ops (grouped_mm,
   // grouped_outer): the rows `input`, the weight (grouped_mm) or the other
@@ -309,6 +310,7 @@ struct Instr {
   int64_t capacity = 0;
   int64_t groups = 1;
   bool packed = false;
+  bool distinct = false;
   std::string what;
   int64_t batch = 0;
   int64_t features = 0;

@@ -492,7 +492,10 @@ class PutAddOp(Expr):
     """The transpose of `TakeOp`: zeros shaped as `like` ([*batch, *rows,
     *features]), with each row `input[b, p]` ([*batch, *picks, *features])
     added at row `index[b, p]`; negative indices add nothing. `like` gives
-    the sizes only. Writes into `out` if bound."""
+    the sizes only. `distinct`: the index's non-negative entries are
+    distinct within a batch element (a route's slots, which the transpose
+    of a take of them knows), so each row is written, not added. Writes
+    into `out` if bound."""
 
     EFFECT = "compute"
 
@@ -502,6 +505,7 @@ class PutAddOp(Expr):
     like: TensorView
     batch: int
     features: int
+    distinct: bool = False
     INPUTS = ("input", "index", "like")
     OUTPUTS = ("out",)
 

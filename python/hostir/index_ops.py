@@ -215,9 +215,12 @@ def take(
     return _emit(ir.TakeOp(out, x, index, batch, features, inverse))
 
 
-def put_add(x: ir.TensorView, index: ir.TensorView, like: ir.TensorView, batch: int = 0, features: int = 1):
+def put_add(
+    x: ir.TensorView, index: ir.TensorView, like: ir.TensorView, batch: int = 0, features: int = 1, distinct=False
+):
     """Zeros shaped as `like` with the rows of `x` added at `index`
-    (negative indices dropped); see `ir.PutAddOp`."""
+    (negative indices dropped); see `ir.PutAddOp`. `distinct` is for the
+    derivation alone, which knows when an index names each row once."""
     x, like = _tensor(x, "put_add"), _tensor(like, "put_add")
     index = _index(index, "put_add")
     if x.dtype != like.dtype:
@@ -234,4 +237,4 @@ def put_add(x: ir.TensorView, index: ir.TensorView, like: ir.TensorView, batch: 
     for k, (a, g) in enumerate(zip(xa[len(ia) :], f)):
         _same_size(a, g, f"put_add: feature axis {k}")
     out = _new(like.owner, like.logical_runtime(), like.dtype)
-    return _emit(ir.PutAddOp(out, x, index, like, batch, features))
+    return _emit(ir.PutAddOp(out, x, index, like, batch, features, distinct))

@@ -157,7 +157,7 @@ def _take(e: ir.TakeOp, pad):
 
 
 def _put_add(e: ir.PutAddOp, pad):
-    where = f"batch = {e.batch}, features = {e.features}"
+    where = f"batch = {e.batch}, features = {e.features}" + (", distinct" if e.distinct else "")
     return _assign(
         pad,
         e.out,

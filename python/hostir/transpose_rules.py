@@ -380,7 +380,10 @@ def _take_rule(d: Deriver, e: ir.TakeOp, needs) -> None:
         picked = d.made(index_ops.take(g, d.save(e.inverse), e.batch, e.features))
         gx = builders.reduction("sum", picked, [e.inverse.logical_ndim - 1])
     else:
-        gx = index_ops.put_add(g, d.save(e.index), d.shaped_like(e.input), e.batch, e.features)
+        # A route's slots name each row at most once: the rows are written.
+        made = d.producer.get(e.index)
+        distinct = isinstance(made, ir.RouteOp) and made.what == "slot" and e.index.logical_ndim == e.batch + 2
+        gx = index_ops.put_add(g, d.save(e.index), d.shaped_like(e.input), e.batch, e.features, distinct)
     d.contribute(e.input, d.made(gx))
 
 

@@ -11,9 +11,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hostir import FusionDefinition, index_ops, printer
 from hostir.errors import DefinitionError, DefinitionTypeError
+from hostir.runtime import fusion_ops
 
 
 def route_by_hand(indices: torch.Tensor, experts: int, capacity: int):
@@ -478,3 +481,41 @@ def test_bad_definitions_name_what_is_wrong():
         with pytest.raises(DefinitionTypeError, match="rows must be a pair"):
             fd.ops.set(x, rows=counts)
         fd.add_output(fd.ops.set(x))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.uint8]),
+    rows=st.integers(1, 5),
+    cols=st.integers(1, 12),
+    start=st.integers(0, 3),
+    transposed=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_as_words_fills_and_selects_as_the_elements_do(dtype, rows, cols, start, transposed, seed):
+    """`fusion_ops.as_words` (the row passes of `take` and `grouped_mm`)
+    views a tensor as 8-byte words only where its rows are whole words,
+    sharing its memory; a masked fill or a select through the view writes
+    the same bits as one over the elements, and nothing outside the view."""
+    g = torch.Generator().manual_seed(seed)
+    base = (torch.randn(rows * (cols + 3) + 3, generator=g) * 50).to(dtype)
+    view = base[start : start + rows * (cols + 3)].view(rows, cols + 3)[:, :cols]
+    if transposed:
+        view = view.t()
+    words = fusion_ops.as_words(view)
+    if words is not view:
+        assert words.dtype == torch.int64 and words.data_ptr() == view.data_ptr()
+        assert words.shape[-1] * 8 == view.shape[-1] * view.element_size()
+    mask = torch.rand(view.shape[0], 1, generator=g) < 0.5
+    ours, theirs = base.clone(), base.clone()
+    for into, fill in ((ours, lambda t: fusion_ops.as_words(t).masked_fill_(mask, 0)), (theirs, None)):
+        v = into[start : start + rows * (cols + 3)].view(rows, cols + 3)[:, :cols]
+        v = v.t() if transposed else v
+        if fill is None:
+            v.masked_fill_(mask, 0)
+        else:
+            fill(v)
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    picked = torch.where(mask, fusion_ops.as_words(view), fusion_ops.as_words(view).new_zeros(()))
+    expected = torch.where(mask, view, torch.zeros((), dtype=dtype))
+    assert torch.equal(picked.flatten().view(torch.uint8), expected.flatten().view(torch.uint8))

@@ -701,6 +701,7 @@ def _put_add(cc, e) -> None:
         like_dim=cc.unsqueeze_dim(e.like),
         batch=e.batch,
         features=e.features,
+        **({"distinct": True} if e.distinct else {}),
         **cc.layouts(e, [e.input, e.index, e.like], full_rank=True),
     )
 

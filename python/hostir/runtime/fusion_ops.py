@@ -681,6 +681,22 @@ def _flat_index(index: torch.Tensor, batch_count: int, rows: int, missing: int) 
     return torch.where(idx >= 0, idx + offsets, missing).reshape(-1)
 
 
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as 8-byte words where its rows allow it (the last axis
+    contiguous, every stride, offset and row a whole number of words),
+    else `t` itself. A select or fill whose mask is broadcast along the rows
+    moves 2-byte elements at about 40% of a copy's bandwidth on a GPU (one
+    H200: 0.26 against 0.10 ms for 192 MiB) and 8-byte words at about a
+    copy's (0.11 ms); either moves the bits unchanged. The C++ executor's
+    `asWords` is the same."""
+    size = t.element_size()
+    if size >= 8 or t.dim() == 0 or t.stride(-1) != 1 or t.shape[-1] * size % 8:
+        return t
+    if t.storage_offset() * size % 8 or any(s * size % 8 for s in t.stride()[:-1]):
+        return t
+    return t.view(torch.int64)
+
+
 def take_rows(x: torch.Tensor, index: torch.Tensor, batch: int, features: int) -> torch.Tensor:
     """`ir.TakeOp`. A negative index reads a zero row: one appended to the
     rows where they are fewer than the picks (a copy of the smaller
@@ -691,17 +707,29 @@ def take_rows(x: torch.Tensor, index: torch.Tensor, batch: int, features: int) -
         padded = torch.cat([x.reshape(nb * rows, f), x.new_zeros(1, f)])
         return padded.index_select(0, _flat_index(index, nb, rows, nb * rows)).reshape(shape)
     out = x.reshape(nb * rows, f).index_select(0, _flat_index(index, nb, rows, 0))
-    out.masked_fill_((index < 0).reshape(-1, 1), 0)
+    as_words(out).masked_fill_((index < 0).reshape(-1, 1), 0)
     return out.reshape(shape)
 
 
-def put_add_rows(x: torch.Tensor, index: torch.Tensor, like, batch: int, features: int) -> torch.Tensor:
+def put_add_rows(
+    x: torch.Tensor, index: torch.Tensor, like, batch: int, features: int, distinct: bool = False
+) -> torch.Tensor:
     """`ir.PutAddOp`: rows added into zeros shaped `like`; a negative
-    index adds into an extra last row, which is cut off."""
+    index adds into an extra last row, which is cut off. `distinct`: each
+    row is named at most once, so the rows are copied in (as 8-byte words
+    where the rows allow: `as_words`), with no atomic adds; the dropped
+    picks all land in the extra row."""
     nb, rows, f = _rows_of(like, batch, features)
     flat = _flat_index(index, nb, rows, nb * rows)
     out = torch.zeros(nb * rows + 1, f, dtype=x.dtype, device=x.device)
-    out.index_add_(0, flat, x.reshape(-1, f))
+    src = x.reshape(-1, f)
+    if distinct:
+        words, into = as_words(src), as_words(out)
+        if words.dtype != into.dtype:
+            words, into = src, out
+        into.index_copy_(0, flat, words)
+    else:
+        out.index_add_(0, flat, src)
     return out[: nb * rows].view(like)
 
 
@@ -746,10 +774,15 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     offs = counts.reshape(nb, G).cumsum(-1).to(torch.int32)
     real = (torch.arange(R, device=x.device).unsqueeze(0) < offs[:, -1:].to(torch.int64)).unsqueeze(-1)
     out = torch.empty(nb, R, N, dtype=x.dtype, device=x.device)
-    zero = x.new_zeros(())
+    # One pass puts each element's product, or a zero past the rows, as
+    # 8-byte words (`as_words`; a row's N elements are a multiple of 16
+    # bytes where the kernel runs).
     for i in range(nb):
-        # One pass puts each element's product, or a zero past the rows.
-        torch.where(real[i], torch._grouped_mm(xs[i], ws[i % nw].transpose(-2, -1), offs=offs[i]), zero, out=out[i])
+        product = torch._grouped_mm(xs[i], ws[i % nw].transpose(-2, -1), offs=offs[i])
+        words, into = as_words(product), as_words(out[i])
+        if words.dtype != into.dtype:
+            words, into = product, out[i]
+        torch.where(real[i], words, words.new_zeros(()), out=into)
     return out.reshape(*xb, R, N)
 
 
@@ -869,6 +902,6 @@ def _put_add(frame: Frame, e: ir.PutAddOp) -> None:
     like = _operand(frame, e, e.like, full_rank=True)
 
     def run():
-        return put_add_rows(x, index, like.shape, e.batch, e.features)
+        return put_add_rows(x, index, like.shape, e.batch, e.features, e.distinct)
 
     _store(frame, e, run, lambda out: out.copy_(run()), full_rank=True)
