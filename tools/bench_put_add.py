@@ -17,7 +17,17 @@ Ways:
 * `index_put_acc`: `index_put_(..., accumulate=True)` (sorts the index,
   sums each run of equal targets);
 * `index_add_fp32`: `index_add_` into a float32 buffer, then cast;
-* `hostir`: `hostir.runtime.fusion_ops.put_add_rows`, what the op runs.
+* `hostir`: `hostir.runtime.fusion_ops.put_add_rows`, what the op runs;
+* `hostir distinct` (combine): the same where the index names each row at
+  most once (`distinct`, which a MoE backward's combine has: a route's
+  slots), the rows copied in with no atomic adds.
+
+And `take`, whose transpose it is, the other way round on the same
+index patterns (the forward's combine picks the pairs' rows from the
+slots, its dispatch the slots' rows from the tokens): `index_select`
+alone (which leaves an empty slot's row unzeroed) against
+`fusion_ops.take_rows`, what the op runs, checked against a gather that
+zeroes those rows.
 
 The median of 20 timed calls after 5 warm-ups, CUDA events.
 """
@@ -29,7 +39,7 @@ import statistics
 
 import torch
 
-from hostir.runtime.fusion_ops import put_add_rows
+from hostir.runtime.fusion_ops import put_add_rows, take_rows
 
 
 def _time(fn, warmup: int = 5, iters: int = 20) -> float:
@@ -76,8 +86,9 @@ def main() -> None:
         "",
         f"T {T}, k {k}, H {H}, D {D}, bfloat16; ms, median of 20 calls. `tools/bench_put_add.py`.",
         "",
-        "| pattern | rows in | rows out | index_add_bf16 | index_put_acc | index_add_fp32 | hostir | hostir max error |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| pattern | rows in | rows out | index_add_bf16 | index_put_acc | index_add_fp32 | hostir | hostir max error "
+        "| hostir distinct | its max error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, (rows_in, index, rows_out) in _patterns(T, k, D, dev).items():
         x = torch.randn(rows_in, H, device=dev, dtype=torch.bfloat16)
@@ -98,10 +109,32 @@ def main() -> None:
         def hostir():
             return put_add_rows(x, index, (rows_out, H), 0, 1)
 
+        def distinct():
+            return put_add_rows(x, index, (rows_out, H), 0, 1, distinct=True)
+
         exact = torch.zeros(rows_out + 1, H, device=dev, dtype=torch.float64).index_add_(0, flat, x.double())
         err = (hostir().double() - exact[:rows_out]).abs().max().item()
         ms = [_time(f) for f in (index_add_bf16, index_put_acc, index_add_fp32, hostir)]
-        lines.append(f"| {name} | {rows_in} | {rows_out} | " + " | ".join(f"{m:.3f}" for m in ms) + f" | {err:.3g} |")
+        tail = "— | — |"
+        if name == "combine":
+            tail = f"{_time(distinct):.3f} | {(distinct().double() - exact[:rows_out]).abs().max().item():.3g} |"
+        lines.append(
+            f"| {name} | {rows_in} | {rows_out} | " + " | ".join(f"{m:.3f}" for m in ms) + f" | {err:.3g} | {tail}"
+        )
+    lines += [
+        "",
+        "take, on the same patterns the other way (rows picked from `rows out` into `rows in`):",
+        "",
+        "| pattern | rows picked from | rows picked | index_select | hostir | hostir equal |",
+        "|---|---:|---:|---:|---:|:---:|",
+    ]
+    for name, (rows_in, index, rows_out) in _patterns(T, k, D, dev).items():
+        x = torch.randn(rows_out, H, device=dev, dtype=torch.bfloat16)
+        clamped = index.clamp(min=0)
+        expected = torch.where((index < 0).unsqueeze(1), 0, x.index_select(0, clamped))
+        equal = torch.equal(take_rows(x, index, 0, 1), expected)
+        ms = [_time(f) for f in (lambda: x.index_select(0, clamped), lambda: take_rows(x, index, 0, 1))]
+        lines.append(f"| {name} | {rows_out} | {rows_in} | {ms[0]:.3f} | {ms[1]:.3f} | {'yes' if equal else 'NO'} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
