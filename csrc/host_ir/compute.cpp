@@ -664,7 +664,6 @@ at::Tensor flatIndex(const at::Tensor& index, int64_t batch_count, int64_t rows,
   return at::where(idx >= 0, idx + offsets, missing).reshape({-1});
 }
 
-// The rows of `x` at `index`, zeros where it is negative.
 // `t` viewed as 8-byte words where its rows allow it, else `t` itself: a
 // select or fill whose mask is broadcast along the rows moves words at
 // about a copy's bandwidth, 2-byte elements at less than half
@@ -683,6 +682,7 @@ at::Tensor asWords(const at::Tensor& t) {
   return t.view(at::kLong);
 }
 
+// The rows of `x` at `index`, zeros where it is negative.
 at::Tensor takeRows(const at::Tensor& x, const at::Tensor& index, const Instr& ins) {
   auto [nb, rows, f] = rowsOf(x.sizes(), ins);
   std::vector<int64_t> shape(index.sizes().begin(), index.sizes().end());

@@ -216,7 +216,12 @@ def take(
 
 
 def put_add(
-    x: ir.TensorView, index: ir.TensorView, like: ir.TensorView, batch: int = 0, features: int = 1, distinct=False
+    x: ir.TensorView,
+    index: ir.TensorView,
+    like: ir.TensorView,
+    batch: int = 0,
+    features: int = 1,
+    distinct: bool = False,
 ):
     """Zeros shaped as `like` with the rows of `x` added at `index`
     (negative indices dropped); see `ir.PutAddOp`. `distinct` is for the
