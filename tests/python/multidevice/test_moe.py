@@ -114,14 +114,15 @@ def reference_exact(x, indices, weights, gate, up, down, bound):
 RING_TRANSPORT = f":transport={os.environ['HOSTIR_TEST_TRANSPORT']}" if os.environ.get("HOSTIR_TEST_TRANSPORT") else ""
 
 
-@pytest.mark.parametrize("walked", [False, True], ids=["sized", "walked"])
+@pytest.mark.parametrize("walked", [None, "ring" + RING_TRANSPORT, "sequential"], ids=["sized", "walked", "unsized"])
 @pytest.mark.parametrize("capacity", [None, 3])
 def test_exact_layer_matches_the_unsharded_layer(world, device, capacity, walked):
     """The exact form: counts exchanged first, then only the real rows
     (sized at run time), grouped GEMMs over them; walked (`overlap`), a
     ring of whole pieces of the bound's rows, grouped GEMMs over each
-    piece's real rows. Outputs and every gradient as the unsharded layer,
-    and with a bound that drops pairs as the same loop dropping them."""
+    piece's real rows (or, `sequential`, those pieces in one AllToAll
+    each way). Outputs and every gradient as the unsharded layer, and
+    with a bound that drops pairs as the same loop dropping them."""
     D, r = world.size, world.rank
     T, H, F, E, k = 7, 8, 12, 2 * D, 2
     El = E // D
@@ -133,7 +134,7 @@ def test_exact_layer_matches_the_unsharded_layer(world, device, capacity, walked
     expected = reference_exact(whole[0], indices, *whole[1:], bound=bound)
     mine = [x[r], weights[r]] + [w[r * El : (r + 1) * El] for w in (gate, up, down)]
     mine = [t.clone().requires_grad_() for t in mine]
-    walk = {"overlap": True, "schedule": "ring" + RING_TRANSPORT} if walked else {}
+    walk = {"overlap": True, "schedule": walked} if walked else {}
     layer = MoELayer(DeviceMesh(range(D)), E, capacity=capacity, exact=True, **walk, **kwargs(device))
     out = layer(mine[0], indices[r], *mine[1:])
     torch.testing.assert_close(out, expected[r], **TOL)
