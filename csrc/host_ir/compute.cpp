@@ -682,6 +682,17 @@ at::Tensor asWords(const at::Tensor& t) {
   return t.view(at::kLong);
 }
 
+// `a` and `b` as words where both can be, else both as they are
+// (fusion_ops.py's `as_words_together`).
+std::pair<at::Tensor, at::Tensor> asWordsTogether(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor wa = asWords(a);
+  at::Tensor wb = asWords(b);
+  if (wa.scalar_type() != wb.scalar_type()) {
+    return {a, b};
+  }
+  return {wa, wb};
+}
+
 // The rows of `x` at `index`, zeros where it is negative.
 at::Tensor takeRows(const at::Tensor& x, const at::Tensor& index, const Instr& ins) {
   auto [nb, rows, f] = rowsOf(x.sizes(), ins);
@@ -708,12 +719,7 @@ at::Tensor putAddRows(const at::Tensor& x, const at::Tensor& index, c10::IntArra
   at::Tensor out = at::zeros({nb * rows + 1, f}, x.options());
   at::Tensor src = x.reshape({-1, f});
   if (ins.distinct) {
-    at::Tensor words = asWords(src);
-    at::Tensor into = asWords(out);
-    if (words.scalar_type() != into.scalar_type()) {
-      words = src;
-      into = out;
-    }
+    auto [words, into] = asWordsTogether(src, out);
     into.index_copy_(0, flat, words);
   } else {
     out.index_add_(0, flat, src);
@@ -838,12 +844,7 @@ at::Tensor groupedMm(const Instr& ins, const at::Tensor& x, const at::Tensor& we
   at::Tensor out = at::empty({nb, rows, n}, x.options());
   for (int64_t i = 0; i < nb; ++i) {
     at::Tensor product = at::_grouped_mm(xs.select(0, i), ws.select(0, i % nw).transpose(-2, -1), offs.select(0, i));
-    at::Tensor words = asWords(product);
-    at::Tensor into = asWords(out.select(0, i));
-    if (words.scalar_type() != into.scalar_type()) {
-      words = product;
-      into = out.select(0, i);
-    }
+    auto [words, into] = asWordsTogether(product, out.select(0, i));
     at::where_out(into, real.select(0, i), words, at::zeros({}, words.options()));
   }
   return out.reshape(shape);

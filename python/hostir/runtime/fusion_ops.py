@@ -697,6 +697,13 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int64)
 
 
+def as_words_together(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """Each of `ts` as 8-byte words (`as_words`) where every one of them
+    can be, else all as they are: a pass between them moves one type."""
+    words = [as_words(t) for t in ts]
+    return words if len({w.dtype for w in words}) == 1 else list(ts)
+
+
 def take_rows(x: torch.Tensor, index: torch.Tensor, batch: int, features: int) -> torch.Tensor:
     """`ir.TakeOp`. A negative index reads a zero row: one appended to the
     rows where they are fewer than the picks (a copy of the smaller
@@ -717,16 +724,14 @@ def put_add_rows(
     """`ir.PutAddOp`: rows added into zeros shaped `like`; a negative
     index adds into an extra last row, which is cut off. `distinct`: each
     row is named at most once, so the rows are copied in (as 8-byte words
-    where the rows allow: `as_words`), with no atomic adds; the dropped
+    where the rows allow: `as_words_together`), with no atomic adds; the dropped
     picks all land in the extra row."""
     nb, rows, f = _rows_of(like, batch, features)
     flat = _flat_index(index, nb, rows, nb * rows)
     out = torch.zeros(nb * rows + 1, f, dtype=x.dtype, device=x.device)
     src = x.reshape(-1, f)
     if distinct:
-        words, into = as_words(src), as_words(out)
-        if words.dtype != into.dtype:
-            words, into = src, out
+        words, into = as_words_together(src, out)
         into.index_copy_(0, flat, words)
     else:
         out.index_add_(0, flat, src)
@@ -779,9 +784,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     # bytes where the kernel runs).
     for i in range(nb):
         product = torch._grouped_mm(xs[i], ws[i % nw].transpose(-2, -1), offs=offs[i])
-        words, into = as_words(product), as_words(out[i])
-        if words.dtype != into.dtype:
-            words, into = product, out[i]
+        words, into = as_words_together(product, out[i])
         torch.where(real[i], words, words.new_zeros(()), out=into)
     return out.reshape(*xb, R, N)
 
