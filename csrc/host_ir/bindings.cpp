@@ -225,6 +225,9 @@ Instr instr(int opcode, const py::dict& f) {
     i.features = f["features"].cast<int64_t>();
     i.distinct = field<bool>(f, "distinct", false);
   }
+  if (i.op == Opcode::kSlice || i.op == Opcode::kInsert) {
+    i.ranges = field(f, "ranges", std::vector<int64_t>{});
+  }
   if (i.op == Opcode::kTransfer) {
     i.h2d = f["h2d"].cast<bool>();
     i.copy_stream = field<bool>(f, "copy_stream", false);
@@ -419,7 +422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return runs;
           })
       .def_property_readonly("ops_executed", &hostir::Executor::opsExecuted);
-  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kGroupedOuter) + 1;
+  m.attr("OPCODE_COUNT") = static_cast<int>(hostir::Opcode::kInsert) + 1;
   m.attr("UNARY_KINDS") = py::tuple(py::cast(hostir::unaryKindNames()));
   m.attr("BINARY_KINDS") = py::tuple(py::cast(hostir::binaryKindNames()));
   m.attr("TRANSPORTS") = py::tuple(py::cast(hostir::transportNames()));

@@ -932,6 +932,70 @@ void groupedOuterOp(Run& run, const Instr& ins) {
   storeCopy(run, ins, [&]() { return groupedOuter(ins, x, other, counts); });
 }
 
+// -- the shape ops that cut and join (fusion_ops.py's `_slice`, `_cat`,
+// `_insert`), at full rank as the evaluator runs them.
+
+// `t` cut by `ranges` ((start, stop, step) per dim, stop -1: to the end):
+// a view. A start or stop past a dim's size is an error, as the evaluator's.
+at::Tensor sliced(const at::Tensor& t, const std::vector<int64_t>& ranges, const std::string& what) {
+  at::Tensor r = t;
+  for (size_t k = 0; k * 3 < ranges.size(); ++k) {
+    int64_t start = ranges[3 * k], stop = ranges[3 * k + 1], step = ranges[3 * k + 2];
+    int64_t size = t.size(static_cast<int64_t>(k));
+    if (start > size || stop > size) {
+      throw Error(
+          text("axis ", k, " of ", what, " has size ", size, "; the slice [", start, ":", stop, "] is out of range"),
+          "ShapeError");
+    }
+    if (start != 0 || stop >= 0 || step != 1) {
+      r = r.slice(static_cast<int64_t>(k), start, stop < 0 ? size : stop, step);
+    }
+  }
+  return r;
+}
+
+void sliceOp(Run& run, const Instr& ins) {
+  at::Tensor r = sliced(fullRank(run.tensor(ins.input), ins.a_dim), ins.ranges, ins.text);
+  const at::Tensor* bound = run.maybeTensor(ins.out);
+  if (bound != nullptr) {
+    fullRank(*bound, ins.out_dim).copy_(r);
+    return;
+  }
+  run.bind(ins.out, ins.out_dim < 0 ? r : r.squeeze(ins.out_dim));
+}
+
+void catOp(Run& run, const Instr& ins) {
+  at::Tensor a = fullOperand(run, ins, 0, ins.input, ins.a_dim);
+  at::Tensor b = fullOperand(run, ins, 1, ins.b, ins.b_dim);
+  store(run, ins, true, [&]() { return at::cat({a, b}, ins.dim); }, [&](at::Tensor& o) {
+    o.narrow(ins.dim, 0, a.size(ins.dim)).copy_(a);
+    o.narrow(ins.dim, a.size(ins.dim), b.size(ins.dim)).copy_(b);
+  });
+}
+
+void insertOp(Run& run, const Instr& ins) {
+  at::Tensor src = fullOperand(run, ins, 0, ins.input, ins.a_dim);
+  at::Tensor like = fullOperand(run, ins, 1, ins.like, ins.like_dim);
+  auto fill = [&](at::Tensor& o) {
+    if (!ins.ranges.empty()) {
+      sliced(o, ins.ranges, ins.text).copy_(src);
+    } else {
+      o.select(ins.dim, run.get(ins.index)).copy_(src);
+    }
+  };
+  store(
+      run, ins, true,
+      [&]() {
+        at::Tensor o = at::zeros(like.sizes(), like.options().dtype(ins.dtype));
+        fill(o);
+        return o;
+      },
+      [&](at::Tensor& o) {
+        o.zero_();
+        fill(o);
+      });
+}
+
 } // namespace
 
 at::Tensor applyView(const View& v, at::Tensor t) {
@@ -1010,6 +1074,15 @@ void compute(Run& run, const Instr& ins) {
       break;
     case Opcode::kGroupedOuter:
       groupedOuterOp(run, ins);
+      break;
+    case Opcode::kSlice:
+      sliceOp(run, ins);
+      break;
+    case Opcode::kCat:
+      catOp(run, ins);
+      break;
+    case Opcode::kInsert:
+      insertOp(run, ins);
       break;
     default:
       throw Error(text("instruction ", run.indexOf(ins), " is no compute op"), "ProgramError");

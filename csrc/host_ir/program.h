@@ -120,6 +120,9 @@ enum class Opcode : int {
   kPutAdd,
   kGroupedMm,
   kGroupedOuter,
+  kSlice,
+  kCat,
+  kInsert,
 };
 
 // Shared with ir.CommunicationType (in declaration order).
@@ -316,6 +319,12 @@ struct Instr {
   int64_t features = 0;
   int64_t wbatch = 0;
   bool grouped_kernel = false;
+  // The shape ops (compute.cpp): slice's and insert's `ranges`, a (start,
+  // stop, step) per axis (stop -1: to the end), or insert's select (`dim`
+  // and the scalar node `index`, with no ranges); cat's two operands
+  // `input` and `b` joined along `dim`. Operands at full rank (`a_dim`,
+  // `b_dim`, insert's `like` and `like_dim`).
+  std::vector<int64_t> ranges;
   // Layouts: one view per tensor operand in the op's operand order (none:
   // every operand is read as it is bound), and the output's store.
   std::vector<View> views;

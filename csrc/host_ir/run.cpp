@@ -552,6 +552,9 @@ void Run::exec(const Instr& ins) {
     case Opcode::kPutAdd:
     case Opcode::kGroupedMm:
     case Opcode::kGroupedOuter:
+    case Opcode::kSlice:
+    case Opcode::kCat:
+    case Opcode::kInsert:
       compute(*this, ins);
       break;
     case Opcode::kTransfer:

@@ -194,6 +194,11 @@ class Deriver:
         self.multi = any(lay.mesh is not None for lay in self.layouts.values())
         self.bwd = ir.Fusion()
         self.producer = {e.out: e for e in self.fwd.exprs}
+        # Cotangents held back until a value's cotangent is asked for (the
+        # parts of a tiled slice, `transpose_rules._slice_rule`): `pending`
+        # maps the value to what contributes them.
+        self.tiles: dict = {}
+        self.pending: dict = {}
         self.contribs: dict[ir.TensorView, list[ir.TensorView]] = {}
         self.known: dict[ir.TensorView, Layout] = {}  # backward tv -> its layout
         self.free: set[ir.TensorView] = set()  # made by a rule, not placed yet
@@ -394,6 +399,9 @@ class Deriver:
         self.contribs.setdefault(tv, []).append(g)
 
     def cotangent(self, tv: ir.TensorView, layout: Layout | None = None) -> ir.TensorView | None:
+        flush = self.pending.pop(tv, None)
+        if flush is not None:
+            flush()
         parts = self.contribs.pop(tv, None)
         if not parts:
             return None
@@ -547,10 +555,11 @@ class Deriver:
             if out in needs:
                 self.contribs.setdefault(out, []).append(g)
         for e in reversed(list(fwd.exprs)):
-            if e.out not in needs or e.out not in self.contribs:
+            if e.out not in needs or (e.out not in self.contribs and e.out not in self.pending):
                 continue
             if not any(wants(self, v, needs) for v in e.inputs()):
                 self.contribs.pop(e.out, None)
+                self.pending.pop(e.out, None)
                 continue
             rule = rules.get(type(e))
             if rule is None:

@@ -283,9 +283,10 @@ class ReshapeOp(Expr):
 
 @_op
 class SliceOp(Expr):
-    """`out = input[start:stop:step, ...]` as a copy, one (start, stop,
-    step) per axis (stop None: to the end). An axis taken whole iterates
-    with its input axis; a cut one does not. Writes into `out` if bound."""
+    """`out = input[start:stop:step, ...]`, one (start, stop, step) per
+    axis (stop None: to the end): a view of `input`, as torch's slicing.
+    An axis taken whole iterates with its input axis; a cut one does not.
+    Writes into `out` if bound (a copy)."""
 
     out: TensorView
     input: TensorView
@@ -360,6 +361,29 @@ class InsertOp(Expr):
 
     def id_pairs(self):
         yield from zip(self.out.logical_runtime(), self.like.logical_runtime())
+
+
+@_op
+class CatOp(Expr):
+    """`out = torch.cat([input, other], dim)`: the two operands' other axes
+    equal, `out`'s axis `dim` as long as both of theirs. The backward of
+    slices that tile an axis (`transpose_rules`), and `fd.ops.cat`. Writes
+    into `out` if bound."""
+
+    EFFECT = "compute"
+
+    out: TensorView
+    input: TensorView
+    other: TensorView
+    dim: int
+    INPUTS = ("input", "other")
+    OUTPUTS = ("out",)
+
+    def id_pairs(self):
+        for k, o in enumerate(self.out.logical_runtime()):
+            if k != self.dim:
+                yield o, self.input.logical_runtime()[k]
+                yield o, self.other.logical_runtime()[k]
 
 
 @_op
@@ -586,11 +610,13 @@ GROUPED_OPS = (GroupedMmOp, GroupedOuterOp)
 
 SHAPE_OPS = (PermuteOp, ReshapeOp, SliceOp, SelectOp)
 FUSION_OPS = (
-    (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp)
+    (Set, UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp, CatOp)
     + SHAPE_OPS
     + INDEX_OPS
     + GROUPED_OPS
 )
 COMPUTE_OPS = (
-    (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp) + INDEX_OPS + GROUPED_OPS
+    (UnaryOp, BinaryOp, ReductionOp, MatmulOp, LinearOp, BroadcastInDimOp, ExpandOp, InsertOp, CatOp)
+    + INDEX_OPS
+    + GROUPED_OPS
 )

@@ -167,10 +167,18 @@ class Ops:
         return shape_ops.reshape(x, shape)
 
     def slice(self, x: ir.TensorView, start_indices, end_indices, strides=None) -> ir.TensorView:
-        """A copy of `x[start:end:stride, ...]`, one start, end (None: to
-        the end) and stride per axis, as nvFuser's `fd.ops.slice`."""
+        """`x[start:end:stride, ...]`, one start, end (None: to the end)
+        and stride per axis, as nvFuser's `fd.ops.slice`: a view, as
+        torch's slicing."""
         self._check(x)
         return shape_ops.slice_(x, start_indices, end_indices, strides)
+
+    def cat(self, tensors, dim: int) -> ir.TensorView:
+        """`torch.cat(tensors, dim)`: the tensors (one dtype, equal sizes
+        but along `dim`) joined along axis `dim`, as nvFuser's
+        `fd.ops.cat`; more than two are joined pairwise, left to right."""
+        self._check(*(tensors if isinstance(tensors, (list, tuple)) else ()))
+        return shape_ops.cat(tensors, dim)
 
     def select(self, x: ir.TensorView, index, dim: int) -> ir.TensorView:
         """A copy of `x.select(dim, index)`; `index` is an int or an integer

@@ -108,6 +108,10 @@ def _select_op(e: ir.SelectOp, pad):
     return _assign(pad, e.out, f"select( {format_tv(e.input)}, dim = {e.dim}, index = {format_scalar(e.index)} )")
 
 
+def _cat(e: ir.CatOp, pad):
+    return _assign(pad, e.out, f"cat( {format_tv(e.input)}, {format_tv(e.other)}, dim = {e.dim} )")
+
+
 def _expand(e: ir.ExpandOp, pad):
     dims = ", ".join(map(str, e.dims))
     return _assign(pad, e.out, f"expand( {format_tv(e.input)}, like = {format_tv(e.like)}, new dims = {{{dims}}} )")
@@ -303,6 +307,7 @@ _FORMATS = {
     ir.SelectOp: _select_op,
     ir.ExpandOp: _expand,
     ir.InsertOp: _insert,
+    ir.CatOp: _cat,
     ir.TopKOp: _topk,
     ir.RouteOp: _route,
     ir.TakeOp: _take,

@@ -1,13 +1,14 @@
 """Builders of the fusion ops that change a tensor's shape: `permute`,
-`reshape`, `slice` and `select`.
+`reshape`, `slice`, `select` and `cat`.
 
 Each checks its arguments against the operand's logical axes when it is
 defined (so a bad axis or size is an error naming the op, before anything
 runs) and makes the output's axes: permuted clones, new extents, or the
-operand's axes less the selected one. `permute` and `reshape` return views
-of their operands where torch would (a permute always, a reshape where the
-strides allow), and the race checker and the dry run's memory plan see
-them as the operand's buffer; `slice` and `select` copy.
+operand's axes less the selected one. `permute`, `reshape` and `slice`
+return views of their operands where torch would (a permute and a slice
+always, a reshape where the strides allow), and the race checker and the
+dry run's memory plan see them as the operand's buffer; `select` and `cat`
+copy.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def slice_(x: ir.TensorView, starts: Sequence[int], stops: Sequence, steps: Sequ
         if rng == (0, None, 1) or (d.extent.is_constant and rng == (0, d.extent.value, 1)):
             rng = (0, None, 1)
             domain.append(d.clone(fusion))
-        elif stop is not None:
+        elif stop is not None or d.extent.is_constant:
+            stop = d.extent.value if stop is None else stop
             domain.append(ir.IterDomain(fusion, ir.Scalar.constant(-(-(stop - start) // step))))
         else:
             # ceilDiv(extent - start, step) rows, from the run's extent.
@@ -119,6 +121,49 @@ def slice_(x: ir.TensorView, starts: Sequence[int], stops: Sequence, steps: Sequ
         ranges.append(rng)
     out = ir.TensorView(fusion, domain, x.dtype)
     return _emit(ir.SliceOp(out, x, tuple(ranges)))
+
+
+def cat(tensors: Sequence[ir.TensorView], dim: int) -> ir.TensorView:
+    tensors = list(tensors) if isinstance(tensors, (list, tuple)) else tensors
+    if not isinstance(tensors, list) or not tensors:
+        raise DefinitionTypeError(f"cat: give a non-empty list of TensorViews, got {tensors!r}")
+    for t in tensors:
+        _operand(t, "cat")
+    first = tensors[0]
+    dim = _axis(first, dim, "cat")
+    for t in tensors[1:]:
+        if t.logical_ndim != first.logical_ndim or t.dtype != first.dtype:
+            raise DefinitionError(
+                f"cat: T{t.name} ({t.logical_ndim} axes, {t.dtype}) does not match T{first.name} "
+                f"({first.logical_ndim} axes, {first.dtype})"
+            )
+        for k, (a, b) in enumerate(zip(first.logical_runtime(), t.logical_runtime())):
+            if k != dim and a.extent.is_constant and b.extent.is_constant and a.extent.value != b.extent.value:
+                raise DefinitionError(
+                    f"cat: axis {k} of T{t.name} has size {b.extent.value}, of T{first.name} {a.extent.value}; "
+                    f"only axis {dim} may differ"
+                )
+    if len(tensors) == 1:
+        fusion = first.owner
+        copy = ir.TensorView(fusion, [d.clone(fusion) for d in first.logical_runtime()], first.dtype)
+        return _emit(ir.Set(copy, first))
+    out = first
+    for t in tensors[1:]:
+        out = _cat_two(out, t, dim)
+    return out
+
+
+def _cat_two(a: ir.TensorView, b: ir.TensorView, dim: int) -> ir.TensorView:
+    fusion = a.owner
+    domain = []
+    for k, (x, y) in enumerate(zip(a.logical_runtime(), b.logical_runtime())):
+        if k != dim:
+            domain.append(x.clone(fusion))
+        elif x.extent.is_constant and y.extent.is_constant:
+            domain.append(ir.IterDomain(fusion, ir.Scalar.constant(x.extent.value + y.extent.value)))
+        else:
+            domain.append(ir.IterDomain(fusion, ir.ScalarExpr("+", x.extent, y.extent)))
+    return _emit(ir.CatOp(ir.TensorView(fusion, domain, a.dtype), a, b, dim))
 
 
 def select(x: ir.TensorView, dim: int, index) -> ir.TensorView:

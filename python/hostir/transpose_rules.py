@@ -314,10 +314,78 @@ def _slice_rule(d: Deriver, e: ir.SliceOp, needs) -> None:
     g = d.cotangent(e.out)
     if not wants(d, e.input, needs):
         return
+    tiles = _tiles(d, e.input)
+    if tiles is not None:
+        # One of slices that tile an axis (a fused weight's product cut
+        # into its parts): the cotangents wait for each other, to be joined
+        # by a cat when the input's cotangent is asked for.
+        held = d.tiles.setdefault(e.input, {})
+        held[e] = g
+        d.pending[e.input] = lambda: _join_tiles(d, e.input, tiles)
+        return
+    _insert(d, e, g)
+
+
+def _insert(d: Deriver, e: ir.SliceOp, g: ir.TensorView) -> None:
     like = d.shaped_like(e.input)
     out = ir.TensorView(d.bwd, [a.clone(d.bwd) for a in like.logical_runtime()], g.dtype)
     d.bwd.add_expr(ir.InsertOp(out, g, like, ranges=e.ranges))
     d.contribute(e.input, d.made(out))
+
+
+def _tiles(d: Deriver, x: ir.TensorView) -> tuple[int, list] | None:
+    """`(axis, slices)` where the forward's slices of `x` cut one axis into
+    adjacent parts from its start to its end (steps 1, every other axis
+    whole), in order along it; else None."""
+    slices = [u for u in d.fwd.exprs if isinstance(u, ir.SliceOp) and u.input is x]
+    if len(slices) < 2:
+        return None
+    whole = (0, None, 1)
+    cut = {k for u in slices for k, r in enumerate(u.ranges) if r != whole}
+    if len(cut) != 1:
+        return None
+    (axis,) = cut
+    slices.sort(key=lambda u: u.ranges[axis][0])
+    extent = x.logical_runtime()[axis].extent
+    end = 0
+    for u in slices:
+        start, stop, step = u.ranges[axis]
+        if step != 1 or start != end or end is None:
+            return None
+        end = stop
+    if end is not None and not (extent.is_constant and end == extent.value):
+        return None
+    return axis, slices
+
+
+def _join_tiles(d: Deriver, x: ir.TensorView, tiles) -> None:
+    """The held cotangents of `x`'s tiling slices as one: their cat along
+    the cut axis where every part has one, else each part inserted into
+    zeros (as a lone slice's)."""
+    axis, slices = tiles
+    held = d.tiles.pop(x, {})
+    parts = [held.get(u) for u in slices]
+    if any(p is None for p in parts):
+        for u in slices:
+            if held.get(u) is not None:
+                _insert(d, u, held[u])
+        return
+    parts = [p if p.dtype == x.dtype else d.made(builders.unary("cast", p, x.dtype)) for p in parts]
+    d.contribute(x, d.made(shape_ops.cat(parts, axis)))
+
+
+@rule(ir.CatOp)
+def _cat_rule(d: Deriver, e: ir.CatOp, needs) -> None:
+    g = d.cotangent(e.out)
+    extent = e.input.logical_runtime()[e.dim].extent
+    if not extent.is_constant:
+        raise NoTransposeRuleError(no_rule(e, f"T{e.input.name}'s axis {e.dim} has a symbolic size"))
+    n = g.logical_ndim
+    for part, start, stop in ((e.input, 0, extent.value), (e.other, extent.value, None)):
+        if wants(d, part, needs):
+            starts = [start if k == e.dim else 0 for k in range(n)]
+            stops = [stop if k == e.dim else None for k in range(n)]
+            d.contribute(part, d.made(shape_ops.slice_(g, starts, stops)))
 
 
 @rule(ir.SelectOp)

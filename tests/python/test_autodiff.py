@@ -10,7 +10,7 @@ import torch
 
 import hostir
 from hostir import FusionDefinition
-from hostir.autodiff import BackwardError, NoTransposeRuleError
+from hostir.autodiff import BackwardError, NoTransposeRuleError, derive
 
 F64 = torch.float64
 
@@ -193,6 +193,55 @@ def test_shape_op_rules():
         return tuple(fd.execute([x, 2]))
 
     assert torch.autograd.gradcheck(run, (x,))
+
+
+def _printed(fusion) -> str:
+    from hostir import printer
+
+    return "\n".join(line for e in fusion.exprs for line in printer._lines(e, ""))
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_slices_that_tile_an_axis_transpose_into_one_cat(parts):
+    """The cotangents of slices that cut an axis from end to end join in
+    cats (one per part but the first), never a zero-filled insert each
+    and their sum; a slice that leaves a gap keeps its insert."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 6], F64)
+        w = fd.define_tensor([6, 12], F64)
+        y = fd.ops.matmul(x, w)
+        cuts = [12 * i // parts for i in range(parts + 1)]
+        pieces = [fd.ops.slice(y, [0, a], [None, b if b < 12 else None]) for a, b in zip(cuts, cuts[1:])]
+        out = pieces[0]
+        for p in pieces[1:]:
+            out = fd.ops.mul(fd.ops.tanh(out), p)
+        fd.add_output(out)
+        fd.add_output(fd.ops.exp(fd.ops.slice(x, [0, 1], [None, 3])))
+    check(fd, leaf(5, 6), leaf(6, 12))
+    backward = _printed(derive(fd.fusion, [0, 1]).backward)
+    assert backward.count("cat(") == parts - 1, backward
+    assert backward.count("insert(") == 1, backward
+
+
+def test_a_tiled_slice_without_a_gradient_leaves_its_parts_inserted():
+    """Where one part's output has no cotangent, the others are inserted
+    into zeros (no cat has the missing part)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 4], F64)
+        a = fd.ops.slice(x, [0, 0], [None, 2])
+        fd.ops.slice(x, [0, 2], [None, None])
+        fd.add_output(fd.ops.exp(a))
+    check(fd, leaf(3, 4))
+    backward = _printed(derive(fd.fusion, [0]).backward)
+    assert "cat(" not in backward and backward.count("insert(") == 1, backward
+
+
+def test_cat_rule():
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1, 2, 3], F64)
+        b = fd.define_tensor([-1, 4, 3], F64)
+        fd.add_output(fd.ops.exp(fd.ops.cat([a, b, a], 1)))
+    check(fd, leaf(2, 2, 3), leaf(2, 4, 3))
 
 
 def test_set_rule():

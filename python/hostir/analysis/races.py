@@ -309,10 +309,10 @@ def _compute(ck: _Checker, e) -> None:
     ck.access("write", r, ck.current, line)
 
 
-@_rule(ir.PermuteOp, ir.ReshapeOp)
+@_rule(ir.PermuteOp, ir.ReshapeOp, ir.SliceOp)
 def _view(ck: _Checker, e) -> None:
-    """A permute or reshape into an unbound output binds a view of its
-    operand (the evaluator's, as torch's): later accesses to the output
+    """A permute, reshape or slice into an unbound output binds a view of
+    its operand (the evaluator's, as torch's): later accesses to the output
     are accesses to the operand's buffer. Into a bound output it copies."""
     line = _line(e)
     src = ck.region(e.input)
@@ -323,6 +323,11 @@ def _view(ck: _Checker, e) -> None:
         return
     if isinstance(e, ir.PermuteOp) and len(src.dims) == len(e.dims):
         dims = tuple(src.dims[d] for d in e.dims)
+    elif isinstance(e, ir.SliceOp) and len(src.dims) == len(e.ranges):
+        # An axis taken whole is the operand's; a cut one is new.
+        dims = tuple(
+            d if r == (0, None, 1) else ("view", id(e), k) for k, (d, r) in enumerate(zip(src.dims, e.ranges))
+        )
     else:
         # A reshape's dims are new; selects on them are told apart only
         # from each other, so they overlap anything else on the buffer.

@@ -67,9 +67,22 @@ def build_host_program(fusion: ir.Fusion, host_inputs: frozenset = frozenset()) 
 
 
 def _check_unsharded(e: ir.Expr) -> None:
+    if isinstance(e, ir.SliceOp) and _keeps_shards_whole(e):
+        return
     for v in e.inputs() + e.outputs():
         if isinstance(v, ir.TensorView) and v.device_axes():
             raise DefinitionError(
-                f"reshape, slice and select take and give tensors without mesh_x axes; "
-                f"T{v.name} has one (gather it first with a set):\n{e!r}"
+                f"reshape, slice and select take and give tensors without mesh_x axes (a slice may "
+                f"take one that is an axis of its own, kept whole); T{v.name} has one (gather it first "
+                f"with a set):\n{e!r}"
             )
+
+
+def _keeps_shards_whole(e: ir.SliceOp) -> bool:
+    """Whether slice `e` cuts no sharded axis: its operand's mesh_x axes
+    are logical axes of their own (no split), each taken whole, so that
+    each rank's piece is sliced as the whole tensor is."""
+    x = e.input
+    if len(x.domain) != len(x.logical):
+        return False
+    return all(not d.is_device_parallel or r == (0, None, 1) for d, r in zip(x.logical, e.ranges))

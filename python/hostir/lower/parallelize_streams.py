@@ -11,7 +11,9 @@ Postcondition: each run of consecutive stream-parallel ops whose stream axes
 map (through the ops' operands, broadcasts included) is one `ForLoop`
 walking the stream axis with index `StreamIdx`, marked `stream_parallel`
 (`assign_streams` runs its iterations on worker streams). Before the loop,
-each body output is allocated at full size; in the body, each operand and
+each body output is allocated at full size, but a slice of another body
+op's output, which is taken there once as a view of that whole buffer
+(it keeps the stream axis whole); in the body, each operand and
 output with an axis mapped to the loop's is replaced by a `HirAliasSelect`
 slice (one slice per (tensor, axis, index) for the whole pass). Any op in
 between ends the loop.
@@ -63,12 +65,32 @@ def parallelize_streams(container: HostIrContainer) -> HostIrContainer:
         if id(item) not in loops:
             result.push_back(item)
             continue
+        views = _views(item)
         for e in item.body:
             (out,) = e.outputs()
-            if slicer.mapped_axis(out, item) is not None:
+            if e in views:
+                # A view of a buffer the loop fills whole: taken once, on
+                # the whole buffer, before the loop; the body reads its
+                # slices (no buffer of its own, no copy per iteration).
+                result.push_back(e)
+            elif slicer.mapped_axis(out, item) is not None:
                 result.push_back(ir.Allocate(out, ir.MemoryType.global_))
-        result.push_back(item.replace(body=slicer.slice_body(item)))
+        body = [e for e in item.body if e not in views]
+        result.push_back(item.replace(body=slicer.slice_body(item.replace(body=body))))
     return result
+
+
+def _views(loop: ir.ForLoop) -> list[ir.Expr]:
+    """The slices in `loop`'s body of an earlier body op's output (which
+    the loop allocates whole); they keep the stream axis whole
+    (`_stream_axis` refuses the others)."""
+    made: set[int] = set()
+    views = []
+    for e in loop.body:
+        if isinstance(e, ir.SliceOp) and id(e.input) in made:
+            views.append(e)
+        made.add(id(e.out))
+    return views
 
 
 def _stream_axis(e: ir.Expr) -> ir.IterDomain | None:

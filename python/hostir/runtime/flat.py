@@ -64,6 +64,9 @@ OPCODES = (
     "put_add",
     "grouped_mm",
     "grouped_outer",
+    "slice",
+    "cat",
+    "insert",
 )
 _CODE = {name: i for i, name in enumerate(OPCODES)}
 _DTYPES = flat_communications.DTYPES
@@ -744,6 +747,64 @@ def _grouped_outer(cc, e) -> None:
         counts_dim=cc.unsqueeze_dim(e.counts),
         wbatch=e.out.logical_ndim - 3,
         **cc.layouts(e, [e.input, e.other, e.counts], full_rank=True),
+    )
+
+
+# The shape ops that cut and join, at full rank as the evaluator runs
+# them: slice's operand `input` (a_dim) read as bound, its result a view;
+# cat's `input` (a_dim) and `other` (`b`, b_dim); insert's `input` (a_dim)
+# and `like` (like_dim), which gives only its sizes. `ranges`: a (start,
+# stop, step) per axis, stop -1 to the end.
+
+
+def _flat_ranges(ranges) -> list[int]:
+    return [v for start, stop, step in ranges for v in (start, -1 if stop is None else stop, step)]
+
+
+@_compiles(ir.SliceOp)
+def _slice(cc, e) -> None:
+    cc.emit(
+        "slice",
+        e,
+        out=cc.tensor(e.out),
+        out_dim=cc.unsqueeze_dim(e.out),
+        input=cc.tensor(e.input),
+        a_dim=cc.unsqueeze_dim(e.input),
+        ranges=_flat_ranges(e.ranges),
+    )
+
+
+@_compiles(ir.CatOp)
+def _cat(cc, e) -> None:
+    cc.emit(
+        "cat",
+        e,
+        out=cc.tensor(e.out),
+        out_dim=cc.unsqueeze_dim(e.out),
+        input=cc.tensor(e.input),
+        a_dim=cc.unsqueeze_dim(e.input),
+        b=cc.tensor(e.other),
+        b_dim=cc.unsqueeze_dim(e.other),
+        dim=e.dim,
+        **cc.layouts(e, [e.input, e.other], full_rank=True),
+    )
+
+
+@_compiles(ir.InsertOp)
+def _insert(cc, e) -> None:
+    where = {"ranges": _flat_ranges(e.ranges)} if e.ranges is not None else {"dim": e.dim, "index": cc.scalar(e.index)}
+    cc.emit(
+        "insert",
+        e,
+        out=cc.tensor(e.out),
+        out_dim=cc.unsqueeze_dim(e.out),
+        input=cc.tensor(e.input),
+        a_dim=cc.unsqueeze_dim(e.input),
+        like=cc.tensor(e.like),
+        like_dim=cc.unsqueeze_dim(e.like),
+        dtype=_DTYPES[e.out.dtype],
+        **where,
+        **cc.layouts(e, [e.input, e.like], full_rank=True),
     )
 
 

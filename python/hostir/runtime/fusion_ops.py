@@ -579,6 +579,18 @@ def _insert(frame: Frame, e: ir.InsertOp) -> None:
     _store(frame, e, run, into, full_rank=True)
 
 
+@impl(ir.CatOp)
+def _cat(frame: Frame, e: ir.CatOp) -> None:
+    a = _operand(frame, e, e.input, full_rank=True)
+    b = _operand(frame, e, e.other, full_rank=True)
+
+    def into(out):
+        out.narrow(e.dim, 0, a.shape[e.dim]).copy_(a)
+        out.narrow(e.dim, a.shape[e.dim], b.shape[e.dim]).copy_(b)
+
+    _store(frame, e, lambda: torch.cat([a, b], e.dim), into, full_rank=True)
+
+
 @impl(ir.ReshapeOp)
 def _reshape(frame: Frame, e: ir.ReshapeOp) -> None:
     src = frame.get(e.input)
@@ -595,7 +607,7 @@ def _slice(frame: Frame, e: ir.SliceOp) -> None:
         if start > size or (stop is not None and stop > size):
             raise ShapeError(f"axis {k} of T{e.input.name} has size {size}; the slice [{start}:{stop}] is out of range")
         index.append(slice(start, stop, step))
-    _copy_out(frame, e, src[tuple(index)], src)
+    _view_out(frame, e, src[tuple(index)])
 
 
 @impl(ir.SelectOp)

@@ -41,7 +41,7 @@ OPS: frozenset[type] = frozenset(
         ir.HirAliasSelect, ir.HirAliasChunk, ir.Allocate, ir.Deallocate, ir.Set, ir.UnaryOp, ir.BinaryOp,
         ir.ReductionOp, ir.MatmulOp, ir.LinearOp, ir.PermuteOp, ir.Transfer, ir.Communication,
         ir.P2PCommunication, ir.StartCoalescing, ir.EndCoalescing, ir.Wait, ir.TopKOp, ir.RouteOp, ir.TakeOp,
-        ir.PutAddOp, ir.GroupedMmOp, ir.GroupedOuterOp,
+        ir.PutAddOp, ir.GroupedMmOp, ir.GroupedOuterOp, ir.SliceOp, ir.CatOp, ir.InsertOp,
     }
 )  # fmt: skip
 
