@@ -69,16 +69,14 @@ class GraphedLayer:
             self.release()
             torch.cuda.empty_cache()
             F, (T, H) = self.ctx.ffn, inp.x.shape
-            gate_up = inp.gate_up.detach()
             self.buffers = [
                 inp.x.detach().clone(),
                 indices.clone(),
                 weights.unsqueeze(-2).clone(),
-                gate_up[:, :F].contiguous(),
-                gate_up[:, F:].contiguous(),
+                inp.gate_up.detach().contiguous(),
                 inp.down.detach().contiguous(),
             ]
-            fd = self.layer.fusion(T, self.ctx.topk, H, F, inp.x.dtype, weights.dtype)
+            fd = self.layer.fusion(T, self.ctx.topk, H, F, inp.x.dtype, weights.dtype, fused=True)
             inputs = [t.unsqueeze(0) for t in self.buffers]
             self.replay = graphs.capture(fd, inputs, schedule=self.schedule)
             self.key = key
@@ -101,7 +99,6 @@ def hostir_variants(args, ctx, check: bool = False) -> list:
     from hostir import DeviceMesh
     from hostir.moe import MoELayer
 
-    F = ctx.ffn
     capacity = capacity_of(args, ctx.tokens, args.capacity_factor)
     drops = args.capacity_factor is not None
     backend = {"backend": "gloo"} if ctx.cpu else {}
@@ -110,10 +107,10 @@ def hostir_variants(args, ctx, check: bool = False) -> list:
     def run(layer):
         def forward(inp):
             weights, indices = route(inp.x, inp.router, ctx.topk)
-            # One split (its backward is one concatenation), as
-            # hostir.parallel.ExpertParallel passes the fused weights.
-            gate, up = inp.gate_up.split(F, dim=1)
-            return layer(inp.x, indices, weights, gate, up, inp.down)
+            # gate_up whole, as hostir.parallel.ExpertParallel passes it:
+            # the program cuts it into gate and up and joins their
+            # gradients in one cat.
+            return layer(inp.x, indices, weights, inp.gate_up, inp.down)
 
         return forward
 

@@ -4,8 +4,13 @@
 # engine's `cuda` transport) and goldens, bench_moe.py --check, then
 # bench_moe.py itself, then one traced forward per form (trace_moe.py) drawn
 # as timelines. Logs and results under $2 (default $OUT/moe); $1 the parts,
-# a comma list of build, tests, bench, trace (default build,tests,bench:
-# calls made in quick succession keep the machine and its build).
+# a comma list of build, tests, unit, bench, before, trace (default
+# build,tests,bench: calls made in quick succession keep the machine and its
+# build). `unit`: the one-process GPU tests of the layer's ops (shape,
+# index and grouped ops, autodiff, goldens with the one-GPU graph replay).
+# `before`: the same bench_moe.py run on an older checkout, $HOSTIR_BEFORE
+# (default .before, e.g. `git archive <rev> | tar -x -C .before`), built
+# first, its results under $2/before: before and after in one lease.
 #   bash tools/gpu_moe.sh [parts] [out-dir] [bench_moe.py arguments...]
 set -u
 parts=${1:-build,tests,bench}; shift || true
@@ -31,7 +36,18 @@ for transport in nccl cuda; do
 done
 step bench_check 300 python3 tools/bench_moe.py --check --out-dir "$out/check"
 fi
+if has unit; then
+step unit 300 python3 -m pytest -q -p no:cacheprovider tests/python/test_shape_ops.py tests/python/test_index_ops.py \
+  tests/python/test_autodiff.py tests/python/test_moe_goldens.py tests/python/test_summed_products.py
+fi
 has bench && step bench 560 python3 tools/bench_moe.py --out-dir "$out" --time-limit 540 "$@"
+if has before; then
+  before=$(cd "${HOSTIR_BEFORE:-.before}" && pwd)
+  (cd "$before" && step build_before 400 env MAX_JOBS=16 python3 setup.py build_ext --inplace)
+  mkdir -p "$out/before"
+  step bench_before 560 env PYTHONPATH="$before/python:$before/tests/python" \
+    python3 "$before/tools/bench_moe.py" --out-dir "$out/before" --time-limit 540 "$@"
+fi
 if has trace; then
   step trace 240 torchrun --standalone --nproc-per-node "$n" tools/trace_moe.py "$out/trace"
   for form in "$out"/trace/*/; do

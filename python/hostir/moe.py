@@ -3,12 +3,17 @@ the ranks of a mesh, as one hostir program.
 
     layer = hostir.moe.MoELayer(mesh, experts=64)
     y = layer(x, indices, weights, gate, up, down)   # every rank, its own tokens
+    y = layer(x, indices, weights, gate_up, down)    # or gate and up as one
 
 Each rank holds its own tokens `x` [T, H] with the router's choices for
 them (`indices` [T, k], expert ids, and `weights` [T, k]), and the weights
 of `experts / D` experts: `gate` and `up` [E/D, F, H], `down` [E/D, H, F]
 (rank r holds experts r*E/D ... (r+1)*E/D - 1, as `Shard(0)` of the whole
-[E, ...] weights places them). The program (`MoELayer.fusion`):
+[E, ...] weights places them). `gate` and `up` may come as one tensor,
+`gate_up` [E/D, 2F, H] (gate's rows first, as Hugging Face's
+`gate_up_proj` holds them): the program cuts it into gate and up (views),
+and their gradients join in one cat, into gate_up's. The program
+(`MoELayer.fusion`):
 
 1. `route`: each (token, choice) pair's slot in a buffer of `capacity`
    rows per expert, and each slot's token (the stable permutation of the
@@ -156,28 +161,36 @@ class MoELayer:
         return tokens
 
     def fusion(
-        self, tokens: int, topk: int, hidden: int, ffn: int, dtype: torch.dtype, weights_dtype=None
+        self,
+        tokens: int,
+        topk: int,
+        hidden: int,
+        ffn: int,
+        dtype: torch.dtype,
+        weights_dtype=None,
+        fused: bool = False,
     ) -> FusionDefinition:
         """The layer's program for `tokens` tokens per rank (see the
         module's doc); inputs, each with a leading axis of the mesh's size
         sharded on it: x [D, T, H], indices [D, T, k], weights [D, T, 1, k],
-        gate and up [D, E/D, F, H], down [D, E/D, H, F]; output [D, T, 1, H]."""
+        gate and up [D, E/D, F, H] (`fused`: gate_up [D, E/D, 2F, H] in
+        their place), down [D, E/D, H, F]; output [D, T, 1, H]."""
         weights_dtype = weights_dtype or dtype
-        key = (tokens, topk, hidden, ffn, dtype, weights_dtype)
+        key = (tokens, topk, hidden, ffn, dtype, weights_dtype, fused)
         fd = self.fusions.get(key)
         if fd is not None:
             return fd
         D, E, k = self.D, self.experts, topk
         C = self.slots(tokens, topk)
         if self.exact:
-            fd = self._exact_fusion(tokens, topk, hidden, ffn, dtype, weights_dtype)
+            fd = self._exact_fusion(tokens, topk, hidden, ffn, dtype, weights_dtype, fused)
             self.fusions[key] = fd
             return fd
         with FusionDefinition() as fd:
-            x, indices, weights, gate, up, down = self._inputs(fd, tokens, k, hidden, ffn, dtype, weights_dtype)
+            x, indices, weights, *experts = self._inputs(fd, tokens, k, hidden, ffn, dtype, weights_dtype, fused)
             slot, source = fd.ops.route(indices, E, C, groups=D)
             swap = [0, 1, 3, 2]
-            gate_t, up_t, down_t = (fd.ops.permute(w, swap) for w in (gate, up, down))
+            gate_t, up_t, down_t = (fd.ops.permute(w, swap) for w in self._gate_up_down(fd, experts, ffn))
             # [source rank, destination rank, its expert, slot, H].
             # `slot` lists each token's slots: the gradient gathers them.
             sent = fd.ops.take(x, source, batch=1, features=1, inverse=slot)
@@ -195,7 +208,7 @@ class MoELayer:
             else:
                 weights_as_x = weights
             fd.add_output(fd.ops.matmul(weights_as_x, picked))
-        for tv, axis in ((x, 0), (indices, 0), (weights, 0), (gate, 0), (up, 0), (down, 0), (received, 1), (back, 0)):
+        for tv, axis in ((x, 0), (indices, 0), (weights, 0), *((w, 0) for w in experts), (received, 1), (back, 0)):
             tv.set_device_mesh(self.mesh)
             tv.axis(axis).parallelize(ir.ParallelType.mesh_x)
         if self.overlap:
@@ -206,21 +219,39 @@ class MoELayer:
         self.fusions[key] = fd
         return fd
 
-    def _inputs(self, fd: FusionDefinition, tokens, k, hidden, ffn, dtype, weights_dtype) -> tuple:
-        """Both forms' inputs (see `fusion`): x, indices, weights, gate, up,
-        down. The mesh axis of a one-rank mesh is left symbolic: a constant
-        size 1 would make it a broadcast axis, not the rank's piece."""
+    def _inputs(self, fd: FusionDefinition, tokens, k, hidden, ffn, dtype, weights_dtype, fused) -> tuple:
+        """Both forms' inputs (see `fusion`): x, indices, weights, gate, up
+        (or gate_up), down. The mesh axis of a one-rank mesh is left
+        symbolic: a constant size 1 would make it a broadcast axis, not the
+        rank's piece."""
         R, El = (self.D if self.D > 1 else -1), self.experts // self.D
+        ins = [[R, El, 2 * ffn, hidden]] if fused else [[R, El, ffn, hidden]] * 2
         return (
             fd.define_tensor([R, tokens, hidden], dtype),
             fd.define_tensor([R, tokens, k], torch.int64),
             fd.define_tensor([R, tokens, 1, k], weights_dtype),
-            fd.define_tensor([R, El, ffn, hidden], dtype),
-            fd.define_tensor([R, El, ffn, hidden], dtype),
+            *(fd.define_tensor(shape, dtype) for shape in ins),
             fd.define_tensor([R, El, hidden, ffn], dtype),
         )
 
-    def _exact_fusion(self, tokens, topk, hidden, ffn, dtype, weights_dtype) -> FusionDefinition:
+    @staticmethod
+    def _gate_up_down(fd: FusionDefinition, experts: list, ffn: int) -> list:
+        """gate, up and down among the experts' weight inputs: a gate_up
+        input cut into its halves (views, each rank's piece cut alike; their
+        gradients join in one cat). The weight is cut, not the product: a
+        product's halves would be read strided by every elementwise op
+        after it, and one product of 2F columns is no faster than two of F
+        (measured on one H200: `docs/moe.md`)."""
+        if len(experts) == 3:
+            return list(experts)
+        gate_up, down = experts
+        return [
+            fd.ops.slice(gate_up, [0] * 4, [None, None, ffn, None]),
+            fd.ops.slice(gate_up, [0, 0, ffn, 0], [None] * 4),
+            down,
+        ]
+
+    def _exact_fusion(self, tokens, topk, hidden, ffn, dtype, weights_dtype, fused) -> FusionDefinition:
         """The exact form: each rank's pairs packed by destination rank,
         expert after expert (`route(..., packed=True)`), the per-expert
         counts exchanged first (an AllToAll of counts), the tokens and the
@@ -229,7 +260,8 @@ class MoELayer:
         D, E, k = self.D, self.experts, topk
         B = self.slots(tokens, topk)
         with FusionDefinition() as fd:
-            x, indices, weights, gate, up, down = self._inputs(fd, tokens, k, hidden, ffn, dtype, weights_dtype)
+            x, indices, weights, *experts = self._inputs(fd, tokens, k, hidden, ffn, dtype, weights_dtype, fused)
+            gate, up, down = self._gate_up_down(fd, experts, ffn)
             slot, source = fd.ops.route(indices, E, B, groups=D, packed=True)
             # [source rank, destination rank, its expert]: the rows sent.
             counts = fd.ops.route_counts(indices, E, B, groups=D, packed=True)
@@ -249,7 +281,7 @@ class MoELayer:
             picked = fd.ops.take(back, slot, batch=1, features=1)
             weights_as_x = fd.ops.cast(weights, dtype) if weights_dtype != dtype else weights
             fd.add_output(fd.ops.matmul(weights_as_x, picked))
-        placed = [(x, 0), (indices, 0), (weights, 0), (gate, 0), (up, 0), (down, 0), (counts, 0), (sent, 0)]
+        placed = [(x, 0), (indices, 0), (weights, 0), *((w, 0) for w in experts), (counts, 0), (sent, 0)]
         placed += [(counts_in, 1), (received, 1), (back, 0)]
         for tv, axis in placed:
             tv.set_device_mesh(self.mesh)
@@ -263,11 +295,17 @@ class MoELayer:
         fd.executor.label = f" (expert-parallel MoE, exact{walked}, {E} experts over {D} ranks, top-{k})"
         return fd
 
-    def __call__(self, x, indices, weights, gate, up, down) -> torch.Tensor:
+    def __call__(self, x, indices, weights, *experts) -> torch.Tensor:
         """This rank's output [T, H] for its tokens `x` [T, H], their
-        choices `indices` and `weights` [T, k], and its experts' `gate`,
-        `up` [E/D, F, H] and `down` [E/D, H, F]."""
+        choices `indices` and `weights` [T, k], and its experts' weights:
+        `gate`, `up` [E/D, F, H] and `down` [E/D, H, F], or `gate_up`
+        [E/D, 2F, H] (gate's rows first) and `down`."""
         El = self.experts // self.D
+        if len(experts) not in (2, 3):
+            raise InputError(
+                f"MoELayer: give the experts' weights as gate, up, down or as gate_up, down; got {len(experts)} tensors"
+            )
+        fused = len(experts) == 2
         if x.dim() != 2:
             raise InputError(f"MoELayer: the tokens must be [T, H], got shape {list(x.shape)}")
         T, H = x.shape
@@ -279,8 +317,10 @@ class MoELayer:
             raise InputError(f"MoELayer: indices must be int64, got {indices.dtype}")
         if not 1 <= k <= self.experts:
             raise InputError(f"MoELayer: {k} choices per token among {self.experts} experts")
-        F = gate.shape[1] if gate.dim() == 3 else -1
-        for name, t, shape in (("gate", gate, [El, F, H]), ("up", up, [El, F, H]), ("down", down, [El, H, F])):
+        first = experts[0]
+        F = (first.shape[1] // 2 if fused else first.shape[1]) if first.dim() == 3 else -1
+        named = (("gate_up", [El, 2 * F, H]),) if fused else (("gate", [El, F, H]), ("up", [El, F, H]))
+        for (name, shape), t in zip((*named, ("down", [El, H, F])), experts):
             if list(t.shape) != shape:
                 raise InputError(f"MoELayer: {name} must be this rank's {El} experts, {shape}, got {list(t.shape)}")
         check = self.check_indices
@@ -291,7 +331,7 @@ class MoELayer:
             if low < 0 or high >= self.experts:
                 bad = low if low < 0 else high
                 raise InputError(f"MoELayer: expert id {bad} in indices is outside [0, {self.experts})")
-        fd = self.fusion(T, k, H, F, x.dtype, weights.dtype)
-        inputs = [x, indices, weights.unsqueeze(-2), gate, up, down]
+        fd = self.fusion(T, k, H, F, x.dtype, weights.dtype, fused)
+        inputs = [x, indices, weights.unsqueeze(-2), *experts]
         (out,) = fd.execute([t.unsqueeze(0) for t in inputs], **self.execute_kwargs)
         return out.view(T, H)

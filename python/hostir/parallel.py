@@ -284,12 +284,10 @@ class ExpertParallel(_styles().ParallelStyle):
         module._hostir_moe = layer
 
         def forward(hidden_states, top_k_index, top_k_weights):
-            gate_up = module.gate_up_proj.to_local()
-            # One split, not two slices: its backward concatenates the two
-            # gradients into one buffer, where each slice's would zero a
-            # buffer of gate_up's size and autograd then add the two.
-            gate, up = gate_up.split(gate_up.shape[1] // 2, dim=1)
-            return layer(hidden_states, top_k_index, top_k_weights, gate, up, module.down_proj.to_local())
+            # gate_up_proj as it is: the layer's program cuts it into gate
+            # and up (views) and joins their gradients in one cat.
+            gate_up, down = module.gate_up_proj.to_local(), module.down_proj.to_local()
+            return layer(hidden_states, top_k_index, top_k_weights, gate_up, down)
 
         module.forward = forward
         return module

@@ -114,6 +114,32 @@ def test_golden_of_the_exact_moe_layer_walked(sched):
     check_golden("moe_exact_backward_ring_cuda", lower(backward, rank=0, backend="gloo", schedule=sched))
 
 
+def test_golden_of_the_exact_moe_layer_walked_with_gate_up_fused():
+    """gate and up as one weight (gate_up [E/D, 2F, H]): cut once into its
+    halves (views of each rank's piece, before the walk), the steps as
+    with two weights; the backward's grouped outer products of the two
+    halves join in one cat into gate_up's gradient, after the ring (no
+    insert into zeros, no sum)."""
+    fd = walked_exact().fusion(**SHAPE, fused=True)
+    sched = Schedule("ring", transport="cuda")
+
+    def step(lowered) -> list:
+        (ring,) = [e for e in lowered.program.exprs if isinstance(e, ir.ForLoop) and e.schedule]
+        return list(ir.walk(ring.body))
+
+    forward = lower(fd.fusion, rank=0, backend="gloo", schedule=sched)
+    assert sum(isinstance(e, ir.GroupedMmOp) for e in step(forward)) == 3
+    halves = [e for e in forward.program.exprs if isinstance(e, ir.SliceOp)]
+    assert len(halves) == 2 and all(e.input in forward.program.inputs for e in halves)
+    check_golden("moe_exact_fused_ring_cuda", forward)
+    backward = lower(derive(fd.fusion, [0, 2, 3, 4]).backward, rank=0, backend="gloo", schedule=sched)
+    cats = [e for e in backward.program.walk() if isinstance(e, ir.CatOp)]
+    assert len(cats) == 1 and not any(isinstance(e, ir.CatOp) for e in step(backward))
+    assert not any(isinstance(e, ir.InsertOp) for e in backward.program.walk())
+    assert [a.extent.value for a in cats[0].out.logical_runtime()[-2:]] == [2 * SHAPE["ffn"], SHAPE["hidden"]]
+    check_golden("moe_exact_fused_backward_ring_cuda", backward)
+
+
 def test_a_sized_exchange_is_refused_where_it_cannot_run():
     """An exchange sized at run time moves whole pieces once: walked along
     a stream axis, or one that moves nothing, is a lowering error that
@@ -143,12 +169,13 @@ def test_a_sized_exchange_is_refused_where_it_cannot_run():
         lower(program(stream=False, moves=False).fusion, rank=0, backend="gloo")
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["gate_up_apart", "gate_up_fused"])
 @pytest.mark.parametrize("exact, overlap", [(True, None), (True, True), (False, None)])
-def test_the_layer_on_one_rank_matches_torch(exact, overlap):
+def test_the_layer_on_one_rank_matches_torch(exact, overlap, fused):
     """On one rank every pair stays (the exchanges are plain copies):
     outputs and every gradient as eager torch's, in the exact form (and
     walked) and the padded one (whose weights' gradients sum over the one
-    source)."""
+    source), with gate and up apart or as one gate_up."""
     torch.manual_seed(11)
     T, H, F, E, k = 5, 8, 12, 4, 2
     x = torch.randn(T, H)
@@ -158,7 +185,8 @@ def test_the_layer_on_one_rank_matches_torch(exact, overlap):
     theirs = [t.clone().requires_grad_() for t in inputs]
     # On a GPU machine a mesh program runs on the communicator's GPU (the
     # CPU inputs copied there): compared on the CPU.
-    out = MoELayer(DeviceMesh([0]), E, exact=exact, overlap=overlap)(ours[0], indices, *ours[1:]).cpu()
+    experts = [torch.cat(ours[2:4], 1), ours[4]] if fused else ours[2:]
+    out = MoELayer(DeviceMesh([0]), E, exact=exact, overlap=overlap)(ours[0], indices, ours[1], *experts).cpu()
     xt, wt, gt, ut, dt = theirs
     h = torch.nn.functional.silu(torch.einsum("th,efh->tef", xt, gt)) * torch.einsum("th,efh->tef", xt, ut)
     every = torch.einsum("tef,ehf->teh", h, dt)
@@ -233,7 +261,8 @@ def test_last_schedule_says_what_a_call_ran(asked):
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
     reason="torch's grouped GEMM kernel: a GPU of compute capability 9.0 or more",
 )
-def test_the_walked_exact_layer_replays_from_a_cuda_graph_on_one_gpu():
+@pytest.mark.parametrize("fused", [False, True], ids=["gate_up_apart", "gate_up_fused"])
+def test_the_walked_exact_layer_replays_from_a_cuda_graph_on_one_gpu(fused):
     """The exact form walked reads nothing on the host (the routing, the
     gathers and torch's grouped GEMM kernel in bfloat16): on one GPU its
     program is captured in CUDA graphs, and each replay on new tokens and
@@ -247,6 +276,9 @@ def test_the_walked_exact_layer_replays_from_a_cuda_graph_on_one_gpu():
     layer = MoELayer(DeviceMesh([0]), E, exact=True, overlap=True, capacity_factor=1.5)
     experts = [torch.randn(E, F, H, device=gpu, dtype=bf16) / 8 for _ in range(2)]
     experts.append(torch.randn(E, H, F, device=gpu, dtype=bf16) / 6)
+    gate, up, down = (w.float() for w in experts)
+    if fused:
+        experts = [torch.cat(experts[:2], 1), experts[2]]
 
     def call():
         x = torch.randn(T, H, device=gpu, dtype=bf16)
@@ -255,7 +287,7 @@ def test_the_walked_exact_layer_replays_from_a_cuda_graph_on_one_gpu():
 
     captured = list(call())
     captured[2] = captured[2].unsqueeze(-2)
-    replay = graphs.capture(layer.fusion(T, k, H, F, bf16), [t.unsqueeze(0) for t in captured + experts])
+    replay = graphs.capture(layer.fusion(T, k, H, F, bf16, fused=fused), [t.unsqueeze(0) for t in captured + experts])
     for step in range(3):
         x, indices, weights = call()
         for buffer, new in zip(captured, (x, indices, weights.unsqueeze(-2))):
@@ -263,7 +295,6 @@ def test_the_walked_exact_layer_replays_from_a_cuda_graph_on_one_gpu():
         (out,) = replay()
         out = out.view(T, H)
         torch.testing.assert_close(out, layer(x, indices, weights, *experts), msg=lambda m: f"replay {step}: {m}")
-        gate, up, down = (w.float() for w in experts)
         h = torch.nn.functional.silu(torch.einsum("th,efh->tef", x.float(), gate))
         every = torch.einsum("tef,ehf->teh", h * torch.einsum("th,efh->tef", x.float(), up), down)
         chosen = torch.zeros(T, E, device=gpu).scatter_add(1, indices, weights.float())

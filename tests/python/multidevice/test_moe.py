@@ -64,8 +64,30 @@ def reference(x, indices, weights, gate, up, down, capacity=None):
     return out
 
 
+def rank_inputs(r, El, x, weights, gate, up, down, fused):
+    """Rank r's tokens, routing weights and experts' weights, as leaves:
+    gate and up apart, or (`fused`) as one gate_up [El, 2F, H]."""
+    experts = [w[r * El : (r + 1) * El] for w in (gate, up, down)]
+    if fused:
+        experts = [torch.cat(experts[:2], 1), experts[2]]
+    return [t.clone().requires_grad_() for t in [x[r], weights[r], *experts]]
+
+
+def check_grads(r, El, mine, whole, fused):
+    """Every gradient of rank r's leaves against the unsharded layer's
+    (`whole`: x, weights, gate, up, down)."""
+    torch.testing.assert_close(mine[0].grad, whole[0].grad[r], **TOL)
+    torch.testing.assert_close(mine[1].grad, whole[1].grad[r], **TOL)
+    theirs = [w.grad[r * El : (r + 1) * El] for w in whole[2:]]
+    if fused:
+        theirs = [torch.cat(theirs[:2], 1), theirs[2]]
+    for ours, t in zip(mine[2:], theirs):
+        torch.testing.assert_close(ours.grad, t, **TOL)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["gate_up_apart", "gate_up_fused"])
 @pytest.mark.parametrize("capacity", [None, 2])
-def test_layer_matches_the_unsharded_layer(world, device, capacity):
+def test_layer_matches_the_unsharded_layer(world, device, capacity, fused):
     D, r = world.size, world.rank
     T, H, F, E, k = 7, 8, 12, 2 * D, 2
     El = E // D
@@ -74,18 +96,14 @@ def test_layer_matches_the_unsharded_layer(world, device, capacity):
     down = torch.randn(E, H, F, device=device) / 3
     whole = [t.clone().requires_grad_() for t in (x, weights, gate, up, down)]
     expected = reference(whole[0], indices, *whole[1:], capacity=capacity)
-    mine = [x[r], weights[r]] + [w[r * El : (r + 1) * El] for w in (gate, up, down)]
-    mine = [t.clone().requires_grad_() for t in mine]
+    mine = rank_inputs(r, El, x, weights, gate, up, down, fused)
     layer = MoELayer(DeviceMesh(range(D)), E, capacity=capacity, **kwargs(device))
     out = layer(mine[0], indices[r], *mine[1:])
     torch.testing.assert_close(out, expected[r], **TOL)
     grad = torch.randn_like(expected)
     expected.backward(grad)
     out.backward(grad[r])
-    torch.testing.assert_close(mine[0].grad, whole[0].grad[r], **TOL)
-    torch.testing.assert_close(mine[1].grad, whole[1].grad[r], **TOL)
-    for ours, theirs in zip(mine[2:], whole[2:]):
-        torch.testing.assert_close(ours.grad, theirs.grad[r * El : (r + 1) * El], **TOL)
+    check_grads(r, El, mine, whole, fused)
 
 
 def reference_exact(x, indices, weights, gate, up, down, bound):
@@ -114,9 +132,10 @@ def reference_exact(x, indices, weights, gate, up, down, bound):
 RING_TRANSPORT = f":transport={os.environ['HOSTIR_TEST_TRANSPORT']}" if os.environ.get("HOSTIR_TEST_TRANSPORT") else ""
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["gate_up_apart", "gate_up_fused"])
 @pytest.mark.parametrize("walked", [None, "ring" + RING_TRANSPORT, "sequential"], ids=["sized", "walked", "unsized"])
 @pytest.mark.parametrize("capacity", [None, 3])
-def test_exact_layer_matches_the_unsharded_layer(world, device, capacity, walked):
+def test_exact_layer_matches_the_unsharded_layer(world, device, capacity, walked, fused):
     """The exact form: counts exchanged first, then only the real rows
     (sized at run time), grouped GEMMs over them; walked (`overlap`), a
     ring of whole pieces of the bound's rows, grouped GEMMs over each
@@ -132,8 +151,7 @@ def test_exact_layer_matches_the_unsharded_layer(world, device, capacity, walked
     whole = [t.clone().requires_grad_() for t in (x, weights, gate, up, down)]
     bound = T * k if capacity is None else capacity
     expected = reference_exact(whole[0], indices, *whole[1:], bound=bound)
-    mine = [x[r], weights[r]] + [w[r * El : (r + 1) * El] for w in (gate, up, down)]
-    mine = [t.clone().requires_grad_() for t in mine]
+    mine = rank_inputs(r, El, x, weights, gate, up, down, fused)
     walk = {"overlap": True, "schedule": walked} if walked else {}
     layer = MoELayer(DeviceMesh(range(D)), E, capacity=capacity, exact=True, **walk, **kwargs(device))
     out = layer(mine[0], indices[r], *mine[1:])
@@ -141,10 +159,7 @@ def test_exact_layer_matches_the_unsharded_layer(world, device, capacity, walked
     grad = torch.randn_like(expected)
     expected.backward(grad)
     out.backward(grad[r])
-    torch.testing.assert_close(mine[0].grad, whole[0].grad[r], **TOL)
-    torch.testing.assert_close(mine[1].grad, whole[1].grad[r], **TOL)
-    for ours, theirs in zip(mine[2:], whole[2:]):
-        torch.testing.assert_close(ours.grad, theirs.grad[r * El : (r + 1) * El], **TOL)
+    check_grads(r, El, mine, whole, fused)
 
 
 def test_exact_exchanges_are_sized_by_counts_forward_and_backward(world, device):
@@ -311,6 +326,12 @@ def test_bad_calls_are_refused_before_any_communication(world, device):
         layer(x, idx, w[:4], gate, gate, down)
     with pytest.raises(Exception, match="down must be this rank's 2 experts"):
         layer(x, idx, w, gate, gate, down[:, :, :3])
+    with pytest.raises(Exception, match="as gate, up, down or as gate_up, down; got 1 tensors"):
+        layer(x, idx, w, gate)
+    with pytest.raises(Exception, match=r"gate_up must be this rank's 2 experts, \[2, 4, 8\]"):
+        layer(x, idx, w, torch.cat([gate, gate[:, :1]], 1), torch.randn(2, 8, 5, device=device))
+    with pytest.raises(Exception, match=r"down must be this rank's 2 experts, \[2, 8, 4\]"):
+        layer(x, idx, w, torch.cat([gate, gate], 1), down[:, :, :3])
     with pytest.raises(Exception, match="do not divide over"):
         MoELayer(DeviceMesh(range(D)), 2 * D + 1)
     for exact, overlap in ((False, None), (True, None), (True, True)):
@@ -412,9 +433,10 @@ def test_hugging_face_block_matches_unsharded(world, device, make, style):
         out.backward(grad[r])
         expected.backward(grad)
         if step == 0:
-            # gate_up reaches the layer as one split, whose backward
-            # concatenates the two gradients: no slice's zero-filled buffer.
-            assert parents_of_the_leaf(out, block.experts.gate_up_proj) == ["SplitBackward0"]
+            # gate_up reaches the layer whole (only given the mesh axis):
+            # the layer's program cuts it into gate and up, and its
+            # backward joins their gradients (no split outside it).
+            assert parents_of_the_leaf(out, block.experts.gate_up_proj) == ["UnsqueezeBackward0"]
         sum_local_grads(block)
         if step == 0:
             theirs = dict(ref.named_parameters())
