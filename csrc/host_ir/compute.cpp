@@ -936,15 +936,17 @@ void groupedOuterOp(Run& run, const Instr& ins) {
 // `_insert`), at full rank as the evaluator runs them.
 
 // `t` cut by `ranges` ((start, stop, step) per dim, stop -1: to the end):
-// a view. A start or stop past a dim's size is an error, as the evaluator's.
-at::Tensor sliced(const at::Tensor& t, const std::vector<int64_t>& ranges, const std::string& what) {
+// a view. A start or stop past a dim's size is an error, as the evaluator's
+// (the Python side names the op).
+at::Tensor sliced(const at::Tensor& t, const std::vector<int64_t>& ranges) {
   at::Tensor r = t;
   for (size_t k = 0; k * 3 < ranges.size(); ++k) {
     int64_t start = ranges[3 * k], stop = ranges[3 * k + 1], step = ranges[3 * k + 2];
     int64_t size = t.size(static_cast<int64_t>(k));
     if (start > size || stop > size) {
       throw Error(
-          text("axis ", k, " of ", what, " has size ", size, "; the slice [", start, ":", stop, "] is out of range"),
+          text("axis ", k, " has size ", size, "; the slice [", start, ":", stop < 0 ? std::string("None") :
+               std::to_string(stop), "] is out of range"),
           "ShapeError");
     }
     if (start != 0 || stop >= 0 || step != 1) {
@@ -955,7 +957,7 @@ at::Tensor sliced(const at::Tensor& t, const std::vector<int64_t>& ranges, const
 }
 
 void sliceOp(Run& run, const Instr& ins) {
-  at::Tensor r = sliced(fullRank(run.tensor(ins.input), ins.a_dim), ins.ranges, ins.text);
+  at::Tensor r = sliced(fullRank(run.tensor(ins.input), ins.a_dim), ins.ranges);
   const at::Tensor* bound = run.maybeTensor(ins.out);
   if (bound != nullptr) {
     fullRank(*bound, ins.out_dim).copy_(r);
@@ -978,7 +980,7 @@ void insertOp(Run& run, const Instr& ins) {
   at::Tensor like = fullOperand(run, ins, 1, ins.like, ins.like_dim);
   auto fill = [&](at::Tensor& o) {
     if (!ins.ranges.empty()) {
-      sliced(o, ins.ranges, ins.text).copy_(src);
+      sliced(o, ins.ranges).copy_(src);
     } else {
       o.select(ins.dim, run.get(ins.index)).copy_(src);
     }

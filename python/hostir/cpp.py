@@ -280,7 +280,7 @@ class CppEvaluator:
 
 # Errors of hostir's own that the executor reports by name (the Python
 # evaluator raises these classes; both wrap them in HostIrRuntimeError).
-_HOSTIR_KINDS = {"UnboundValueError", "BindingError", "ProgramError"}
+_HOSTIR_KINDS = {"UnboundValueError", "BindingError", "ProgramError", "ShapeError"}
 
 
 def _torch_error(kind: str) -> type:

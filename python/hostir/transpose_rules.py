@@ -316,9 +316,9 @@ def _slice_rule(d: Deriver, e: ir.SliceOp, needs) -> None:
         return
     tiles = _tiles(d, e.input)
     if tiles is not None:
-        # One of slices that tile an axis (a fused weight's product cut
-        # into its parts): the cotangents wait for each other, to be joined
-        # by a cat when the input's cotangent is asked for.
+        # One of slices that tile an axis (a fused weight cut into gate
+        # and up, or q, k and v): the cotangents wait for each other, to be
+        # joined by a cat when the input's cotangent is asked for.
         held = d.tiles.setdefault(e.input, {})
         held[e] = g
         d.pending[e.input] = lambda: _join_tiles(d, e.input, tiles)

@@ -249,6 +249,15 @@ def test_a_slice_of_a_sharded_tensor_must_keep_its_mesh_axis_whole():
             assert "slice(" in str(lower(fd.fusion, rank=0, backend="gloo").program)
 
 
+def test_a_slice_past_a_size_known_at_run_time_names_it_on_each_evaluator(evaluator):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.exp(fd.ops.slice(x, [0, 1], [None, 5])))
+    with pytest.raises(Exception, match=r"ShapeError: axis 1 .*has size 4; the slice \[1:5\] is out of range"):
+        fd.execute([torch.randn(3, 4)])
+    torch.testing.assert_close(fd.execute([torch.ones(2, 6)])[0], torch.ones(2, 4).exp())
+
+
 def test_reshape_to_a_size_the_input_cannot_hold_fails_at_run_time():
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])

@@ -65,7 +65,7 @@ def parallelize_streams(container: HostIrContainer) -> HostIrContainer:
         if id(item) not in loops:
             result.push_back(item)
             continue
-        views = _views(item)
+        views = _views(item, slicer)
         for e in item.body:
             (out,) = e.outputs()
             if e in views:
@@ -80,16 +80,18 @@ def parallelize_streams(container: HostIrContainer) -> HostIrContainer:
     return result
 
 
-def _views(loop: ir.ForLoop) -> list[ir.Expr]:
-    """The slices in `loop`'s body of an earlier body op's output (which
-    the loop allocates whole); they keep the stream axis whole
-    (`_stream_axis` refuses the others)."""
-    made: set[int] = set()
+def _views(loop: ir.ForLoop, slicer: _Slicer) -> list[ir.Expr]:
+    """The slices in `loop`'s body of an earlier body op's output that the
+    loop allocates whole (it has the stream axis), or of such a view; they
+    keep that axis whole (`_stream_axis` refuses the others)."""
+    whole: set[int] = set()
     views = []
     for e in loop.body:
-        if isinstance(e, ir.SliceOp) and id(e.input) in made:
+        if isinstance(e, ir.SliceOp) and id(e.input) in whole:
             views.append(e)
-        made.add(id(e.out))
+            whole.add(id(e.out))
+        elif slicer.mapped_axis(e.out, loop) is not None:
+            whole.add(id(e.out))
     return views
 
 
