@@ -306,6 +306,21 @@ class Deriver:
             found = builders.set_(source)
             self.layout(tv).apply(found)
             self.known[found] = self.layout(tv)
+        elif self._viewed(tv):
+            # A view (slices and permutes) of a value the backward holds
+            # anyway (an input, or one saved already): taken again there,
+            # where saving it would make the forward output it, a copy (a
+            # fused weight's gate and up).
+            source = self.save(producer.input)
+            if isinstance(producer, ir.SliceOp):
+                ranges = producer.ranges
+                starts, stops, steps = ([r[k] for r in ranges] for k in range(3))
+                found = shape_ops.slice_(source, starts, stops, steps)
+            else:
+                found = shape_ops.permute(source, list(producer.dims))
+            layout = self.layout(tv).without_streams()
+            layout.apply(found)
+            self.known[found] = layout
         else:
             if tv not in self.fwd.outputs:
                 self.fwd.add_output(tv)
@@ -313,6 +328,18 @@ class Deriver:
             found = self.new_input(tv, self.layout(tv))
         self.saved[tv] = found
         return found
+
+    def _viewed(self, tv: ir.TensorView) -> bool:
+        """Whether the forward value `tv` is taken again in the backward,
+        not saved: slices and permutes of a forward input or of a value
+        already saved."""
+        while True:
+            producer = self.producer.get(tv)
+            if not isinstance(producer, (ir.SliceOp, ir.PermuteOp)):
+                return False
+            tv = producer.input
+            if tv in self.fwd.inputs or tv in self.saved:
+                return True
 
     def regathered(self, tv: ir.TensorView) -> bool:
         """Whether `save(tv)` gathers a saved shard again."""

@@ -236,6 +236,30 @@ def test_a_tiled_slice_without_a_gradient_leaves_its_parts_inserted():
     assert "cat(" not in backward and backward.count("insert(") == 1, backward
 
 
+def test_a_slice_of_an_input_is_sliced_again_in_the_backward_not_saved():
+    """A fused weight cut into gate and up: the backward reads the input
+    and cuts it again (views), so the training forward outputs no copy of
+    either part; a slice of a value made in the forward is still saved."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 6], F64)
+        gate_up = fd.define_tensor([8, 6], F64)
+        gate = fd.ops.slice(gate_up, [0, 0], [4, None])
+        up = fd.ops.slice(gate_up, [4, 0], [None, None])
+        h = fd.ops.mul(
+            fd.ops.silu(fd.ops.matmul(x, fd.ops.permute(gate, [1, 0]))),
+            fd.ops.matmul(x, fd.ops.permute(up, [1, 0])),
+        )
+        y = fd.ops.exp(h)
+        fd.add_output(fd.ops.mul(fd.ops.slice(y, [0, 1], [None, 3]), 2.0))
+    check(fd, leaf(5, 6), leaf(8, 6))
+    d = derive(fd.fusion, [0, 1])
+    assert ("input", 1) in d.saved
+    assert len(d.forward.outputs) == 1 + sum(kind == "output" for kind, _ in d.saved)
+    assert gate not in d.forward.outputs and up not in d.forward.outputs
+    backward = _printed(d.backward)
+    assert backward.count("slice(") == 2 and backward.count("cat(") == 1, backward
+
+
 def test_cat_rule():
     with FusionDefinition() as fd:
         a = fd.define_tensor([-1, 2, 3], F64)
