@@ -810,7 +810,11 @@ std::vector<std::vector<std::pair<int64_t, int64_t>>> groupRows(
 // kernel takes the operands (no host synchronization), the rows past the
 // groups' total zeroed by a mask; else one matmul per group, sized by the
 // counts read on the host. On the meta device: the result's shape only.
-at::Tensor groupedMm(const Instr& ins, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& counts) {
+// `into`, a contiguous tensor of the result's shape (the bound output),
+// takes the result in place of a fresh one (`grouped_mm`'s `out`).
+at::Tensor groupedMm(
+    const Instr& ins, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& counts,
+    const at::Tensor* into = nullptr) {
   int64_t rows = x.size(-2);
   int64_t k = x.size(-1);
   int64_t groups = weight.size(-3);
@@ -825,7 +829,7 @@ at::Tensor groupedMm(const Instr& ins, const at::Tensor& x, const at::Tensor& we
   at::Tensor xs = x.reshape({nb, rows, k});
   at::Tensor ws = weight.reshape({nw, groups, n, k});
   if (!kernelFits(ins, x, {k, n})) {
-    at::Tensor out = at::zeros({nb, rows, n}, x.options());
+    at::Tensor out = into != nullptr ? into->view({nb, rows, n}).zero_() : at::zeros({nb, rows, n}, x.options());
     auto bounds = groupRows(counts, nb, groups, rows);
     for (int64_t i = 0; i < nb; ++i) {
       for (int64_t g = 0; g < groups; ++g) {
@@ -841,7 +845,7 @@ at::Tensor groupedMm(const Instr& ins, const at::Tensor& x, const at::Tensor& we
   // pass puts each element's product, or a zero past the rows, as 8-byte
   // words (`asWords`; a row is a multiple of 16 bytes where the kernel runs).
   at::Tensor real = (at::arange(rows, longsOn(x)).unsqueeze(0) < offs.slice(1, -1).to(at::kLong)).unsqueeze(-1);
-  at::Tensor out = at::empty({nb, rows, n}, x.options());
+  at::Tensor out = into != nullptr ? into->view({nb, rows, n}) : at::empty({nb, rows, n}, x.options());
   for (int64_t i = 0; i < nb; ++i) {
     at::Tensor product = at::_grouped_mm(xs.select(0, i), ws.select(0, i % nw).transpose(-2, -1), offs.select(0, i));
     auto [words, into] = asWordsTogether(product, out.select(0, i));
@@ -922,7 +926,21 @@ void groupedMmOp(Run& run, const Instr& ins) {
   at::Tensor x = fullOperand(run, ins, 0, ins.input, ins.a_dim);
   at::Tensor weight = fullOperand(run, ins, 1, ins.b, ins.b_dim);
   at::Tensor counts = fullOperand(run, ins, 2, ins.counts, ins.counts_dim);
-  storeCopy(run, ins, [&]() { return groupedMm(ins, x, weight, counts); });
+  auto fresh = [&]() { return groupedMm(ins, x, weight, counts); };
+  store(run, ins, true, fresh, [&](at::Tensor& o) {
+    // Straight into a bound output of the result's shape and dtype (a
+    // stream loop's piece) that shares no memory with an operand, else a
+    // fresh result copied in.
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+    shape.push_back(weight.size(-2));
+    bool apart = !o.is_alias_of(x) && !o.is_alias_of(weight) && !o.is_alias_of(counts);
+    if (apart && o.is_contiguous() && o.sizes().vec() == shape && o.scalar_type() == x.scalar_type() &&
+        !x.is_meta()) {
+      groupedMm(ins, x, weight, counts, &o);
+    } else {
+      o.copy_(fresh());
+    }
+  });
 }
 
 void groupedOuterOp(Run& run, const Instr& ins) {

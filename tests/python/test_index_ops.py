@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hostir import FusionDefinition, index_ops, printer
+from hostir import FusionDefinition, ParallelType, index_ops, printer
 from hostir.errors import DefinitionError, DefinitionTypeError
 from hostir.runtime import fusion_ops
 
@@ -212,6 +212,49 @@ def test_grouped_mm_matches_a_matmul_per_group(K, N):
     if K == 5:  # the loop reads the counts on the host: more rows than there are is an error
         with pytest.raises(Exception, match=f"must be >= 0 and total at most the {R} rows"):
             fd.execute([*inputs, counts + 3])
+
+
+def _grouped_dtype(device) -> torch.dtype:
+    """bfloat16 where torch's grouped GEMM kernel runs, else float32 (the
+    loop of matmuls)."""
+    kernel = str(device).startswith("cuda") and torch.cuda.get_device_capability() >= (9, 0)
+    return torch.bfloat16 if kernel else torch.float32
+
+
+def test_grouped_mm_writes_into_a_given_output(device):
+    """`out=`: the result lands in the tensor given (no fresh one), the
+    same values as a fresh result, zeros past the rows included."""
+    dtype = _grouped_dtype(device)
+    x = torch.randn(2, 24, 16, device=device, dtype=dtype)
+    w = torch.randn(3, 32, 16, device=device, dtype=dtype) / 4
+    counts = torch.tensor([[5, 0, 11], [24, 0, 0]], device=device)
+    out = torch.full((2, 24, 32), float("nan"), device=device, dtype=dtype)
+    got = fusion_ops.grouped_mm(x, w, counts, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, fusion_ops.grouped_mm(x, w, counts), rtol=0, atol=0)
+    assert (out[0, 16:] == 0).all()
+
+
+@pytest.mark.parametrize("K, N", [(5, 6), (16, 32)])
+def test_grouped_mm_in_a_stream_loop_matches_a_matmul_per_group(K, N, device, evaluator):
+    """Each stream piece's product written into its piece of the output
+    buffer (the walked MoE layer's experts), on each evaluator."""
+    dtype = _grouped_dtype(device)
+    R, G = 16, 3
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, R, K], dtype=dtype)
+        w = fd.define_tensor([G, N, K], dtype=dtype)
+        c = fd.define_tensor([3, G], dtype=torch.int64)
+        y = fd.ops.grouped_mm(x, w, c)
+        fd.add_output(fd.ops.mul(y, 2.0))
+    y.axis(0).parallelize(ParallelType.stream)
+    counts = torch.tensor([[4, 0, 9], [16, 0, 0], [0, 0, 0]], device=device)
+    x_, w_ = torch.randn(3, R, K, device=device, dtype=dtype), torch.randn(G, N, K, device=device, dtype=dtype) / 4
+    (out,) = fd.execute([x_, w_, counts], number_of_streams=2)
+    expected = grouped_by_hand(x_.float().cpu(), w_.float().cpu(), counts.cpu()) * 2
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(out.float().cpu(), expected, **tol)
+    assert (out[0, 13:] == 0).all() and (out[2] == 0).all()
 
 
 @pytest.mark.skipif(

@@ -771,26 +771,31 @@ def _group_rows(counts_row, rows: int) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_mm(
+    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`ir.GroupedMmOp`: `torch._grouped_mm` per batch element where its
     kernel takes the operands (no host synchronization), the rows past
     the groups' total zeroed (`_grouped_mm` leaves them unwritten); else
-    one matmul per group, sized by the counts read on the host."""
+    one matmul per group, sized by the counts read on the host. `out`, a
+    contiguous tensor of the result's shape and dtype sharing no memory
+    with an operand, takes the result (else it is fresh)."""
     *xb, R, K = x.shape
     *wb, G, N, _ = weight.shape
     nb, nw = math.prod(xb), math.prod(wb)
     if x.device.type == "meta":
         return torch.empty(*xb, R, N, dtype=x.dtype, device=x.device)
     xs, ws = x.reshape(nb, R, K), weight.reshape(nw, G, N, K)
+    into = None if out is None else out.view(nb, R, N)
     if not _kernel_fits(x, K, N):
-        out = torch.zeros(nb, R, N, dtype=x.dtype, device=x.device)
+        out = into.zero_() if into is not None else torch.zeros(nb, R, N, dtype=x.dtype, device=x.device)
         for i, row in enumerate(counts.reshape(nb, G).tolist()):
             for g, (a, b) in enumerate(_group_rows(row, R)):
                 torch.matmul(xs[i, a:b], ws[i % nw, g].transpose(0, 1), out=out[i, a:b])
         return out.reshape(*xb, R, N)
     offs = counts.reshape(nb, G).cumsum(-1).to(torch.int32)
     real = (torch.arange(R, device=x.device).unsqueeze(0) < offs[:, -1:].to(torch.int64)).unsqueeze(-1)
-    out = torch.empty(nb, R, N, dtype=x.dtype, device=x.device)
+    out = into if into is not None else torch.empty(nb, R, N, dtype=x.dtype, device=x.device)
     # One pass puts each element's product, or a zero past the rows, as
     # 8-byte words (`as_words`; a row's N elements are a multiple of 16
     # bytes where the kernel runs).
@@ -853,7 +858,19 @@ def _grouped_mm(frame: Frame, e: ir.GroupedMmOp) -> None:
     def run():
         return grouped_mm(x, weight, counts)
 
-    _store(frame, e, run, lambda out: out.copy_(run()), full_rank=True)
+    def into(out: torch.Tensor) -> None:
+        # Straight into a bound output of the result's shape and dtype (a
+        # stream loop's piece) that shares no memory with an operand, else
+        # a fresh result copied in (the C++ executor decides alike).
+        shape = (*x.shape[:-1], weight.shape[-2])
+        storage = out.untyped_storage().data_ptr()
+        apart = all(storage != t.untyped_storage().data_ptr() for t in (x, weight, counts))
+        if apart and out.is_contiguous() and tuple(out.shape) == shape and out.dtype == x.dtype:
+            grouped_mm(x, weight, counts, out=out)
+        else:
+            out.copy_(run())
+
+    _store(frame, e, run, into, full_rank=True)
 
 
 @impl(ir.GroupedOuterOp)
