@@ -86,9 +86,13 @@ that a drift of the clocks hits them alike); before each window every rank
 synchronizes its GPU and meets the others at a barrier (gloo), CUDA events
 around the window (wall clock on the CPU) give ms per call; per window the
 slowest rank counts, the median over windows is reported. ``host ms``: the
-time the host spends in one call (``time.perf_counter`` around the call,
-no synchronize), median over calls, slowest rank (torchtitan's and
-allgather_rs's host ms include their host syncs). Before timing, every
+time the host spends in one call issued onto an idle device
+(``time.perf_counter`` around the call, after the windows: ``--iters``
+calls per variant, each after a synchronize and a barrier), median over
+calls, slowest rank (torchtitan's and allgather_rs's host ms include their
+host syncs, hostir's exact form its read of the counts). Back to back, a
+host that runs ahead of the device blocks once the launch queue is full,
+so its time per call there is the device's, not its own. Before timing, every
 variant's forward output is compared with torchtitan's (``match``).
 
 ``--check``: no timing; every variant's forward output and its gradients of
@@ -759,9 +763,7 @@ def time_rows(ctx: Context, steps: dict, inputs: Inputs, args) -> dict:
             if start is not None:
                 start.record()
             for _ in range(args.iters):
-                t0 = time.perf_counter()
                 step(inputs)
-                host[name].append((time.perf_counter() - t0) * 1e3)
             if end is not None:
                 end.record()
                 end.synchronize()
@@ -769,6 +771,18 @@ def time_rows(ctx: Context, steps: dict, inputs: Inputs, args) -> dict:
             else:
                 elapsed = (time.perf_counter() - t_window) * 1e3
             windows[name].append(elapsed / args.iters)
+    # The host's own cost of a call: each issued onto an idle device, the
+    # ranks met first. Back to back (in the windows) a host that runs
+    # ahead blocks once the launch queue is full, and its time per call
+    # becomes the device's.
+    for _ in range(args.iters):
+        for name in names:
+            ctx.sync()
+            ctx.barrier()
+            t0 = time.perf_counter()
+            steps[name](inputs)
+            host[name].append((time.perf_counter() - t0) * 1e3)
+    ctx.sync()
     everyone = ctx.gather({n: (windows[n], statistics.median(host[n])) for n in names})
     out = {}
     for n in names:
@@ -1233,8 +1247,9 @@ def md_footer(record: dict) -> str:
         f"ms: per call, CUDA events around windows of {a['iters']} calls (wall clock on the CPU) after "
         f"{a['warmup']} warm-ups, the ranks synchronized and at a (gloo) barrier before each window, the "
         f"variants' windows interleaved; per window the slowest rank, median of {a['repeats']} windows. host ms: "
-        "time.perf_counter around one call without synchronizing, median, slowest rank (torchtitan's includes "
-        "its .tolist() of the split sizes, allgather_rs's its nonzero). fwd rows run under torch.no_grad(); "
+        "time.perf_counter around one call issued onto an idle device (synchronized and at a barrier first; "
+        f"{a['iters']} such calls after the windows), median, slowest rank (torchtitan's includes "
+        "its .tolist() of the split sizes, allgather_rs's its nonzero, hostir_exact's its read of the counts). fwd rows run under torch.no_grad(); "
         "fwd+bwd clears the gradients, runs the forward and torch.autograd.backward. speedup vs torchtitan: "
         "torchtitan's ms / the row's. match: the forward output equals torchtitan's on every rank (bf16 or "
         "float32 tolerances). Transfers: all_to_all_single alone, dispatch [T*k, H] with this routing's splits "

@@ -12,8 +12,17 @@ profiler (the device synchronized before each call, not inside it):
   rs           matmul+reduce-scatter at --M total rows, --K, --N
   stream_loop  one device: the stream loop of tiny elementwise ops the
                Python evaluator runs (`bench_host_overhead.py`)
+  moe          one expert-parallel MoE layer (`hostir.moe.MoELayer`, the
+               shapes of `bench_moe.py`: hidden 4096, ffn 1536, top 8,
+               bf16 on CUDA), `--form` padded, exact or exact_ring, at
+               `--tokens` per rank, `--experts`, `--capacity-factor`;
+               `--mode fwd+bwd` runs its backward too (autograd, as a
+               training step calls it)
 
-Optional tables after the profiles: `--runtime` (torch's profiler: host
+Optional tables after the profiles: `--syncs` (what in one call makes the
+host wait for the device: torch's synchronizing calls, with where they were
+made, and the caching allocator's retries and frees to the driver, which
+synchronize too), `--runtime` (torch's profiler: host
 time per op and CUDA runtime call), `--launches` (per call, when its first
 launch leaves the host and its first kernel starts on the device, and one
 call event by event), `--waits` (per rank, each call's entry against the
@@ -48,6 +57,8 @@ def _case(args):
         return (lambda: fd.execute([x], number_of_streams=4, evaluator="python")), device, 0, None
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
+    if args.case == "moe":
+        return _moe_case(args, backend)
     comm = communicator.get(backend=backend)
     rank, world = comm.rank, comm.world_size
     device = comm.device if cuda else torch.device("cpu")
@@ -72,9 +83,116 @@ def _case(args):
     return (lambda: fd.execute([a, b], **kwargs)), device, rank, comm
 
 
+def _moe_case(args, backend: str):
+    """One MoE layer's call on this rank (see the module's doc): the
+    routing (softmax of random scores, top-k, renormalized, as
+    `bench_moe.route`) made once, outside the call."""
+    from hostir import DeviceMesh, communicator
+    from hostir.moe import MoELayer
+
+    comm = communicator.get(backend=backend)
+    rank, world = comm.rank, comm.world_size
+    cuda = backend == "nccl"
+    device = comm.device if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    T, H, F, E, k = args.tokens, args.hidden, args.ffn, args.experts, args.topk
+    gen = torch.Generator(device=device).manual_seed(rank)
+
+    def normal(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    x = normal(T, H).requires_grad_()
+    probs = torch.softmax((x.detach() @ normal(E, H, scale=H**-0.5).t()).float(), dim=-1)
+    weights, indices = torch.topk(probs, k, dim=-1)
+    weights = (weights / weights.sum(dim=-1, keepdim=True)).requires_grad_()
+    gate_up = normal(E // world, 2 * F, H, scale=H**-0.5).requires_grad_()
+    down = normal(E // world, H, F, scale=F**-0.5).requires_grad_()
+    grad = normal(T, H)
+    kwargs = {"backend": backend, "check_ranks": args.check_ranks}
+    if args.schedule:
+        kwargs["schedule"] = args.schedule
+    form = {"padded": {}, "exact": {"exact": True}, "exact_ring": {"exact": True, "overlap": True}}[args.form]
+    layer = MoELayer(DeviceMesh(range(world)), E, capacity_factor=args.capacity_factor, **form, **kwargs)
+    params = (x, weights, gate_up, down)
+
+    def call():
+        if args.mode == "fwd":
+            with torch.no_grad():
+                return layer(x, indices, weights, gate_up, down)
+        for p in params:
+            p.grad = None
+        out = layer(x, indices, weights, gate_up, down)
+        torch.autograd.backward(out, grad)
+        return out
+
+    return call, device, rank, comm
+
+
+def _sync_table(call, device) -> str:
+    """One call under torch's synchronization debugging (each synchronizing
+    call torch makes, with the frames of its caller in hostir and torch's
+    Python), and the caching allocator's counters over that call: a retry
+    (an allocation that freed the cache and tried again) or a free to the
+    driver synchronizes the device too. The C++ executor's own
+    synchronizations show in `--runtime`, not here."""
+    import traceback
+    import warnings
+
+    if device.type != "cuda":
+        return "(no CUDA device: nothing synchronizes)"
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    call()
+    _sync(device)
+    before = torch.cuda.memory_stats(device)
+    sites: dict[str, int] = {}
+
+    def seen(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        where = " <- ".join(f"{pathlib.Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-6:]))
+        if "prototype feature" in str(message):
+            return
+        text = f"{str(message).splitlines()[0][:80]} at {where}"
+        sites[text] = sites.get(text, 0) + 1
+
+    shown = warnings.showwarning
+    warnings.showwarning = seen
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = seen
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                call()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = shown
+    _sync(device)
+    after = torch.cuda.memory_stats(device)
+    out = ["| allocator counter, one call | count |", "|---|---:|"]
+    out += [f"| {key} | {after.get(key, 0) - before.get(key, 0)} |" for key in keys]
+    out += ["", f"peak allocated: {after.get('allocated_bytes.all.peak', 0) / 2**30:.2f} GiB", ""]
+    if not sites:
+        out.append("torch made no synchronizing call")
+    else:
+        out += ["| synchronizing call (where) | times |", "|---|---:|"]
+        out += [f"| {text} | {n} |" for text, n in sorted(sites.items(), key=lambda kv: -kv[1])]
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--case", choices=("tiny", "ag", "rs", "stream_loop"), default="tiny")
+    p.add_argument("--case", choices=("tiny", "ag", "rs", "stream_loop", "moe"), default="tiny")
+    p.add_argument("--form", choices=("padded", "exact", "exact_ring"), default="exact_ring", help="moe: the form")
+    p.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd+bwd", help="moe: the forward alone or both")
+    p.add_argument("--tokens", type=int, default=8192, help="moe: tokens per rank")
+    p.add_argument("--hidden", type=int, default=4096, help="moe")
+    p.add_argument("--ffn", type=int, default=1536, help="moe")
+    p.add_argument("--experts", type=int, default=64, help="moe: experts in all")
+    p.add_argument("--topk", type=int, default=8, help="moe")
+    p.add_argument("--capacity-factor", type=float, default=2.0, help="moe")
     p.add_argument("--schedule", default=None, help="execute(schedule=...); default: the planner's choice")
     p.add_argument("--check-ranks", default="always")
     p.add_argument("--M", type=int, default=2048)
@@ -94,6 +212,17 @@ def main(argv=None) -> int:
         help="also where in a call its device work starts: per call, the host µs from the call's entry to its "
         "first launch and the device µs to its first kernel (medians), and one call's ops, runtime calls and "
         "kernels in order (torch's profiler, C++ executor)",
+    )
+    p.add_argument(
+        "--shapes",
+        action="store_true",
+        help="with --runtime: also a table of the ops apart by their operands' shapes, by device time",
+    )
+    p.add_argument(
+        "--syncs",
+        action="store_true",
+        help="also what in one call makes the host wait for the device: torch's synchronizing calls and where "
+        "they were made, and the caching allocator's retries and frees to the driver",
     )
     p.add_argument(
         "--waits",
@@ -117,6 +246,7 @@ def main(argv=None) -> int:
         call()
         profile.disable()
     _sync(device)
+    syncs = _sync_table(call, device) if args.syncs else None
     runtime = _runtime_table(call, device, args) if args.runtime else None
     launches = _launch_table(call, device, args) if args.launches else None
     waits = _wait_table(call, device, comm, args) if args.waits and comm is not None else None
@@ -132,6 +262,9 @@ def main(argv=None) -> int:
         stats.sort_stats(key).print_stats(args.top)
         print(f"\n## by {key}, {args.iters} calls\n")
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip()))
+    if syncs is not None:
+        print("\n## what makes one call wait for the device\n")
+        print(syncs)
     if runtime is not None:
         print(f"\n## torch profiler, {args.iters} calls: host time by op and CUDA runtime call\n")
         print(runtime)
@@ -147,7 +280,8 @@ def main(argv=None) -> int:
 def _runtime_table(call, device, args) -> str:
     """Torch's profiler over `args.iters` calls on the C++ executor (the
     device synchronized before each, outside the call): host time per op
-    and per CUDA runtime or driver call, by own time. A call that blocks the host on the device
+    and per CUDA runtime or driver call, by own time (and on a GPU, a
+    second table by device time). A call that blocks the host on the device
     (an event or stream synchronization, a copy that is not asynchronous)
     stands out here, where cProfile sees only the C++ run as a whole."""
     import os
@@ -163,10 +297,19 @@ def _runtime_table(call, device, args) -> str:
     tables: list[str] = []
 
     def ready(prof) -> None:
-        tables.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+        averages = prof.key_averages()
+        tables.append(averages.table(sort_by="self_cpu_time_total", row_limit=args.top))
+        if device.type == "cuda":
+            tables.append("\nBy device time (kernels and the ops that launched them):\n")
+            tables.append(averages.table(sort_by="self_device_time_total", row_limit=args.top))
+        if args.shapes:
+            tables.append("\nBy device time, the ops apart by their operands' shapes:\n")
+            by_shape = prof.key_averages(group_by_input_shape=True)
+            key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+            tables.append(by_shape.table(sort_by=key, row_limit=args.top, max_name_column_width=40))
 
     plan = schedule(wait=0, warmup=warmup, active=args.iters, repeat=1)
-    with profile(activities=activities, schedule=plan, on_trace_ready=ready) as prof:
+    with profile(activities=activities, schedule=plan, on_trace_ready=ready, record_shapes=args.shapes) as prof:
         for _ in range(warmup + args.iters):
             _sync(device)
             call()
