@@ -4,13 +4,17 @@
 # engine's `cuda` transport) and goldens, bench_moe.py --check, then
 # bench_moe.py itself, then one traced forward per form (trace_moe.py) drawn
 # as timelines. Logs and results under $2 (default $OUT/moe); $1 the parts,
-# a comma list of build, tests, unit, bench, before, trace (default
+# a comma list of build, tests, unit, bench, before, profile, trace (default
 # build,tests,bench: calls made in quick succession keep the machine and its
 # build). `unit`: the one-process GPU tests of the layer's ops (shape,
 # index and grouped ops, autodiff, goldens with the one-GPU graph replay).
 # `before`: the same bench_moe.py run on an older checkout, $HOSTIR_BEFORE
 # (default .before, e.g. `git archive <rev> | tar -x -C .before`), built
 # first, its results under $2/before: before and after in one lease.
+# `profile`: where a walked exact layer's steady forward+backward spends
+# its device time, op by op and by operand shape (profile_calls.py --case
+# moe, 8192 tokens a rank, 64 experts, capacity factor 2, on the copy
+# engine where there are 2 GPUs or more), into $2/profile_exact_ring.log.
 #   bash tools/gpu_moe.sh [parts] [out-dir] [bench_moe.py arguments...]
 set -u
 parts=${1:-build,tests,bench}; shift || true
@@ -47,6 +51,12 @@ if has before; then
   mkdir -p "$out/before"
   step bench_before 560 env PYTHONPATH="$before/python:$before/tests/python" \
     python3 "$before/tools/bench_moe.py" --out-dir "$out/before" --time-limit 540 "$@"
+fi
+if has profile; then
+  schedule=(); [ "$n" -gt 1 ] && schedule=(--schedule ring:transport=cuda)
+  step profile_exact_ring 240 torchrun --standalone --nproc-per-node "$n" tools/profile_calls.py --case moe \
+    --form exact_ring --tokens 8192 --experts 64 --capacity-factor 2 --iters 5 --top 45 --runtime --shapes \
+    ${schedule[@]+"${schedule[@]}"}
 fi
 if has trace; then
   step trace 240 torchrun --standalone --nproc-per-node "$n" tools/trace_moe.py "$out/trace"
