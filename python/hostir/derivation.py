@@ -603,6 +603,7 @@ class Deriver:
                 self.layout(tv).apply(g)
             self.bwd.add_output(g)
             grad_inputs.append(i)
+        _join_tiled_products(self.bwd)
         # A tensor a rule made and nothing placed takes what sharding
         # propagation gives it when the backward is lowered.
         return Derivation(
@@ -613,6 +614,112 @@ class Deriver:
             grad_inputs=grad_inputs,
             cotangent_layouts=cot_layouts,
         )
+
+
+def _join_tiled_products(bwd: ir.Fusion) -> None:
+    """A weight cut into two tiles along the axis its grouped GEMMs
+    contract (a fused gate_up into gate and up) has, in the backward, two
+    products of the tiles' output gradients by the tiles, summed into the
+    input's gradient, and two grouped outer products, joined by a cat into
+    the weight's gradient. Both pairs become one op of the output
+    gradients joined (`cat([dg, du])`, [.., R, 2F]): one grouped GEMM by
+    the whole weight, whose contraction adds the two products (no sum,
+    one pass over the rows past the counts, not two), and one grouped
+    outer product that is the weight's gradient (no cat of the weights'
+    size). Where the ops differ from that pattern in any way, nothing
+    changes."""
+    while _join_one_tiled_product(bwd):
+        pass
+
+
+def _join_one_tiled_product(bwd: ir.Fusion) -> bool:
+    """One rewrite of `_join_tiled_products`; whether there was one."""
+    readers: dict = {}
+    for e in bwd.exprs:
+        for v in e.inputs():
+            if isinstance(v, ir.TensorView):
+                readers.setdefault(v, []).append(e)
+    for tv in bwd.outputs:
+        readers.setdefault(tv, []).append(None)
+    producer = {e.out: e for e in bwd.exprs}
+
+    def only_reader(tv, e) -> bool:
+        return readers.get(tv) == [e]
+
+    def tile(weight):
+        """(W, the tile's (start, stop), permute dims) of a grouped GEMM's
+        weight that is a permuted slice of W cutting the contracted axis."""
+        perm = producer.get(weight)
+        if not isinstance(perm, ir.PermuteOp) or not only_reader(weight, readers[weight][0]):
+            return None
+        cut = producer.get(perm.input)
+        n = weight.logical_ndim
+        if not isinstance(cut, ir.SliceOp) or list(perm.dims) != list(range(n - 2)) + [n - 1, n - 2]:
+            return None
+        whole = (0, None, 1)
+        if any(r != whole for k, r in enumerate(cut.ranges) if k != n - 2) or cut.ranges[n - 2][2] != 1:
+            return None
+        return cut.input, cut.ranges[n - 2][:2], perm.dims
+
+    for add in list(bwd.exprs):
+        if not (isinstance(add, ir.BinaryOp) and add.kind == "add"):
+            continue
+        mms = [producer.get(v) for v in (add.lhs, add.rhs)]
+        if not all(isinstance(m, ir.GroupedMmOp) and only_reader(m.out, add) for m in mms):
+            continue
+        tiles = [tile(m.weight) for m in mms]
+        if None in tiles or tiles[0][0] is not tiles[1][0] or mms[0].counts is not mms[1].counts:
+            continue
+        W, dims = tiles[0][0], tiles[0][2]
+        first, second = sorted(range(2), key=lambda k: tiles[k][1][0])
+        extent = W.logical_runtime()[W.logical_ndim - 2].extent
+        (a0, b0), (a1, b1) = tiles[first][1], tiles[second][1]
+        if a0 != 0 or b0 is None or a1 != b0 or not (b1 is None or (extent.is_constant and b1 == extent.value)):
+            continue
+        xs = [mms[first].input, mms[second].input]
+        outers = [
+            e
+            for x in xs
+            for e in readers.get(x, [])
+            if isinstance(e, ir.GroupedOuterOp) and e.input is x and e.counts is mms[0].counts
+        ]
+        cats = {id(r): r for o in outers for r in readers.get(o.out, []) if isinstance(r, ir.CatOp)}
+        if len(outers) != 2 or len(cats) != 1 or outers[0].other is not outers[1].other:
+            continue
+        (cat,) = cats.values()
+        if [cat.input, cat.other] != [outers[0].out, outers[1].out] or cat.dim != cat.out.logical_ndim - 2:
+            continue
+        if not all(only_reader(o.out, cat) for o in outers) or cat.out.dtype != W.dtype:
+            continue
+        if any(x.dtype != W.dtype for x in xs):
+            continue
+        before = len(bwd.exprs)
+        joined = shape_ops.cat(xs, xs[0].logical_ndim - 1)
+        whole = shape_ops.permute(W, list(dims))
+        new = bwd.exprs[before:]
+        del bwd.exprs[before:]
+        product = ir.GroupedMmOp(add.out, joined, whole, mms[0].counts)
+        outer = ir.GroupedOuterOp(cat.out, joined, outers[0].other, mms[0].counts)
+        gone = {id(e) for e in (add, *mms, cat, *outers)}
+        gone |= {id(producer[m.weight]) for m in mms}
+        exprs = []
+        for e in bwd.exprs:
+            if e is add or e is cat:
+                if new:
+                    exprs += new
+                    new = []
+                exprs.append(product if e is add else outer)
+            if id(e) not in gone:
+                exprs.append(e)
+        bwd.exprs[:] = [e for e in exprs if not (isinstance(e, ir.SliceOp) and not _read_by(e.out, exprs, bwd))]
+        bwd.bump_version()
+        return True
+    return False
+
+
+def _read_by(tv, exprs, fusion) -> bool:
+    """Whether an op of `exprs` or the outputs of `fusion` read `tv`."""
+    return tv in fusion.outputs or any(v is tv for e in exprs for v in e.inputs())
 
 
 def _grad_reads(e: ir.Expr | None, field: str) -> bool:

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hostir import FusionDefinition, ParallelType, index_ops, printer
+from hostir import FusionDefinition, ParallelType, index_ops, ir, printer
 from hostir.errors import DefinitionError, DefinitionTypeError
 from hostir.runtime import fusion_ops
 
@@ -562,3 +562,63 @@ def test_as_words_fills_and_selects_as_the_elements_do(dtype, rows, cols, start,
     picked = torch.where(mask, fusion_ops.as_words(view), fusion_ops.as_words(view).new_zeros(()))
     expected = torch.where(mask, view, torch.zeros((), dtype=dtype))
     assert torch.equal(picked.flatten().view(torch.uint8), expected.flatten().view(torch.uint8))
+
+
+def _tiled_gated(fd, join_parts: bool = True, second_read: bool = False):
+    """A SwiGLU expert over a fused weight [G, 2F, K] cut into gate and up
+    (`join_parts`; else two cuts that leave a row out), and down."""
+    f64, i64 = torch.float64, torch.int64
+    x = fd.define_tensor([2, 6, 4], dtype=f64)
+    gate_up = fd.define_tensor([3, 10, 4], dtype=f64)
+    down = fd.define_tensor([3, 4, 5], dtype=f64)
+    c = fd.define_tensor([2, 3], dtype=i64)
+    stop = 5 if join_parts else 4
+    gate = fd.ops.slice(gate_up, [0, 0, 0], [None, stop, None])
+    up = fd.ops.slice(gate_up, [0, 5, 0], [None, None, None])
+    g = fd.ops.grouped_mm(x, gate, c)
+    u = fd.ops.grouped_mm(x, up, c)
+    h = fd.ops.mul(fd.ops.silu(g), u if join_parts else fd.ops.slice(u, [0, 0, 0], [None, None, 4]))
+    fd.add_output(fd.ops.grouped_mm(h, down if join_parts else fd.ops.slice(down, [0, 0, 0], [None, None, 4]), c))
+    if second_read:
+        fd.add_output(fd.ops.exp(g))
+
+
+@pytest.mark.parametrize("second_read", [False, True])
+def test_a_fused_weights_products_join_in_the_backward(evaluator, second_read):
+    """The backward of two grouped GEMMs by the halves of one weight (a
+    fused gate_up) runs one grouped GEMM of the halves' output gradients
+    joined by the whole weight (no sum of two), and one grouped outer
+    product that is the whole weight's gradient (no cat of two): values
+    and gradients as torch's (gradcheck), also where g is read twice."""
+    from hostir.autodiff import derive
+
+    with FusionDefinition() as fd:
+        _tiled_gated(fd, second_read=second_read)
+    counts = torch.tensor([[2, 0, 3], [1, 3, 2]])
+    leaves = [torch.randn(2, 6, 4), torch.randn(3, 10, 4) / 2, torch.randn(3, 4, 5) / 2]
+    leaves = [t.double().requires_grad_() for t in leaves]
+    assert torch.autograd.gradcheck(lambda *t: tuple(fd.execute([*t, counts])), tuple(leaves))
+    bwd = derive(fd.fusion, [0, 1, 2]).backward
+    outers = [e for e in bwd.exprs if isinstance(e, ir.GroupedOuterOp)]
+    assert sorted(o.out.logical_runtime()[-2].extent.value for o in outers) == [4, 10]
+    cats = [e for e in bwd.exprs if isinstance(e, ir.CatOp)]
+    assert len(cats) == 1 and cats[0].out.logical_runtime()[-1].extent.value == 10
+    mms = [e for e in bwd.exprs if isinstance(e, ir.GroupedMmOp)]
+    assert len(mms) == 2  # down's input gradient, and gate_up's whole
+    assert not any(isinstance(e, ir.SliceOp) for e in bwd.exprs)
+
+
+def test_a_weight_cut_with_a_gap_keeps_its_products_apart():
+    """Cuts that do not tile the weight (a row left out) keep two grouped
+    GEMMs and two outer products; the gradients are still torch's."""
+    from hostir.autodiff import derive
+
+    with FusionDefinition() as fd:
+        _tiled_gated(fd, join_parts=False)
+    counts = torch.tensor([[2, 0, 3], [1, 3, 2]])
+    leaves = [torch.randn(2, 6, 4), torch.randn(3, 10, 4) / 2, torch.randn(3, 4, 5) / 2]
+    leaves = [t.double().requires_grad_() for t in leaves]
+    assert torch.autograd.gradcheck(lambda *t: tuple(fd.execute([*t, counts])), tuple(leaves))
+    bwd = derive(fd.fusion, [0, 1, 2]).backward
+    assert sum(isinstance(e, ir.GroupedOuterOp) for e in bwd.exprs) == 3
+    assert not any(isinstance(e, ir.CatOp) and e.out.logical_runtime()[-1].extent.value == 10 for e in bwd.exprs)

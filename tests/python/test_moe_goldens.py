@@ -117,9 +117,11 @@ def test_golden_of_the_exact_moe_layer_walked(sched):
 def test_golden_of_the_exact_moe_layer_walked_with_gate_up_fused():
     """gate and up as one weight (gate_up [E/D, 2F, H]): cut once into its
     halves (views of each rank's piece, before the walk), the steps as
-    with two weights; the backward's grouped outer products of the two
-    halves join in one cat into gate_up's gradient, after the ring (no
-    insert into zeros, no sum)."""
+    with two weights. The backward joins the two halves' output gradients
+    in each step (one cat of [B, 2F] a piece) and runs one grouped GEMM
+    by gate_up whole for the tokens' gradient (no sum of two) and, after
+    the ring, one grouped outer product that is gate_up's gradient (no
+    cat of the weights' size, no slice of gate_up, no insert into zeros)."""
     fd = walked_exact().fusion(**SHAPE, fused=True)
     sched = Schedule("ring", transport="cuda")
 
@@ -133,10 +135,17 @@ def test_golden_of_the_exact_moe_layer_walked_with_gate_up_fused():
     assert len(halves) == 2 and all(e.input in forward.program.inputs for e in halves)
     check_golden("moe_exact_fused_ring_cuda", forward)
     backward = lower(derive(fd.fusion, [0, 2, 3, 4]).backward, rank=0, backend="gloo", schedule=sched)
-    cats = [e for e in backward.program.walk() if isinstance(e, ir.CatOp)]
-    assert len(cats) == 1 and not any(isinstance(e, ir.CatOp) for e in step(backward))
-    assert not any(isinstance(e, ir.InsertOp) for e in backward.program.walk())
-    assert [a.extent.value for a in cats[0].out.logical_runtime()[-2:]] == [2 * SHAPE["ffn"], SHAPE["hidden"]]
+    every, in_step = list(backward.program.walk()), step(backward)
+    # The output gradients of gate and up joined: the own piece's and a step's.
+    cats = [e for e in every if isinstance(e, ir.CatOp)]
+    assert len(cats) == 2 and sum(isinstance(e, ir.CatOp) for e in in_step) == 1
+    assert all(c.out.logical_runtime()[-1].extent.value == 2 * SHAPE["ffn"] for c in cats)
+    # A step's grouped GEMMs: down's and gate_up's (whole), no sum of two.
+    assert sum(isinstance(e, ir.GroupedMmOp) for e in in_step) == 2
+    assert not any(isinstance(e, ir.BinaryOp) and e.kind == "add" for e in every)
+    assert not any(isinstance(e, (ir.InsertOp, ir.SliceOp)) for e in every)
+    outers = [e for e in every if isinstance(e, ir.GroupedOuterOp)]
+    assert sorted(o.out.logical_runtime()[-2].extent.value for o in outers) == [SHAPE["hidden"], 2 * SHAPE["ffn"]]
     check_golden("moe_exact_fused_backward_ring_cuda", backward)
 
 
