@@ -341,6 +341,13 @@ class Deriver:
             if tv in self.fwd.inputs or tv in self.saved:
                 return True
 
+    def _relayout(self, old: ir.TensorView, new: ir.TensorView) -> None:
+        """Give `new`, made in `old`'s place, the layout `old` has."""
+        lay = self.known.get(old)
+        if lay is not None:
+            lay.apply(new)
+            self.known[new] = lay
+
     def regathered(self, tv: ir.TensorView) -> bool:
         """Whether `save(tv)` gathers a saved shard again."""
         return tv not in self.saved and self._gathered_by(tv, self.producer.get(tv))
@@ -603,7 +610,7 @@ class Deriver:
                 self.layout(tv).apply(g)
             self.bwd.add_output(g)
             grad_inputs.append(i)
-        _join_tiled_products(self.bwd)
+        _join_tiled_products(self.bwd, self._relayout)
         # A tensor a rule made and nothing placed takes what sharding
         # propagation gives it when the backward is lowered.
         return Derivation(
@@ -616,24 +623,27 @@ class Deriver:
         )
 
 
-def _join_tiled_products(bwd: ir.Fusion) -> None:
-    """A weight cut into two tiles along the axis its grouped GEMMs
-    contract (a fused gate_up into gate and up) has, in the backward, two
-    products of the tiles' output gradients by the tiles, summed into the
-    input's gradient, and two grouped outer products, joined by a cat into
-    the weight's gradient. Both pairs become one op of the output
-    gradients joined (`cat([dg, du])`, [.., R, 2F]): one grouped GEMM by
-    the whole weight, whose contraction adds the two products (no sum,
-    one pass over the rows past the counts, not two), and one grouped
-    outer product that is the weight's gradient (no cat of the weights'
-    size). Where the ops differ from that pattern in any way, nothing
-    changes."""
-    while _join_one_tiled_product(bwd):
+def _join_tiled_products(bwd: ir.Fusion, relayout: Callable) -> None:
+    """A weight cut into two tiles along the axis its products contract
+    (a fused gate_up into gate and up) has, in the backward, two products
+    of the tiles' output gradients by the tiles, summed into the input's
+    gradient, and two products for the tiles' gradients, joined by a cat
+    into the weight's gradient. Both pairs become one op of the output
+    gradients joined (`cat([dg, du])`, [.., R, 2F]): one product by the
+    whole weight, whose contraction adds the two (no sum pass; for grouped
+    GEMMs one pass over the rows past the counts, not two), and one
+    product that is the weight's gradient (no cat of the weights' size):
+    for the grouped GEMMs a grouped outer product, for batched matmuls a
+    matmul summed over the batch axes the weight lacks. `relayout(old,
+    new)` gives a tensor made in an output's place that output's layout.
+    Where the ops differ from these patterns in any way, nothing changes."""
+    while _join_one_tiled_product(bwd) or _join_one_tiled_matmul(bwd, relayout):
         pass
 
 
-def _join_one_tiled_product(bwd: ir.Fusion) -> bool:
-    """One rewrite of `_join_tiled_products`; whether there was one."""
+def _uses(bwd: ir.Fusion) -> tuple[dict, dict]:
+    """(readers, producer) of the tensors of `bwd`: an output counts a
+    reader (None)."""
     readers: dict = {}
     for e in bwd.exprs:
         for v in e.inputs():
@@ -641,16 +651,158 @@ def _join_one_tiled_product(bwd: ir.Fusion) -> bool:
                 readers.setdefault(v, []).append(e)
     for tv in bwd.outputs:
         readers.setdefault(tv, []).append(None)
-    producer = {e.out: e for e in bwd.exprs}
+    return readers, {e.out: e for e in bwd.exprs}
 
-    def only_reader(tv, e) -> bool:
-        return readers.get(tv) == [e]
+
+def _tiles_of(W, tiles) -> tuple[int, int] | None:
+    """(first, second): the order of two (start, stop) cuts of `W`'s axis
+    -2 that tile it from end to end, else None."""
+    first, second = sorted(range(2), key=lambda k: tiles[k][0])
+    extent = W.logical_runtime()[W.logical_ndim - 2].extent
+    (a0, b0), (a1, b1) = tiles[first], tiles[second]
+    if a0 != 0 or b0 is None or a1 != b0 or not (b1 is None or (extent.is_constant and b1 == extent.value)):
+        return None
+    return first, second
+
+
+def _rebuilt(bwd: ir.Fusion, new: list, at: dict, gone: set, subst: dict | None = None) -> None:
+    """`bwd`'s ops without those in `gone`, `new` (made in order, needing
+    nothing made after the first op of `at`) before the first op of `at`,
+    and each op of `at` (op -> its replacement, or None) in its place;
+    `subst` (tensor -> tensor) renames what the ops after read; slices
+    left unread dropped."""
+    subst = subst or {}
+    exprs = []
+    for e in bwd.exprs:
+        if id(e) in at:
+            exprs += new
+            new = []
+            if at[id(e)] is not None:
+                exprs.append(at[id(e)])
+        if id(e) not in gone:
+            changes = {f: subst[getattr(e, f)] for f in e.INPUTS if getattr(e, f, None) in subst}
+            exprs.append(e.replace(**changes) if changes else e)
+    bwd.exprs[:] = [e for e in exprs if not (isinstance(e, ir.SliceOp) and not _read_by(e.out, exprs, bwd))]
+    bwd.bump_version()
+
+
+def _join_one_tiled_matmul(bwd: ir.Fusion, relayout: Callable) -> bool:
+    """One rewrite of `_join_tiled_products` for batched matmuls: dx =
+    dg @ gate + du @ up (gate and up the tiles of W's axis -2, each the
+    matmul's b, through permutes that leave that axis contracted), and the
+    tiles' gradients sum(permute(dg) @ X) and sum(permute(du) @ X) joined
+    by a cat along that axis."""
+    readers, producer = _uses(bwd)
+
+    def tile(b):
+        """(W, (start, stop), the permutes' composition) of a matmul's b
+        that is a permuted slice of W whose cut axis b contracts."""
+        order = list(range(b.logical_ndim))
+        t = b
+        while isinstance(producer.get(t), ir.PermuteOp):
+            perm = producer[t]
+            if readers.get(t) is None or len(readers[t]) != 1:
+                return None
+            order = [perm.dims[k] for k in order]
+            t = perm.input
+        cut = producer.get(t)
+        n = b.logical_ndim
+        if not isinstance(cut, ir.SliceOp) or cut.input.logical_ndim != n or order[n - 2] != n - 2:
+            return None
+        whole = (0, None, 1)
+        if any(r != whole for k, r in enumerate(cut.ranges) if k != n - 2) or cut.ranges[n - 2][2] != 1:
+            return None
+        return cut.input, cut.ranges[n - 2][:2], order
+
+    for add in list(bwd.exprs):
+        if not (isinstance(add, ir.BinaryOp) and add.kind == "add"):
+            continue
+        mms = [producer.get(v) for v in (add.lhs, add.rhs)]
+        if not all(
+            isinstance(m, ir.MatmulOp) and not m.accumulate and m.partial is None and readers.get(m.out) == [add]
+            for m in mms
+        ):
+            continue
+        tiles = [tile(m.b) for m in mms]
+        if None in tiles or tiles[0][0] is not tiles[1][0] or tiles[0][2] != tiles[1][2]:
+            continue
+        W, order = tiles[0][0], tiles[0][2]
+        ordered = _tiles_of(W, [t[1] for t in tiles])
+        if ordered is None:
+            continue
+        xs = [mms[k].a for k in ordered]
+        if any(x.dtype != W.dtype or x.logical_ndim != xs[0].logical_ndim for x in xs):
+            continue
+        n = xs[0].logical_ndim
+        swap = list(range(n - 2)) + [n - 1, n - 2]
+        sums = []
+        for x in xs:
+            perms = [e for e in readers.get(x, []) if isinstance(e, ir.PermuteOp) and list(e.dims) == swap]
+            found = None
+            for perm in perms:
+                uses = readers.get(perm.out, [])
+                if len(uses) == 1 and isinstance(uses[0], ir.MatmulOp) and uses[0].a is perm.out:
+                    mm = uses[0]
+                    after = readers.get(mm.out, [])
+                    if not mm.accumulate and mm.partial is None and len(after) == 1:
+                        if isinstance(after[0], ir.ReductionOp) and after[0].kind == "sum":
+                            found = (perm, mm, after[0])
+            sums.append(found)
+        if None in sums or sums[0][1].b is not sums[1][1].b:
+            continue
+        reduced = [[k for k, a in enumerate(r.out.logical) if a.is_reduction] for _, _, r in sums]
+        if reduced[0] != reduced[1]:
+            continue
+        cats = {id(r): r for _, _, red in sums for r in readers.get(red.out, []) if isinstance(r, ir.CatOp)}
+        if len(cats) != 1:
+            continue
+        (cat,) = cats.values()
+        if [cat.input, cat.other] != [s[2].out for s in sums] or cat.dim != cat.out.logical_ndim - 2:
+            continue
+        if not all(readers.get(s[2].out) == [cat] for s in sums) or readers.get(cat.out) != [None]:
+            continue
+        X = sums[0][1].b
+        if cat.out.dtype != W.dtype or (X in producer and bwd.exprs.index(producer[X]) > bwd.exprs.index(add)):
+            continue
+        before = len(bwd.exprs)
+        joined = shape_ops.cat(xs, n - 1)
+        whole = W if order == list(range(len(order))) else shape_ops.permute(W, order)
+        # Read whole after the walk (it sums over the walked axis), as the
+        # derivation's own permutes for a product are: no stream axis.
+        flipped = shape_ops.permute(joined, swap)
+        for a in flipped.domain:
+            if a.parallel_type is ir.ParallelType.stream:
+                a.parallelize(ir.ParallelType.serial)
+        grad = builders.reduction("sum", builders.matmul(flipped, X), reduced[0])
+        product = builders.matmul(joined, whole)
+        new = bwd.exprs[before:]
+        del bwd.exprs[before:]
+        relayout(cat.out, grad)
+        relayout(add.out, product)
+        bwd.outputs[bwd.outputs.index(cat.out)] = grad
+        gone = {id(e) for e in (add, *mms, cat, *(x for s in sums for x in s))}
+        for m in mms:
+            t = m.b
+            while isinstance(producer.get(t), ir.PermuteOp):
+                gone.add(id(producer[t]))
+                t = producer[t].input
+        if add.out in bwd.outputs:
+            bwd.outputs[bwd.outputs.index(add.out)] = product
+        _rebuilt(bwd, new, {id(add): None}, gone, {add.out: product})
+        return True
+    return False
+
+
+def _join_one_tiled_product(bwd: ir.Fusion) -> bool:
+    """One rewrite of `_join_tiled_products` for grouped GEMMs; whether
+    there was one."""
+    readers, producer = _uses(bwd)
 
     def tile(weight):
         """(W, the tile's (start, stop), permute dims) of a grouped GEMM's
         weight that is a permuted slice of W cutting the contracted axis."""
         perm = producer.get(weight)
-        if not isinstance(perm, ir.PermuteOp) or not only_reader(weight, readers[weight][0]):
+        if not isinstance(perm, ir.PermuteOp) or len(readers.get(weight, [])) != 1:
             return None
         cut = producer.get(perm.input)
         n = weight.logical_ndim
@@ -665,18 +817,16 @@ def _join_one_tiled_product(bwd: ir.Fusion) -> bool:
         if not (isinstance(add, ir.BinaryOp) and add.kind == "add"):
             continue
         mms = [producer.get(v) for v in (add.lhs, add.rhs)]
-        if not all(isinstance(m, ir.GroupedMmOp) and only_reader(m.out, add) for m in mms):
+        if not all(isinstance(m, ir.GroupedMmOp) and readers.get(m.out) == [add] for m in mms):
             continue
         tiles = [tile(m.weight) for m in mms]
         if None in tiles or tiles[0][0] is not tiles[1][0] or mms[0].counts is not mms[1].counts:
             continue
         W, dims = tiles[0][0], tiles[0][2]
-        first, second = sorted(range(2), key=lambda k: tiles[k][1][0])
-        extent = W.logical_runtime()[W.logical_ndim - 2].extent
-        (a0, b0), (a1, b1) = tiles[first][1], tiles[second][1]
-        if a0 != 0 or b0 is None or a1 != b0 or not (b1 is None or (extent.is_constant and b1 == extent.value)):
+        ordered = _tiles_of(W, [t[1] for t in tiles])
+        if ordered is None:
             continue
-        xs = [mms[first].input, mms[second].input]
+        xs = [mms[k].input for k in ordered]
         outers = [
             e
             for x in xs
@@ -689,7 +839,7 @@ def _join_one_tiled_product(bwd: ir.Fusion) -> bool:
         (cat,) = cats.values()
         if [cat.input, cat.other] != [outers[0].out, outers[1].out] or cat.dim != cat.out.logical_ndim - 2:
             continue
-        if not all(only_reader(o.out, cat) for o in outers) or cat.out.dtype != W.dtype:
+        if not all(readers.get(o.out) == [cat] for o in outers) or cat.out.dtype != W.dtype:
             continue
         if any(x.dtype != W.dtype for x in xs):
             continue
@@ -698,21 +848,12 @@ def _join_one_tiled_product(bwd: ir.Fusion) -> bool:
         whole = shape_ops.permute(W, list(dims))
         new = bwd.exprs[before:]
         del bwd.exprs[before:]
-        product = ir.GroupedMmOp(add.out, joined, whole, mms[0].counts)
-        outer = ir.GroupedOuterOp(cat.out, joined, outers[0].other, mms[0].counts)
-        gone = {id(e) for e in (add, *mms, cat, *outers)}
-        gone |= {id(producer[m.weight]) for m in mms}
-        exprs = []
-        for e in bwd.exprs:
-            if e is add or e is cat:
-                if new:
-                    exprs += new
-                    new = []
-                exprs.append(product if e is add else outer)
-            if id(e) not in gone:
-                exprs.append(e)
-        bwd.exprs[:] = [e for e in exprs if not (isinstance(e, ir.SliceOp) and not _read_by(e.out, exprs, bwd))]
-        bwd.bump_version()
+        at = {
+            id(add): ir.GroupedMmOp(add.out, joined, whole, mms[0].counts),
+            id(cat): ir.GroupedOuterOp(cat.out, joined, outers[0].other, mms[0].counts),
+        }
+        gone = {id(e) for e in (add, *mms, cat, *outers)} | {id(producer[m.weight]) for m in mms}
+        _rebuilt(bwd, new, at, gone)
         return True
     return False
 

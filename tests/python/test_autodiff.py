@@ -260,6 +260,34 @@ def test_a_slice_of_an_input_is_sliced_again_in_the_backward_not_saved():
     assert backward.count("slice(") == 2 and backward.count("cat(") == 1, backward
 
 
+@pytest.mark.parametrize("tiled", [True, False], ids=["halves", "with_a_gap"])
+def test_a_fused_weights_batched_products_join_in_the_backward(tiled, evaluator):
+    """Batched matmuls by the halves of one weight (the padded MoE layer's
+    x @ gate^T and x @ up^T, gate_up [E, 2F, H] cut in two): the backward
+    joins the halves' output gradients and runs one matmul by the whole
+    weight (no sum of two) and one summed matmul that is the whole
+    weight's gradient (no cat of two); cuts that leave a row out keep
+    them apart. Values and gradients as torch's either way."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, 3, 5, 4], F64)  # [source, expert, slot, H]
+        gate_up = fd.define_tensor([3, 10, 4], F64)
+        stop = 5 if tiled else 4
+        gate = fd.ops.slice(gate_up, [0, 0, 0], [None, stop, None])
+        up = fd.ops.slice(gate_up, [0, 5, 0], [None, None, None])
+        g = fd.ops.matmul(x, fd.ops.permute(gate, [0, 2, 1]))
+        u = fd.ops.matmul(x, fd.ops.permute(up, [0, 2, 1]))
+        if not tiled:
+            u = fd.ops.slice(u, [0, 0, 0, 0], [None, None, None, 4])
+        fd.add_output(fd.ops.mul(fd.ops.silu(g), u))
+    check(fd, leaf(2, 3, 5, 4), leaf(3, 10, 4), evaluator=evaluator)
+    backward = _printed(derive(fd.fusion, [0, 1]).backward)
+    if tiled:
+        assert backward.count("cat(") == 1 and backward.count("matmul(") == 2, backward
+        assert " + " not in backward and "slice(" not in backward, backward
+    else:
+        assert backward.count("matmul(") == 4, backward
+
+
 def test_cat_rule():
     with FusionDefinition() as fd:
         a = fd.define_tensor([-1, 2, 3], F64)
