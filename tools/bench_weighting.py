@@ -13,7 +13,7 @@ Ways: `bmm` (what torch.matmul runs), `mul` (a broadcast product; for
 forward `embedding_bag` (the pick and the weighted sum in one kernel,
 from the slots' rows, with nothing [T, k, H] made).
 
-    python3 tools/bench_weighting.py [--tokens 8192] [--topk 8] [--hidden 4096]
+    PYTHONPATH=python python3 tools/bench_weighting.py [--tokens 8192] [--topk 8] [--hidden 4096]
 
 The median of 20 timed calls after 5 warm-ups, CUDA events; the largest
 error against float64 beside each.
@@ -22,24 +22,9 @@ error against float64 beside each.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
-
-
-def _time(fn, warmup: int = 5, iters: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from bench_put_add import _time  # CUDA events, the median of 20 calls after 5 warm-ups
 
 
 def main(argv=None) -> int:

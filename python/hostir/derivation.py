@@ -654,6 +654,18 @@ def _uses(bwd: ir.Fusion) -> tuple[dict, dict]:
     return readers, {e.out: e for e in bwd.exprs}
 
 
+def _tiled_pair(tiles) -> tuple | None:
+    """(W, [first, second]) for two products' `(W, (start, stop), ...)`
+    tiles (None where a product's operand is no tile) of one `W` whose
+    cuts of its axis -2 tile it from end to end, in the order along it;
+    else None."""
+    if None in tiles or tiles[0][0] is not tiles[1][0]:
+        return None
+    W = tiles[0][0]
+    ordered = _tiles_of(W, [t[1] for t in tiles])
+    return None if ordered is None else (W, list(ordered))
+
+
 def _tiles_of(W, tiles) -> tuple[int, int] | None:
     """(first, second): the order of two (start, stop) cuts of `W`'s axis
     -2 that tile it from end to end, else None."""
@@ -724,12 +736,10 @@ def _join_one_tiled_matmul(bwd: ir.Fusion, relayout: Callable) -> bool:
         ):
             continue
         tiles = [tile(m.b) for m in mms]
-        if None in tiles or tiles[0][0] is not tiles[1][0] or tiles[0][2] != tiles[1][2]:
+        pair = _tiled_pair(tiles)
+        if pair is None or tiles[0][2] != tiles[1][2]:
             continue
-        W, order = tiles[0][0], tiles[0][2]
-        ordered = _tiles_of(W, [t[1] for t in tiles])
-        if ordered is None:
-            continue
+        (W, ordered), order = pair, tiles[0][2]
         xs = [mms[k].a for k in ordered]
         if any(x.dtype != W.dtype or x.logical_ndim != xs[0].logical_ndim for x in xs):
             continue
@@ -820,12 +830,10 @@ def _join_one_tiled_product(bwd: ir.Fusion) -> bool:
         if not all(isinstance(m, ir.GroupedMmOp) and readers.get(m.out) == [add] for m in mms):
             continue
         tiles = [tile(m.weight) for m in mms]
-        if None in tiles or tiles[0][0] is not tiles[1][0] or mms[0].counts is not mms[1].counts:
+        pair = _tiled_pair(tiles)
+        if pair is None or mms[0].counts is not mms[1].counts:
             continue
-        W, dims = tiles[0][0], tiles[0][2]
-        ordered = _tiles_of(W, [t[1] for t in tiles])
-        if ordered is None:
-            continue
+        (W, ordered), dims = pair, tiles[0][2]
         xs = [mms[k].input for k in ordered]
         outers = [
             e

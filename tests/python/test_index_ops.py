@@ -583,6 +583,20 @@ def _tiled_gated(fd, join_parts: bool = True, second_read: bool = False):
         fd.add_output(fd.ops.exp(g))
 
 
+def _checked_backward(**kwargs) -> ir.Fusion:
+    """`_tiled_gated`'s values and gradients against torch's (gradcheck);
+    its backward fusion."""
+    from hostir.autodiff import derive
+
+    with FusionDefinition() as fd:
+        _tiled_gated(fd, **kwargs)
+    counts = torch.tensor([[2, 0, 3], [1, 3, 2]])
+    leaves = [torch.randn(2, 6, 4), torch.randn(3, 10, 4) / 2, torch.randn(3, 4, 5) / 2]
+    leaves = [t.double().requires_grad_() for t in leaves]
+    assert torch.autograd.gradcheck(lambda *t: tuple(fd.execute([*t, counts])), tuple(leaves))
+    return derive(fd.fusion, [0, 1, 2]).backward
+
+
 @pytest.mark.parametrize("second_read", [False, True])
 def test_a_fused_weights_products_join_in_the_backward(evaluator, second_read):
     """The backward of two grouped GEMMs by the halves of one weight (a
@@ -590,15 +604,7 @@ def test_a_fused_weights_products_join_in_the_backward(evaluator, second_read):
     joined by the whole weight (no sum of two), and one grouped outer
     product that is the whole weight's gradient (no cat of two): values
     and gradients as torch's (gradcheck), also where g is read twice."""
-    from hostir.autodiff import derive
-
-    with FusionDefinition() as fd:
-        _tiled_gated(fd, second_read=second_read)
-    counts = torch.tensor([[2, 0, 3], [1, 3, 2]])
-    leaves = [torch.randn(2, 6, 4), torch.randn(3, 10, 4) / 2, torch.randn(3, 4, 5) / 2]
-    leaves = [t.double().requires_grad_() for t in leaves]
-    assert torch.autograd.gradcheck(lambda *t: tuple(fd.execute([*t, counts])), tuple(leaves))
-    bwd = derive(fd.fusion, [0, 1, 2]).backward
+    bwd = _checked_backward(second_read=second_read)
     outers = [e for e in bwd.exprs if isinstance(e, ir.GroupedOuterOp)]
     assert sorted(o.out.logical_runtime()[-2].extent.value for o in outers) == [4, 10]
     cats = [e for e in bwd.exprs if isinstance(e, ir.CatOp)]
@@ -611,14 +617,6 @@ def test_a_fused_weights_products_join_in_the_backward(evaluator, second_read):
 def test_a_weight_cut_with_a_gap_keeps_its_products_apart():
     """Cuts that do not tile the weight (a row left out) keep two grouped
     GEMMs and two outer products; the gradients are still torch's."""
-    from hostir.autodiff import derive
-
-    with FusionDefinition() as fd:
-        _tiled_gated(fd, join_parts=False)
-    counts = torch.tensor([[2, 0, 3], [1, 3, 2]])
-    leaves = [torch.randn(2, 6, 4), torch.randn(3, 10, 4) / 2, torch.randn(3, 4, 5) / 2]
-    leaves = [t.double().requires_grad_() for t in leaves]
-    assert torch.autograd.gradcheck(lambda *t: tuple(fd.execute([*t, counts])), tuple(leaves))
-    bwd = derive(fd.fusion, [0, 1, 2]).backward
+    bwd = _checked_backward(join_parts=False)
     assert sum(isinstance(e, ir.GroupedOuterOp) for e in bwd.exprs) == 3
     assert not any(isinstance(e, ir.CatOp) and e.out.logical_runtime()[-1].extent.value == 10 for e in bwd.exprs)
